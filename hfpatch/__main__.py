@@ -1,0 +1,5 @@
+import sys
+
+from hfpatch.cli import main
+
+sys.exit(main())
