@@ -1,0 +1,1 @@
+"""Block backends (see ``base``); ``get_backend(name, ...)`` resolves a name or ``"auto"``."""
