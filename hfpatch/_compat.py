@@ -1,0 +1,84 @@
+"""Version gates: every transformers release boundary hfpatch knows about, as a named ``packaging`` constant.
+
+Compare with these constants, never with strings (``"4.100" >= "4.43"`` is False). Each constant names the
+first release *series* where the behaviour holds (``X.Y.0``); the release that was read to establish it is in
+the comment (facts from ``shared/reference/transformers-flash-signatures.md``: latest patch of every minor).
+"""
+from __future__ import annotations
+
+from importlib import metadata
+
+from packaging.version import InvalidVersion, Version
+
+from hfpatch.errors import InvalidReleaseSpec
+
+__all__ = [
+    "TRANSFORMERS_MIN_SUPPORTED",
+    "parse_version",
+    "installed_transformers_version",
+    "is_supported_release",
+]
+
+# 4.43.4: `_flash_attention_forward` first exists as one module-level function in
+# transformers/modeling_flash_attention_utils.py. Before (4.36-4.42) each model class has its own method.
+TRANSFORMERS_MIN_SUPPORTED = Version("4.43.0")
+
+# 4.44.2: `position_ids` inserted at index 7 (shifts softmax_scale..deterministic); `deterministic` default
+# becomes None (was an import-time environment read).
+TRANSFORMERS_POSITION_IDS = Version("4.44.0")
+
+# 4.47.1: cu_seq_lens_q/k, max_length_q/k, target_dtype added (packed sequences from HF's own metadata).
+TRANSFORMERS_CU_SEQ_LENS = Version("4.47.0")
+
+# 4.48.3: integrations/flash_attention.py exists (from-imports the function); ALL_ATTENTION_FUNCTIONS is a
+# plain dict; `**kwargs` appears in the signature; models dispatch through ALL_ATTENTION_FUNCTIONS.
+TRANSFORMERS_ATTENTION_FUNCTIONS = Version("4.48.0")
+
+# 4.51.3: ALL_ATTENTION_FUNCTIONS becomes an AttentionInterface instance with a `register` classmethod.
+TRANSFORMERS_ATTENTION_INTERFACE_CLASS = Version("4.51.0")
+
+# 4.53.3: `attn_implementation` parameter at index 18.
+TRANSFORMERS_ATTN_IMPLEMENTATION_PARAM = Version("4.53.0")
+
+# 4.54.1: that parameter is renamed `implementation` (S6) ...
+TRANSFORMERS_IMPLEMENTATION_RENAMED = Version("4.54.0")
+
+# 5.0.0: ... and renamed back to `attn_implementation` (S5 again).
+TRANSFORMERS_IMPLEMENTATION_RENAME_REVERTED = Version("5.0.0")
+
+# 5.1.0: models call ALL_ATTENTION_FUNCTIONS.get_interface(name, default), which raises KeyError for an
+# unregistered name other than "eager".
+TRANSFORMERS_GET_INTERFACE = Version("5.1.0")
+
+# 5.19.0: block_table, k_cache, v_cache (paged KV cache) parameters added (S7).
+TRANSFORMERS_KV_CACHE_PARAMS = Version("5.19.0")
+
+
+def parse_version(text: str, *, argument: str = "transformers version") -> Version:
+    """Parse a release string into a ``Version``; bad input raises ``InvalidReleaseSpec`` naming it."""
+    if not isinstance(text, str):
+        raise InvalidReleaseSpec(
+            f"{argument} must be a string like '4.53.3', got {type(text).__name__} {text!r}", value=repr(text)
+        )
+    try:
+        return Version(text.strip())
+    except InvalidVersion as exc:
+        raise InvalidReleaseSpec(
+            f"{argument} {text!r} is not a valid version; expected a PEP 440 release such as '4.53.3' or '5.23.0'",
+            value=text,
+        ) from exc
+
+
+def installed_transformers_version() -> Version | None:
+    """The installed transformers distribution's version, read from its metadata (transformers is not
+    imported); None when it is not installed."""
+    try:
+        return Version(metadata.version("transformers"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def is_supported_release(version: Version) -> bool:
+    """True for releases that have the module-level ``_flash_attention_forward`` hfpatch patches."""
+    # Compare the base version so that pre-releases of 4.43 (4.43.0rc1 < 4.43.0) count as 4.43.
+    return Version(version.base_version) >= TRANSFORMERS_MIN_SUPPORTED

@@ -1,0 +1,122 @@
+"""Every error hfpatch raises, in one module.
+
+Each class subclasses the builtin a caller already catches (``TypeError`` for a signature that does not fit,
+``ValueError`` for an argument ring attention cannot honour, ``RuntimeError`` for a failed patch), and carries
+the facts as fields so that code can act on them without parsing the message. Messages say where, what was
+expected, what was found, and the fix.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "HfpatchError",
+    "SignatureMismatch",
+    "UnsupportedArgument",
+    "PatchError",
+    "VerificationError",
+    "UnsupportedRelease",
+    "InvalidReleaseSpec",
+    "ScanError",
+    "WheelFetchError",
+]
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """A one-line description of ``value``: tensors by shape and dtype (never their data), others by repr."""
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{type(value).__name__}(shape={tuple(shape)}, dtype={dtype})"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class HfpatchError(Exception):
+    """Base class of every hfpatch error."""
+
+
+class SignatureMismatch(HfpatchError, TypeError):
+    """The live ``_flash_attention_forward`` matches no registry entry (not even as a compatible extension).
+
+    Fields: ``transformers_version`` (str or None), ``expected`` (id of the nearest registry entry),
+    ``found`` (the live signature as text), ``diff`` (readable: both definitions and what differs).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        transformers_version: str | None = None,
+        expected: str | None = None,
+        found: str | None = None,
+        diff: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.transformers_version = transformers_version
+        self.expected = expected
+        self.found = found
+        self.diff = diff
+
+
+class UnsupportedArgument(HfpatchError, ValueError):
+    """A caller passed a value that ring attention cannot honour (a padding mask, a KV cache, an unknown
+    parameter set to a non-default value, ...). It is refused loudly rather than dropped.
+
+    Fields: ``parameter`` (the parameter name as the caller spelled it), ``value``, ``reason``, ``fix``.
+    """
+
+    def __init__(self, parameter: str, value: Any, reason: str, fix: str | None = None) -> None:
+        self.parameter = parameter
+        self.value = value
+        self.reason = reason
+        self.fix = fix
+        message = f"{parameter}={_short_repr(value)}: {reason}"
+        if fix:
+            message += f" Fix: {fix}"
+        super().__init__(message)
+
+
+class PatchError(HfpatchError, RuntimeError):
+    """Installing or removing the patch failed (nothing is left half-installed when this is raised by apply)."""
+
+
+class VerificationError(PatchError):
+    """The patch was installed but a check (identity at every site, numeric probe, layer count) failed."""
+
+
+class UnsupportedRelease(HfpatchError, RuntimeError):
+    """The transformers release cannot be patched at all (e.g. before 4.43, where every model class has its
+    own ``_flash_attention_forward`` method). Fields: ``transformers_version``, ``requirement``."""
+
+    def __init__(self, message: str, *, transformers_version: str | None = None, requirement: str | None = None):
+        super().__init__(message)
+        self.transformers_version = transformers_version
+        self.requirement = requirement
+
+
+class InvalidReleaseSpec(HfpatchError, ValueError):
+    """A transformers version string (or specifier) given by the user cannot be parsed. Field: ``value``."""
+
+    def __init__(self, message: str, *, value: str | None = None) -> None:
+        super().__init__(message)
+        self.value = value
+
+
+class ScanError(HfpatchError, ValueError):
+    """A wheel or source tree given to the static scanner is not a readable transformers release.
+    Field: ``path``."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class WheelFetchError(HfpatchError, RuntimeError):
+    """``pip download`` could not fetch a transformers wheel (unknown version, no network, ...).
+    Fields: ``version``, ``pip_output`` (the tail of pip's output)."""
+
+    def __init__(self, message: str, *, version: str | None = None, pip_output: str = "") -> None:
+        super().__init__(message)
+        self.version = version
+        self.pip_output = pip_output
