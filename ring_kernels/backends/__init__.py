@@ -1,1 +1,132 @@
-"""Block backends (see ``base``); ``get_backend(name, ...)`` resolves a name or ``"auto"``."""
+"""Block backends (see ``base``); ``get_backend(name, ...)`` resolves a name or ``"auto"``.
+
+Every backend computes one (query block, key block) pair and returns ``(out, lse)``; ``backward`` takes the
+merged output and LSE. Backends are created lazily: importing this package imports no optional dependency.
+
+Order of ``"auto"`` (first that supports the device, dtype, head dim, mask kind and softcap wins):
+
+- CPU: ``torch_cpu`` (aten's fused flash kernel for CPU, FULL/CAUSAL without a mask tensor, GENERAL with an
+  additive mask), then ``reference`` (the only one that does softcap, and any dtype).
+- CUDA: ``torch_cudnn`` (fastest measured on H100/H200: ~2x torch's flash, see
+  shared/reference/gpu-measurements.md), ``flash_attn`` (the flash-attn package: window and softcap natively),
+  ``torch_flash`` (FlashAttention-2 built into torch), ``triton`` (our kernel, when triton is importable),
+  ``torch_efficient`` (slowest, but fp32 and arbitrary additive masks), ``reference`` (anything, slowly).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .base import CAUSAL, EMPTY, FULL, GENERAL, BlockBackend, BlockMask
+
+__all__ = ["get_backend", "available_backends", "BlockBackend", "BlockMask", "UnknownBackendError",
+           "UnsupportedBackendError", "FULL", "CAUSAL", "EMPTY", "GENERAL"]
+
+
+class UnknownBackendError(ValueError):
+    """A backend name that is not registered."""
+
+
+class UnsupportedBackendError(ValueError):
+    """A backend (or every backend, for ``"auto"``) that cannot compute the requested blocks."""
+
+
+# name -> (module, class name). Modules import their optional dependency lazily.
+_REGISTRY: Dict[str, tuple] = {
+    "reference": (".reference", "ReferenceBackend"),
+    "torch_cpu": (".torch_cpu", "TorchCpuBackend"),
+    "torch_flash": (".torch_cuda", "TorchFlashBackend"),
+    "torch_cudnn": (".torch_cuda", "TorchCudnnBackend"),
+    "torch_efficient": (".torch_cuda", "TorchEfficientBackend"),
+    "flash_attn": (".flash_attn", "FlashAttnBackend"),
+    "triton": (".triton_attn", "TritonBackend"),
+}
+
+_AUTO_ORDER = {
+    "cpu": ["torch_cpu", "reference"],
+    "cuda": ["torch_cudnn", "flash_attn", "torch_flash", "triton", "torch_efficient", "reference"],
+}
+
+_INSTANCES: Dict[str, BlockBackend] = {}
+_MASK_KINDS = (FULL, CAUSAL, EMPTY, GENERAL)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _device_type(device) -> str:
+    return torch.device(device).type
+
+
+def _is_present(name: str, device_type: str) -> bool:
+    """Whether the backend can exist at all here (its module and optional dependency import)."""
+    if name == "reference":
+        return True
+    if name == "torch_cpu":
+        return device_type == "cpu"
+    if name in ("torch_flash", "torch_cudnn", "torch_efficient"):
+        return device_type == "cuda" and torch.cuda.is_available()
+    if name == "flash_attn":
+        return device_type == "cuda" and _importable("flash_attn")
+    if name == "triton":
+        return (device_type == "cuda" and _importable("triton")
+                and _importable(__name__ + ".triton_attn"))
+    return False
+
+
+def _instance(name: str) -> BlockBackend:
+    if name not in _INSTANCES:
+        module, cls = _REGISTRY[name]
+        _INSTANCES[name] = getattr(importlib.import_module(module, __name__), cls)()
+    return _INSTANCES[name]
+
+
+def available_backends(device) -> List[str]:
+    """Names of the backends usable on ``device`` (a device or its type), in the order ``"auto"`` tries them."""
+    dt = _device_type(device)
+    order = _AUTO_ORDER.get(dt, ["reference"])
+    return [n for n in order if _is_present(n, dt)]
+
+
+def get_backend(name_or_auto: str, *, device, dtype: torch.dtype, head_dim: int, mask_kind: str,
+                softcap: float = 0.0) -> BlockBackend:
+    """The backend called ``name_or_auto`` (or the fastest that can, for ``"auto"``) for these blocks.
+
+    ``mask_kind`` is the most general ``BlockMask.kind`` the caller will pass (``"general"`` covers all).
+    Raises ``UnknownBackendError`` for an unknown name and ``UnsupportedBackendError`` (both ``ValueError``)
+    with the backend's reason when it cannot compute such blocks.
+    """
+    if mask_kind not in _MASK_KINDS:
+        raise ValueError(f"get_backend: mask_kind={mask_kind!r} is not one of {_MASK_KINDS}")
+    dt = _device_type(device)
+    query = dict(device=torch.device(device), dtype=dtype, head_dim=head_dim, mask_kind=mask_kind, softcap=softcap)
+    if name_or_auto == "auto":
+        reasons = []
+        for name in available_backends(dt):
+            reason = _instance(name).unsupported_reason(**query)
+            if reason is None:
+                return _instance(name)
+            reasons.append(f"{name}: {reason}")
+        raise UnsupportedBackendError(
+            f"backend='auto': no backend on {dt} supports dtype={dtype}, head_dim={head_dim}, "
+            f"mask={mask_kind}, softcap={softcap} ({'; '.join(reasons)})")
+    if name_or_auto not in _REGISTRY:
+        raise UnknownBackendError(
+            f"backend={name_or_auto!r} is not a known backend; choose 'auto' or one of {sorted(_REGISTRY)}")
+    if not _is_present(name_or_auto, dt):
+        raise UnsupportedBackendError(
+            f"backend={name_or_auto!r} is not available on device type {dt!r}; available here: "
+            f"{available_backends(dt)} (or use backend='auto')")
+    backend = _instance(name_or_auto)
+    reason = backend.unsupported_reason(**query)
+    if reason is not None:
+        raise UnsupportedBackendError(
+            f"backend={name_or_auto!r} cannot compute these blocks: {reason}; use backend='auto' or 'reference'")
+    return backend
