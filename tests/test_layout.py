@@ -1,0 +1,164 @@
+"""ring_kernels.layout: positions per layout, shard/unshard round trips and gradients, errors.
+
+The position tables are checked against each layout's definition written out independently here; the
+collective parts (shard, unshard and its backward) run in one gloo world per world size.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_world
+from ring_kernels.layout import LAYOUTS, _check_cu_seqlens, _local_varlen, _positions, local_positions, shard, unshard
+
+
+def _expected_positions(total, rank, n, layout, cu=None):
+    """Each layout's definition, token by token (slow and obvious on purpose)."""
+    if layout == "contiguous":
+        per = total // n
+        return [t for t in range(total) if t // per == rank]
+    if layout == "stripe":
+        return [t for t in range(total) if t % n == rank]
+    docs = [(0, total)] if cu is None else [(int(cu[d]), int(cu[d + 1])) for d in range(len(cu) - 1)]
+    out = []
+    for start, end in docs:
+        chunk = (end - start) // (2 * n)
+        for c in (rank, 2 * n - 1 - rank):
+            out += list(range(start + c * chunk, start + (c + 1) * chunk))
+    return out
+
+
+_CU_TABLE = [[0, 12], [0, 4, 4, 16, 24], [0, 8, 16, 40, 48]]  # multiples of 2*N for N in {1,2}; incl. empty doc
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_positions_match_definition_and_partition(n, layout):
+    total = 2 * n * 7
+    seen = []
+    for rank in range(n):
+        pos = _positions(total, rank, n, layout, None)
+        assert pos.dtype == torch.long and pos.numel() == total // n
+        want = _expected_positions(total, rank, n, layout) if n > 1 else list(range(total))
+        assert pos.tolist() == want
+        seen += pos.tolist()
+    assert sorted(seen) == list(range(total))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_varlen_positions_and_local_metadata(n, layout):
+    lengths = [2 * n * k for k in (3, 1, 0, 5, 2)]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    cu64 = _check_cu_seqlens(cu)
+    total = int(cu[-1])
+    seen = []
+    for rank in range(n):
+        meta = _local_varlen(cu64, rank, n, layout)
+        want = _expected_positions(total, rank, n, layout, cu) if layout == "zigzag" else \
+            _expected_positions(total, rank, n, "contiguous")
+        assert meta.positions.tolist() == (want if n > 1 else list(range(total)))
+        seen += meta.positions.tolist()
+        for p, d, dp in zip(meta.positions.tolist(), meta.doc_ids.tolist(), meta.doc_positions.tolist()):
+            assert int(cu[d]) <= p < int(cu[d + 1]) and dp == p - int(cu[d])
+        counts = [meta.doc_ids.tolist().count(d) for d in range(len(lengths))]
+        assert meta.cu_seqlens.dtype == torch.int32
+        assert meta.cu_seqlens.tolist() == [0] + torch.tensor(counts).cumsum(0).tolist()
+        assert meta.max_seqlen == max(counts)
+        if layout == "zigzag":  # the zigzag varlen convention: local cu_seqlens = global // N
+            assert meta.cu_seqlens.tolist() == (cu // n).tolist()
+    assert sorted(seen) == list(range(total))
+
+
+def test_contiguous_varlen_documents_cross_rank_boundaries():
+    cu = torch.tensor([0, 1, 6, 7, 12], dtype=torch.int32)  # length-1 documents, 12 tokens over 3 ranks
+    metas = [_local_varlen(_check_cu_seqlens(cu), r, 3, "contiguous") for r in range(3)]
+    assert [m.doc_ids.tolist() for m in metas] == [[0, 1, 1, 1], [1, 1, 2, 3], [3, 3, 3, 3]]
+    assert [m.doc_positions.tolist() for m in metas] == [[0, 0, 1, 2], [3, 4, 0, 0], [1, 2, 3, 4]]
+    assert [m.cu_seqlens.tolist() for m in metas] == [[0, 1, 4, 4, 4], [0, 0, 2, 3, 4], [0, 0, 0, 0, 4]]
+
+
+def test_single_process_is_identity_and_matches_local_positions():
+    x = torch.randn(2, 7, 3, 4)
+    for layout in LAYOUTS:
+        assert shard(x, layout=layout) is x
+        assert unshard(x, layout=layout) is x
+        assert local_positions(7, layout=layout).tolist() == list(range(7))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: _positions(10, 0, 4, "contiguous", None), r"10 .*divisible by 4"),
+        (lambda: _positions(12, 0, 4, "zigzag", None), r"12 .*divisible by 8"),
+        (lambda: _positions(10, 0, 3, "stripe", None), r"divisible by 3"),
+        (lambda: _positions(8, 0, 2, "diagonal", None), r"layout='diagonal'.*contiguous"),
+        (lambda: _positions(8, 0, 2, "stripe", _check_cu_seqlens(torch.tensor([0, 8]))), r"no varlen form"),
+        (lambda: _positions(12, 0, 2, "zigzag", _check_cu_seqlens(torch.tensor([0, 8, 10, 12]))),
+         r"document 1 \(tokens 8\.\.10\) has length 2.*4 equal chunks"),
+        (lambda: _positions(12, 0, 2, "contiguous", _check_cu_seqlens(torch.tensor([0, 8, 10]))),
+         r"cu_seqlens\[-1\] = 10 must equal the global token count 12"),
+        (lambda: _check_cu_seqlens(torch.tensor([1, 8])), r"start at 0"),
+        (lambda: _check_cu_seqlens(torch.tensor([0, 8, 4])), r"non-decreasing; document 1 has length -4"),
+        (lambda: _check_cu_seqlens(torch.tensor([0.0, 8.0])), r"integer"),
+        (lambda: shard(torch.zeros(2, 8), layout="contiguous", dim=2), r"dim=2 is not a dimension"),
+        (lambda: shard(torch.zeros(8, 2, 4), layout="zigzag", cu_seqlens=torch.tensor([0, 8])),
+         r"cu_seqlens\[-1\] = 8 .*dim=1.*pass dim=0"),
+    ],
+)
+def test_bad_input_raises_clear_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_bad_types_raise_type_error():
+    with pytest.raises(TypeError, match="cu_seqlens must be a 1-D integer torch.Tensor"):
+        _check_cu_seqlens([0, 4])
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        shard([1, 2], layout="contiguous")
+    with pytest.raises(TypeError, match="seqlen_global"):
+        local_positions(-1, layout="contiguous")
+
+
+# ------------------------------------------------------------------------------- distributed round trips
+
+
+def _dist_cases(n):
+    cases = []
+    for layout in LAYOUTS:
+        for dim, shape in ((1, (2, 2 * n * 5, 3, 4)), (0, (2 * n * 3, 5)), (2, (3, 2, 2 * n * 2))):
+            for dtype in (torch.float32, torch.bfloat16):
+                cases.append(dict(layout=layout, dim=dim, shape=shape, dtype=dtype, cu=None))
+    for layout in ("contiguous", "zigzag"):
+        lengths = [2 * n * 2, 2 * n, 0, 2 * n * 3] if layout == "zigzag" else [1, 2 * n * 3 - 2, 1, 2 * n]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+        cases.append(dict(layout=layout, dim=0, shape=(int(cu[-1]), 3, 4), dtype=torch.float32, cu=cu))
+    return cases
+
+
+def _round_trip_ranks(rank, n, cases):
+    for i, case in enumerate(cases):
+        torch.manual_seed(i)  # the same global tensor on every rank
+        x = torch.randn(case["shape"]).to(case["dtype"])
+        kw = dict(layout=case["layout"], dim=case["dim"], cu_seqlens=case["cu"])
+        pos = local_positions(x.size(case["dim"]), layout=case["layout"], cu_seqlens=case["cu"])
+        local = shard(x, **kw)
+        assert torch.equal(local, x.index_select(case["dim"], pos)), case
+        # shard of arange = the positions (the helper hfpatch uses for position ids agrees with shard)
+        ar = torch.arange(x.size(case["dim"]))
+        assert torch.equal(shard(ar, layout=case["layout"], dim=0, cu_seqlens=case["cu"]), pos), case
+        local = local.detach().requires_grad_(True)
+        full = unshard(local, **kw)
+        assert torch.equal(full, x), case
+        # backward: each rank weighs the gathered tensor differently; our gradient sums every rank's weight.
+        weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(100 * i + r)) for r in range(n)]
+        (full.float() * weights[rank]).sum().backward()
+        want = sum(weights).index_select(case["dim"], pos).to(case["dtype"])
+        # fp32: only the summation order differs from ours; bf16: the gradient itself is rounded to bf16.
+        tol = 1e-6 if case["dtype"] == torch.float32 else 1e-2
+        torch.testing.assert_close(local.grad, want, rtol=tol, atol=tol * 4, msg=lambda m: f"{case}: {m}")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_shard_unshard_round_trip_and_gradient_across_processes(n):
+    run_world(n, _round_trip_ranks, _dist_cases(n))
