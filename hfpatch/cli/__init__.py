@@ -7,7 +7,9 @@ import sys
 
 # subcommand name -> module under hfpatch.cli that defines ``add_parser(subparsers)``;
 # the parser it adds sets ``func(args) -> int`` (the exit code).
-SUBCOMMANDS = {}
+SUBCOMMANDS = {
+    "signatures": "signatures",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
