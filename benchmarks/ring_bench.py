@@ -1,0 +1,502 @@
+"""Ring attention benchmark: every variant x backend against single-GPU attention and PyTorch's native CP.
+
+Run (2 GPUs; see benchmarks/README.md for what each number means):
+
+    torchrun --nproc-per-node 2 benchmarks/ring_bench.py --out benchmarks/results/
+    torchrun --nproc-per-node 2 benchmarks/ring_bench.py --tokens 8192 --variants zigzag --backends torch_cudnn
+
+On CPU (gloo; what the test suite runs, at toy sizes):
+
+    torchrun --nproc-per-node 2 benchmarks/ring_bench.py --device cpu --tokens 256 --configs tiny:4:2:64
+
+Every (variant, backend, causal, config) first passes a correctness gate against plain float64 attention
+on the unsharded inputs (``_check``); only then is it timed. One JSON file (raw results + derived summary,
+stamped with device and versions) and a markdown table are written under ``--out``; a plot too when
+matplotlib is importable (else run ``python benchmarks/report.py FILE.json`` where it is).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _cases import (BATCH_VARIANTS, CAUSAL_ONLY, CONFIGS, MODES, VARLEN_VARIANTS, VARIANT_LAYOUT,  # noqa: E402
+                    AttnConfig, attention_flops, global_document_mix, local_document_mix)
+from _check import max_over_ranks, passes, reference_attention, relative_errors  # noqa: E402
+from _nocomm import no_communication, nocomm_unavailable_reason  # noqa: E402
+from _runners import (Inputs, cu_seqlens_of, input_bytes, make_backend_step, make_inputs,  # noqa: E402
+                      make_ring_step, make_varlen_single_step, ring_outputs_and_grads, shard_inputs)
+from _stamp import stamp  # noqa: E402
+from _timing import peak_memory_bytes, time_callable  # noqa: E402
+import native_cp  # noqa: E402
+import report  # noqa: E402
+from _summary import summarize  # noqa: E402
+
+SCHEMA = "hfpatch-ring-bench/1"
+# Exceptions by which the library (or torch) declines a combination: recorded as "refused", not "failed".
+_REFUSALS = (ValueError, TypeError, NotImplementedError, LookupError)
+
+
+# ------------------------------------------------------------------------------------------- arguments
+
+
+def _csv(text: str) -> List[str]:
+    return [t for t in text.split(",") if t]
+
+
+def _parse_config(spec: str) -> AttnConfig:
+    """A name from CONFIGS, or ``name:nheads:nheads_k:head_dim`` for a custom shape."""
+    if spec in CONFIGS:
+        return CONFIGS[spec]
+    parts = spec.split(":")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+        raise argparse.ArgumentTypeError(
+            f"--configs: {spec!r} is neither a known config {sorted(CONFIGS)} nor name:nheads:nheads_k:head_dim")
+    name, h, hk, d = parts[0], int(parts[1]), int(parts[2]), int(parts[3])
+    if hk == 0 or h % hk:
+        raise argparse.ArgumentTypeError(f"--configs: {spec!r}: nheads={h} must be a multiple of nheads_k={hk}")
+    return AttnConfig(name, h, hk, d)
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--tokens", default="8192,32768", help="tokens per GPU, comma-separated")
+    p.add_argument("--configs", default="llama3-8b,mha", help=f"{sorted(CONFIGS)} or name:H:Hk:D, comma-separated")
+    p.add_argument("--layouts", default="batch,varlen")
+    p.add_argument("--variants", default=",".join(BATCH_VARIANTS + VARLEN_VARIANTS))
+    p.add_argument("--backends", default="available",
+                   help="ring_kernels backend names, or 'available' (on CUDA without 'reference': dense scores)")
+    p.add_argument("--causal", default="causal,noncausal")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--native", default="flash,cudnn,efficient", help="SDPA backends for native CP ('' = none)")
+    p.add_argument("--native-rotate", default="allgather", help="allgather and/or alltoall, comma-separated")
+    p.add_argument("--no-nocomm", action="store_true", help="skip the runs without communication")
+    p.add_argument("--warmup", type=int, default=None, help="default: 3 up to 8k tokens, 2 to 16k, 1 above")
+    p.add_argument("--iters", type=int, default=None, help="default: 10 up to 8k tokens, 5 to 16k, 3 above")
+    p.add_argument("--check-tokens", type=int, default=1024, help="tokens per GPU of the correctness gate")
+    p.add_argument("--max-minutes", type=float, default=None, help="start no new case group after this")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--tag", default=None, help="file name stem (default: ring_bench_<device>_<date>)")
+    args = p.parse_args(argv)
+    args.tokens = [int(t) for t in _csv(args.tokens)]
+    args.configs = [_parse_config(c) for c in _csv(args.configs)]
+    for name in ("layouts", "variants", "causal", "modes", "native", "native_rotate"):
+        setattr(args, name, _csv(getattr(args, name)))
+    _validate_choices(args)
+    return args
+
+
+def _validate_choices(args) -> None:
+    allowed = {"layouts": ("batch", "varlen"), "variants": BATCH_VARIANTS + VARLEN_VARIANTS,
+               "causal": ("causal", "noncausal"), "modes": MODES, "native": native_cp.SDPA_BACKENDS,
+               "native_rotate": ("allgather", "alltoall")}
+    for name, ok in allowed.items():
+        bad = [x for x in getattr(args, name) if x not in ok]
+        if bad:
+            raise SystemExit(f"--{name.replace('_', '-')}: {bad} not in {list(ok)}")
+
+
+def _iters_for(tokens: int, args) -> tuple:
+    warmup, iters = (3, 10) if tokens <= 8192 else (2, 5) if tokens <= 16384 else (1, 3)
+    return (args.warmup if args.warmup is not None else warmup, args.iters if args.iters is not None else iters)
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+class Bench:
+    """State of one run on this rank: process groups, device, results (rank 0 writes them)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" \
+            else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # A group of one per rank: the library's own single-GPU path for the varlen baseline.
+        self.solo_group, _ = dist.new_subgroups(group_size=1)
+        self.mesh = None
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        self.backends = self._backends()
+        self.results: List[dict] = []
+        self.started = time.time()
+
+    def _backends(self) -> List[str]:
+        from ring_kernels.backends import available_backends
+
+        available = available_backends(self.device)
+        if self.args.backends == "available":
+            return [b for b in available if not (self.device.type == "cuda" and b == "reference")]
+        wanted = _csv(self.args.backends)
+        missing = [b for b in wanted if b not in available]
+        if missing:
+            raise SystemExit(f"--backends: {missing} not available on {self.device.type}; available: {available}")
+        return wanted
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[{time.time() - self.started:7.1f}s] {msg}", flush=True)
+
+    def agree(self, ok: bool) -> bool:
+        """True only if ``ok`` on every rank (so that all ranks take the same branch)."""
+        t = torch.tensor([0.0 if ok else 1.0], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() == 0.0
+
+    def record(self, **fields) -> dict:
+        fields.setdefault("world_size", self.world)
+        self.results.append(fields)
+        return fields
+
+    def free(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def mesh_for_native(self):
+        if self.mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(self.device.type, (self.world,))
+        return self.mesh
+
+
+def _attempt(bench: Bench, fn):
+    """Run ``fn()`` on every rank; return (value, None) or (None, (status, reason)) agreed by all ranks."""
+    value, err = None, None
+    try:
+        value = fn()
+    except _REFUSALS as exc:
+        err = ("refused", f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # e.g. CUDA out of memory: recorded, the run goes on
+        err = ("failed", f"{type(exc).__name__}: {exc}")
+    if bench.device.type == "cuda" and err is not None and "out of memory" in err[1]:
+        bench.free()
+    if not bench.agree(err is None):
+        return None, err or ("failed", "another rank failed this case")
+    return value, None
+
+
+def _timing_fields(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int]) -> dict:
+    warmup, iters = _iters_for(tokens, bench.args)
+    timing = time_callable(lambda: step(mode), device=bench.device, warmup=warmup, iters=iters)
+    fields = {"time_ms": timing.as_dict(), "tflops_per_gpu": flops / bench.world / (timing.median_ms * 1e-3) / 1e12}
+    if mem_baseline is not None:
+        fields["peak_mem_bytes"] = peak_memory_bytes(lambda: step(mode), device=bench.device,
+                                                     baseline_bytes=mem_baseline)
+    return fields
+
+
+def _mem_baseline(bench: Bench, local: Inputs) -> Optional[int]:
+    if bench.device.type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(bench.device) - input_bytes(local)
+
+
+def run_group(bench: Bench, cfg: AttnConfig, layout: str, causal: bool, tokens: int) -> None:
+    """All measurements of one (config, layout, causality, tokens per GPU) point."""
+    args, n = bench.args, bench.world
+    varlen = layout == "varlen"
+    variants = [v for v in (VARLEN_VARIANTS if varlen else BATCH_VARIANTS)
+                if v in args.variants and (causal or v not in CAUSAL_ONLY)]
+    common = dict(config=cfg.name, layout=layout, causal=causal, tokens_per_rank=tokens, dtype=args.dtype)
+    tag = f"{cfg.name} {layout} {'causal' if causal else 'noncausal'} {tokens}/GPU"
+
+    local_mix = local_document_mix(tokens, n) if varlen else None
+    doc_global = global_document_mix(local_mix, n) if varlen else None
+    doc_lengths_global = doc_global if varlen else [tokens * n]
+    doc_lengths_local = local_mix if varlen else [tokens]
+    check = _CheckData(bench, cfg, varlen, causal, min(args.check_tokens, tokens))
+    if varlen:
+        common["documents_global"] = len(doc_global)
+
+    # Single-GPU baselines on this GPU's share (same backends), then every variant x backend on the ring.
+    single_in = make_inputs(cfg, tokens, dtype=bench.dtype, device=bench.device, seed=1, doc_lengths=local_mix)
+    for backend in bench.backends:
+        make = (lambda b=backend: make_varlen_single_step(single_in, causal=causal, backend=b,
+                                                           solo_group=bench.solo_group)) if varlen \
+            else (lambda b=backend: make_backend_step(b, single_in, causal=causal))
+        _measure(bench, make, single_in, dict(common, kind="single", variant="single", backend=backend),
+                 doc_lengths_local, tag)
+    if not varlen:
+        _sdpa_and_native(bench, cfg, causal, tokens, common, single_in, check, tag)
+    del single_in
+    bench.free()
+
+    global_in = make_inputs(cfg, tokens * n, dtype=bench.dtype, device=bench.device, seed=2, doc_lengths=doc_global)
+    for variant in variants:
+        local, err = _attempt(bench, lambda: shard_inputs(global_in, variant))
+        for backend in bench.backends:
+            base = dict(common, kind="ring", variant=variant, backend=backend)
+            if err is not None:
+                bench.record(**base, status=err[0], reason=err[1])
+                continue
+            verdict = check.ring(variant, backend)
+            if verdict["status"] != "ok":
+                bench.record(**base, **verdict)
+                bench.log(f"{tag} {variant}/{backend}: {verdict['status']} ({verdict['reason'][:160]})")
+                continue
+            kv = local.k.numel() * local.k.element_size() + local.v.numel() * local.v.element_size()
+            base.update(check=verdict["check"], kv_double_buffer_bytes=2 * kv)
+            make = lambda v=variant, b=backend: make_ring_step(v, local, causal=causal, backend=b,  # noqa: E731
+                                                                global_doc_lengths=doc_global)
+            _measure(bench, make, local, base, doc_lengths_global, tag)
+            if not args.no_nocomm:
+                _measure_nocomm(bench, make, local, base, doc_lengths_global, tag)
+        del local
+        bench.free()
+    del global_in
+    bench.free()
+
+
+def _measure(bench: Bench, make, local: Inputs, base: dict, doc_lengths, tag: str) -> None:
+    """Time ``make()``'s step in every mode and record it (or record why it could not run)."""
+    step, err = _attempt(bench, make)
+    for mode in bench.args.modes:
+        fields = dict(base, mode=mode)
+        if err is None:
+            flops = attention_flops(doc_lengths, nheads=local.q.shape[-2], head_dim=local.q.shape[-1],
+                                    causal=base["causal"], mode=mode)
+            timing, err_t = _attempt(bench, lambda: _timing_fields(bench, step, mode, base["tokens_per_rank"],
+                                                                    flops, _mem_baseline(bench, local)))
+            if err_t is None:
+                bench.record(**fields, status="ok", **timing)
+                bench.log(f"{tag} {base['kind']} {base['variant']}/{base['backend']} {mode}: "
+                          f"{timing['time_ms']['median_ms']:.3f} ms, {timing['tflops_per_gpu']:.1f} TFLOP/s/GPU")
+                continue
+            bench.record(**fields, status=err_t[0], reason=err_t[1])
+        else:
+            bench.record(**fields, status=err[0], reason=err[1])
+        bench.log(f"{tag} {base['kind']} {base['variant']}/{base['backend']} {mode}: {(err or err_t)[0]}")
+
+
+def _measure_nocomm(bench: Bench, make, local: Inputs, base: dict, doc_lengths, tag: str) -> None:
+    reason = nocomm_unavailable_reason(base["variant"])
+    nbase = dict(base, kind="ring_nocomm")
+    nbase.pop("check", None)
+    if reason is not None:
+        for mode in bench.args.modes:
+            bench.record(**nbase, mode=mode, status="skipped", reason=reason)
+        return
+    with no_communication() as counter:
+        before = len(bench.results)
+        _measure(bench, make, local, nbase, doc_lengths, tag)
+    if counter.calls == 0:   # the variant bypassed RingExchange: it communicated, so the time is not no-comm
+        for r in bench.results[before:]:
+            r.update(status="skipped", reason="the variant never called RingExchange.start", time_ms=None)
+
+
+class _CheckData:
+    """The correctness gate of one (config, layout, causality): global inputs at check size and the reference.
+
+    Built lazily (the float64 reference is the expensive part) and shared by every variant x backend.
+    """
+
+    def __init__(self, bench: Bench, cfg: AttnConfig, varlen: bool, causal: bool, tokens: int):
+        self.bench, self.cfg, self.varlen, self.causal, self.tokens = bench, cfg, varlen, causal, tokens
+        self._inputs: Optional[Inputs] = None
+        self._ref: Optional[Dict[str, torch.Tensor]] = None
+
+    def inputs(self) -> Inputs:
+        if self._inputs is None:
+            n = self.bench.world
+            docs = global_document_mix(local_document_mix(self.tokens, n), n) if self.varlen else None
+            self._inputs = make_inputs(self.cfg, self.tokens * n, dtype=self.bench.dtype, device=self.bench.device,
+                                       seed=3, doc_lengths=docs)
+        return self._inputs
+
+    def reference(self) -> Dict[str, torch.Tensor]:
+        if self._ref is None:
+            x = self.inputs()
+            add = (lambda t: t.unsqueeze(0)) if self.varlen else (lambda t: t)
+            ref = reference_attention(add(x.q), add(x.k), add(x.v), add(x.dout), causal=self.causal,
+                                      scale=self.cfg.head_dim ** -0.5, doc_lengths=x.doc_lengths)
+            self._ref = {k: (t.squeeze(0) if self.varlen else t) for k, t in ref.items()}
+        return self._ref
+
+    def _sharded_reference(self, variant: str) -> Dict[str, torch.Tensor]:
+        ref, x = self.reference(), self.inputs()
+        as_inputs = Inputs(ref["dq"], ref["dk"], ref["dv"], ref["out"], doc_lengths=x.doc_lengths)
+        s = shard_inputs(as_inputs, variant)
+        return {"dq": s.q, "dk": s.k, "dv": s.v, "out": s.dout}
+
+    def ring(self, variant: str, backend: str) -> dict:
+        """``{"status": "ok", "check": errors}`` or ``{"status": ..., "reason": ...}``, agreed by all ranks."""
+        def run():
+            x = self.inputs()
+            local = shard_inputs(x, variant)
+            got = ring_outputs_and_grads(variant, local, causal=self.causal, backend=backend,
+                                         global_doc_lengths=x.doc_lengths)
+            return relative_errors(got, self._sharded_reference(variant))
+
+        errors, err = _attempt(self.bench, run)
+        if err is not None:
+            return {"status": err[0], "reason": err[1]}
+        return self._verdict(errors)
+
+    def _verdict(self, errors) -> dict:
+        errors = max_over_ranks(errors, self.bench.device)
+        check = {"tokens_per_rank": self.tokens, "errors": errors, "passed": passes(errors, self.bench.dtype)}
+        if not check["passed"]:
+            return {"status": "wrong", "reason": f"correctness gate failed: {errors}", "check": check}
+        return {"status": "ok", "check": check}
+
+    def native(self, sdpa_backend: str, rotate: str) -> dict:
+        x = self.inputs()
+
+        def run():
+            with native_cp.native_cp_session(self.cfg, x.q, x.k, x.v, x.dout, causal=self.causal,
+                                             sdpa_backend=sdpa_backend, rotate=rotate,
+                                             mesh=self.bench.mesh_for_native()) as session:
+                got = session["outputs_and_grads"]()
+            # Every rank holds the whole unsharded result: compare it all.
+            return relative_errors(got, self.reference())
+
+        errors, err = _attempt(self.bench, run)
+        if err is not None:
+            return {"status": err[0], "reason": err[1]}
+        return self._verdict(errors)
+
+
+def _sdpa_and_native(bench: Bench, cfg, causal: bool, tokens: int, common: dict, single_in: Inputs,
+                     check: _CheckData, tag: str) -> None:
+    """SDPA on one GPU (the local shard) and PyTorch's native context_parallel, per SDPA backend."""
+    reason = native_cp.native_cp_unavailable_reason(bench.device)
+    for sdpa in bench.args.native:
+        sbase = dict(common, kind="sdpa_single", variant="sdpa", backend=sdpa)
+        nbase = dict(common, kind="native_cp", variant="native_cp", backend=sdpa)
+        if reason is not None:
+            for mode in bench.args.modes:
+                bench.record(**sbase, mode=mode, status="skipped", reason=reason)
+                bench.record(**nbase, mode=mode, status="skipped", reason=reason)
+            continue
+        _measure(bench, lambda s=sdpa: native_cp.make_sdpa_single_step(
+            cfg, single_in.q, single_in.k, single_in.v, single_in.dout, causal=causal, sdpa_backend=s),
+            single_in, sbase, [tokens], tag)
+        for rotate in bench.args.native_rotate:
+            _measure_native(bench, cfg, causal, tokens, dict(nbase, rotate=rotate), check, sdpa, rotate, tag)
+
+
+def _measure_native(bench: Bench, cfg, causal, tokens, base, check: _CheckData, sdpa, rotate, tag) -> None:
+    verdict = check.native(sdpa, rotate)
+    if verdict["status"] != "ok":
+        for mode in bench.args.modes:
+            bench.record(**base, mode=mode, **verdict)
+        bench.log(f"{tag} native_cp/{sdpa}/{rotate}: {verdict['status']} ({verdict['reason'][:160]})")
+        return
+    base["check"] = verdict["check"]
+    x = make_inputs(cfg, tokens * bench.world, dtype=bench.dtype, device=bench.device, seed=2)
+    try:
+        with native_cp.native_cp_session(cfg, x.q, x.k, x.v, x.dout, causal=causal, sdpa_backend=sdpa,
+                                         rotate=rotate, mesh=bench.mesh_for_native()) as session:
+            del x   # the session holds its own sharded (1, H, S/N, D) copies
+            bench.free()
+            baseline = None if bench.device.type != "cuda" else \
+                torch.cuda.memory_allocated(bench.device) - session["local_bytes"]
+            _measure_with(bench, session["step"], base, [tokens * bench.world], tag, cfg, baseline)
+    finally:
+        bench.free()
+
+
+def _measure_with(bench: Bench, step, base: dict, doc_lengths, tag: str, cfg: AttnConfig, baseline) -> None:
+    for mode in bench.args.modes:
+        flops = attention_flops(doc_lengths, nheads=cfg.nheads, head_dim=cfg.head_dim, causal=base["causal"],
+                                mode=mode)
+        timing, err = _attempt(bench, lambda: _timing_fields(bench, step, mode, base["tokens_per_rank"], flops,
+                                                             baseline))
+        if err is None:
+            bench.record(**base, mode=mode, status="ok", **timing)
+            bench.log(f"{tag} native_cp {base['backend']}/{base['rotate']} {mode}: "
+                      f"{timing['time_ms']['median_ms']:.3f} ms")
+        else:
+            bench.record(**base, mode=mode, status=err[0], reason=err[1])
+            bench.log(f"{tag} native_cp {base['backend']}/{base['rotate']} {mode}: {err[0]} ({err[1][:160]})")
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _document(bench: Bench) -> dict:
+    args = bench.args
+    return {
+        "schema": SCHEMA,
+        "stamp": stamp(bench.device, bench.world),
+        "settings": {
+            "tokens_per_rank": args.tokens, "configs": [dataclasses.asdict(c) for c in args.configs],
+            "layouts": args.layouts, "variants": args.variants, "backends": bench.backends,
+            "causal": args.causal, "modes": args.modes, "native": args.native, "native_rotate": args.native_rotate,
+            "nocomm": not args.no_nocomm, "dtype": args.dtype, "check_tokens_per_rank": args.check_tokens,
+            "iters": {str(t): dict(zip(("warmup", "iters"), _iters_for(t, args))) for t in args.tokens},
+            "argv": sys.argv[1:],
+        },
+        "results": bench.results,
+        "summary": summarize(bench.results, bench.world),
+    }
+
+
+def _write(bench: Bench, stem: str, final: bool) -> Optional[str]:
+    if bench.rank != 0:
+        return None
+    import json
+
+    os.makedirs(bench.args.out, exist_ok=True)
+    doc = _document(bench)
+    doc["complete"] = final
+    path = os.path.join(bench.args.out, stem + ".json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(path + ".tmp", path)   # a run killed mid-write leaves the previous complete file
+    with open(os.path.join(bench.args.out, stem + ".md"), "w") as f:
+        f.write(report.markdown(doc))
+    return path
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    bench = Bench(args)
+    stem = args.tag or f"ring_bench_{_slug(stamp(bench.device, bench.world)['device_name'])}_" \
+                       f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+    bench.log(f"{bench.world} ranks on {bench.device.type}, backends {bench.backends}, dtype {args.dtype}")
+    try:
+        for tokens in args.tokens:
+            for cfg in args.configs:
+                for layout in args.layouts:
+                    for causal in (c == "causal" for c in args.causal):
+                        if args.max_minutes is not None and time.time() - bench.started > 60 * args.max_minutes:
+                            bench.log(f"--max-minutes {args.max_minutes} reached: stopping early")
+                            raise StopIteration
+                        run_group(bench, cfg, layout, causal, tokens)
+                        _write(bench, stem, final=False)
+    except StopIteration:
+        pass
+    path = _write(bench, stem, final=True)
+    if path:
+        bench.log(f"wrote {path} and {path[:-5]}.md")
+        plot = report.try_plot(path)
+        bench.log(plot)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
