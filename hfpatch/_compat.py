@@ -82,3 +82,8 @@ def is_supported_release(version: Version) -> bool:
     """True for releases that have the module-level ``_flash_attention_forward`` hfpatch patches."""
     # Compare the base version so that pre-releases of 4.43 (4.43.0rc1 < 4.43.0) count as 4.43.
     return Version(version.base_version) >= TRANSFORMERS_MIN_SUPPORTED
+
+# 4.56.2: `_process_flash_attention_kwargs` converts `sliding_window` to flash-attn's window_size as
+# (sliding_window - 1, sliding_window - 1) (a window of `sliding_window` tokens including the current one, the
+# same as the eager/sdpa masks). 4.43.4 - 4.55.4 pass (sliding_window, sliding_window): one more key to the left.
+TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE = Version("4.56.0")

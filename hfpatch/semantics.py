@@ -1,0 +1,572 @@
+"""The one semantic implementation behind every generated wrapper: what each argument of
+``_flash_attention_forward`` means under context parallelism, and how it reaches ``ring_kernels``.
+
+The wrapper (``hfpatch.codegen``) maps the caller's arguments, by name, onto roles (``hfpatch.signatures.roles``)
+and calls the dispatcher, which calls ``ring_attention(call, extra, ctx)`` here. ``call`` maps role -> value,
+``extra`` holds the trailing ``**kwargs`` (4.48+). Shapes (flash-attn layout, this rank's shard):
+
+    query:            (B, S_local, H,  D)
+    key, value:       (B, S_local, Hk, D)     H % Hk == 0 (GQA: the kernels never repeat K/V heads)
+    returned output:  (B, S_local, H,  D)     dtype of query
+
+What each role means here (the README section "What ring attention honours and what it refuses" is the user's
+copy of this table):
+
+- ``is_causal``, ``softmax_scale`` (None: D ** -0.5), GQA: passed to the kernels.
+- ``sliding_window``: converted to flash-attn's ``window_size`` exactly as the installed release converts it
+  (``(w - 1, w - 1)`` from 4.56, ``(w, w)`` before; see ``_compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE``), and
+  like HF only when the (global) key length exceeds the window.
+- ``softcap``: passed to the kernels (scores -> softcap * tanh(scores / softcap)).
+- packing: the step's layout and GLOBAL ``cu_seqlens`` come from ``ctx.step`` (set once per step by
+  ``hfpatch.inputs.shard_inputs``), or, without it, are derived once per step from the ``position_ids`` /
+  ``cu_seq_lens_*`` HF passes (cached on the tensor's identity and version: one all-gather per step, none per
+  layer). The rule for "packed" is HF's own (``_is_packed_sequence``: batch 1 and positions that are not
+  ``arange + min``; documents start where the position equals the minimum).
+- ``attention_mask``: a padding mask cannot be honoured (the local mask does not describe the global sequence):
+  refused, unless it is all ones, in which case it changes nothing and is dropped (HF >= 4.53 itself drops an
+  all-ones mask before calling flash attention).
+- ``block_table`` / ``k_cache`` / ``v_cache``, a ``cache`` or ``cache_seqlens`` kwarg, or keys longer than the
+  queries (a KV cache during generation): refused. CP is for training and prefill of whole sequences.
+- ``dropout`` > 0: refused. HF passes the module's dropout only when ``module.training`` is True
+  (``dropout=0.0 if not self.training else ...``), so a non-zero value *is* the training signal, whatever the
+  grad mode; the ring kernels have no dropout.
+- ``s_aux`` (attention sinks, a kwarg from 5.6): refused (the public kernels return no LSE to fold it in exactly).
+- ``use_top_left_mask``: only matters when query and key lengths differ (flash-attn < 2.1 aligned the causal mask
+  top-left); under CP they never do (refused above), so it is ignored.
+- ``target_dtype``: flash-attn cannot run fp32, so HF casts fp32 inputs to it; the ring kernels can, so we compute
+  in the input dtype (more precise, and equal to the non-CP eager/sdpa run).
+- ``deterministic``, ``implementation``: no effect; the ring kernels are deterministic by construction.
+- other ``**kwargs`` (``layer_idx``, ``output_attentions``, ...): ignored, as HF's own function ignores them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hfpatch import _compat
+from hfpatch.errors import UnsupportedArgument
+
+__all__ = [
+    "VARIANTS",
+    "StepState",
+    "RingContext",
+    "parse_kernel",
+    "plan_step",
+    "ring_attention",
+    "reference_attention",
+]
+
+VARIANTS = ("zigzag", "ring", "stripe", "llama3")
+_AUTO = "auto"
+
+# Kwargs that HF's own function would act on; every other kwarg is ignored by it and by us.
+_PAGED_KWARGS = ("cache", "cache_seqlens")
+
+
+# ----------------------------------------------------------------------------------------------- context
+
+
+@dataclass
+class StepState:
+    """How the current step's sequence is laid out over the group (identical on every rank).
+
+    kernel:          "zigzag" | "ring" | "stripe" | "llama3": the ring variant that computes the step.
+    layout:          "contiguous" | "zigzag" | "stripe": how the global sequence was split (ring_kernels.layout).
+    packed:          True when the batch is one row of several documents (varlen kernels).
+    batch_size:      B of the model input.
+    seq_len_global:  S: tokens per row of the whole sequence (S_local * world_size).
+    seq_len_local:   S_local: tokens per row on this rank.
+    cu_seqlens:      IntTensor (num_docs + 1,) int32, cumulative lengths of the GLOBAL packed row; None if not packed.
+    source:          "shard_inputs" | "position_ids" | "cu_seq_lens" | "shape": where the state came from.
+    position_ids:    the local position ids ``shard_inputs`` returned (to detect a model fed other inputs), or None.
+    """
+
+    kernel: str
+    layout: str
+    packed: bool
+    batch_size: int
+    seq_len_global: int
+    seq_len_local: int
+    cu_seqlens: Optional[torch.Tensor] = None
+    source: str = "shard_inputs"
+    position_ids: Optional[torch.Tensor] = None
+
+
+@dataclass
+class RingContext:
+    """Everything ``ring_attention`` needs besides the call: the group, the variant, and the step's layout.
+
+    group:           the CP ProcessGroup (None: the default group).
+    rank, world_size: this rank in ``group`` and its size.
+    variant:         "auto" | "zigzag" | "ring" | "stripe" | "llama3" ("auto": zigzag for batch inputs, balanced
+                     causal work; llama3 for packed inputs). See ``plan_step``.
+    backend:         the ring_kernels block backend ("auto" picks the fastest that can compute the block).
+    heads_k_stride:  llama3 only: K/V heads gathered at a time (None: all at once).
+    step:            the current step's ``StepState`` (set by ``hfpatch.inputs.shard_inputs``), or None.
+    call_original:   optional ``(call, extra) -> Tensor`` that re-calls transformers' original function (set by
+                     the dispatcher); ``reference_attention`` uses it on the gathered sequence when flash-attn can
+                     run, else computes the same semantics in plain math.
+    """
+
+    group: Any = None
+    rank: int = 0
+    world_size: int = 1
+    variant: str = _AUTO
+    backend: str = "auto"
+    heads_k_stride: Optional[int] = None
+    step: Optional[StepState] = None
+    call_original: Optional[Callable[[dict, dict], torch.Tensor]] = None
+    # role -> (tensor, tensor._version, result): per-step derivations keyed on the tensor HF passes to every layer.
+    _seen: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.variant != _AUTO and self.variant not in VARIANTS:
+            raise ValueError(
+                f"RingContext: variant={self.variant!r} is not a ring variant; expected 'auto' or one of {VARIANTS}"
+            )
+        if self.heads_k_stride is not None and (
+            isinstance(self.heads_k_stride, bool) or not isinstance(self.heads_k_stride, int) or self.heads_k_stride < 1
+        ):
+            raise ValueError(f"RingContext: heads_k_stride={self.heads_k_stride!r} must be None or a positive int")
+
+    @classmethod
+    def for_group(cls, group=None, *, kernel: str = "auto", heads_k_stride: Optional[int] = None) -> "RingContext":
+        """A context for ``group`` (None: the default group) with ``kernel`` = "variant" or "variant:backend"."""
+        variant, backend = parse_kernel(kernel)
+        rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+        return cls(group=group, rank=rank, world_size=world_size, variant=variant, backend=backend,
+                   heads_k_stride=heads_k_stride)
+
+    def set_step(self, step: Optional[StepState]) -> None:
+        """Install the state of a new step (None: derive it from each call's arguments again)."""
+        self.step = step
+        self._seen.clear()
+
+
+def parse_kernel(kernel: str) -> Tuple[str, str]:
+    """``"zigzag"`` -> ("zigzag", "auto"); ``"zigzag:reference"`` -> ("zigzag", "reference"); "auto" -> ("auto", "auto")."""
+    if not isinstance(kernel, str) or not kernel:
+        raise ValueError(f"kernel={kernel!r} must be a string: 'auto' or one of {VARIANTS}, optionally ':backend'")
+    variant, _, backend = kernel.partition(":")
+    if variant != _AUTO and variant not in VARIANTS:
+        raise ValueError(
+            f"kernel={kernel!r}: unknown ring variant {variant!r}; expected 'auto' or one of {VARIANTS}, optionally "
+            f"followed by ':<backend>' (e.g. 'zigzag:reference')"
+        )
+    if _ and not backend:
+        raise ValueError(f"kernel={kernel!r}: empty backend after ':'; e.g. 'zigzag:reference' or 'zigzag:auto'")
+    return variant, backend or "auto"
+
+
+def plan_step(variant: str, *, packed: bool, source: str = "shard_inputs") -> Tuple[str, str]:
+    """(kernel, layout) for a step. ``source`` != "shard_inputs" means the user split the inputs themselves:
+    the only split we can assume is contiguous.
+
+    batch:  auto/zigzag -> zigzag; stripe -> stripe; ring/llama3 -> ring (contiguous; llama3 is varlen-only).
+    packed: zigzag (pinned) -> zigzag varlen; ring (pinned) -> ring varlen; auto/llama3/stripe -> llama3
+            (stripe has no varlen form).
+    """
+    if source != "shard_inputs":
+        if packed:
+            return ("ring", "contiguous") if variant == "ring" else ("llama3", "contiguous")
+        return "ring", "contiguous"
+    if packed:
+        if variant == "zigzag":
+            return "zigzag", "zigzag"
+        if variant == "ring":
+            return "ring", "contiguous"
+        return "llama3", "contiguous"
+    if variant in (_AUTO, "zigzag"):
+        return "zigzag", "zigzag"
+    if variant == "stripe":
+        return "stripe", "stripe"
+    return "ring", "contiguous"
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+
+def _refuse_unsupported(call: Mapping[str, Any], extra: Mapping[str, Any], q: torch.Tensor, k: torch.Tensor,
+                        ctx: RingContext) -> None:
+    """Raise ``UnsupportedArgument`` for anything ring attention cannot honour (see the module docstring)."""
+    for role in ("block_table", "k_cache", "v_cache"):
+        if call.get(role) is not None:
+            raise UnsupportedArgument(
+                role, call[role],
+                "a paged KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
+                "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for training/prefill.",
+            )
+    for name in _PAGED_KWARGS:
+        if extra.get(name) is not None:
+            raise UnsupportedArgument(
+                name, extra[name],
+                "a KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
+                "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for training/prefill.",
+            )
+    if k.shape[1] != q.shape[1]:
+        raise UnsupportedArgument(
+            "key", k,
+            f"keys cover {k.shape[1]} tokens but queries {q.shape[1]}: a KV cache (generation) cannot be used with "
+            f"context parallelism, where every rank holds an equal slice of one sequence.",
+            "call the model with use_cache=False under CP, or generate without hfpatch (RING_ATTN_SWITCH=0).",
+        )
+    _refuse_padding_mask(call.get("attention_mask"), ctx)
+    dropout = call.get("dropout") or 0.0
+    if float(dropout) > 0.0:
+        raise UnsupportedArgument(
+            "dropout", dropout,
+            "attention dropout cannot be applied by the ring kernels; HF passes a non-zero dropout only when the "
+            "attention module is in training mode.",
+            "set the model's attention_dropout to 0.0 for CP training (config.attention_dropout = 0.0).",
+        )
+    if extra.get("s_aux") is not None:
+        raise UnsupportedArgument(
+            "s_aux", extra["s_aux"],
+            "attention sinks need the log-sum-exp of every row, which the ring kernels do not return.",
+            "train this model without context parallelism (hfpatch.apply(..., on_unsupported='fallback') or "
+            "RING_ATTN_SWITCH=0).",
+        )
+    softcap = call.get("softcap")
+    if softcap is not None and float(softcap) < 0:
+        raise UnsupportedArgument("softcap", softcap, "softcap must be >= 0 (0 or None: no capping).")
+    window = call.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise UnsupportedArgument(
+            "sliding_window", window, "sliding_window must be None or a positive int (the window in tokens).",
+            "set config.sliding_window to None to disable the window.",
+        )
+
+
+def _refuse_padding_mask(mask: Optional[torch.Tensor], ctx: RingContext) -> None:
+    """A mask with a zero somewhere is refused; an all-ones mask is harmless (checked once per tensor)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise UnsupportedArgument("attention_mask", mask, "expected a padding mask tensor or None.")
+    if _cached(ctx, "attention_mask", mask, lambda m: bool(m.bool().all())):
+        return  # all ones: there is no padding to honour (HF >= 4.53 drops such a mask itself)
+    raise UnsupportedArgument(
+        "attention_mask", mask,
+        "a padding mask cannot be honoured under context parallelism: each rank holds a slice of the sequence, "
+        "and padding would be attended to or shift the shards.",
+        "pack the documents into one row without padding (hfpatch shard_inputs with position_ids that restart at 0 "
+        "per document), or pad with tokens whose labels are -100 and pass no attention_mask (causal models never "
+        "attend to trailing padding).",
+    )
+
+
+def _cached(ctx: RingContext, key: str, tensor: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
+    """``compute(tensor)``, cached while the same tensor object (unmodified) comes back: once per step, not per
+    layer. The entry keeps a reference to the tensor, so its id cannot be reused while cached."""
+    hit = ctx._seen.get(key)
+    if hit is not None and hit[0] is tensor and hit[1] == tensor._version:
+        return hit[2]
+    result = compute(tensor)
+    ctx._seen[key] = (tensor, tensor._version, result)
+    return result
+
+
+# --------------------------------------------------------------------------------------- kernel arguments
+
+
+def _window_size(sliding_window: Optional[int], seq_len_global: int) -> Tuple[int, int]:
+    """flash-attn ``window_size`` for HF's ``sliding_window``, converted as the installed release converts it."""
+    # HF applies the window only when the keys outnumber it (the key length is the GLOBAL length here: that is
+    # what the non-CP run sees); a window at least as long as the sequence excludes nothing anyway.
+    if sliding_window is None or seq_len_global <= sliding_window:
+        return (-1, -1)
+    version = _compat.installed_transformers_version()
+    if version is None or version >= _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE:
+        return (sliding_window - 1, sliding_window - 1)
+    return (sliding_window, sliding_window)
+
+
+def _kernel_kwargs(call: Mapping[str, Any], step: StepState, ctx: RingContext) -> dict:
+    """Keyword arguments every ring_kernels function takes, from the call's roles."""
+    scale = call.get("softmax_scale")
+    softcap = call.get("softcap")
+    return dict(
+        group=ctx.group,
+        causal=bool(call.get("is_causal", True)),
+        softmax_scale=None if scale is None else float(scale),
+        backend=ctx.backend,
+        window_size=_window_size(call.get("sliding_window"), step.seq_len_global),
+        softcap=float(softcap or 0.0),
+    )
+
+
+# -------------------------------------------------------------------------------------------- the step
+
+
+def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext) -> StepState:
+    """The step's layout: from ``shard_inputs`` (checked against the call), else derived once per step."""
+    batch, seq_local = q.shape[0], q.shape[1]
+    step = ctx.step
+    if step is not None:
+        if (step.batch_size, step.seq_len_local) != (batch, seq_local):
+            raise UnsupportedArgument(
+                "query", q,
+                f"shard_inputs prepared this step for batch {step.batch_size} x {step.seq_len_local} local tokens, "
+                f"but the model now runs on batch {batch} x {seq_local}: the inputs are not the ones shard_inputs "
+                f"returned.",
+                "call patch.shard_inputs(...) for every batch and pass its input_ids and position_ids to the model.",
+            )
+        _check_step_position_ids(call.get("position_ids"), step, ctx)
+        _check_step_cu_seq_lens(call, step, ctx)
+        return step
+    return _derived_step(call, batch, seq_local, ctx)
+
+
+def _check_step_position_ids(position_ids, step: StepState, ctx: RingContext) -> None:
+    if position_ids is None or step.position_ids is None or position_ids is step.position_ids:
+        return
+    expected = step.position_ids
+
+    def same(p: torch.Tensor) -> bool:
+        return p.shape[-1] == expected.shape[-1] and bool(torch.equal(p.expand_as(expected).to(expected.device), expected))
+
+    if not _cached(ctx, "step_position_ids", position_ids, same):
+        raise UnsupportedArgument(
+            "position_ids", position_ids,
+            "the model received position ids other than those shard_inputs returned for this step (the ring "
+            "layout and document boundaries were computed from those).",
+            "pass the position_ids returned by patch.shard_inputs(...) to the model, and call shard_inputs for "
+            "every new batch.",
+        )
+
+
+def _check_step_cu_seq_lens(call: Mapping[str, Any], step: StepState, ctx: RingContext) -> None:
+    cu = call.get("cu_seq_lens_q")
+    if cu is None and call.get("cu_seq_lens_k") is None:
+        return
+    expected = step.cu_seqlens
+
+    def same(t: torch.Tensor) -> bool:
+        return expected is not None and torch.equal(t.to("cpu", torch.int64), expected.to("cpu", torch.int64))
+
+    for role in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        value = call.get(role)
+        if value is None or not _cached(ctx, "step_" + role, value, same):
+            raise UnsupportedArgument(
+                role, value,
+                "these cu_seq_lens differ from the document boundaries shard_inputs computed for this step.",
+                "do not pass cu_seq_lens_* to the model when using shard_inputs (it derives them from position_ids).",
+            )
+
+
+def _derived_step(call: Mapping[str, Any], batch: int, seq_local: int, ctx: RingContext) -> StepState:
+    """No ``shard_inputs``: the user split each row contiguously; packing comes from HF's own arguments."""
+    seq_global = seq_local * ctx.world_size
+    cu_q, cu_k = call.get("cu_seq_lens_q"), call.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        cu = _cached(ctx, "cu_seq_lens_q", cu_q if cu_q is not None else cu_k,
+                     lambda t: _global_cu_from_cu_seq_lens(t, cu_k, batch, seq_local, ctx))
+        kernel, layout = plan_step(ctx.variant, packed=True, source="cu_seq_lens")
+        return _new_state(ctx, kernel, layout, True, batch, seq_global, cu, "cu_seq_lens")
+    position_ids = call.get("position_ids")
+    if position_ids is not None and batch == 1 and seq_local > 1:
+        cu = _cached(ctx, "position_ids", position_ids, lambda p: _global_cu_from_position_ids(p, seq_local, ctx))
+        if cu is not None:
+            kernel, layout = plan_step(ctx.variant, packed=True, source="position_ids")
+            return _new_state(ctx, kernel, layout, True, batch, seq_global, cu, "position_ids")
+    kernel, layout = plan_step(ctx.variant, packed=False, source="shape")
+    return _new_state(ctx, kernel, layout, False, batch, seq_global, None, "shape")
+
+
+def _new_state(ctx, kernel, layout, packed, batch, seq_global, cu, source) -> StepState:
+    return StepState(kernel=kernel, layout=layout, packed=packed, batch_size=batch, seq_len_global=seq_global,
+                     seq_len_local=seq_global // ctx.world_size, cu_seqlens=cu, source=source)
+
+
+def _global_cu_from_position_ids(position_ids: torch.Tensor, seq_local: int, ctx: RingContext):
+    """All-gather this row's positions (contiguous split) and apply HF's packing rule to the whole row.
+
+    Returns the GLOBAL int32 cu_seqlens, or None when the row is one sequence. One collective, once per step.
+    """
+    local = position_ids.reshape(-1)
+    if local.numel() != seq_local:
+        raise UnsupportedArgument(
+            "position_ids", position_ids, f"expected {seq_local} positions (one row of the local shard)."
+        )
+    parts = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, local.contiguous(), group=ctx.group)
+    return packed_cu_seqlens(torch.cat(parts), argument="position_ids")
+
+
+def packed_cu_seqlens(positions: torch.Tensor, *, argument: str = "position_ids") -> Optional[torch.Tensor]:
+    """HF's rule on one whole row of positions (S,): None if they are ``arange(S) + min`` (one sequence), else the
+    int32 cu_seqlens (num_docs + 1,) with a document starting wherever the position equals the minimum."""
+    low = positions.min()
+    if bool((positions == torch.arange(positions.numel(), device=positions.device) + low).all()):
+        return None
+    starts = (positions == low).nonzero().flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise UnsupportedArgument(
+            argument, positions,
+            "packed position ids must start every document, including the first token, at the same minimum "
+            f"position (found {int(positions[0])} at token 0, minimum {int(low)}).",
+            "give each document positions 0, 1, ..., len-1 (HF's DataCollatorWithFlattening does).",
+        )
+    total = torch.tensor([positions.numel()], device=starts.device)
+    return torch.cat([starts, total]).to(torch.int32)
+
+
+def _global_cu_from_cu_seq_lens(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor], batch: int, seq_local: int,
+                                ctx: RingContext) -> torch.Tensor:
+    """Accept cu_seq_lens of the GLOBAL packed row (no collective); local ones are ambiguous and refused."""
+    if cu_k is not None and not torch.equal(cu_q.to("cpu"), cu_k.to("cpu")):
+        raise UnsupportedArgument(
+            "cu_seq_lens_k", cu_k, "query and key documents differ (cross-attention), which ring attention cannot do."
+        )
+    if batch != 1:
+        raise UnsupportedArgument(
+            "cu_seq_lens_q", cu_q, f"packed sequences must be one row (batch 1), got batch {batch}.",
+            "flatten the documents into one row.",
+        )
+    total = int(cu_q[-1])
+    seq_global = seq_local * ctx.world_size
+    if total == seq_global:
+        return cu_q.to(torch.int32)
+    raise UnsupportedArgument(
+        "cu_seq_lens_q", cu_q,
+        f"cu_seq_lens_q[-1] = {total}, but under CP they must describe the GLOBAL packed row of {seq_global} tokens "
+        f"({ctx.world_size} ranks x {seq_local}); cumulative lengths of this rank's slice cannot say which "
+        f"documents continue from the previous rank.",
+        "pass the cu_seq_lens of the whole packed row (identical on every rank), or position_ids only, or use "
+        "patch.shard_inputs(...).",
+    )
+
+
+# ---------------------------------------------------------------------------------------- ring attention
+
+
+def _kernel(name: str) -> Callable:
+    import ring_kernels
+
+    fn = getattr(ring_kernels, name, None)
+    if fn is None:
+        raise RuntimeError(f"ring_kernels.{name} is not available in this installation of ring_kernels")
+    return fn
+
+
+_BATCH_KERNELS = {"zigzag": "zigzag_ring_attn_func", "stripe": "stripe_attn_func", "ring": "ring_attn_func",
+                  "llama3": "ring_attn_func"}
+_VARLEN_KERNELS = {"zigzag": "zigzag_ring_attn_varlen_func", "ring": "ring_attn_varlen_func",
+                   "llama3": "llama3_attn_varlen_func"}
+
+
+def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, by ring attention over ``ctx.group``.
+
+    ``call``: role -> value (``query`` (B, S_local, H, D), ``key``/``value`` (B, S_local, Hk, D), ...);
+    ``extra``: the caller's other keyword arguments. Returns (B, S_local, H, D) in the query's dtype.
+    No collective outside the kernels' own, no Python loop over tokens; the step state is cached.
+    """
+    q, k, v = call["query"], call["key"], call["value"]
+    _refuse_unsupported(call, extra, q, k, ctx)
+    step = _step_for_call(call, q, ctx)
+    kwargs = _kernel_kwargs(call, step, ctx)
+    if step.packed:
+        kernel = _VARLEN_KERNELS[step.kernel]
+        if step.kernel == "llama3":
+            kwargs["heads_k_stride"] = ctx.heads_k_stride
+        cu = step.cu_seqlens.to(q.device)
+        out = _kernel(kernel)(q[0], k[0], v[0], cu, **kwargs)
+        return out.unsqueeze(0)
+    kernel = step.kernel
+    if not kwargs["causal"] and kwargs["window_size"] == (-1, -1):
+        # Full attention does not depend on where the keys sit, so the contiguous ring computes it for any layout
+        # (zigzag and stripe are causal-only kernels).
+        kernel = "ring"
+    return _kernel(_BATCH_KERNELS[kernel])(q, k, v, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ reference attention
+
+
+def reference_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> torch.Tensor:
+    """The same semantics as ``ring_attention`` without the ring: all-gather q/k/v, run plain (non-CP) attention
+    on the whole sequence, return this rank's slice (B, S_local, H, D). Differentiable (the gather's backward sums
+    the gradients over the ranks). For A/B checks; it holds the whole sequence on every rank.
+    """
+    from ring_kernels import shard, unshard
+
+    q, k, v = call["query"], call["key"], call["value"]
+    _refuse_unsupported(call, extra, q, k, ctx)
+    step = _step_for_call(call, q, ctx)
+    causal = bool(call.get("is_causal", True))
+    window = _window_size(call.get("sliding_window"), step.seq_len_global)
+    if step.packed:
+        cu = step.cu_seqlens.to(q.device)
+        gathered = [unshard(t[0], ctx.group, layout=step.layout, dim=0, cu_seqlens=cu).unsqueeze(0) for t in (q, k, v)]
+    else:
+        cu = None
+        gathered = [unshard(t, ctx.group, layout=step.layout, dim=1) for t in (q, k, v)]
+    out = _original_on_whole(call, extra, ctx, gathered, cu)
+    if out is None:
+        out = plain_attention(*gathered, causal=causal, softmax_scale=call.get("softmax_scale"), window_size=window,
+                              softcap=float(call.get("softcap") or 0.0), cu_seqlens=cu)
+    if step.packed:
+        return shard(out[0], ctx.group, layout=step.layout, dim=0, cu_seqlens=cu).unsqueeze(0)
+    return shard(out, ctx.group, layout=step.layout, dim=1)
+
+
+def _original_on_whole(call, extra, ctx: RingContext, gathered, cu) -> Optional[torch.Tensor]:
+    """Run transformers' original function on the gathered sequence when flash-attn can (CUDA, half precision);
+    None otherwise (the caller then computes the same semantics in plain math)."""
+    q = gathered[0]
+    if ctx.call_original is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        import flash_attn  # noqa: F401  (the original function needs it)
+    except ImportError:
+        return None
+    whole = dict(call)
+    whole.update(query=gathered[0], key=gathered[1], value=gathered[2], query_length=q.shape[1], attention_mask=None)
+    if "position_ids" in whole:
+        whole["position_ids"] = None
+    if cu is not None:
+        max_len = int((cu[1:] - cu[:-1]).max())
+        whole.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+    return ctx.call_original(whole, dict(extra))
+
+
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(QK^T) V on whole sequences, flash-attn semantics, computed in fp32 (or the input's wider dtype).
+
+    q (B, S, H, D), k/v (B, S, Hk, D) -> (B, S, H, D). ``cu_seqlens`` (B must be 1): documents are independent.
+    ``window_size`` (left, right), -1 = unbounded; ``softcap`` > 0: scores -> softcap * tanh(scores / softcap).
+    A row that sees no key gives 0.
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    seq, heads, dim = q.shape[1], q.shape[2], q.shape[3]
+    group = heads // k.shape[2]
+    qh = q.to(compute).transpose(1, 2)                                  # (B, H, S, D)
+    kh = k.to(compute).repeat_interleave(group, dim=2).transpose(1, 2)   # (B, H, S, D)
+    vh = v.to(compute).repeat_interleave(group, dim=2).transpose(1, 2)
+    scale = dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scores = qh @ kh.transpose(-1, -2) * scale                           # (B, H, S, S)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = torch.arange(seq, device=q.device)
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed &= pos[None, :] <= pos[:, None]
+    left, right = window_size
+    if left >= 0:
+        allowed &= pos[None, :] >= pos[:, None] - left
+    if right >= 0:
+        allowed &= pos[None, :] <= pos[:, None] + right
+    if cu_seqlens is not None:
+        doc = torch.searchsorted(cu_seqlens.to(q.device, torch.int64), pos, right=True)
+        allowed &= doc[None, :] == doc[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)               # rows with no key: 0, not NaN
+    out = (probs @ vh).transpose(1, 2)
+    return out.to(q.dtype)
