@@ -1,0 +1,369 @@
+"""``hfpatch.apply`` and the ``Patch`` handle it returns.
+
+The flow of one apply (ARCHITECTURE.md): resolve the group -> read ``RING_ATTN_SWITCH`` -> match the live
+``_flash_attention_forward`` against the registry -> render the wrapper -> plan every binding site -> install
+all-or-nothing -> switch the model (``model=``) -> verify identity -> numeric probe -> ``Patch``. Any failure
+after the install removes everything again before the error propagates.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections import Counter
+from typing import Any, Optional
+
+import torch
+
+from hfpatch import _compat
+from hfpatch.errors import PatchError, SignatureMismatch, UnsupportedRelease
+
+__all__ = ["apply", "Patch", "active_patch"]
+
+logger = logging.getLogger("hfpatch")
+
+_ON_UNSUPPORTED = ("raise", "fallback")
+_active: Optional["Patch"] = None
+_active_lock = threading.Lock()
+
+
+def active_patch() -> Optional["Patch"]:
+    """The installed (active) patch of this process, or None."""
+    return _active
+
+
+# ------------------------------------------------------------------------------------------------ Patch
+
+
+class Patch:
+    """Handle of one ``apply``: what was installed, the switch, counters, and ``remove()``.
+
+    ``active``: False for a fallback (no group, a group of one, an unsupported release with
+    ``on_unsupported="fallback"``): transformers is untouched and the input helpers are the identity.
+    ``reason``: why it is inactive (None when active). ``signature_id``: the registry entry matched
+    (e.g. "S7-5.19.0"). ``sites``: "module.attr" of every binding site holding the wrapper (modules imported
+    after apply included). ``calls``: Counter layer -> calls that ran the ring. ``switch``: the switch module
+    (``patch.switch.current_mode()``, ``patch.switch.set_switch(mode)``, ``with patch.switch(mode):``).
+    ``ctx``: the ``semantics.RingContext`` (None when inactive).
+    """
+
+    def __init__(self, *, active: bool, reason: Optional[str], signature_id: Optional[str] = None,
+                 ctx: Any = None, installation: Any = None, dispatcher: Any = None, match: Any = None,
+                 previous_switch: Optional[str] = None) -> None:
+        from hfpatch import switch as switch_module  # the callable module, see hfpatch/switch.py
+
+        self.active = active
+        self.reason = reason
+        self.signature_id = signature_id
+        self.ctx = ctx
+        self.switch = switch_module
+        self._installation = installation
+        self._dispatcher = dispatcher
+        self._match = match
+        self._previous_switch = previous_switch
+        self._model_switches: list = []
+        self._hooks: list = []
+        self._removed = False
+
+    # ------------------------------------------------------------------------------------ inspection
+    @property
+    def sites(self) -> list[str]:
+        if self._installation is None or self._removed:
+            return []
+        return [site.label for site in self._installation.sites]
+
+    @property
+    def calls(self) -> Counter:
+        return self._dispatcher.calls if self._dispatcher is not None else Counter()
+
+    @property
+    def mode_calls(self) -> Counter:
+        """Counter mode -> calls ("ring", "original", "reference") since apply or ``reset_calls``."""
+        return self._dispatcher.mode_calls if self._dispatcher is not None else Counter()
+
+    def reset_calls(self) -> None:
+        """Clear ``calls``, ``mode_calls`` and the per-forward record."""
+        if self._dispatcher is not None:
+            self._dispatcher.reset()
+
+    def wrapper_source(self) -> str:
+        """The generated wrapper's source (what tracebacks and ``inspect.getsource`` show)."""
+        if self._installation is None:
+            raise PatchError(f"this patch is inactive ({self.reason}); no wrapper was generated")
+        from hfpatch import codegen
+
+        return codegen.wrapper_source(self._installation.wrapper)
+
+    def __repr__(self) -> str:
+        if not self.active:
+            return f"<hfpatch.Patch inactive: {self.reason}>"
+        state = "removed" if self._removed else f"{len(self.sites)} sites"
+        return f"<hfpatch.Patch {self.signature_id} {self.ctx.variant}:{self.ctx.backend} " \
+               f"world={self.ctx.world_size} {state}>"
+
+    # ----------------------------------------------------------------------------- layer accounting
+    def track(self, model: torch.nn.Module) -> None:
+        """Mark each forward of ``model`` as a new "last forward" for ``layers_seen``/``unpatched_layers``
+        (``apply(model=...)`` does this for its model)."""
+        if self._dispatcher is None:
+            return
+        dispatcher = self._dispatcher
+        self._hooks.append(model.register_forward_pre_hook(lambda module, args: dispatcher.begin_forward()))
+
+    def layers_seen(self) -> list:
+        """Layer keys (layer index, or "Class@id") that ran the ring in the last forward of a tracked model
+        (without tracking: since apply or ``reset_calls``)."""
+        if self._dispatcher is None:
+            return []
+        keys = {r.key for r in self._dispatcher.forward_records() if r.mode == "ring"}
+        return sorted(keys, key=lambda k: (not isinstance(k, int), str(k) if not isinstance(k, int) else k))
+
+    def unpatched_layers(self, model: torch.nn.Module) -> list[dict]:
+        """The attention modules of ``model`` that did NOT run the ring in the last forward: a list of
+        ``{"name", "class", "attn_implementation"}`` (e.g. a model left on "sdpa" or "eager"). Empty when every
+        attention layer went through the ring."""
+        from hfpatch.model_switch import attention_modules
+
+        records = self._dispatcher.forward_records() if self._dispatcher is not None else []
+        ring_ids = {r.module_id for r in records if r.mode == "ring" and r.module_id is not None}
+        missing = []
+        for name, module in attention_modules(model):
+            if any(id(m) in ring_ids for m in module.modules()):
+                continue
+            config = getattr(module, "config", None) or getattr(model, "config", None)
+            missing.append({"name": name, "class": type(module).__name__,
+                            "attn_implementation": getattr(config, "_attn_implementation", None)})
+        return missing
+
+    # ----------------------------------------------------------------------------------- input helpers
+    def shard_inputs(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                     position_ids: Optional[torch.Tensor] = None) -> dict:
+        """This rank's ``input_ids``, ``position_ids`` (global) and ``labels`` (already shifted) in the step's
+        layout; the identity (labels shifted the same way) when the patch is inactive. See
+        ``hfpatch.inputs.shard_inputs``."""
+        from hfpatch import inputs
+
+        return inputs.shard_inputs(self._live_ctx(), input_ids, labels=labels, position_ids=position_ids)
+
+    def reduce_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
+        """Token-weighted mean loss over the CP group (``loss_sum / num_tokens`` when inactive)."""
+        from hfpatch import inputs
+
+        return inputs.reduce_loss(self._live_ctx(), loss_sum, num_tokens)
+
+    def _live_ctx(self):
+        # After remove() attention is no longer ring attention: sharding inputs would feed shards to the
+        # original function silently. Refuse instead.
+        if self.active and self._removed:
+            raise PatchError("this patch was removed; shard_inputs/reduce_loss would feed shards to unpatched "
+                             "attention. Fix: apply again, or use the full batch without hfpatch.")
+        return self.ctx if self.active else None
+
+    # ------------------------------------------------------------------------------------------ removal
+    def remove(self) -> None:
+        """Restore every binding site (by identity), the model(s) switched by ``model=``, and the switch
+        default; remove the import hook. A second ``remove()`` raises ``PatchError``."""
+        global _active
+        if self._removed:
+            raise PatchError(f"{self!r} was already removed; remove() is not idempotent (a second call would hide "
+                             "a double-remove bug). Fix: call remove() once, or use `with hfpatch.apply(...)`.")
+        self._removed = True
+        foreign: list[str] = []
+        try:
+            for hook in self._hooks:
+                hook.remove()
+            for record in reversed(self._model_switches):
+                record.restore()
+            if self._installation is not None:
+                foreign = self._installation.restore()
+            if self._dispatcher is not None:
+                self._dispatcher.removed = True  # a stale wrapper reference now calls the original
+            if self._previous_switch is not None:
+                self.switch.set_switch(self._previous_switch)
+        finally:
+            with _active_lock:
+                if _active is self:
+                    _active = None
+        if foreign:
+            raise PatchError(
+                "removed hfpatch, but these sites had been rebound by someone else after apply and were left as they "
+                "are: " + ", ".join(foreign) + ". Fix: remove the other patch too, or apply it before hfpatch."
+            )
+        if self.active:
+            logger.info("hfpatch: removed (%s); transformers restored", self.signature_id)
+
+    def __enter__(self) -> "Patch":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._removed:
+            self.remove()
+
+
+# ------------------------------------------------------------------------------------------------ apply
+
+
+def _resolve_group(cp_group):
+    """A ProcessGroup, or None; a 1-D DeviceMesh gives its group; anything else is a TypeError."""
+    if cp_group is None:
+        return None
+    import torch.distributed as dist
+
+    if isinstance(cp_group, dist.ProcessGroup):
+        return cp_group
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # torch without device meshes: only process groups exist
+        DeviceMesh = ()
+    if DeviceMesh and isinstance(cp_group, DeviceMesh):
+        if cp_group.ndim != 1:
+            raise ValueError(
+                f"cp_group is a {cp_group.ndim}-D DeviceMesh {tuple(cp_group.mesh_dim_names or ())}; context "
+                "parallelism needs its 1-D CP dimension. Fix: pass mesh['cp'] (the sub-mesh of the CP dimension)."
+            )
+        return cp_group.get_group()
+    raise TypeError(
+        f"cp_group={type(cp_group).__name__} {cp_group!r:.80} is neither a torch.distributed ProcessGroup nor a 1-D "
+        "DeviceMesh. Fix: pass dist.new_group(cp_ranks), mesh['cp'], or None (no context parallelism)."
+    )
+
+
+def _validate_arguments(kernel, on_unsupported, verify, model) -> None:
+    from hfpatch.semantics import parse_kernel
+
+    if on_unsupported not in _ON_UNSUPPORTED:
+        raise ValueError(
+            f"on_unsupported={on_unsupported!r} is not allowed; expected 'raise' (SignatureMismatch / "
+            "UnsupportedRelease on a release hfpatch cannot patch) or 'fallback' (run without CP, inactive Patch)."
+        )
+    parse_kernel(kernel)  # ValueError naming the kernel and the allowed variants
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify={verify!r} must be True (run the numeric probe) or False")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model={type(model).__name__} must be a transformers model (torch.nn.Module) or None")
+
+
+def _inactive(reason: str, *, level: int = logging.INFO) -> Patch:
+    logger.log(level, "hfpatch: not active (%s); transformers untouched, input helpers are the identity", reason)
+    return Patch(active=False, reason=reason)
+
+
+def _check_no_active_patch() -> None:
+    if _active is not None:
+        raise PatchError(
+            f"hfpatch is already applied in this process: {_active!r}. A second apply would wrap the wrapper and "
+            "leave two patches to remove in order. Fix: call patch.remove() first (or use `with hfpatch.apply(...)`)."
+        )
+
+
+def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise", verify: bool = True,
+          model: Optional[torch.nn.Module] = None) -> Patch:
+    """Give transformers' flash-attention path ring attention over ``cp_group``; returns the ``Patch``.
+
+    cp_group:        a ProcessGroup or a 1-D DeviceMesh of the context-parallel ranks; None (or a group of one
+                     rank) -> an inactive Patch (no CP), transformers untouched.
+    kernel:          "auto" | "zigzag" | "ring" | "stripe" | "llama3", optionally ":backend" ("zigzag:reference").
+                     "auto" = zigzag for batch inputs, llama3 for packed inputs.
+    on_unsupported:  "raise" (SignatureMismatch with a diff, or UnsupportedRelease) or "fallback" (inactive Patch
+                     and one warning) when the installed transformers cannot be patched.
+    verify:          run the numeric probe over the group (collective: every rank must call apply).
+    model:           switch this model onto the patched flash-attention path (even without flash-attn installed);
+                     restored by ``remove()``. Raises ``UnsupportedArgument`` for a model without a flash path.
+
+    ``RING_ATTN_SWITCH`` is read here (``1``/unset ring, ``0`` original, ``reference``) and becomes the
+    process-wide switch default until ``remove()``.
+
+    Only one patch may be active per process: a second ``apply`` while one is active raises ``PatchError``
+    (naming it; call ``patch.remove()`` first). All-or-nothing: if anything fails, nothing is left installed.
+    """
+    _validate_arguments(kernel, on_unsupported, verify, model)
+    from hfpatch import switch as switch_module
+
+    env_mode = switch_module.mode_from_env()  # a bad RING_ATTN_SWITCH is an error even without CP
+    group = _resolve_group(cp_group)
+    with _active_lock:
+        _check_no_active_patch()
+    if group is None:
+        return _inactive("no CP group given (cp_group=None)")
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return _inactive("the CP group has a single rank")
+    match, version, fallback_reason = _match_live_signature(on_unsupported)
+    if fallback_reason is not None:
+        return _inactive(fallback_reason, level=logging.WARNING)
+    return _install(group, kernel, verify, model, match, version, env_mode)
+
+
+def _match_live_signature(on_unsupported: str):
+    """(match, version, None), or (None, None, reason) for a fallback; raises for on_unsupported="raise"."""
+    from hfpatch.signatures import registry
+
+    version = _compat.installed_transformers_version()
+    if version is None or not _compat.is_supported_release(version):
+        what = "transformers is not installed" if version is None else f"transformers {version} is older than " \
+            f"{_compat.TRANSFORMERS_MIN_SUPPORTED} (no module-level _flash_attention_forward to patch)"
+        if on_unsupported == "fallback":
+            return None, None, what
+        raise UnsupportedRelease(f"{what}. Fix: install transformers>={_compat.TRANSFORMERS_MIN_SUPPORTED}.",
+                                 transformers_version=None if version is None else str(version),
+                                 requirement=f">={_compat.TRANSFORMERS_MIN_SUPPORTED}")
+    import transformers.modeling_flash_attention_utils as mfau
+
+    live = mfau._flash_attention_forward
+    try:
+        return registry.require(inspect.signature(live), str(version)), version, None
+    except SignatureMismatch as exc:
+        if on_unsupported == "fallback":
+            return None, None, f"unsupported _flash_attention_forward signature in transformers {version} " \
+                               f"(nearest registry entry {exc.expected}); see hfpatch check"
+        raise
+
+
+def _install(group, kernel, verify, model, match, version, env_mode) -> Patch:
+    global _active
+    import transformers.modeling_flash_attention_utils as mfau
+
+    from hfpatch import codegen, patcher
+    from hfpatch import switch as switch_module
+    from hfpatch import verify as verify_module
+    from hfpatch.dispatch import Dispatcher
+    from hfpatch.model_switch import switch_model
+    from hfpatch.semantics import RingContext
+
+    original = mfau._flash_attention_forward
+    if getattr(original, "__hfpatch_wrapper__", False):
+        raise PatchError("transformers' _flash_attention_forward is already an hfpatch wrapper from a patch that was "
+                         "not removed cleanly. Fix: restart the process.")
+    ctx = RingContext.for_group(group, kernel=kernel)
+    dispatcher = Dispatcher(original=original, match=match, ctx=ctx)
+    ctx.call_original = dispatcher.call_original
+    wrapper = codegen.render(match, dispatcher, original=original)
+    try:
+        wrapper.__hfpatch_wrapper__ = True
+    except AttributeError:  # a wrapper type without a __dict__: detection above then relies on identity only
+        pass
+    installation = patcher.install(patcher.plan(original), wrapper)
+    previous_switch = switch_module.set_switch(env_mode)
+    patch = Patch(active=True, reason=None, signature_id=match.id, ctx=ctx, installation=installation,
+                  dispatcher=dispatcher, match=match, previous_switch=previous_switch)
+    try:
+        if model is not None:
+            patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
+            patch.track(model)
+        verify_module.identity(installation)
+        if verify:
+            verify_module.numeric(wrapper, match, ctx)
+        dispatcher.reset()  # the probe's calls are not the user's
+    except BaseException:
+        patch.remove()
+        raise
+    with _active_lock:
+        if _active is not None:  # another thread applied meanwhile: keep theirs, undo ours
+            patch.remove()
+            _check_no_active_patch()
+        _active = patch
+    logger.info("hfpatch: active: %s, %d binding sites, kernel %s:%s over %d ranks, switch=%s",
+                match.id, len(installation.sites), ctx.variant, ctx.backend, ctx.world_size, env_mode)
+    return patch

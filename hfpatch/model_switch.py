@@ -1,0 +1,197 @@
+"""Put one model on the (patched) flash-attention path, even where flash-attn is not installed, and undo it.
+
+Only the flash path calls ``_flash_attention_forward``; a model built with ``attn_implementation="eager"`` or
+``"sdpa"`` never reaches the ring. ``apply(model=...)`` therefore switches the model deliberately, bypassing
+transformers' flash-attn availability check (the bundled ring kernels do not need flash-attn):
+
+- 4.48+: models pick their attention function per call from ``config._attn_implementation``
+  (``ALL_ATTENTION_FUNCTIONS[...]`` / ``.get_interface(...)``, 5.1+), and the mask builders return no mask for
+  flash attention when there is no padding (``masking_utils`` in 4.53+, ``_update_causal_mask`` before). Setting
+  ``_attn_implementation = "flash_attention_2"`` on the model's config and every sub-config is enough.
+- 4.43-4.47: the attention class is chosen at construction (``LLAMA_ATTENTION_CLASSES[...]``), so each
+  attention module's class is swapped to the ``"flash_attention_2"`` class of its own modeling module (the
+  weights are the same: the flash class subclasses the eager one), and the config is switched too (the mask
+  builder reads it).
+- Modeling modules that bind ``_flash_attention_forward`` only ``if is_flash_attn_available()`` (falcon, gpt_neo,
+  ... in 5.x; several in 4.43-4.47) lack the name without flash-attn: it is injected (the wrapper) and deleted
+  again on restore.
+
+Everything changed is recorded in a ``ModelSwitch`` whose ``restore()`` puts it back exactly.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hfpatch import _compat
+from hfpatch.errors import UnsupportedArgument
+
+__all__ = ["FLASH_IMPLEMENTATION", "ModelSwitch", "switch_model", "attention_modules"]
+
+FLASH_IMPLEMENTATION = "flash_attention_2"
+_FLASH_NAME = "_flash_attention_forward"
+_UNSET = object()
+
+
+@dataclass
+class ModelSwitch:
+    """What ``switch_model`` changed: configs (config, previous internal value), modules whose class was
+    swapped (module, previous class), attributes added to modules, names injected into modeling modules."""
+
+    configs: list[tuple[Any, Any]] = field(default_factory=list)
+    classes: list[tuple[torch.nn.Module, type]] = field(default_factory=list)
+    added_attrs: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
+    injected: list[tuple[types.ModuleType, Any]] = field(default_factory=list)
+
+    def restore(self) -> None:
+        """Undo every change, newest first."""
+        for module, wrapper in reversed(self.injected):
+            if module.__dict__.get(_FLASH_NAME) is wrapper:
+                delattr(module, _FLASH_NAME)
+        for module, name in reversed(self.added_attrs):
+            module.__dict__.pop(name, None)
+        for module, cls in reversed(self.classes):
+            module.__class__ = cls
+        for config, previous in reversed(self.configs):
+            # Written to the storage directly: 5.x's setter would also overwrite the sub-configs, which carry
+            # their own records.
+            if previous is _UNSET:
+                config.__dict__.pop("_attn_implementation_internal", None)
+            else:
+                config.__dict__["_attn_implementation_internal"] = previous
+        self.injected.clear()
+        self.added_attrs.clear()
+        self.classes.clear()
+        self.configs.clear()
+
+
+def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The outermost submodules of ``model`` whose class name contains "Attention" (LlamaAttention,
+    LlamaFlashAttention2, FalconAttention, ...), with their qualified names: the layers that should run the ring."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if "Attention" not in type(module).__name__:
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        found.append((name, module))
+    return found
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    """Every distinct config object of the model: its own, its submodules', and their sub-configs."""
+    seen: dict[int, Any] = {}
+    pending = [getattr(m, "config", None) for m in model.modules()]
+    while pending:
+        config = pending.pop()
+        if config is None or id(config) in seen or not hasattr(config, "to_dict"):
+            continue
+        seen[id(config)] = config
+        for key in getattr(config, "sub_configs", None) or ():
+            pending.append(getattr(config, key, None))
+    return list(seen.values())
+
+
+def _supports_flash(model: torch.nn.Module) -> bool:
+    cls = type(model)
+    return bool(getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False))
+
+
+def _flash_class_for(module: torch.nn.Module) -> type | None:
+    """4.43-4.47: the "flash_attention_2" class of ``module``'s modeling module, from the ``*_ATTENTION_CLASSES``
+    dict that lists ``module``'s class; None when there is none."""
+    modeling = sys.modules.get(type(module).__module__)
+    if modeling is None:
+        return None
+    for name, value in modeling.__dict__.items():
+        if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict) and type(module) in value.values():
+            return value.get(FLASH_IMPLEMENTATION)
+    return None
+
+
+def _swap_classes(model: torch.nn.Module, record: ModelSwitch) -> int:
+    """Swap every attention module that has a flash sibling class; returns how many are on the flash class."""
+    on_flash = 0
+    for _, module in model.named_modules():
+        flash_cls = _flash_class_for(module)
+        if flash_cls is None:
+            continue
+        if type(module) is not flash_cls:
+            record.classes.append((module, type(module)))
+            module.__class__ = flash_cls
+        if "_flash_attn_uses_top_left_mask" not in module.__dict__:
+            # Set by the flash class's __init__ from the flash-attn version; the ring kernels align causal masks
+            # bottom-right (flash-attn >= 2.1 behaviour), and under CP q and k lengths are equal anyway.
+            module.__dict__["_flash_attn_uses_top_left_mask"] = False
+            record.added_attrs.append((module, "_flash_attn_uses_top_left_mask"))
+        on_flash += 1
+    return on_flash
+
+
+def _inject_missing_bindings(model: torch.nn.Module, wrapper: Callable, record: ModelSwitch) -> None:
+    """Bind the wrapper in modeling modules whose code calls ``_flash_attention_forward`` by name but which did
+    not import it (the import is guarded by ``is_flash_attn_available()``)."""
+    names = {type(m).__module__ for m in model.modules()}
+    for name in sorted(names):
+        modeling = sys.modules.get(name)
+        if modeling is None or _FLASH_NAME in modeling.__dict__:
+            continue
+        if any(_FLASH_NAME in _code_names(obj) for obj in modeling.__dict__.values() if isinstance(obj, type)):
+            setattr(modeling, _FLASH_NAME, wrapper)
+            record.injected.append((modeling, wrapper))
+
+
+def _code_names(cls: type) -> set[str]:
+    """Global names read by the methods defined on ``cls`` itself."""
+    names: set[str] = set()
+    for value in vars(cls).values():
+        code = getattr(value, "__code__", None)
+        if code is not None:
+            names.update(code.co_names)
+    return names
+
+
+def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) -> ModelSwitch:
+    """Switch ``model`` onto the flash-attention path (see the module docstring); returns the record to undo it.
+
+    Raises ``TypeError`` if ``model`` is not a ``torch.nn.Module`` with a ``config``, and ``UnsupportedArgument``
+    if the model has no flash-attention path to switch to. Nothing is changed when it raises.
+    """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(
+            f"model={type(model).__name__} is not a transformers model (a torch.nn.Module with a .config); "
+            "pass the PreTrainedModel you will train, e.g. model=AutoModelForCausalLM.from_config(...)"
+        )
+    version = transformers_version or _compat.installed_transformers_version()
+    per_call_dispatch = version is None or version >= _compat.TRANSFORMERS_ATTENTION_FUNCTIONS
+    if per_call_dispatch and not _supports_flash(model):
+        raise UnsupportedArgument(
+            "model", type(model).__name__,
+            f"{type(model).__name__} has no flash-attention path (_supports_flash_attn is False), so its attention "
+            "never reaches _flash_attention_forward and cannot run as ring attention.",
+            "use a model class that supports flash attention, or train this one without context parallelism.",
+        )
+    if not per_call_dispatch and not any(_flash_class_for(m) is not None for m in model.modules()):
+        raise UnsupportedArgument(
+            "model", type(model).__name__,
+            f"{type(model).__name__}'s modeling module has no '{FLASH_IMPLEMENTATION}' attention class, so its "
+            "attention never reaches _flash_attention_forward and cannot run as ring attention.",
+            "use a model class that supports flash attention, or train this one without context parallelism.",
+        )
+    record = ModelSwitch()
+    try:
+        if not per_call_dispatch:
+            _swap_classes(model, record)
+        for config in _configs(model):
+            record.configs.append((config, config.__dict__.get("_attn_implementation_internal", _UNSET)))
+        for config in _configs(model):
+            config.__dict__["_attn_implementation_internal"] = FLASH_IMPLEMENTATION
+        _inject_missing_bindings(model, wrapper, record)
+    except BaseException:
+        record.restore()
+        raise
+    return record
