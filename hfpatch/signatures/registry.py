@@ -493,14 +493,23 @@ def _describe(param: inspect.Parameter, index: int) -> str:
 
 def render_diff(entry: SignatureEntry, sig: inspect.Signature, version: str | None = None) -> str:
     """Both full definitions and what differs, parameter by parameter (as pluggy's ``_formatdef`` does)."""
-    expected = entry.signature()
+    # Shown with each default's recorded source (the 4.43 `deterministic` expression, not one of its values).
+    expected = inspect.Signature(
+        [
+            p.to_parameter().replace(default=SourceDefault(p.default.source))
+            if p.default is not None and len(p.default.values) > 1
+            else p.to_parameter()
+            for p in entry.params
+        ]
+    )
     live = list(sig.parameters.values())
     wanted = list(expected.parameters.values())
     live_index = {p.name: i for i, p in enumerate(live)}
     wanted_index = {p.name: i for i, p in enumerate(wanted)}
-    where = f"transformers {version}" if version else "live"
+    where = "live"
+    header = f"live (transformers {version}):" if version else "live:"
     lines = [
-        f"{where}:".ljust(22) + format_signature(sig),
+        header.ljust(22) + format_signature(sig),
         f"registry {entry.id}:".ljust(22) + format_signature(expected) + f"  # releases {entry.releases}",
     ]
     changes = []
