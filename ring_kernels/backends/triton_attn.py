@@ -403,8 +403,6 @@ def _set_fixed_blocks(blocks: Optional[Dict[str, Tuple[int, int]]]) -> None:
         blocks = {**_INTERPRETER_BLOCKS, **blocks}
         for name, (bm, bn) in blocks.items():
             assert bm >= 16 and (name == "delta" or bn >= 16), f"{name} blocks {bm}x{bn} below 16"
-        assert blocks["fwd"][0] % blocks["fwd"][1] == 0 and blocks["dq"][0] % blocks["dq"][1] == 0
-        assert blocks["dkdv"][1] % blocks["dkdv"][0] == 0
     _fixed_blocks = blocks
 
 
@@ -415,6 +413,8 @@ def _launch(tuned, plain, name: str, grid_rows: int, grid_cols: int, args: tuple
         tuned[lambda m: (triton.cdiv(grid_rows, m[block_key]), grid_cols)](*args, **meta)
         return
     bm, bn = _fixed_blocks[name]
+    if meta["IS_CAUSAL"]:  # the diagonal must be whole inner blocks (see the kernels' docstrings)
+        assert (bn % bm == 0) if name == "dkdv" else (bm % bn == 0), f"causal {name} blocks {bm}x{bn}"
     rows_block = bn if name == "dkdv" else bm
     plain[(triton.cdiv(grid_rows, rows_block), grid_cols)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn,
                                                           num_warps=4, num_stages=2)
@@ -449,10 +449,6 @@ class TritonBackend:
     name = "triton"
 
     def unsupported_reason(self, *, device, dtype, head_dim, mask_kind, softcap) -> Optional[str]:
-        device = torch.device(device)
-        if device.type != "cuda" and not (_INTERPRET and device.type == "cpu"):
-            return (f"runs on CUDA devices (or on CPU under TRITON_INTERPRET=1 set before importing triton), "
-                    f"not {device}")
         if dtype not in _SUPPORTED_DTYPES:
             return f"dtype {dtype} not supported (supported: {_SUPPORTED_DTYPES})"
         if head_dim not in _HEAD_DIMS:
@@ -462,11 +458,15 @@ class TritonBackend:
                     f"(no windows, documents or offset causal); use 'reference' or a torch backend")
         if softcap < 0.0:
             return f"softcap must be >= 0 (0 = off), got {softcap}"
+        device = torch.device(device)
+        if device.type != "cuda" and not (_INTERPRET and device.type == "cpu"):
+            return (f"runs on CUDA devices (or on CPU under TRITON_INTERPRET=1 set before importing triton), "
+                    f"not {device}")
         return None
 
     # ------------------------------------------------------------------------------------------ checks
-    def _check(self, q, k, v, scale, mask, softcap) -> str:
-        """Validate inputs; return the mask kind (FULL, CAUSAL or EMPTY)."""
+    def _check_inputs(self, q, k, v, scale, mask, softcap) -> None:
+        """Types, shapes, dtypes and devices of the block's inputs (before asking what is supported)."""
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"triton backend: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -491,8 +491,11 @@ class TritonBackend:
         if not (q.device == k.device == v.device):
             raise ValueError(f"triton backend: q, k, v must be on one device, got {q.device}, {k.device}, "
                              f"{v.device}")
-        kind = mask.kind(sq, k.shape[1])
-        reason = self.unsupported_reason(device=q.device, dtype=q.dtype, head_dim=d, mask_kind=kind,
+
+    def _check_supported(self, q, k, mask, softcap) -> str:
+        """Raise if this backend cannot compute the block; return its mask kind (FULL, CAUSAL or EMPTY)."""
+        kind = mask.kind(q.shape[1], k.shape[1])
+        reason = self.unsupported_reason(device=q.device, dtype=q.dtype, head_dim=q.shape[3], mask_kind=kind,
                                          softcap=float(softcap))
         if reason is not None:
             raise ValueError(f"triton backend cannot compute this block: {reason}")
@@ -502,7 +505,8 @@ class TritonBackend:
     def forward(self, q, k, v, *, scale: float, mask: BlockMask, softcap: float = 0.0
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(out (B, Sq, H, D) in q's dtype, lse (B, H, Sq) fp32)`` of one block."""
-        kind = self._check(q, k, v, scale, mask, softcap)
+        self._check_inputs(q, k, v, scale, mask, softcap)
+        kind = self._check_supported(q, k, mask, softcap)
         b, sq, h, d = q.shape
         sk, hk = k.shape[1], k.shape[2]
         if kind == EMPTY or b * h == 0:
@@ -524,7 +528,7 @@ class TritonBackend:
     def backward(self, dout, q, k, v, out, lse, *, scale: float, mask: BlockMask, softcap: float = 0.0
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` of one block from the merged ``out`` (B, Sq, H, D) and ``lse`` (B, H, Sq) fp32."""
-        kind = self._check(q, k, v, scale, mask, softcap)
+        self._check_inputs(q, k, v, scale, mask, softcap)
         b, sq, h, d = q.shape
         sk, hk = k.shape[1], k.shape[2]
         for name, x in (("dout", dout), ("out", out)):
@@ -534,6 +538,7 @@ class TritonBackend:
         if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, h, sq) or lse.dtype != torch.float32:
             raise ValueError(f"triton backend: lse must be a float32 tensor of shape (batch, heads, seqlen_q) = "
                              f"{(b, h, sq)}, got {getattr(lse, 'dtype', None)} {getattr(lse, 'shape', None)}")
+        kind = self._check_supported(q, k, mask, softcap)
         alloc = torch.zeros if kind == EMPTY or b * h == 0 else torch.empty   # the kernels write every row
         dq = alloc((b, sq, h, d), dtype=q.dtype, device=q.device)
         dk = alloc((b, sk, hk, d), dtype=k.dtype, device=k.device)

@@ -1,0 +1,263 @@
+"""The Triton block backend on CPU, through Triton's interpreter, against a float64 plain-math reference.
+
+``TRITON_INTERPRET=1`` must be set before triton is imported, so the kernels run in one subprocess
+(this file run as a script) over every case at once: the parent builds seeded inputs, the child runs
+``TritonBackend.forward``/``backward`` and saves the results, and each pytest case compares its own
+out, lse, dq, dk, dv with autograd through float64 attention. Shapes are tiny but cover ragged tails,
+several blocks, diagonal blocks split into sub-blocks, GQA/MQA, softcap, strided inputs, fp16, head dims
+16..128, an EMPTY block, and the ring contract (two blocks merged by LSE, backward from the merged result).
+
+Needs triton; triton < 3.7's interpreter fails with numpy >= 2.4 (triton-lang/triton#9171), so CI installs
+triton 3.8 (the GPU kernels use only APIs that exist in 3.6). Skipped only when triton cannot be imported.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install hfpatch[triton])")
+
+# Fixed launch blocks per kernel: (BLOCK_M, BLOCK_N). "mixed" splits the causal diagonal into sub-blocks.
+_B16 = {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16), "delta": (16, 0)}
+_MIXED = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16), "delta": (32, 0)}
+_WIDE_N = {"fwd": (16, 32), "dkdv": (32, 32), "dq": (16, 32), "delta": (16, 0)}
+
+# id: (B, Sq, Sk, H, Hk, D, causal, softcap, dtype, layout, blocks). layout: "contiguous", "strided",
+# "merged" (ring contract: the keys split into an earlier FULL block and the diagonal CAUSAL block), "empty".
+CASES = {
+    "full_mha_ragged": (2, 40, 40, 2, 2, 16, False, 0.0, "float32", "contiguous", _B16),
+    "causal_gqa_subblocks": (1, 48, 48, 4, 2, 32, True, 0.0, "float32", "contiguous", _MIXED),
+    "causal_mqa_ragged": (1, 37, 37, 2, 1, 16, True, 0.0, "float32", "contiguous", _B16),
+    "full_cross_lengths_mqa": (1, 24, 50, 4, 1, 16, False, 0.0, "float32", "contiguous", _WIDE_N),
+    "softcap_full": (1, 40, 40, 2, 2, 16, False, 2.0, "float32", "contiguous", _B16),
+    "softcap_causal_gqa": (1, 33, 33, 4, 2, 16, True, 1.5, "float32", "contiguous", _MIXED),
+    "strided_causal": (1, 32, 32, 4, 2, 16, True, 0.0, "float32", "strided", _B16),
+    "strided_full_d64": (1, 20, 28, 2, 2, 64, False, 0.0, "float32", "strided", _B16),
+    "fp16_causal_d128": (1, 32, 32, 2, 1, 128, True, 0.0, "float16", "contiguous", _MIXED),
+    "ring_merged_gqa": (1, 24, 48, 4, 2, 16, True, 0.0, "float32", "merged", _MIXED),
+    "ring_merged_softcap": (1, 16, 32, 2, 1, 32, True, 3.0, "float32", "merged", _B16),
+    "empty_block": (1, 16, 16, 2, 1, 16, True, 0.0, "float32", "empty", _B16),
+}
+
+# Max error allowed relative to the reference's largest magnitude (lse: absolute, it is O(log Sk)).
+_TOL = {
+    "float32": {"out": 2e-5, "lse": 2e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4},
+    # fp16: P is rounded to fp16 before P@V and dS before dS@K / dS^T@Q (as in every flash kernel).
+    "float16": {"out": 4e-3, "lse": 1e-4, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2},
+}
+
+
+# --------------------------------------------------------------------------------------------- inputs
+def _inputs(case_id: str) -> dict:
+    """Seeded q (B,Sq,H,D), k/v (B,Sk,Hk,D), dout like q, in the case's dtype (contiguous)."""
+    b, sq, sk, h, hk, d, _causal, softcap, dtype, _layout, _blocks = CASES[case_id]
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id)))
+    amp = 2.0 if softcap > 0 else 1.0  # larger scores so that the tanh cap really bends them
+    dt = getattr(torch, dtype)
+    return {
+        "q": (amp * torch.randn(b, sq, h, d, generator=gen)).to(dt),
+        "k": (amp * torch.randn(b, sk, hk, d, generator=gen)).to(dt),
+        "v": torch.randn(b, sk, hk, d, generator=gen).to(dt),
+        "dout": torch.randn(b, sq, h, d, generator=gen).to(dt),
+    }
+
+
+def _reference(case_id: str, inp: dict) -> dict:
+    """float64 attention with autograd: out, lse (B,H,Sq), dq, dk, dv (K/V grads summed over each group)."""
+    b, sq, sk, h, hk, d, causal, softcap, _dtype, layout, _blocks = CASES[case_id]
+    q, k, v = (inp[n].double().requires_grad_() for n in ("q", "k", "v"))
+    scale = 1.0 / math.sqrt(d)
+    kk, vv = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    # Query i sits at global position (Sk - Sq) + i: the merged case is the second half of a causal sequence.
+    q_pos = torch.arange(sq) + (sk - sq)
+    visible = torch.arange(sk)[None, :] <= q_pos[:, None] if causal else torch.ones(sq, sk, dtype=torch.bool)
+    if layout == "empty":
+        visible = torch.zeros(sq, sk, dtype=torch.bool)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    out.backward(inp["dout"].double())
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+# ------------------------------------------------------------------------------ child (interpreter)
+def _strided(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The same values through a non-contiguous view: a slice of a packed qkv, or a transposed (B,H,S,D)."""
+    if kind == "packed":
+        packed = torch.zeros(x.shape[0], x.shape[1], 3, x.shape[2], x.shape[3], dtype=x.dtype)
+        packed[:, :, 1] = x
+        return packed[:, :, 1]
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _run_case(backend, BlockMask, case_id: str, inp: dict) -> dict:
+    b, sq, sk, h, hk, d, causal, softcap, _dtype, layout, _blocks = CASES[case_id]
+    scale = 1.0 / math.sqrt(d)
+    q, k, v, dout = inp["q"], inp["k"], inp["v"], inp["dout"]
+    if layout == "strided":
+        q, k, v, dout = _strided(q, "packed"), _strided(k, "bhsd"), _strided(v, "packed"), _strided(dout, "bhsd")
+        assert not any(x.is_contiguous() for x in (q, k, v, dout))
+    if layout == "merged":
+        # Queries are the last Sq positions; keys split where the queries start: [0, Sk-Sq) is FULL for every
+        # query, [Sk-Sq, Sk) is the aligned CAUSAL diagonal. Merge by LSE in fp32, then backward both blocks.
+        q0, split = sk - sq, sk - sq
+        blocks = [(slice(0, split), BlockMask(causal=True, q_start=q0, k_start=0)),
+                  (slice(split, sk), BlockMask(causal=True, q_start=q0, k_start=split))]
+        assert [m.kind(sq, sl.stop - sl.start) for sl, m in blocks] == ["full", "causal"]
+        parts = [backend.forward(q, k[:, sl], v[:, sl], scale=scale, mask=m, softcap=softcap) for sl, m in blocks]
+        lse = torch.logaddexp(parts[0][1], parts[1][1])
+        out = sum(o.float() * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l in parts).to(q.dtype)
+        grads = [backend.backward(dout, q, k[:, sl], v[:, sl], out, lse, scale=scale, mask=m, softcap=softcap)
+                 for sl, m in blocks]
+        dq = grads[0][0] + grads[1][0]
+        dk = torch.cat([grads[0][1], grads[1][1]], dim=1)
+        dv = torch.cat([grads[0][2], grads[1][2]], dim=1)
+        return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    mask = BlockMask(causal=causal)
+    if layout == "empty":
+        mask = BlockMask(causal=True, q_start=0, k_start=sq)   # every key after every query
+        assert mask.kind(sq, sk) == "empty"
+    out, lse = backend.forward(q, k, v, scale=scale, mask=mask, softcap=softcap)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, scale=scale, mask=mask, softcap=softcap)
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def _child_main(in_path: str, out_path: str) -> None:
+    """Run every case under the interpreter; a failing case records its traceback, the others still run."""
+    import traceback
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "the child must run with TRITON_INTERPRET=1"
+    from ring_kernels.backends import triton_attn
+    from ring_kernels.backends.base import BlockMask
+
+    backend = triton_attn.TritonBackend()
+    results = {}
+    for case_id, inp in torch.load(in_path).items():
+        start = time.perf_counter()
+        try:
+            triton_attn._set_fixed_blocks(CASES[case_id][-1])
+            results[case_id] = {"tensors": _run_case(backend, BlockMask, case_id, inp)}
+        except Exception:  # reported by that case's test, with the child's traceback
+            results[case_id] = {"error": traceback.format_exc()}
+        results[case_id]["seconds"] = time.perf_counter() - start
+    torch.save(results, out_path)
+
+
+# ------------------------------------------------------------------------------------- parent (pytest)
+@pytest.fixture(scope="module")
+def interpreter_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("triton_interp")
+    in_path, out_path = str(tmp / "inputs.pt"), str(tmp / "results.pt")
+    torch.save({cid: _inputs(cid) for cid in CASES}, in_path)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), in_path, out_path], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter child failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return torch.load(out_path)
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_matches_float64_reference(interpreter_results, case_id):
+    result = interpreter_results[case_id]
+    assert "error" not in result, f"{case_id} raised in the interpreter:\n{result.get('error')}"
+    got = result["tensors"]
+    inp = _inputs(case_id)
+    ref = _reference(case_id, inp)
+    dtype = CASES[case_id][8]
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        g, r = got[name], ref[name]
+        assert g.shape == r.shape, f"{name}: shape {tuple(g.shape)} != reference {tuple(r.shape)}"
+        want_dtype = torch.float32 if name == "lse" else getattr(torch, dtype)
+        assert g.dtype == want_dtype, f"{name}: dtype {g.dtype}, expected {want_dtype}"
+        assert not torch.isnan(g).any(), f"{name} has NaN"
+        if name == "lse":
+            inf = torch.isinf(r)
+            assert torch.equal(torch.isinf(g), inf) and bool((g[inf] < 0).all()), "lse -inf rows differ"
+            err = (g.double()[~inf] - r[~inf]).abs().max().item() if bool((~inf).any()) else 0.0
+            scale = 1.0
+        else:
+            err = (g.double() - r).abs().max().item()
+            scale = max(r.abs().max().item(), 1e-6)
+        assert err <= _TOL[dtype][name] * scale, (
+            f"{case_id}: {name} max error {err:.3e} > {_TOL[dtype][name]:.0e} x {scale:.3g}")
+    if CASES[case_id][9] == "empty":
+        assert all(bool((got[n] == 0).all()) for n in ("out", "dq", "dk", "dv")), "empty block must give zeros"
+
+
+def test_interpreter_budget(interpreter_results):
+    """All cases together stay small enough for CI (2 cores): report each case's seconds on failure."""
+    seconds = {cid: round(r["seconds"], 2) for cid, r in interpreter_results.items()}
+    assert sum(seconds.values()) < 60, f"interpreter cases too slow: {seconds}"
+
+
+# ---------------------------------------------------------------------------- errors (no kernel launch)
+@pytest.fixture()
+def triton_attn():
+    return importlib.import_module("ring_kernels.backends.triton_attn")
+
+
+def test_unsupported_reasons(triton_attn):
+    be = triton_attn.TritonBackend()
+    ok = dict(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=128, mask_kind="causal", softcap=0.0)
+    assert be.unsupported_reason(**ok) is None
+    assert be.unsupported_reason(**{**ok, "softcap": 30.0}) is None
+    for d in (16, 32, 64, 256):
+        assert be.unsupported_reason(**{**ok, "head_dim": d}) is None
+    cases = [({"head_dim": 96}, "head_dim 96"), ({"head_dim": 8}, "head_dim 8"),
+             ({"mask_kind": "general"}, "general"), ({"dtype": torch.float64}, "float64"),
+             ({"softcap": -1.0}, "softcap")]
+    if not triton_attn._INTERPRET:
+        cases.append(({"device": torch.device("cpu")}, "TRITON_INTERPRET"))
+    for change, needle in cases:
+        reason = be.unsupported_reason(**{**ok, **change})
+        assert reason is not None and needle in reason, (change, reason)
+
+
+def test_bad_inputs_raise_clear_errors(triton_attn):
+    from ring_kernels.backends.base import BlockMask
+
+    be = triton_attn.TritonBackend()
+    q, k = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 3, 16)
+    with pytest.raises(ValueError, match=r"q heads \(4\) must be a multiple of k/v heads \(3\)"):
+        be.forward(q, k, k, scale=0.25, mask=BlockMask())
+    with pytest.raises(ValueError, match=r"head_dim=16"):
+        be.forward(q, torch.randn(1, 8, 4, 32), torch.randn(1, 8, 4, 32), scale=0.25, mask=BlockMask())
+    with pytest.raises(TypeError, match="share one dtype"):
+        be.forward(q, q.half(), q, scale=0.25, mask=BlockMask())
+    with pytest.raises(ValueError, match=r"\(batch, seqlen, heads, head_dim\)"):
+        be.forward(q[0], q[0], q[0], scale=0.25, mask=BlockMask())
+    with pytest.raises(TypeError, match="mask must be a BlockMask"):
+        be.forward(q, q, q, scale=0.25, mask=True)
+    with pytest.raises(TypeError, match="scale must be a finite float"):
+        be.forward(q, q, q, scale=float("nan"), mask=BlockMask())
+    with pytest.raises(ValueError, match="cannot compute this block: .*general"):
+        be.forward(q, q, q, scale=0.25, mask=BlockMask(causal=True, q_start=0, k_start=4))
+    with pytest.raises(ValueError, match="lse must be a float32 tensor"):
+        be.backward(q, q, q, q, q, torch.zeros(1, 4, 8, dtype=torch.float64), scale=0.25, mask=BlockMask())
+
+
+def test_import_without_triton_is_a_clean_import_error(monkeypatch):
+    name = "ring_kernels.backends.triton_attn"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "triton", None)            # what `import triton` sees when absent
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    with pytest.raises(ImportError, match=r"pip install hfpatch\[triton\]"):
+        importlib.import_module(name)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], sys.argv[2])
