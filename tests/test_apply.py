@@ -1,0 +1,350 @@
+"""hfpatch.apply over a real 2-rank gloo group: a Llama built from its config runs every attention layer through
+the ring (counted), remove() restores everything, a second apply/remove is refused, failures (2nd site, numeric
+probe) leave nothing behind, an unsupported signature raises with a diff or falls back, the switch routes calls,
+a DeviceMesh works. All cases share one world (start-up is the expensive part)."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from _dist import run_world
+
+MFAU = "transformers.modeling_flash_attention_utils"
+INTEG = "transformers.integrations.flash_attention"
+NAME = "_flash_attention_forward"
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _tiny_llama(attn="eager"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=128, attn_implementation=attn)
+    torch.manual_seed(0)  # identical weights on every rank
+    return LlamaForCausalLM(config).eval()
+
+
+def _bindings():
+    return importlib.import_module(MFAU).__dict__[NAME], importlib.import_module(INTEG).__dict__[NAME]
+
+
+def _assert_untouched(original, model=None):
+    from hfpatch import active_patch, patcher
+
+    assert _bindings() == (original, original)
+    assert not any(isinstance(f, patcher._RebindFinder) for f in sys.meta_path)
+    assert active_patch() is None
+    if model is not None:
+        assert model.config._attn_implementation == "eager"
+
+
+def _fake_original(real):
+    """A stand-in for flash-attn's path with the real signature (flash-attn is not installed on CPU): plain
+    attention on the local tensors only, counting its calls."""
+    signature = inspect.signature(real)
+    calls = []
+
+    def _flash_attention_forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        q, k, v = (bound.arguments[n] for n in ("query_states", "key_states", "value_states"))
+        calls.append(q.shape)
+        groups = q.shape[2] // k.shape[2]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(groups, 1),
+            v.transpose(1, 2).repeat_interleave(groups, 1), is_causal=bound.arguments["is_causal"])
+        return out.transpose(1, 2)
+
+    _flash_attention_forward.__signature__ = signature
+    return _flash_attention_forward, calls
+
+
+def _set_bindings(fn):
+    setattr(sys.modules[MFAU], NAME, fn)
+    setattr(sys.modules[INTEG], NAME, fn)
+
+
+def _ring_forward(patch, model, ids):
+    batch = patch.shard_inputs(ids)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return logits, batch["position_ids"][0]
+
+
+# --------------------------------------------------------------------------------------------- cases
+
+
+def _case_llama_every_layer(group, late_dir):
+    import hfpatch
+    from hfpatch.errors import PatchError
+    from hfpatch.signatures import registry
+
+    original = _bindings()[0]
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+
+    patch = hfpatch.apply(group, model=model)
+    assert patch.active and patch.reason is None and hfpatch.active_patch() is patch
+    assert patch.signature_id == registry.match(inspect.signature(original)).id
+    assert patch.sites[:1] == [f"{MFAU}.{NAME}"] and f"{INTEG}.{NAME}" in patch.sites
+    wrapper = _bindings()[0]
+    assert wrapper is not original and wrapper.__wrapped__ is original and _bindings() == (wrapper, wrapper)
+    assert "def _flash_attention_forward(" in patch.wrapper_source()
+    assert model.config._attn_implementation == "flash_attention_2"
+    assert patch.calls == {} and patch.mode_calls == {}  # the numeric probe is not counted
+
+    with torch.no_grad():
+        logits, positions = _ring_forward(patch, model, ids)
+    torch.testing.assert_close(logits, expected[:, positions], rtol=1e-5, atol=1e-5)
+    assert patch.calls == {0: 1, 1: 1} and patch.layers_seen() == [0, 1]
+    assert patch.unpatched_layers(model) == []
+    with torch.no_grad():
+        _ring_forward(patch, model, ids)
+    assert patch.calls == {0: 2, 1: 2} and patch.layers_seen() == [0, 1]
+
+    # reference mode: all-gathered plain attention, same numbers, counted as reference (not ring)
+    with hfpatch.switch("reference"), torch.no_grad():
+        ref_logits, _ = _ring_forward(patch, model, ids)
+    torch.testing.assert_close(ref_logits, logits, rtol=1e-5, atol=1e-5)
+    assert patch.mode_calls["reference"] == 2 and patch.calls == {0: 2, 1: 2}
+    assert [u["name"] for u in patch.unpatched_layers(model)] == ["model.layers.0.self_attn",
+                                                                  "model.layers.1.self_attn"]
+
+    # A model left on sdpa never reaches the wrapper: Patch names its layers.
+    other = _tiny_llama("sdpa")
+    patch.track(other)
+    with torch.no_grad():
+        other(ids, use_cache=False)
+    assert patch.layers_seen() == []
+    assert patch.unpatched_layers(other) == [
+        {"name": f"model.layers.{i}.self_attn", "class": "LlamaAttention", "attn_implementation": "sdpa"}
+        for i in range(2)
+    ]
+
+    # second apply while active: refused, naming the active patch
+    with pytest.raises(PatchError, match=r"already applied.*remove\(\) first"):
+        hfpatch.apply(group)
+
+    # a module imported after apply gets the wrapper, and gets the original back on remove
+    sys.path.insert(0, late_dir)
+    try:
+        late = importlib.import_module("hfpatch_late_binder")
+    finally:
+        sys.path.remove(late_dir)
+    assert late._flash_attention_forward is wrapper and "hfpatch_late_binder._flash_attention_forward" in patch.sites
+
+    patch.remove()
+    _assert_untouched(original, model)
+    assert late._flash_attention_forward is original
+    assert patch.sites == []
+    with pytest.raises(PatchError, match="already removed"):
+        patch.remove()
+    with pytest.raises(PatchError, match="removed"):
+        patch.shard_inputs(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, expected)
+
+
+def _case_context_manager(group):
+    import hfpatch
+
+    original = _bindings()[0]
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with hfpatch.apply(group, verify=False) as patch:
+            assert _bindings()[0] is not original
+            raise RuntimeError("inside the block")
+    _assert_untouched(original)
+    assert patch._removed
+
+
+def _case_failures_leave_nothing(group):
+    import hfpatch
+    from hfpatch import patcher, semantics
+    from hfpatch.errors import PatchError, VerificationError
+
+    original = _bindings()[0]
+    model = _tiny_llama()
+
+    # numeric probe: a ring that returns wrong numbers (on rank 1 only: every rank must still refuse)
+    real_ring = semantics.ring_attention
+    wrong = lambda call, extra, ctx: real_ring(call, extra, ctx) * (1.0 + ctx.rank)  # noqa: E731
+    semantics.ring_attention = wrong
+    try:
+        with pytest.raises(VerificationError, match="numeric probe"):
+            hfpatch.apply(group, model=model)
+    finally:
+        semantics.ring_attention = real_ring
+    _assert_untouched(original, model)
+
+    # a wrapper that raises inside the probe (e.g. a kernel error) is a VerificationError too
+    def broken(call, extra, ctx):
+        raise RuntimeError("kernel exploded")
+
+    semantics.ring_attention = broken
+    try:
+        with pytest.raises(VerificationError, match="kernel exploded"):
+            hfpatch.apply(group)
+    finally:
+        semantics.ring_attention = real_ring
+    _assert_untouched(original)
+
+    # failure while swapping the 2nd site
+    real_set, count = patcher.Site.set, []
+
+    def failing_set(site, value):
+        count.append(site.label)
+        if len(count) == 2:
+            raise OSError("injected failure at the 2nd site")
+        real_set(site, value)
+
+    patcher.Site.set = failing_set
+    try:
+        with pytest.raises(PatchError, match="2nd site"):
+            hfpatch.apply(group, model=model)
+    finally:
+        patcher.Site.set = real_set
+    _assert_untouched(original, model)
+
+
+def _case_switch_original_via_env(group):
+    import hfpatch
+
+    real = _bindings()[0]
+    fake, fake_calls = _fake_original(real)
+    _set_bindings(fake)
+    os.environ["RING_ATTN_SWITCH"] = "0"
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(2))
+    try:
+        patch = hfpatch.apply(group, model=model)  # the probe runs the ring whatever the switch says
+        assert hfpatch.current_mode() == "original" and fake_calls == []
+        with torch.no_grad():
+            local, _ = _ring_forward(patch, model, ids)
+        assert len(fake_calls) == 2 and patch.mode_calls == {"original": 2} and patch.calls == {}
+        assert patch.layers_seen() == [] and len(patch.unpatched_layers(model)) == 2
+        with hfpatch.switch("1"), torch.no_grad():
+            ring, _ = _ring_forward(patch, model, ids)
+        assert len(fake_calls) == 2 and patch.calls == {0: 1, 1: 1}
+        # the original on local shards is not CP attention: the ring result differs from it
+        assert not torch.allclose(local, ring, atol=1e-3)
+        patch.remove()
+        assert hfpatch.current_mode() == "ring"  # the default from before apply is back
+        assert _bindings() == (fake, fake)
+    finally:
+        del os.environ["RING_ATTN_SWITCH"]
+        _set_bindings(real)
+
+
+def _case_unsupported(group):
+    import hfpatch
+    from hfpatch import _compat
+    from hfpatch.errors import SignatureMismatch, UnsupportedRelease
+    from packaging.version import Version
+
+    real = _bindings()[0]
+
+    def _flash_attention_forward(query_states, key_states, value_states, attention_mask, is_causal, **kwargs):
+        raise AssertionError("never called")
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("hfpatch")
+    logger.addHandler(handler)
+    _set_bindings(_flash_attention_forward)
+    try:
+        with pytest.raises(SignatureMismatch) as info:
+            hfpatch.apply(group)
+        assert info.value.diff and "query_length" in info.value.diff and info.value.expected
+        assert _bindings()[0] is _flash_attention_forward
+        patch = hfpatch.apply(group, on_unsupported="fallback")
+        assert not patch.active and "unsupported" in patch.reason
+        assert _bindings() == (_flash_attention_forward, _flash_attention_forward)
+        warnings = [r for r in records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "not active" in warnings[0].getMessage()
+    finally:
+        _set_bindings(real)
+        logger.removeHandler(handler)
+
+    real_version = _compat.installed_transformers_version
+    _compat.installed_transformers_version = lambda: Version("4.42.4")
+    try:
+        with pytest.raises(UnsupportedRelease, match="4.42.4"):
+            hfpatch.apply(group)
+        assert not hfpatch.apply(group, on_unsupported="fallback").active
+    finally:
+        _compat.installed_transformers_version = real_version
+    _assert_untouched(real)
+
+
+def _case_groups_and_kernels(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hfpatch
+
+    original = _bindings()[0]
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    with hfpatch.apply(mesh) as patch:
+        assert patch.active and patch.ctx.world_size == world_size and patch.ctx.group is mesh.get_group()
+    for kernel in ("zigzag", "ring:reference", "stripe", "llama3"):
+        with hfpatch.apply(dist.group.WORLD, kernel=kernel) as patch:  # the numeric probe passes for each
+            assert patch.ctx.variant == kernel.split(":")[0]
+    singles = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    patch = hfpatch.apply(singles[rank])
+    assert not patch.active and "single rank" in patch.reason
+    _assert_untouched(original)
+
+
+def _apply_cases(rank, world_size, late_dir):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    _case_llama_every_layer(group, late_dir)
+    _case_context_manager(group)
+    _case_failures_leave_nothing(group)
+    _case_switch_original_via_env(group)
+    _case_unsupported(group)
+    _case_groups_and_kernels(rank, world_size)
+
+
+def test_apply_on_two_ranks(tmp_path):
+    (tmp_path / "hfpatch_late_binder.py").write_text(textwrap.dedent("""
+        from transformers.modeling_flash_attention_utils import _flash_attention_forward
+    """))
+    run_world(2, _apply_cases, str(tmp_path), timeout=240)
+
+
+# ------------------------------------------------------------------------ argument validation (no group)
+
+
+def test_bad_arguments_are_refused_before_anything():
+    import hfpatch
+
+    with pytest.raises(ValueError, match="on_unsupported='ignore'"):
+        hfpatch.apply(on_unsupported="ignore")
+    with pytest.raises(ValueError, match="kernel='flash'"):
+        hfpatch.apply(kernel="flash")
+    with pytest.raises(TypeError, match=r"cp_group=int .*ProcessGroup.*DeviceMesh"):
+        hfpatch.apply(3)
+    with pytest.raises(TypeError, match="verify="):
+        hfpatch.apply(verify="yes")
+    with pytest.raises(TypeError, match="model="):
+        hfpatch.apply(model="llama")
+
+
+def test_bad_switch_environment_is_refused_at_apply(monkeypatch):
+    import hfpatch
+
+    monkeypatch.setenv("RING_ATTN_SWITCH", "on")
+    with pytest.raises(ValueError, match="RING_ATTN_SWITCH='on'"):
+        hfpatch.apply()
