@@ -49,7 +49,7 @@ def _ring_rows(summary: List[dict]) -> List[List[str]]:
         rows.append([str(s["tokens_per_rank"]), s["config"], s["mode"], _causal(s["causal"]), s["layout"],
                      s["variant"], s["backend"], _ms(s["t_ms"]), _ms(s["t_ideal_ms"]), _pct(s["efficiency"]),
                      _pct(s["efficiency_vs_best"]), _ms(s.get("t_ring_nocomm_ms")),
-                     _num(s.get("tflops_per_gpu"), "{:.0f}"), _num(s.get("mem_ratio")),
+                     _num(s.get("tflops_per_gpu"), "{:.3g}"), _num(s.get("mem_ratio")),
                      _num(s.get("speedup_vs_native"))])
     return rows
 
@@ -68,7 +68,7 @@ def _single_rows(results: List[dict]) -> List[List[str]]:
         if r["kind"] in ("single", "sdpa_single") and r["status"] == "ok":
             rows.append([str(r["tokens_per_rank"]), r["config"], r["mode"], _causal(r["causal"]), r["layout"],
                          ("sdpa " if r["kind"] == "sdpa_single" else "") + r["backend"],
-                         _ms(r["time_ms"]["median_ms"]), _num(r.get("tflops_per_gpu"), "{:.0f}"),
+                         _ms(r["time_ms"]["median_ms"]), _num(r.get("tflops_per_gpu"), "{:.3g}"),
                          _num(None if r.get("peak_mem_bytes") is None else r["peak_mem_bytes"] / 2**30)])
     return sorted(rows)
 

@@ -125,14 +125,24 @@ class Bench:
             else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
+        # torchrun: we create the group. A caller that already has one (the CPU test's gloo world) keeps it.
+        self.owns_group = not dist.is_initialized()
+        if self.owns_group:
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(minutes=5))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # A group of one per rank: the library's own single-GPU path for the varlen baseline.
         self.solo_group, _ = dist.new_subgroups(group_size=1)
         self.mesh = None
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         self.backends = self._backends()
+        unit = 2 * self.world
+        bad = [t for t in args.tokens if t % unit]
+        if bad:
+            raise SystemExit(f"--tokens: {bad} per GPU must be multiples of 2 x {self.world} ranks = {unit} "
+                             f"(the zigzag layouts cut the sequence, and each varlen document, into 2N chunks)")
+        if args.check_tokens % unit:
+            raise SystemExit(f"--check-tokens {args.check_tokens} must be a multiple of {unit}")
         self.results: List[dict] = []
         self.started = time.time()
 
@@ -164,8 +174,9 @@ class Bench:
         return fields
 
     def free(self) -> None:
-        gc.collect()
+        """Return freed memory between cases so each one's peak starts clean (CUDA only: gc is slow)."""
         if self.device.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
 
     def mesh_for_native(self):
@@ -216,6 +227,9 @@ def run_group(bench: Bench, cfg: AttnConfig, layout: str, causal: bool, tokens: 
                 if v in args.variants and (causal or v not in CAUSAL_ONLY)]
     common = dict(config=cfg.name, layout=layout, causal=causal, tokens_per_rank=tokens, dtype=args.dtype)
     tag = f"{cfg.name} {layout} {'causal' if causal else 'noncausal'} {tokens}/GPU"
+    if not variants and (varlen or not args.native):
+        bench.log(f"{tag}: no variant selected for this point, skipped")
+        return
 
     local_mix = local_document_mix(tokens, n) if varlen else None
     doc_global = global_document_mix(local_mix, n) if varlen else None
@@ -277,7 +291,7 @@ def _measure(bench: Bench, make, local: Inputs, base: dict, doc_lengths, tag: st
             if err_t is None:
                 bench.record(**fields, status="ok", **timing)
                 bench.log(f"{tag} {base['kind']} {base['variant']}/{base['backend']} {mode}: "
-                          f"{timing['time_ms']['median_ms']:.3f} ms, {timing['tflops_per_gpu']:.1f} TFLOP/s/GPU")
+                          f"{timing['time_ms']['median_ms']:.3f} ms, {timing['tflops_per_gpu']:.3g} TFLOP/s/GPU")
                 continue
             bench.record(**fields, status=err_t[0], reason=err_t[1])
         else:
@@ -382,7 +396,8 @@ def _sdpa_and_native(bench: Bench, cfg, causal: bool, tokens: int, common: dict,
         nbase = dict(common, kind="native_cp", variant="native_cp", backend=sdpa)
         if reason is not None:
             for mode in bench.args.modes:
-                bench.record(**sbase, mode=mode, status="skipped", reason=reason)
+                bench.record(**sbase, mode=mode, status="skipped",
+                             reason=f"the SDPA baselines are native CP's denominators, measured with it: {reason}")
                 bench.record(**nbase, mode=mode, status="skipped", reason=reason)
             continue
         _measure(bench, lambda s=sdpa: native_cp.make_sdpa_single_step(
@@ -490,7 +505,8 @@ def main(argv=None) -> int:
         plot = report.try_plot(path)
         bench.log(plot)
     dist.barrier()
-    dist.destroy_process_group()
+    if bench.owns_group:
+        dist.destroy_process_group()
     return 0
 
 
