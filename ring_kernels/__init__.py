@@ -1,5 +1,16 @@
-"""Ring attention kernels: ring, zigzag, stripe and llama3 context parallelism over torch.distributed."""
+"""Ring attention kernels: ring, zigzag, stripe and llama3 context parallelism over torch.distributed.
+
+Tensors use flash-attn's layout: q (batch, seqlen_local, nheads, headdim), k/v with nheads_k dividing nheads.
+Shard a global sequence with ``shard(x, layout=...)`` (``"contiguous"`` for ring, ``"zigzag"``, ``"stripe"``),
+call the matching attention function on every rank of the group, and ``unshard`` the result if needed.
+"""
 
 from ring_kernels.layout import LAYOUTS, LocalVarlen, local_positions, local_varlen, shard, unshard
+from ring_kernels.ring import ring_attn_func
+from ring_kernels.stripe import stripe_attn_func
+from ring_kernels.zigzag import zigzag_ring_attn_func
 
-__all__ = ["LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard"]
+__all__ = [
+    "ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func",
+    "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard",
+]

@@ -1,0 +1,117 @@
+"""Input checks shared by every ring variant (batch and varlen). Each failure is a ``RingInputError``
+(a ``ValueError``) naming the argument, the value given, the requirement and the fix."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RingInputError", "check_qkv", "check_options", "resolve_scale", "check_ranks_agree",
+           "require_causal"]
+
+# Setting this to "1" skips the cross-rank shape check (one small all_gather and a host sync per call);
+# for benchmarks of a known-good setup only.
+SKIP_RANK_CHECK_ENV = "RING_KERNELS_SKIP_RANK_CHECK"
+
+
+class RingInputError(ValueError):
+    """Bad input to a ring_kernels function; the message says what was given and what is required."""
+
+
+def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool = False) -> None:
+    """q (B, S, H, D) and k, v (B, S, Hk, D) — or (T, H, D)/(T, Hk, D) when ``varlen`` — consistent, H % Hk == 0."""
+    layout = "(local_tokens, nheads, headdim)" if varlen else "(batch, seqlen_local, nheads, headdim)"
+    ndim = 3 if varlen else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise RingInputError(f"{fn}: {name} has shape {tuple(t.shape)}; expected {ndim} dims {layout}")
+        if not t.is_floating_point():
+            raise RingInputError(f"{fn}: {name} has dtype {t.dtype}; expected a floating dtype (bf16, fp16, fp32)")
+    if k.shape != v.shape:
+        raise RingInputError(f"{fn}: k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must be equal")
+    if q.shape[:-2] != k.shape[:-2]:
+        what = "local token count" if varlen else "(batch, seqlen_local)"
+        raise RingInputError(
+            f"{fn}: q has {what} {tuple(q.shape[:-2])} but k/v have {tuple(k.shape[:-2])}; they must be equal "
+            f"(self-attention over the same tokens; layout {layout})")
+    if q.shape[-1] != k.shape[-1]:
+        raise RingInputError(f"{fn}: q has head dim {q.shape[-1]} but k/v have {k.shape[-1]}; they must be equal")
+    h, hk = q.shape[-2], k.shape[-2]
+    if hk == 0 or h % hk != 0:
+        raise RingInputError(
+            f"{fn}: q has {h} heads and k/v have {hk}; nheads % nheads_k must be 0 (GQA groups of equal size)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise RingInputError(f"{fn}: dtypes differ (q {q.dtype}, k {k.dtype}, v {v.dtype}); cast them to one dtype")
+    if not (q.device == k.device == v.device):
+        raise RingInputError(f"{fn}: devices differ (q {q.device}, k {k.device}, v {v.device})")
+
+
+def check_options(fn: str, *, window_size, softcap, dropout_p) -> Tuple[int, int]:
+    """Validate window/softcap/dropout; return the window as a tuple of two ints."""
+    if dropout_p:
+        raise RingInputError(
+            f"{fn}: dropout_p={dropout_p!r}; ring attention does not implement attention dropout, pass 0.0 "
+            f"(e.g. run the model in eval mode or set attention_dropout=0)")
+    if (not isinstance(window_size, Sequence) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise RingInputError(f"{fn}: window_size={window_size!r}; expected a pair of ints (left, right), -1 = unbounded")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise RingInputError(f"{fn}: window_size={window_size!r}; each side must be >= 0 or -1 (unbounded)")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or softcap < 0 or math.isnan(softcap):
+        raise RingInputError(f"{fn}: softcap={softcap!r}; expected a float >= 0 (0 disables it)")
+    return int(left), int(right)
+
+
+def require_causal(fn: str, causal: bool, alternative: str = "ring_attn_func") -> None:
+    """Zigzag and stripe layouts exist to balance causal work; they do not implement non-causal attention."""
+    if not causal:
+        raise RingInputError(
+            f"{fn}: causal=False is not supported by this layout (it balances causal work only); "
+            f"use {alternative} for non-causal attention")
+
+
+def resolve_scale(fn: str, softmax_scale: Optional[float], head_dim: int) -> float:
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or not math.isfinite(softmax_scale):
+        raise RingInputError(f"{fn}: softmax_scale={softmax_scale!r}; expected a finite float or None (1/sqrt(headdim))")
+    return float(softmax_scale)
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+def check_ranks_agree(fn: str, group, fields: Sequence[Tuple[str, float]], device: torch.device) -> None:
+    """One all_gather of (name, value) metadata; raise on every rank if any rank differs.
+
+    ``fields`` are numbers (shapes, flags, scale); call on every rank with the same names in the same order.
+    """
+    world = dist.get_world_size(group)
+    if world == 1 or os.environ.get(SKIP_RANK_CHECK_ENV) == "1":
+        return
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([float(v) for _, v in fields], dtype=torch.float64, device=on)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu()
+    for i, (name, _) in enumerate(fields):
+        column = table[:, i].tolist()
+        if any(x != column[0] for x in column):
+            per_rank = ", ".join(f"rank {r}: {_fmt(x)}" for r, x in enumerate(column))
+            raise RingInputError(
+                f"{fn}: ranks disagree on {name} ({per_rank}); every rank of the group must call with the same "
+                f"shapes and options (shard each sequence with ring_kernels.shard)")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.get(dtype, -1)
+
+
+def _fmt(x: float):
+    return int(x) if float(x).is_integer() else x

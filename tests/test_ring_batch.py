@@ -1,0 +1,178 @@
+"""ring / zigzag / stripe attention (batch layout) against plain float64 softmax(QK^T)V, forward and backward.
+
+One gloo world per world size; each rank loops over a table of cases (variant x causal x backend x dtype x
+GQA x head dim x window/softcap). Every case builds the *global* q, k, v from a seed (identical on all
+ranks), runs the reference on the unsharded tensors, runs the ring on this rank's shard, and compares this
+rank's slice of out, dq, dk, dv. Local shards are taken with positions written here (not ring_kernels.shard),
+so the layouts are checked independently.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ring_kernels as rk
+from _dist import run_world
+
+VARIANTS = {  # name -> (function, causal options)
+    "ring": (rk.ring_attn_func, (False, True)),
+    "zigzag": (rk.zigzag_ring_attn_func, (True,)),
+    "stripe": (rk.stripe_attn_func, (True,)),
+}
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+def reference_attention(q, k, v, *, causal, scale, window=(-1, -1), softcap=0.0):
+    """Plain attention in float64 on global tensors (B, S, H, D); K/V heads repeated for GQA."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = torch.arange(q.shape[1])
+    visible = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool)
+    if causal:
+        visible &= pos[None, :] <= pos[:, None]
+    if window[0] >= 0:
+        visible &= pos[None, :] >= pos[:, None] - window[0]
+    if window[1] >= 0:
+        visible &= pos[None, :] <= pos[:, None] + window[1]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+
+
+def local_positions(layout: str, rank: int, world: int, seqlen: int) -> torch.Tensor:
+    """Global positions held by ``rank`` (written independently of ring_kernels.layout)."""
+    if layout == "ring":
+        local = seqlen // world
+        return torch.arange(rank * local, (rank + 1) * local)
+    if layout == "zigzag":
+        chunk = seqlen // (2 * world)
+        first = torch.arange(rank * chunk, (rank + 1) * chunk)
+        second_start = (2 * world - 1 - rank) * chunk
+        return torch.cat([first, torch.arange(second_start, second_start + chunk)])
+    return torch.arange(rank, seqlen, world)  # stripe
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """fp32: max abs error / max abs reference; bf16: relative Frobenius error."""
+    got, ref = got.detach().double(), ref.detach().double()
+    if dtype == torch.float32:
+        return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 5e-2)}  # (out, grads)
+
+
+def run_case(rank: int, world: int, case: dict, group=None, group_rank=None, group_world=None) -> None:
+    """Run one case on this rank and assert out, dq, dk, dv match the float64 reference."""
+    grank = rank if group_rank is None else group_rank
+    gworld = world if group_world is None else group_world
+    fn, _ = VARIANTS[case["variant"]]
+    b, heads, heads_k, d, dtype = case["batch"], case["heads"], case["heads_k"], case["headdim"], case["dtype"]
+    seqlen = case["seqlen_local"] * gworld
+    gen = torch.Generator().manual_seed(case["seed"])
+    q, k, v, dout = (torch.randn(b, seqlen, h, d, generator=gen).to(dtype) for h in (heads, heads_k, heads_k, heads))
+    qg, kg, vg = (x.double().requires_grad_() for x in (q, k, v))
+    scale = case.get("scale", d ** -0.5)
+    window, softcap = case.get("window", (-1, -1)), case.get("softcap", 0.0)
+    ref = reference_attention(qg, kg, vg, causal=case["causal"], scale=scale, window=window, softcap=softcap)
+    ref.backward(dout.double())
+
+    pos = local_positions(case["variant"], grank, gworld, seqlen)
+    ql, kl, vl = (x[:, pos].detach().clone().requires_grad_() for x in (q, k, v))
+    out = fn(ql, kl, vl, group=group, causal=case["causal"], softmax_scale=case.get("scale"),
+             backend=case["backend"], window_size=window, softcap=softcap)
+    out.backward(dout[:, pos])
+    assert out.dtype == dtype and ql.grad.dtype == dtype and kl.grad.dtype == dtype
+    tol_out, tol_grad = TOLERANCE[dtype]
+    for name, got, want, tol in (("out", out, ref, tol_out), ("dq", ql.grad, qg.grad, tol_grad),
+                                 ("dk", kl.grad, kg.grad, tol_grad), ("dv", vl.grad, vg.grad, tol_grad)):
+        assert torch.isfinite(got).all(), f"{name} has NaN/Inf in case {case}"
+        err = relative_error(got, want[:, pos], dtype)
+        assert err < tol, f"rank {rank}: {name} relative error {err:.2e} >= {tol:g} in case {case}"
+
+
+# ------------------------------------------------------------------------------------------ case table
+
+def standard_cases(world: int):
+    """variant x causal x backend x dtype x (MHA | GQA), head dims and local lengths rotating over the table."""
+    head_dims = itertools.cycle([64, 128, 80])
+    lengths = itertools.cycle([6, 10, 12])          # not powers of two; even (zigzag needs two chunks)
+    cases = []
+    for variant, (_, causals) in VARIANTS.items():
+        for causal, backend, dtype, (heads, heads_k) in itertools.product(
+                causals, ("reference", "torch_cpu"), (torch.float32, torch.bfloat16), ((4, 4), (8, 2))):
+            cases.append(dict(variant=variant, causal=causal, backend=backend, dtype=dtype, heads=heads,
+                              heads_k=heads_k, headdim=next(head_dims), seqlen_local=next(lengths), batch=2,
+                              seed=len(cases) + 100 * world))
+    return cases
+
+
+def extension_cases(world: int):
+    """Sliding window (every variant; both CPU backends) and softcap (reference, and 'auto' picking it)."""
+    cases = []
+    base = dict(dtype=torch.float32, heads=8, heads_k=2, headdim=64, seqlen_local=10, batch=1)
+    for variant, (_, causals) in VARIANTS.items():
+        for causal in causals:
+            window = (5, 0) if causal else (4, 3)
+            for backend in ("reference", "torch_cpu"):
+                cases.append(dict(base, variant=variant, causal=causal, backend=backend, window=window))
+            cases.append(dict(base, variant=variant, causal=causal, backend="auto", softcap=3.0, scale=0.3))
+    cases.append(dict(base, variant="zigzag", causal=True, backend="auto", softcap=2.0, window=(7, 0),
+                      dtype=torch.bfloat16))
+    for i, case in enumerate(cases):
+        case["seed"] = 1000 + i + 100 * world
+    return cases
+
+
+def _world_cases(rank: int, world: int, cases) -> None:
+    for case in cases:
+        run_case(rank, world, case)
+    if world == 2:
+        _ranks_that_disagree_fail_together(rank)
+    if world == 4:
+        _subgroups(rank)
+
+
+def _ranks_that_disagree_fail_together(rank: int) -> None:
+    """Different local lengths (or options) on different ranks: every rank raises, naming the field."""
+    q = torch.randn(1, 6 + 2 * rank, 4, 64)
+    with pytest.raises(ValueError, match=r"seqlen_local \(rank 0: 6, rank 1: 8\)"):
+        rk.zigzag_ring_attn_func(q, q, q)
+    q = torch.randn(1, 6, 4, 64)
+    with pytest.raises(ValueError, match=r"ranks disagree on causal"):
+        rk.ring_attn_func(q, q, q, causal=bool(rank))
+
+
+def _subgroups(rank: int) -> None:
+    """Two independent rings {0, 2} and {1, 3}: ring neighbours are mapped from group ranks to global ranks."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+    for variant, causal in (("ring", False), ("zigzag", True), ("stripe", True)):
+        case = dict(variant=variant, causal=causal, backend="torch_cpu", dtype=torch.float32, heads=8, heads_k=2,
+                    headdim=64, seqlen_local=6, batch=1, seed=7 + rank % 2)
+        run_case(rank, 4, case, group=group, group_rank=rank // 2, group_world=2)
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+def test_world_of_one_without_process_group():
+    """No process group and group=None: a world of one, i.e. plain attention (in process, no spawn)."""
+    assert not dist.is_initialized()
+    for case in standard_cases(1) + extension_cases(1):
+        run_case(0, 1, case)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_variants_match_reference(world):
+    # Window/softcap blocks go through the same engine; two world sizes suffice for them (start-up budget).
+    extensions = extension_cases(world) if world != 3 else []
+    run_world(world, _world_cases, standard_cases(world) + extensions)
