@@ -6,7 +6,8 @@ merged output and LSE. Backends are created lazily: importing this package impor
 Order of ``"auto"`` (first that supports the device, dtype, head dim, mask kind and softcap wins):
 
 - CPU: ``torch_cpu`` (aten's fused flash kernel for CPU, FULL/CAUSAL without a mask tensor, GENERAL with an
-  additive mask), then ``reference`` (the only one that does softcap, and any dtype).
+  additive mask), then ``reference`` (the only one that does softcap, and any dtype). ``triton`` exists on CPU
+  only under ``TRITON_INTERPRET=1`` (for tests) and comes last.
 - CUDA: ``torch_cudnn`` (fastest measured on H100/H200: ~2x torch's flash, see
   shared/reference/gpu-measurements.md), ``flash_attn`` (the flash-attn package: window and softcap natively),
   ``torch_flash`` (FlashAttention-2 built into torch), ``triton`` (our kernel, when triton is importable),
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -46,7 +48,8 @@ _REGISTRY: Dict[str, tuple] = {
 }
 
 _AUTO_ORDER = {
-    "cpu": ["torch_cpu", "reference"],
+    # triton on CPU only under its interpreter (tests); after reference, so "auto" never picks it there.
+    "cpu": ["torch_cpu", "reference", "triton"],
     "cuda": ["torch_cudnn", "flash_attn", "torch_flash", "triton", "torch_efficient", "reference"],
 }
 
@@ -76,7 +79,8 @@ def _is_present(name: str, device_type: str) -> bool:
     if name == "flash_attn":
         return device_type == "cuda" and _importable("flash_attn")
     if name == "triton":
-        return (device_type == "cuda" and _importable("triton")
+        interpreted = device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        return ((device_type == "cuda" or interpreted) and _importable("triton")
                 and _importable(__name__ + ".triton_attn"))
     return False
 

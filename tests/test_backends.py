@@ -1,0 +1,226 @@
+"""Block backends, the LSE merge and the backend registry, in process (no ranks needed).
+
+Each CPU backend is pinned and compared, forward (out, lse) and backward (dq, dk, dv), with float64 autograd on
+a dense mask, over every mask kind; then blocks are split and merged to check the property the ring relies
+on: merging per-block (out, lse) and summing per-block gradients computed from the *merged* out/lse equals
+attention over all keys at once.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ring_kernels as rk
+from ring_kernels import merge
+from ring_kernels.backends import (CAUSAL, EMPTY, FULL, GENERAL, UnknownBackendError, UnsupportedBackendError,
+                                   available_backends, get_backend)
+from ring_kernels.backends.base import BlockMask
+
+CPU_BACKENDS = [n for n in available_backends("cpu") if n != "triton"]   # triton: its own tests
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def dense_reference(q, k, v, visible, scale, softcap=0.0):
+    """float64 attention with a dense (Sq, Sk) mask; rows with no visible key give out 0, lse -inf."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def rel(got, want):
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+MASKS = {  # name -> (mask, Sq, Sk, expected kind)
+    "full": (BlockMask(), 7, 9, FULL),
+    "causal": (BlockMask(causal=True), 10, 10, CAUSAL),
+    "causal-offset": (BlockMask(causal=True, q_start=4, k_start=0), 7, 9, GENERAL),
+    "causal-past": (BlockMask(causal=True, q_start=20, k_start=0), 7, 9, FULL),
+    "causal-future": (BlockMask(causal=True, q_start=0, k_start=20), 7, 9, EMPTY),
+    "window": (BlockMask(causal=True, window=(2, 0)), 10, 10, GENERAL),
+    "window-both": (BlockMask(window=(1, 3), q_start=3, k_start=0), 7, 9, GENERAL),
+    # doc 3 (last query row) has no key: a fully masked row.
+    "docs": (BlockMask(q_doc=torch.tensor([0, 0, 1, 1, 2, 2, 3]), k_doc=torch.tensor([0, 0, 1, 1, 1, 4, 4, 4, 2])),
+             7, 9, GENERAL),
+    "positions": (BlockMask(causal=True, q_pos=torch.tensor([0, 1, 2, 9, 10, 11]),
+                            k_pos=torch.tensor([3, 4, 5, 6, 7, 8])), 6, 6, GENERAL),
+}
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_forward_backward_match_dense_reference(backend, mask_name, dtype):
+    mask, sq, sk, kind = MASKS[mask_name]
+    assert mask.kind(sq, sk) == kind
+    torch.manual_seed(0)
+    heads, heads_k, d = (8, 2, 80) if dtype == torch.float32 else (4, 4, 64)
+    q, k, v = (torch.randn(2, s, h, d).to(dtype) for s, h in ((sq, heads), (sk, heads_k), (sk, heads_k)))
+    impl = get_backend(backend, device="cpu", dtype=dtype, head_dim=d, mask_kind=GENERAL)
+    out, lse = impl.forward(q, k, v, scale=0.2, mask=mask)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, heads, sq) and lse.dtype == torch.float32
+
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    visible = mask.dense(sq, sk, "cpu")
+    ref_out, ref_lse = dense_reference(qr, kr, vr, visible, 0.2)
+    dout = torch.randn_like(ref_out)
+    ref_out.backward(dout)
+    dead_rows = ~visible.any(-1)
+    assert torch.equal(torch.isinf(lse), dead_rows.expand_as(lse)), "lse = -inf exactly on rows with no key"
+    assert bool((out[:, dead_rows] == 0).all())
+    assert rel(out, ref_out) < TOLERANCE[dtype]
+    finite = ~dead_rows
+    if bool(finite.any()):
+        assert rel(lse[..., finite], ref_lse[..., finite]) < TOLERANCE[dtype]
+
+    grads = impl.backward(dout.to(dtype), q, k, v, out, lse, scale=0.2, mask=mask)
+    for got, want, x in zip(grads, (qr.grad, kr.grad, vr.grad), (q, k, v)):
+        assert got.shape == x.shape and got.dtype == dtype and torch.isfinite(got).all()
+        if kind != EMPTY:
+            assert rel(got, want) < 4 * TOLERANCE[dtype]
+        else:
+            assert bool((got == 0).all())
+
+
+@pytest.mark.parametrize("softcap", [1.5, 30.0])
+def test_reference_softcap_forward_backward(softcap):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 6, 4, 16), torch.randn(1, 6, 2, 16), torch.randn(1, 6, 2, 16)
+    mask = BlockMask(causal=True)
+    impl = get_backend("reference", device="cpu", dtype=torch.float32, head_dim=16, mask_kind=CAUSAL, softcap=softcap)
+    out, lse = impl.forward(q, k, v, scale=0.5, mask=mask, softcap=softcap)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref, ref_lse = dense_reference(qr, kr, vr, mask.dense(6, 6, "cpu"), 0.5, softcap)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    assert rel(out, ref) < 1e-5 and rel(lse, ref_lse) < 1e-5
+    grads = impl.backward(dout.float(), q, k, v, out, lse, scale=0.5, mask=mask, softcap=softcap)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_split_keys_merge_and_backward_from_merged_lse(backend):
+    """Three key blocks (FULL, GENERAL, EMPTY for some rows) merged == one block; block grads sum to the whole."""
+    torch.manual_seed(2)
+    sq, sk = 6, 15
+    q, k, v = torch.randn(2, sq, 8, 64), torch.randn(2, sk, 2, 64), torch.randn(2, sk, 2, 64)
+    impl = get_backend(backend, device="cpu", dtype=torch.float32, head_dim=64, mask_kind=GENERAL)
+    whole = BlockMask(causal=True, q_start=8, k_start=0)      # rows see keys 0..8+i
+    out_all, lse_all = impl.forward(q, k, v, scale=0.125, mask=whole)
+    out_acc, lse_acc = merge.new_accumulators(q)
+    blocks = [(0, 5), (5, 11), (11, 15)]
+    for a, b in blocks:
+        part = BlockMask(causal=True, q_start=8, k_start=a)
+        o, lse = impl.forward(q, k[:, a:b], v[:, a:b], scale=0.125, mask=part)
+        merge.merge_block_(out_acc, lse_acc, o, lse)
+    assert rel(out_acc, out_all) < 1e-6 and rel(lse_acc, lse_all) < 1e-6
+    out = out_acc.to(q.dtype)
+    dout = torch.randn_like(out)
+    dq_all, dk_all, dv_all = impl.backward(dout, q, k, v, out, lse_acc, scale=0.125, mask=whole)
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for a, b in blocks:
+        part = BlockMask(causal=True, q_start=8, k_start=a)
+        g = impl.backward(dout, q, k[:, a:b], v[:, a:b], out, lse_acc, scale=0.125, mask=part)
+        dq += g[0]
+        dk[:, a:b] += g[1]
+        dv[:, a:b] += g[2]
+    assert rel(dq, dq_all) < 1e-5 and rel(dk, dk_all) < 1e-5 and rel(dv, dv_all) < 1e-5
+
+
+def test_merge_rows_without_keys_stay_zero_without_nan():
+    out_acc, lse_acc = merge.new_accumulators(torch.zeros(1, 3, 2, 4))
+    block_out = torch.zeros(1, 3, 2, 4, dtype=torch.bfloat16)
+    block_lse = torch.full((1, 2, 3), float("-inf"))
+    block_lse[:, :, 1] = 0.5
+    block_out[:, 1] = 2.0
+    merge.merge_block_(out_acc, lse_acc, block_out, block_lse)        # row 1 gets a block; rows 0, 2 none
+    merge.merge_block_(out_acc, lse_acc, torch.zeros_like(block_out), torch.full((1, 2, 3), float("-inf")))
+    assert not out_acc.isnan().any() and not lse_acc.isnan().any()
+    assert torch.equal(out_acc[:, 1], torch.full((1, 2, 4), 2.0)) and bool((out_acc[:, [0, 2]] == 0).all())
+    assert torch.equal(lse_acc[:, :, 1], torch.full((1, 2), 0.5)) and torch.isinf(lse_acc[:, :, [0, 2]]).all()
+    assert torch.equal(merge.safe_lse(lse_acc)[:, :, 0], torch.zeros(1, 2))
+
+
+def test_merge_into_row_views_in_place():
+    """Zigzag merges into half of the rows: the accumulators are views and must be updated in place."""
+    out_acc, lse_acc = merge.new_accumulators(torch.zeros(2, 4, 2, 3))
+    out_acc.fill_(1.0)
+    lse_acc.fill_(0.0)
+    merge.merge_block_(out_acc[:, 2:], lse_acc[:, :, 2:], torch.full((2, 2, 2, 3), 3.0), torch.zeros(2, 2, 2))
+    assert torch.equal(out_acc[:, :2], torch.ones(2, 2, 2, 3)) and torch.allclose(out_acc[:, 2:], torch.full((2, 2, 2, 3), 2.0))
+    assert torch.allclose(lse_acc[:, :, 2:], torch.full((2, 2, 2), float(torch.log(torch.tensor(2.0)))))
+
+
+# --------------------------------------------------------------------------------------------- registry
+
+def test_available_backends_on_cpu_in_auto_order():
+    names = available_backends("cpu")
+    assert names[:2] == ["torch_cpu", "reference"]
+    assert set(names) <= {"torch_cpu", "reference", "triton"}
+
+
+@pytest.mark.parametrize("mask_kind,softcap,dtype,expected", [
+    (CAUSAL, 0.0, torch.float32, "torch_cpu"),
+    (GENERAL, 0.0, torch.bfloat16, "torch_cpu"),
+    (FULL, 2.0, torch.float32, "reference"),          # softcap: only the reference does it on CPU
+])
+def test_auto_picks_fastest_capable(mask_kind, softcap, dtype, expected):
+    impl = get_backend("auto", device="cpu", dtype=dtype, head_dim=64, mask_kind=mask_kind, softcap=softcap)
+    assert impl.name == expected
+
+
+def test_registry_errors_name_the_problem():
+    with pytest.raises(UnknownBackendError, match=r"backend='nope' is not a known backend.*torch_cudnn"):
+        get_backend("nope", device="cpu", dtype=torch.float32, head_dim=64, mask_kind=FULL)
+    with pytest.raises(UnsupportedBackendError, match=r"'torch_cudnn' is not available on device type 'cpu'"):
+        get_backend("torch_cudnn", device="cpu", dtype=torch.float32, head_dim=64, mask_kind=FULL)
+    with pytest.raises(UnsupportedBackendError, match=r"'torch_cpu' cannot compute these blocks: softcap"):
+        get_backend("torch_cpu", device="cpu", dtype=torch.float32, head_dim=64, mask_kind=FULL, softcap=1.0)
+    with pytest.raises(ValueError, match=r"mask_kind='diagonal'"):
+        get_backend("auto", device="cpu", dtype=torch.float32, head_dim=64, mask_kind="diagonal")
+    assert issubclass(UnknownBackendError, ValueError) and issubclass(UnsupportedBackendError, ValueError)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+def _t(*shape):
+    return torch.randn(*shape)
+
+
+BAD_INPUT = [
+    (rk.ring_attn_func, (_t(1, 6, 4, 8), _t(1, 6, 2, 8), _t(1, 6, 4, 8)), {}, r"k has shape \(1, 6, 2, 8\) but v has"),
+    (rk.ring_attn_func, (_t(1, 6, 4, 8), _t(1, 5, 4, 8), _t(1, 5, 4, 8)), {}, r"q has \(batch, seqlen_local\) \(1, 6\)"),
+    (rk.ring_attn_func, (_t(1, 6, 6, 8), _t(1, 6, 4, 8), _t(1, 6, 4, 8)), {}, r"6 heads .* 4; nheads % nheads_k"),
+    (rk.ring_attn_func, (_t(1, 6, 4, 8), _t(1, 6, 4, 16), _t(1, 6, 4, 16)), {}, r"head dim 8 but k/v have 16"),
+    (rk.ring_attn_func, (_t(6, 4, 8), _t(6, 4, 8), _t(6, 4, 8)), {}, r"expected 4 dims \(batch, seqlen_local"),
+    (rk.ring_attn_func, (_t(1, 6, 4, 8),) * 3, {"dropout_p": 0.1}, r"dropout_p=0.1; .*pass 0.0"),
+    (rk.ring_attn_func, (_t(1, 6, 4, 8),) * 3, {"window_size": (3,)}, r"window_size=\(3,\); expected a pair"),
+    (rk.ring_attn_func, (_t(1, 6, 4, 8),) * 3, {"window_size": (-2, 0)}, r"must be >= 0 or -1"),
+    (rk.ring_attn_func, (_t(1, 6, 4, 8),) * 3, {"softcap": -1.0}, r"softcap=-1.0; expected a float >= 0"),
+    (rk.ring_attn_func, (_t(1, 6, 4, 8),) * 3, {"backend": "torch_flash"}, r"not available on device type 'cpu'"),
+    (rk.zigzag_ring_attn_func, (_t(1, 7, 4, 8),) * 3, {}, r"seqlen_local=7; the zigzag layout needs an even"),
+    (rk.zigzag_ring_attn_func, (_t(1, 6, 4, 8),) * 3, {"causal": False}, r"causal=False .* use ring_attn_func"),
+    (rk.stripe_attn_func, (_t(1, 6, 4, 8),) * 3, {"causal": False}, r"causal=False .* use ring_attn_func"),
+]
+
+
+@pytest.mark.parametrize("fn,args,kwargs,message", BAD_INPUT)
+def test_bad_input_raises_value_error_naming_it(fn, args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fn(*args, **kwargs)
+
+
+def test_mixed_dtypes_rejected():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"dtypes differ"):
+        rk.ring_attn_func(q, q.bfloat16(), q)
