@@ -32,6 +32,14 @@ def _git(*args: str) -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def _nccl_version() -> Optional[str]:
+    try:
+        v = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 @functools.lru_cache(maxsize=None)
 def _static(device_type: str, device_index: Optional[int]) -> dict:
     cuda = device_type == "cuda"
@@ -43,7 +51,7 @@ def _static(device_type: str, device_index: Optional[int]) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "nccl": _nccl_version() if cuda else None,
         "triton": _version("triton"),
         "flash_attn": _version("flash-attn"),
         "transformers": _version("transformers"),

@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 from typing import Iterable, List, Optional
 
-__all__ = ["markdown", "plot", "try_plot", "targets"]
+__all__ = ["markdown", "plot", "try_plot", "targets", "merge"]
 
 TARGET_TOKENS = 8192   # issue 8's targets are stated at 8k tokens per GPU, forward+backward, 2 GPUs
 
@@ -198,22 +198,60 @@ def try_plot(json_path: str) -> str:
         return str(exc)
 
 
+def merge(docs: List[dict]) -> dict:
+    """One document from several runs on the same machine kind (e.g. the 8k and the 32k device calls).
+
+    Results are concatenated and the summary recomputed; runs on different devices or world sizes are
+    refused, because their ratios must not be mixed.
+    """
+    from _summary import summarize
+
+    first = docs[0]
+    for d in docs[1:]:
+        for key in ("device_name", "world_size", "torch"):
+            if d["stamp"].get(key) != first["stamp"].get(key):
+                raise ValueError(f"merge: runs differ in {key}: {first['stamp'].get(key)!r} vs "
+                                 f"{d['stamp'].get(key)!r}; merge only runs made on the same machine kind")
+    results = [r for d in docs for r in d["results"]]
+    merged = dict(first, results=results, summary=summarize(results, first["stamp"]["world_size"]))
+    merged["complete"] = all(d.get("complete", True) for d in docs)
+    merged["merged_from"] = [d["stamp"]["date"] for d in docs]
+    return merged
+
+
+def _load(path: str) -> dict:
+    if not path.endswith(".json"):
+        raise SystemExit(f"report.py: {path!r} is not a .json file written by ring_bench.py")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _render(doc: dict, json_path: str, with_plot: bool) -> None:
+    md = json_path[:-5] + ".md"
+    with open(md, "w") as f:
+        f.write(markdown(doc))
+    print(f"wrote {md}")
+    if with_plot:
+        print(try_plot(json_path))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="ring_bench JSON -> markdown table (+ plot with matplotlib)")
     p.add_argument("json", nargs="+")
+    p.add_argument("--merge", metavar="OUT.json", help="merge the runs into one JSON (then one .md and .png)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
+    if args.merge:
+        if not args.merge.endswith(".json"):
+            raise SystemExit(f"--merge {args.merge!r}: the output name must end in .json")
+        doc = merge([_load(path) for path in args.json])
+        with open(args.merge, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.merge}")
+        _render(doc, args.merge, not args.no_plot)
+        return 0
     for path in args.json:
-        if not path.endswith(".json"):
-            raise SystemExit(f"report.py: {path!r} is not a .json file written by ring_bench.py")
-        with open(path) as f:
-            doc = json.load(f)
-        md = path[:-5] + ".md"
-        with open(md, "w") as f:
-            f.write(markdown(doc))
-        print(f"wrote {md}")
-        if not args.no_plot:
-            print(try_plot(path))
+        _render(_load(path), path, not args.no_plot)
     return 0
 
 

@@ -47,12 +47,21 @@ def _world(rank, world_size, out_dir):
     assert ring_bench.main(ARGV + ["--out", out_dir]) == 0
 
 
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def bench_doc(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("bench"))
     run_world(2, _world, out, timeout=240)
-    files = glob.glob(os.path.join(out, "cpu_test.*"))
-    assert sorted(os.path.basename(f) for f in files) == ["cpu_test.json", "cpu_test.md"]
+    files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(out, "cpu_test.*")))
+    # The plot is optional (matplotlib may be absent, as on the GPU machine); JSON and markdown never are.
+    assert files == ["cpu_test.json", "cpu_test.md"] + (["cpu_test.png"] if _has_matplotlib() else [])
     with open(os.path.join(out, "cpu_test.json")) as f:
         doc = json.load(f)
     with open(os.path.join(out, "cpu_test.md")) as f:
@@ -147,3 +156,25 @@ def test_summarize_arithmetic():
            "settings": {"dtype": "bf16"}, "results": results, "summary": summarize(results, 2)}
     md = report.markdown(doc)
     assert "## Targets (issue 8)" in md and "96.0%" in md and "1.30x" in md and "refused" in md
+
+
+def test_merge_and_plot(tmp_path):
+    a = [_result("single", "single", "torch_flash", 6.0), _result("ring", "zigzag", "torch_flash", 12.5)]
+    b = [_result("single", "single", "torch_flash", 100.0, tokens_per_rank=32768),
+         _result("ring", "zigzag", "torch_flash", 250.0, tokens_per_rank=32768)]
+    stamp = {"world_size": 2, "device_name": "X", "date": "d", "torch": "t"}
+    docs = [{"stamp": dict(stamp), "settings": {"dtype": "bf16"}, "results": r, "summary": summarize(r, 2)}
+            for r in (a, b)]
+    merged = report.merge(docs)
+    eff = {s["tokens_per_rank"]: s["efficiency"] for s in merged["summary"]}
+    assert eff == {8192: pytest.approx(12.0 / 12.5), 32768: pytest.approx(200.0 / 250.0)}
+    docs[1]["stamp"]["world_size"] = 4
+    with pytest.raises(ValueError, match="world_size"):
+        report.merge(docs)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(merged))
+    line = report.try_plot(str(path))
+    if _has_matplotlib():
+        assert line == f"wrote {tmp_path / 'm.png'}" and (tmp_path / "m.png").stat().st_size > 0
+    else:
+        assert "matplotlib is not installed" in line and not (tmp_path / "m.png").exists()
