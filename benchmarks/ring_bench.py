@@ -28,7 +28,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Sibling modules, and the checkout's ring_kernels even where the project is not pip-installed (GPU machine).
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 from _cases import (BATCH_VARIANTS, CAUSAL_ONLY, CONFIGS, MODES, VARLEN_VARIANTS, VARIANT_LAYOUT,  # noqa: E402
                     AttnConfig, attention_flops, global_document_mix, local_document_mix)
@@ -87,7 +89,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="default: 10 up to 8k tokens, 5 to 16k, 3 above")
     p.add_argument("--check-tokens", type=int, default=1024, help="tokens per GPU of the correctness gate")
     p.add_argument("--max-minutes", type=float, default=None, help="start no new case group after this")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=os.path.join(_HERE, "results"))
     p.add_argument("--tag", default=None, help="file name stem (default: ring_bench_<device>_<date>)")
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in _csv(args.tokens)]
