@@ -9,6 +9,8 @@ import sys
 # the parser it adds sets ``func(args) -> int`` (the exit code).
 SUBCOMMANDS = {
     "signatures": "signatures",
+    "check": "check",
+    "compat": "compat",
 }
 
 

@@ -1,0 +1,421 @@
+"""``hfpatch check``: can hfpatch patch this transformers release? A yes/no for CI, with the facts.
+
+Installed release (default)::
+
+    hfpatch check [--json] [--world-size N] [--kernel K]
+
+reads the installed transformers version and the live ``_flash_attention_forward`` signature (registry verdict
+and signature id), then does a dry run in a throwaway gloo world of ``N`` spawned CPU processes (default 2):
+``hfpatch.apply(group, verify=True)`` (install at every binding site, identity check, numeric probe over the
+group), the binding sites it patched, and ``Patch.remove()`` followed by an identity check that every module
+holds the original function again.
+
+A release that is not installed::
+
+    hfpatch check --transformers X.Y.Z [--json]
+
+gives the static verdict: the release's wheel is read without installing or importing it
+(``hfpatch.cli.static_check.static_check``; the wheel is fetched with pip into a cache when needed).
+
+Exit codes: 0 supported and verified; 1 unsupported or verification failed; 2 usage or environment error
+(bad version string, transformers not installed, no network to fetch a wheel, processes that cannot start).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+__all__ = ["add_parser", "run_check", "check_installed", "check_release", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_DRY_RUN_TIMEOUT_S = 180.0
+_MFAU = "transformers.modeling_flash_attention_utils"
+_TARGET = "_flash_attention_forward"
+_INTEGRATION = "transformers.integrations.flash_attention"
+
+
+# ------------------------------------------------------------------------------------------------ parser
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "check",
+        help="is the installed (or a given) transformers release supported? exit 0 yes, 1 no, 2 usage error",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    parser.add_argument(
+        "--world-size", type=int, default=2, metavar="N",
+        help="CPU processes in the dry-run gloo world (default 2; at least 2: one rank is not context parallel)",
+    )
+    parser.add_argument(
+        "--kernel", default="auto",
+        help="ring variant for the dry run, as for hfpatch.apply(kernel=...) (default: auto)",
+    )
+    parser.add_argument(
+        "--transformers", metavar="X.Y.Z", default=None,
+        help="give the static verdict for this release instead of the installed one (reads its wheel; no install)",
+    )
+    parser.set_defaults(func=_main)
+    return parser
+
+
+def _main(args: argparse.Namespace) -> int:
+    report = run_check(transformers=args.transformers, world_size=args.world_size, kernel=args.kernel)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+    else:
+        print(format_report(report))
+    return report["exit_code"]
+
+
+def run_check(*, transformers: str | None = None, world_size: int = 2, kernel: str = "auto") -> dict:
+    """The check as a dict (what ``--json`` prints); ``report["exit_code"]`` is the command's exit code."""
+    started = time.perf_counter()
+    if transformers is not None:
+        report = check_release(transformers)
+    else:
+        report = check_installed(world_size=world_size, kernel=kernel)
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    return report
+
+
+# -------------------------------------------------------------------------------------------- installed
+
+
+def _base_report(mode: str) -> dict:
+    from hfpatch import __version__
+
+    return {
+        "mode": mode,
+        "hfpatch": __version__,
+        "python": platform.python_version(),
+        "transformers": None,
+        "verdict": None,
+        "signature_id": None,
+        "supported": False,
+        "binding_sites": [],
+        "problems": [],
+        "exit_code": EXIT_USAGE,
+    }
+
+
+def _fail(report: dict, code: int, problem: str) -> dict:
+    report["problems"].append(problem)
+    report["exit_code"] = code
+    return report
+
+
+def check_installed(*, world_size: int = 2, kernel: str = "auto") -> dict:
+    """Registry verdict for the installed release, then a dry-run apply + verify + remove on ``world_size``
+    spawned gloo processes."""
+    from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED, installed_transformers_version, is_supported_release
+
+    report = _base_report("installed")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
+        return _fail(report, EXIT_USAGE, (
+            f"--world-size {world_size!r}: the dry run needs at least 2 processes (one rank is not context "
+            "parallel, hfpatch.apply falls back to non-CP mode there). Fix: --world-size 2 (the default)."
+        ))
+    version = installed_transformers_version()
+    if version is None:
+        return _fail(report, EXIT_USAGE, (
+            "transformers is not installed in this environment. Fix: pip install transformers, or give a "
+            "release with --transformers X.Y.Z for the static verdict."
+        ))
+    report["transformers"] = str(version)
+    try:
+        import torch
+
+        report["torch"] = torch.__version__
+    except ImportError as exc:
+        return _fail(report, EXIT_USAGE, f"torch cannot be imported ({exc}). Fix: pip install torch.")
+    if not is_supported_release(version):
+        report["verdict"] = "unsupported-release"
+        return _fail(report, EXIT_FAILED, (
+            f"transformers {version} is not supported: before {TRANSFORMERS_MIN_SUPPORTED} every model class has "
+            f"its own _flash_attention_forward method, there is no module-level function to patch. "
+            f"Fix: upgrade to transformers>={TRANSFORMERS_MIN_SUPPORTED}."
+        ))
+    if not _registry_verdict(report, version):
+        return report
+    _dry_run(report, world_size=world_size, kernel=kernel)
+    return report
+
+
+def _registry_verdict(report: dict, version) -> bool:
+    """Fill verdict / signature_id / diff from the live signature; False (report finished) if unsupported."""
+    import importlib
+
+    from hfpatch.signatures import registry
+
+    try:
+        mfau = importlib.import_module(_MFAU)
+        live = getattr(mfau, _TARGET)
+    except Exception as exc:  # an installed release that cannot even be imported: environment problem
+        _fail(report, EXIT_USAGE, f"cannot import {_MFAU}.{_TARGET} from transformers {version}: "
+                                  f"{type(exc).__name__}: {exc}")
+        return False
+    result = registry.match(inspect.signature(live), str(version))
+    report["verdict"] = result.verdict
+    report["signature_id"] = result.id
+    report["registry_entry"] = result.entry.id
+    if result.verdict == "compatible":
+        report["added_parameters"] = list(result.added)
+    if not result.supported:
+        report["diff"] = result.diff
+        _fail(report, EXIT_FAILED, (
+            f"transformers {version}: {_MFAU}.{_TARGET} matches no registry entry (nearest {result.entry.id}); "
+            "see 'diff'. Fix: pin a supported release (hfpatch check --transformers X.Y.Z tells), or run "
+            "`hfpatch signatures scan --version "
+            f"{version}` and open an issue with its output."
+        ))
+        return False
+    return True
+
+
+def _dry_run(report: dict, *, world_size: int, kernel: str) -> None:
+    """Spawn the world, collect every rank's facts, and decide the exit code."""
+    started = time.perf_counter()
+    try:
+        ranks = _spawn_world(world_size, kernel)
+    except _WorldError as exc:
+        report["dry_run"] = {"world_size": world_size, "kernel": kernel, "ok": False, "error": str(exc)}
+        _fail(report, EXIT_USAGE, f"the dry-run world could not run: {exc}")
+        return
+    dry = {
+        "world_size": world_size,
+        "kernel": kernel,
+        "seconds": round(time.perf_counter() - started, 2),
+        "ranks": ranks,
+    }
+    report["dry_run"] = dry
+    rank0 = ranks[0]
+    report["binding_sites"] = rank0.get("sites", [])
+    failures = [r for r in ranks if not r.get("ok")]
+    dry["ok"] = not failures
+    if not failures:
+        report["supported"] = True
+        report["exit_code"] = EXIT_OK
+        return
+    worst = EXIT_USAGE if any(r.get("error_kind") == "environment" for r in failures) else EXIT_FAILED
+    for r in failures:
+        _fail(report, worst, f"rank {r['rank']}: {r.get('error') or 'dry run failed'}")
+
+
+class _WorldError(RuntimeError):
+    """The throwaway world could not run (spawn failure, timeout, a crashed process)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_world(world_size: int, kernel: str) -> list[dict]:
+    """Run ``_dry_run_rank`` on ``world_size`` spawned processes; return their fact dicts, by rank."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_dry_run_rank, args=(r, world_size, port, kernel, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + _DRY_RUN_TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results: dict[int, dict] = {}
+    while not queue.empty():
+        facts = queue.get()
+        results[facts["rank"]] = facts
+    if hung:
+        raise _WorldError(f"ranks {hung} did not finish within {_DRY_RUN_TIMEOUT_S:.0f}s (deadlock?)")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise _WorldError(f"ranks {missing} exited without a report (exit codes {codes})")
+    return [results[r] for r in range(world_size)]
+
+
+def _holders(obj: Any) -> list[str]:
+    """``module.attribute`` for every loaded module attribute that IS ``obj`` (identity, not equality)."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if value is obj:
+                found.append(f"{name}.{attr}")
+    return sorted(found)
+
+
+def _dry_run_rank(rank: int, world_size: int, port: int, kernel: str, queue) -> None:
+    """One process of the dry run: join the gloo world, apply + verify + remove, report facts on ``queue``."""
+    facts: dict[str, Any] = {"rank": rank, "ok": False}
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+    except Exception as exc:
+        facts.update(error=f"cannot join the gloo world: {type(exc).__name__}: {exc}", error_kind="environment")
+        queue.put(facts)
+        return
+    try:
+        _apply_verify_remove(facts, dist.group.WORLD, kernel)
+    except BaseException as exc:  # reported to the parent, never hidden: the traceback travels with it
+        from hfpatch.errors import HfpatchError
+
+        facts["error"] = f"{type(exc).__name__}: {exc}"
+        facts["error_type"] = type(exc).__name__
+        facts["error_kind"] = "environment" if isinstance(exc, ImportError) else (
+            "hfpatch" if isinstance(exc, HfpatchError) else "internal"
+        )
+        if facts["error_kind"] != "hfpatch":
+            facts["traceback"] = traceback.format_exc()
+    finally:
+        queue.put(facts)
+        try:
+            dist.destroy_process_group()
+        except Exception:  # the world may already be broken by the failure reported above
+            pass
+
+
+def _import_integration(facts: dict) -> None:
+    """Import transformers' flash-attention integration (4.48+), the binding site every model reaches through
+    ALL_ATTENTION_FUNCTIONS, so that the dry run patches and reports it as a real training process would."""
+    import importlib
+    import importlib.util
+
+    from hfpatch._compat import TRANSFORMERS_ATTENTION_FUNCTIONS, installed_transformers_version
+
+    version = installed_transformers_version()
+    if version is None or version < TRANSFORMERS_ATTENTION_FUNCTIONS:
+        return  # 4.43-4.47: no integration module; model modules bind the function only with flash-attn installed
+    try:
+        importlib.import_module(_INTEGRATION)
+    except Exception as exc:  # reported, not fatal: apply's import hook still covers a later import
+        facts.setdefault("notes", []).append(f"could not import {_INTEGRATION}: {type(exc).__name__}: {exc}")
+
+
+def _apply_verify_remove(facts: dict, group, kernel: str) -> None:
+    import importlib
+
+    import hfpatch
+
+    mfau = importlib.import_module(_MFAU)
+    original = getattr(mfau, _TARGET)
+    _import_integration(facts)
+    before = _holders(original)
+    patch = hfpatch.apply(group, kernel=kernel, verify=True)
+    facts["active"] = bool(patch.active)
+    facts["signature_id"] = getattr(patch, "signature_id", None)
+    facts["sites"] = sorted(str(site) for site in getattr(patch, "sites", ()))
+    if not patch.active:
+        facts["error"] = f"apply returned an inactive patch: {getattr(patch, 'reason', '(no reason given)')}"
+        facts["error_kind"] = "hfpatch"
+        return
+    still_original = _holders(original)
+    facts["verified"] = True
+    patch.remove()
+    after = _holders(original)
+    missing = sorted(set(before) - set(after))
+    facts["removed"] = not missing and getattr(mfau, _TARGET) is original
+    if still_original:
+        # A site that still held the original function while the patch was active was missed by apply.
+        facts["error"] = f"while applied, these still held the original function: {still_original}"
+        facts["error_kind"] = "hfpatch"
+        return
+    if not facts["removed"]:
+        facts["error"] = f"remove() did not restore the original function at: {missing or [_MFAU]}"
+        facts["error_kind"] = "hfpatch"
+        return
+    facts["ok"] = True
+
+
+# ---------------------------------------------------------------------------------------------- static
+
+
+def check_release(version_text: str) -> dict:
+    """The static verdict for a release that need not be installed (its wheel is read, never imported)."""
+    from hfpatch._compat import parse_version
+    from hfpatch.errors import InvalidReleaseSpec, ScanError, WheelFetchError
+
+    report = _base_report("static")
+    try:
+        version = parse_version(version_text, argument="--transformers")
+    except InvalidReleaseSpec as exc:
+        return _fail(report, EXIT_USAGE, str(exc))
+    report["transformers"] = str(version)
+    from hfpatch.cli.static_check import static_check
+
+    try:
+        facts = static_check(str(version))
+    except (WheelFetchError, ScanError, InvalidReleaseSpec) as exc:
+        return _fail(report, EXIT_USAGE, f"{type(exc).__name__}: {exc}")
+    report["static"] = facts
+    report["verdict"] = facts.get("verdict")
+    report["signature_id"] = facts.get("signature_id")
+    report["binding_sites"] = list(facts.get("binding_modules") or [])
+    report["supported"] = bool(facts.get("supported"))
+    if report["supported"]:
+        report["exit_code"] = EXIT_OK
+    else:
+        if facts.get("diff"):
+            report["diff"] = facts["diff"]
+        _fail(report, EXIT_FAILED, facts.get("message") or f"transformers {version}: verdict {report['verdict']}")
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ text
+
+
+def format_report(report: dict) -> str:
+    """The human-readable form of ``report``."""
+    status = {EXIT_OK: "OK", EXIT_FAILED: "NOT SUPPORTED / FAILED", EXIT_USAGE: "ERROR"}[report["exit_code"]]
+    lines = [f"hfpatch check ({report['mode']}): {status}"]
+    lines.append(f"  transformers   {report.get('transformers') or '(unknown)'}")
+    if report.get("torch"):
+        lines.append(f"  torch          {report['torch']}")
+    if report.get("verdict"):
+        lines.append(f"  signature      {report.get('signature_id')} ({report['verdict']})")
+    if report.get("added_parameters"):
+        lines.append(f"  added params   {', '.join(report['added_parameters'])} (refused if ever given a value)")
+    sites = report.get("binding_sites") or []
+    if report.get("verdict") and (sites or report["mode"] == "static" or report.get("dry_run")):
+        lines.append(f"  binding sites  {len(sites)}")
+        lines.extend(f"    {site}" for site in sites)
+    dry = report.get("dry_run")
+    if dry:
+        state = "apply + verify + remove OK" if dry.get("ok") else "FAILED"
+        took = f" in {dry['seconds']}s" if "seconds" in dry else ""
+        lines.append(f"  dry run        {dry['world_size']} gloo processes, kernel={dry['kernel']}: {state}{took}")
+    if report.get("diff"):
+        lines.append("  diff:")
+        lines.extend(f"    {line}" for line in str(report["diff"]).splitlines())
+    for problem in report["problems"]:
+        lines.append(f"  problem: {problem}")
+    return "\n".join(lines)

@@ -1,0 +1,253 @@
+"""``hfpatch check``: exit codes, JSON facts, the dry run's own detection logic, and the static verdict.
+
+The dry run is exercised for real once (a subprocess spawning a 2-process gloo world on the installed
+transformers); the decision logic around it is tested in-process with fake patches that miss a site or fail
+to restore, so that a broken patcher is caught by ``check`` itself. The static verdict reads small stand-in
+wheels built by ``_fake_wheel`` in a private wheel cache (no network).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from _fake_wheel import BROKEN_DEF, S1_DEF, make_wheel
+from hfpatch.cli import check as check_cli
+from hfpatch.cli import main
+
+
+def _run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[int, dict | str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hfpatch", "check", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )
+    out = proc.stdout
+    return proc.returncode, (json.loads(out) if "--json" in args else out + proc.stderr)
+
+
+# ------------------------------------------------------------------------------------- the real dry run
+
+
+def test_installed_release_is_supported_and_verified_in_a_gloo_world():
+    code, report = _run_cli("--json")
+    assert code == 0, report
+    assert report["exit_code"] == 0 and report["supported"] is True and report["problems"] == []
+    from hfpatch._compat import installed_transformers_version
+    from hfpatch.signatures.registry import entry_for_version
+
+    version = installed_transformers_version()
+    assert report["transformers"] == str(version)
+    # The live signature is read as the generation the registry records for this release.
+    assert report["signature_id"] == entry_for_version(version).id
+    assert report["verdict"] == "exact"
+    # The defining module is always a binding site; the sites are what apply patched on rank 0.
+    assert "transformers.modeling_flash_attention_utils._flash_attention_forward" in report["binding_sites"]
+    dry = report["dry_run"]
+    assert dry["ok"] is True and dry["world_size"] == 2 and len(dry["ranks"]) == 2
+    for rank in dry["ranks"]:
+        assert rank["active"] and rank["verified"] and rank["removed"] and rank["ok"], rank
+        assert rank["signature_id"] == report["signature_id"]
+        assert rank["sites"] == report["binding_sites"]
+
+
+# ---------------------------------------------------------------------------------------- usage errors
+
+
+@pytest.mark.parametrize("world_size", [1, 0, -3])
+def test_world_size_below_two_is_a_usage_error(world_size, capsys):
+    assert main(["check", "--json", "--world-size", str(world_size)]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 2
+    assert f"--world-size {world_size}" in report["problems"][0] and "at least 2" in report["problems"][0]
+
+
+def test_transformers_not_installed_is_an_environment_error(monkeypatch):
+    monkeypatch.setattr("hfpatch._compat.installed_transformers_version", lambda: None)
+    report = check_cli.run_check()
+    assert report["exit_code"] == 2
+    assert "transformers is not installed" in report["problems"][0]
+    assert "--transformers X.Y.Z" in report["problems"][0]
+
+
+def test_release_before_4_43_is_unsupported_with_the_upgrade_fix(monkeypatch):
+    from packaging.version import Version
+
+    monkeypatch.setattr("hfpatch._compat.installed_transformers_version", lambda: Version("4.42.4"))
+    report = check_cli.run_check()
+    assert report["exit_code"] == 1 and report["verdict"] == "unsupported-release"
+    assert "upgrade to transformers>=4.43.0" in report["problems"][0]
+    assert "dry_run" not in report
+
+
+def test_unsupported_live_signature_reports_the_diff_and_skips_the_dry_run(monkeypatch):
+    import transformers.modeling_flash_attention_utils as mfau
+
+    namespace: dict = {}
+    exec(BROKEN_DEF, namespace)
+    monkeypatch.setattr(mfau, "_flash_attention_forward", namespace["_flash_attention_forward"])
+    monkeypatch.setattr(check_cli, "_spawn_world", lambda *a: pytest.fail("no dry run for an unsupported signature"))
+    report = check_cli.run_check()
+    assert report["exit_code"] == 1 and report["verdict"] == "unsupported" and not report["supported"]
+    assert report["signature_id"].endswith("+unsupported")
+    assert "causal_flag" in report["diff"]  # the diff names what differs
+    assert "hfpatch signatures scan" in report["problems"][0]
+    text = check_cli.format_report(report)
+    assert "NOT SUPPORTED" in text and "causal_flag" in text
+
+
+# ----------------------------------------------------------------------- dry-run outcomes -> exit code
+
+
+def _ranks(*oks, error="VerificationError: probe differs", kind="hfpatch"):
+    return [
+        {"rank": r, "ok": ok, "sites": ["m._flash_attention_forward"], **({} if ok else {"error": error, "error_kind": kind})}
+        for r, ok in enumerate(oks)
+    ]
+
+
+@pytest.mark.parametrize(
+    "ranks, code",
+    [
+        (_ranks(True, True), 0),
+        (_ranks(True, False), 1),                                        # a verification failure on one rank
+        (_ranks(False, False, error="ModuleNotFoundError: x", kind="environment"), 2),
+        (_ranks(True, False, error="KeyError: 'x'", kind="internal"), 1),
+    ],
+)
+def test_dry_run_outcome_decides_the_exit_code(monkeypatch, ranks, code):
+    monkeypatch.setattr(check_cli, "_spawn_world", lambda world_size, kernel: ranks)
+    report = check_cli.run_check()
+    assert report["exit_code"] == code
+    assert report["dry_run"]["ok"] is (code == 0)
+    assert report["binding_sites"] == ["m._flash_attention_forward"]
+    failing = [r["rank"] for r in ranks if not r["ok"]]
+    assert [p.split(":")[0] for p in report["problems"]] == [f"rank {r}" for r in failing]
+
+
+def test_a_world_that_cannot_run_is_an_environment_error(monkeypatch):
+    def broken(world_size, kernel):
+        raise check_cli._WorldError("ranks [1] did not finish within 180s (deadlock?)")
+
+    monkeypatch.setattr(check_cli, "_spawn_world", broken)
+    report = check_cli.run_check()
+    assert report["exit_code"] == 2 and "deadlock" in report["problems"][0]
+
+
+class _FakePatch:
+    """Stands in for hfpatch.Patch: replaces ``original`` at the given holders, and puts it back (or not)."""
+
+    def __init__(self, holders, original, restore=True):
+        self.active, self.signature_id, self._holders, self._original, self._restore = True, "S-test", holders, original, restore
+        self.sites = [f"{m.__name__}.{attr}" for m, attr in holders]
+        for module, attr in holders:
+            setattr(module, attr, self._wrapper)
+
+    def _wrapper(self, *a, **k):
+        raise AssertionError("not called in these tests")
+
+    def remove(self):
+        for module, attr in self._holders:
+            setattr(module, attr, self._original if self._restore else self._wrapper)
+
+
+@pytest.fixture
+def extra_site(monkeypatch):
+    """A loaded module that binds the original function by from-import, as model modules do in 4.43-4.47."""
+    import transformers.modeling_flash_attention_utils as mfau
+
+    module = types.ModuleType("hfpatch_test_fake_model")
+    module._flash_attention_forward = mfau._flash_attention_forward
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(mfau, "_flash_attention_forward", mfau._flash_attention_forward)  # restored after the test
+    return mfau, module
+
+
+@pytest.mark.parametrize(
+    "patched, restore, ok, error",
+    [
+        ("both", True, True, None),
+        ("defining module only", True, False, "still held the original function: ['hfpatch_test_fake_model."),
+        ("both", False, False, "remove() did not restore the original function at: ['hfpatch_test_fake_model."),
+    ],
+)
+def test_dry_run_detects_a_missed_site_and_an_incomplete_remove(monkeypatch, extra_site, patched, restore, ok, error):
+    import hfpatch
+
+    mfau, model_module = extra_site
+    original = mfau._flash_attention_forward
+    check_cli._import_integration({})  # the dry run imports it (4.48+): one more holder to patch
+    holders = [(mfau, "_flash_attention_forward")]
+    if patched == "both":  # every module that holds the original, as the real patcher does
+        holders = [
+            (sys.modules[label.rsplit(".", 1)[0]], label.rsplit(".", 1)[1]) for label in check_cli._holders(original)
+        ]
+        assert (model_module, "_flash_attention_forward") in holders
+    for module, attr in holders:
+        monkeypatch.setattr(module, attr, original)  # restored after the test, whatever the fake did
+    monkeypatch.setattr(hfpatch, "apply", lambda group, **kw: _FakePatch(holders, original, restore))
+    facts = {"rank": 0, "ok": False}
+    check_cli._apply_verify_remove(facts, None, "auto")
+    assert facts["ok"] is ok, facts
+    assert facts["sites"] == sorted(f"{m.__name__}.{a}" for m, a in holders)
+    if error:
+        assert error in facts["error"] and facts["error_kind"] == "hfpatch"
+    else:
+        assert facts["removed"] and "error" not in facts
+
+
+# ------------------------------------------------------------------------------------- static verdict
+
+
+@pytest.fixture
+def wheel_cache(tmp_path, monkeypatch):
+    """A private wheel cache; pip is pointed at no index, so nothing is ever downloaded."""
+    cache = tmp_path / "wheels"
+    cache.mkdir()
+    monkeypatch.setenv("HFPATCH_WHEEL_CACHE", str(cache))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    return cache
+
+
+def test_static_verdict_of_a_supported_release(wheel_cache, capsys):
+    make_wheel(wheel_cache, "4.43.4", S1_DEF, models=("llama", "mistral"))
+    assert main(["check", "--transformers", "4.43.4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mode"] == "static" and report["supported"] and report["exit_code"] == 0
+    assert (report["transformers"], report["signature_id"], report["verdict"]) == ("4.43.4", "S1-4.43.4", "exact")
+    assert report["binding_sites"] == [
+        "transformers.models.llama.modeling_llama",
+        "transformers.models.mistral.modeling_mistral",
+    ]
+
+
+def test_static_verdict_of_an_unsupported_signature_has_the_diff(wheel_cache, capsys):
+    make_wheel(wheel_cache, "4.99.0", BROKEN_DEF)
+    assert main(["check", "--transformers", "4.99.0"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT SUPPORTED" in out and "causal_flag" in out and "not supported" in out
+
+
+def test_static_verdict_before_4_43_says_upgrade(wheel_cache, capsys):
+    assert main(["check", "--transformers", "4.42.4", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "unsupported" and "upgrade to >= 4.43" in report["problems"][0]
+
+
+@pytest.mark.parametrize(
+    "version, expected",
+    [
+        ("four.43", "is not a valid version"),
+        ("4.43.4.dev0+local!", "is not a valid version"),
+        ("4.77.0", "WheelFetchError: transformers==4.77.0"),  # not in the cache, and no index
+    ],
+)
+def test_static_bad_input_exits_2_and_writes_nothing(wheel_cache, capsys, version, expected):
+    assert main(["check", "--transformers", version, "--json"]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 2 and expected in report["problems"][0]
+    assert list(wheel_cache.iterdir()) == []
