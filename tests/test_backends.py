@@ -161,6 +161,25 @@ def test_merge_into_row_views_in_place():
     assert torch.allclose(lse_acc[:, :, 2:], torch.full((2, 2, 2), float(torch.log(torch.tensor(2.0)))))
 
 
+@pytest.mark.parametrize("name", ["torch_flash", "torch_cudnn", "torch_efficient"])
+@pytest.mark.parametrize("heads_k", [4, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_backends_call_the_aten_ops_correctly_on_meta(name, heads_k, causal):
+    """The CUDA ops' argument lists and output shapes, checked through their meta kernels (no GPU needed):
+    catches a torch release that changes an op's schema; numerics are checked in tests/gpu."""
+    from ring_kernels.backends import torch_cuda
+
+    impl = {"torch_flash": torch_cuda.TorchFlashBackend, "torch_cudnn": torch_cuda.TorchCudnnBackend,
+            "torch_efficient": torch_cuda.TorchEfficientBackend}[name]()
+    q = torch.empty(2, 16, 4, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 16, heads_k, 64, device="meta", dtype=torch.bfloat16)
+    mask = BlockMask(causal=causal)
+    out, lse = impl.forward(q, k, k, scale=0.125, mask=mask)
+    assert out.shape == q.shape and out.stride() == q.stride() and lse.shape == (2, 4, 16) and lse.dtype == torch.float32
+    dq, dk, dv = impl.backward(out, q, k, k, out, lse, scale=0.125, mask=mask)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
 # --------------------------------------------------------------------------------------------- registry
 
 def test_available_backends_on_cpu_in_auto_order():
