@@ -1,0 +1,168 @@
+"""ring / zigzag / stripe on CUDA over NCCL with torch's flash, cuDNN and efficient backends (and flash_attn /
+triton when installed), against float64 attention on the unsharded inputs, forward and backward.
+
+Run either way (skips cleanly with fewer than 2 GPUs):
+    python -m pytest tests/gpu/test_ring_gpu.py            # spawns 2 NCCL ranks itself
+    torchrun --nproc-per-node 2 -m pytest tests/gpu/test_ring_gpu.py
+The case runner and tolerances are the CPU suite's (tests/test_ring_batch.py), moved to the GPU.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+WORLD = 2
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 5e-2), torch.float16: (1e-2, 5e-2)}
+
+
+def _reference(q, k, v, *, causal, scale, window):
+    """float64 attention on global (B, S, H, D) tensors (on the GPU: the global sequence is short)."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    pos = torch.arange(q.shape[1], device=q.device)
+    visible = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= pos[None, :] <= pos[:, None]
+    if window[0] >= 0:
+        visible &= pos[None, :] >= pos[:, None] - window[0]
+    if window[1] >= 0:
+        visible &= pos[None, :] <= pos[:, None] + window[1]
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~visible, float("-inf")), -1), v)
+
+
+def _positions(layout, rank, world, seqlen):
+    if layout == "ring":
+        n = seqlen // world
+        return torch.arange(rank * n, (rank + 1) * n)
+    if layout == "zigzag":
+        c = seqlen // (2 * world)
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                          torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)])
+    return torch.arange(rank, seqlen, world)
+
+
+def _error(got, ref, dtype):
+    got, ref = got.detach().double(), ref.detach().double()
+    if dtype == torch.float32:
+        return float((got - ref).abs().max() / ref.abs().max())
+    return float((got - ref).norm() / ref.norm())
+
+
+def _run_case(rank, case):
+    import ring_kernels as rk
+    from ring_kernels.backends import UnsupportedBackendError, get_backend
+
+    fn = {"ring": rk.ring_attn_func, "zigzag": rk.zigzag_ring_attn_func, "stripe": rk.stripe_attn_func}[case["variant"]]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    b, h, hk, d, dtype, s_local = case["batch"], case["heads"], case["heads_k"], case["headdim"], case["dtype"], case["seqlen"]
+    seqlen = s_local * WORLD
+    gen = torch.Generator(device=dev).manual_seed(case["seed"])
+    q, k, v, dout = (torch.randn(b, seqlen, n, d, device=dev, generator=gen).to(dtype) for n in (h, hk, hk, h))
+    window = case.get("window", (-1, -1))
+    qg, kg, vg = (x.double().requires_grad_() for x in (q, k, v))
+    ref = _reference(qg, kg, vg, causal=case["causal"], scale=d ** -0.5, window=window)
+    ref.backward(dout.double())
+    pos = _positions(case["variant"], rank, WORLD, seqlen).to(dev)
+    ql, kl, vl = (x[:, pos].detach().clone().requires_grad_() for x in (q, k, v))
+    kind = "general" if window != (-1, -1) else ("causal" if case["causal"] else "full")
+    try:
+        get_backend(case["backend"], device=dev, dtype=dtype, head_dim=d, mask_kind=kind)
+    except UnsupportedBackendError:
+        # A pinned backend that cannot do this case (e.g. a head dim it lacks) must refuse, not compute.
+        with pytest.raises(ValueError, match="cannot compute these blocks"):
+            fn(ql, kl, vl, causal=case["causal"], backend=case["backend"], window_size=window)
+        return
+    out = fn(ql, kl, vl, causal=case["causal"], backend=case["backend"], window_size=window)
+    out.backward(dout[:, pos])
+    tol_out, tol_grad = TOLERANCE[dtype]
+    for name, got, want, tol in (("out", out, ref, tol_out), ("dq", ql.grad, qg.grad, tol_grad),
+                                 ("dk", kl.grad, kg.grad, tol_grad), ("dv", vl.grad, vg.grad, tol_grad)):
+        assert torch.isfinite(got).all(), f"{name} not finite in {case}"
+        err = _error(got, want[:, pos], dtype)
+        assert err < tol, f"rank {rank}: {name} error {err:.2e} >= {tol:g} in {case}"
+
+
+def _cases():
+    from ring_kernels.backends import available_backends
+
+    backends = [n for n in available_backends("cuda") if n != "reference"] + ["auto"]
+    head_dims = itertools.cycle([64, 128, 96])
+    lengths = itertools.cycle([384, 1000, 258])      # local lengths, not powers of two (even for zigzag)
+    cases = []
+    for backend in backends:
+        for (variant, causal), dtype, (h, hk) in itertools.product(
+                (("ring", False), ("ring", True), ("zigzag", True), ("stripe", True)),
+                (torch.bfloat16, torch.float16), ((8, 8), (8, 2))):
+            cases.append(dict(backend=backend, variant=variant, causal=causal, dtype=dtype, heads=h, heads_k=hk,
+                              headdim=next(head_dims), seqlen=next(lengths), batch=2, seed=len(cases)))
+    for variant, causal in (("ring", False), ("ring", True), ("zigzag", True), ("stripe", True)):
+        # fp32 and sliding windows: only the efficient kernel (and the reference) can; 'auto' must find it.
+        cases.append(dict(backend="torch_efficient", variant=variant, causal=causal, dtype=torch.float32, heads=4,
+                          heads_k=2, headdim=64, seqlen=200, batch=1, seed=500 + len(cases)))
+        cases.append(dict(backend="auto", variant=variant, causal=causal, dtype=torch.bfloat16, heads=8, heads_k=2,
+                          headdim=128, seqlen=300, batch=1, seed=600 + len(cases),
+                          window=(100, 0) if causal else (64, 32)))
+    return cases
+
+
+def _rank_main(rank, world, port, errors):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        try:
+            for case in _cases():
+                _run_case(rank, case)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ring_variants_on_cuda_match_reference():
+    if "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == WORLD:   # under torchrun
+        rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+        for case in _cases():
+            _run_case(rank, case)
+        return
+    ctx = torch.multiprocessing.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, WORLD, port, errors)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not failures, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
+    assert not hung, f"ranks {hung} hung"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
