@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED, is_supported_release, parse_version
+from packaging.version import InvalidVersion, Version
+
+from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED, parse_version
 from hfpatch.errors import ScanError, WheelFetchError
 from hfpatch.signatures.registry import FORMAT_VERSION, FUNCTION, Match, SourceDefault, match
 from hfpatch.signatures.roles import role_for_name
@@ -485,9 +487,13 @@ def scan_version(version: str, *, cache_dir: str | os.PathLike | None = None) ->
 def _cached_wheel(cache: Path, version: str) -> Path | None:
     if not cache.is_dir():
         return None
+    wanted = parse_version(version)
     for path in sorted(cache.glob("transformers-*.whl")):
-        found = path.name.split("-")[1]
-        if parse_version(found) == parse_version(version):
+        try:
+            found = Version(path.name.split("-")[1])
+        except InvalidVersion:
+            continue  # not a wheel name we wrote; ignore it
+        if found == wanted:
             return path
     return None
 
@@ -512,13 +518,16 @@ def _download(version: str, cache: Path) -> Path:
             else:
                 reason = f"pip could not download transformers=={version} (no network or no index?)"
                 fix = "check the network / PIP_INDEX_URL, or pass --wheel PATH to a wheel you already have"
-            raise WheelFetchError(f"{reason}. Fix: {fix}.\npip said:\n{output.strip()}", version=version, pip_output=output)
+            said = _pip_summary(output)
+            raise WheelFetchError(f"{reason}. Fix: {fix}.\npip said:\n{said}", version=version, pip_output=output)
         cache.mkdir(parents=True, exist_ok=True)
         target = cache / wheels[0].name
         shutil.move(str(wheels[0]), target)
         return target
 
 
-def release_is_supported(version: str) -> bool:
-    """True for ``version`` >= 4.43 (see ``hfpatch._compat``)."""
-    return is_supported_release(parse_version(version))
+def _pip_summary(output: str, width: int = 200) -> str:
+    """pip's ERROR/WARNING lines (else its last lines), each cut to ``width``: its list of every version is long."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    picked = [line for line in lines if line.startswith(("ERROR", "WARNING"))] or lines[-3:]
+    return "\n".join(line if len(line) <= width else line[: width - 3] + "..." for line in picked)
