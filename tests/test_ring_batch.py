@@ -138,6 +138,8 @@ def _world_cases(rank: int, world: int, cases) -> None:
         run_case(rank, world, case)
     if world == 2:
         _ranks_that_disagree_fail_together(rank)
+    if world in (2, 3):
+        _count_ring_traffic(rank, world)
     if world == 4:
         _subgroups(rank)
 
@@ -150,6 +152,33 @@ def _ranks_that_disagree_fail_together(rank: int) -> None:
     q = torch.randn(1, 6, 4, 64)
     with pytest.raises(ValueError, match=r"ranks disagree on causal"):
         rk.ring_attn_func(q, q, q, causal=bool(rank))
+
+
+def _count_ring_traffic(rank: int, world: int) -> None:
+    """Exactly N-1 K/V exchanges forward; N-1 K/V + N dK/dV exchanges backward; only the Hk K/V heads travel."""
+    import ring_kernels.comm as comm
+
+    sent = []
+    original = comm.dist.batch_isend_irecv
+
+    def recording(ops):
+        sent.append([(op.op.__name__, tuple(op.tensor.shape), op.tensor.dtype) for op in ops])
+        return original(ops)
+
+    b, s, h, hk, d = 1, 6, 8, 2, 64
+    q = torch.randn(b, s, h, d, requires_grad=True)
+    k, v = (torch.randn(b, s, hk, d, requires_grad=True) for _ in range(2))
+    comm.dist.batch_isend_irecv = recording
+    try:
+        out = rk.zigzag_ring_attn_func(q, k, v, backend="torch_cpu")
+        forward = list(sent)
+        out.sum().backward()
+    finally:
+        comm.dist.batch_isend_irecv = original
+    kv = [("isend", (b, s, hk, d), torch.float32), ("irecv", (b, s, hk, d), torch.float32)] * 2
+    assert forward == [kv] * (world - 1), forward
+    backward = sent[len(forward):]
+    assert sorted(map(str, backward)) == sorted(map(str, [kv] * (world - 1) + [kv] * world)), backward
 
 
 def _subgroups(rank: int) -> None:
