@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "signatures": "signatures",
     "check": "check",
     "compat": "compat",
+    "demo": "demo",
 }
 
 
