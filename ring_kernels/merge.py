@@ -13,10 +13,15 @@ Shapes (batch layout; varlen uses B = 1):
 
 A row that has seen no key yet has ``lse = -inf`` and ``out = 0``; merging two such rows keeps them so,
 without NaN (``exp(-inf - -inf)`` is what a naive merge would compute).
+
+On CUDA with triton installed, ``merge_block_`` runs one fused kernel (read acc, read block, write acc: the
+fp32 accumulator crosses memory once instead of about four times in eager PyTorch); elsewhere, or when
+``RING_KERNELS_FUSED_MERGE=0``, it runs the eager version. Both compute the same formula.
 """
 from __future__ import annotations
 
-from typing import Tuple
+import os
+from typing import Optional, Tuple
 
 import torch
 
@@ -46,8 +51,15 @@ def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.
     """Merge one block into the accumulators, in place (both may be views, e.g. half of the rows).
 
     ``out_acc`` (B, S, H, D) fp32 and ``lse_acc`` (B, H, S) fp32 are updated; ``block_out`` (B, S, H, D) may be
-    bf16/fp16 (it is promoted inside the fused multiply-add, never materialised in fp32).
+    bf16/fp16 (it is promoted inside the multiply-add, never materialised in fp32).
     """
+    if out_acc.is_cuda and _use_fused():
+        _merge_fused_(out_acc, lse_acc, block_out, block_lse)
+    else:
+        _merge_eager_(out_acc, lse_acc, block_out, block_lse)
+
+
+def _merge_eager_(out_acc, lse_acc, block_out, block_lse) -> None:
     new_lse = torch.logaddexp(lse_acc, block_lse)
     # Rows that still see no key: new_lse = -inf. Subtract 0 there instead, so both weights are exp(-inf) = 0.
     new_safe = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
@@ -68,3 +80,83 @@ def safe_lse(lse: torch.Tensor) -> torch.Tensor:
     (-inf), so ``exp(-inf - 0) = 0`` is the right probability, whereas ``-inf - -inf`` would be NaN.
     """
     return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+# ------------------------------------------------------------------------------------------ fused (triton)
+
+_FUSED_ENV = "RING_KERNELS_FUSED_MERGE"
+_fused_kernel = None
+_fused_available: Optional[bool] = None
+
+
+def _use_fused() -> bool:
+    global _fused_available
+    if os.environ.get(_FUSED_ENV, "1") == "0":
+        return False
+    if _fused_available is None:
+        try:
+            _build_fused_kernel()
+            _fused_available = True
+        except ImportError:
+            _fused_available = False
+    return _fused_available
+
+
+def _build_fused_kernel():
+    """Compile-on-first-use Triton kernel; defined lazily so importing ring_kernels never imports triton."""
+    global _fused_kernel
+    if _fused_kernel is not None:
+        return _fused_kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _merge_rows(out_ptr, lse_ptr, blk_ptr, blk_lse_ptr,
+                    S, H, D,
+                    o_sb, o_ss, o_sh, l_sb, l_sh, l_ss, bo_sb, bo_ss, bo_sh, bl_sb, bl_sh, bl_ss,
+                    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, N_ROWS):
+        # One program merges BLOCK_ROWS rows (b, s, h) of BLOCK_D >= D columns. Head dim is contiguous.
+        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_ok = rows < N_ROWS
+        h = rows % H
+        s = (rows // H) % S
+        b = rows // (H * S)
+        a = tl.load(lse_ptr + b * l_sb + h * l_sh + s * l_ss, mask=row_ok, other=float("-inf"))
+        c = tl.load(blk_lse_ptr + b * bl_sb + h * bl_sh + s * bl_ss, mask=row_ok, other=float("-inf"))
+        m = tl.maximum(a, c)
+        dead = m == float("-inf")                 # no key seen in either: keep out 0, lse -inf, no NaN
+        m_safe = tl.where(dead, 0.0, m)
+        sum_exp = tl.exp(a - m_safe) + tl.exp(c - m_safe)
+        new = tl.where(dead, float("-inf"), m_safe + tl.log(tl.where(dead, 1.0, sum_exp)))
+        new_safe = tl.where(dead, 0.0, new)
+        wa = tl.exp(a - new_safe)
+        wc = tl.exp(c - new_safe)
+        cols = tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (cols[None, :] < D)
+        o_off = (b * o_sb + s * o_ss + h * o_sh)[:, None] + cols[None, :]
+        bo_off = (b * bo_sb + s * bo_ss + h * bo_sh)[:, None] + cols[None, :]
+        acc = tl.load(out_ptr + o_off, mask=ok, other=0.0)
+        blk = tl.load(blk_ptr + bo_off, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + o_off, acc * wa[:, None] + blk * wc[:, None], mask=ok)
+        tl.store(lse_ptr + b * l_sb + h * l_sh + s * l_ss, new, mask=row_ok)
+
+    _fused_kernel = (triton, _merge_rows)
+    return _fused_kernel
+
+
+def _merge_fused_(out_acc, lse_acc, block_out, block_lse) -> None:
+    """The fused merge: one pass over (B*S*H) rows; any strides except a contiguous head dim."""
+    triton, kernel = _build_fused_kernel()
+    if out_acc.stride(-1) != 1 or block_out.stride(-1) != 1:
+        return _merge_eager_(out_acc, lse_acc, block_out, block_lse)
+    b, s, h, d = out_acc.shape
+    n_rows = b * s * h
+    block_d = triton.next_power_of_2(d)
+    block_rows = max(1, min(64, 4096 // block_d))
+    grid = (triton.cdiv(n_rows, block_rows),)
+    kernel[grid](out_acc, lse_acc, block_out, block_lse, s, h, d,
+                 out_acc.stride(0), out_acc.stride(1), out_acc.stride(2),
+                 lse_acc.stride(0), lse_acc.stride(1), lse_acc.stride(2),
+                 block_out.stride(0), block_out.stride(1), block_out.stride(2),
+                 block_lse.stride(0), block_lse.stride(1), block_lse.stride(2),
+                 BLOCK_ROWS=block_rows, BLOCK_D=block_d, N_ROWS=n_rows)

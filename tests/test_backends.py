@@ -7,6 +7,11 @@ attention over all keys at once.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -178,6 +183,36 @@ def test_cuda_backends_call_the_aten_ops_correctly_on_meta(name, heads_k, causal
     assert out.shape == q.shape and out.stride() == q.stride() and lse.shape == (2, 4, 16) and lse.dtype == torch.float32
     dq, dk, dv = impl.backward(out, q, k, k, out, lse, scale=0.125, mask=mask)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+def fused_merge_matches_eager() -> None:
+    """Run in a child with TRITON_INTERPRET=1: the Triton merge kernel on CPU tensors equals the eager merge,
+    on full and half-row views, with rows that have no key in the accumulator, the block, or both."""
+    torch.manual_seed(0)
+    for b, s, h, d, rows in [(2, 6, 4, 80, slice(None)), (1, 10, 3, 64, slice(5, 10)), (1, 3, 2, 16, slice(None))]:
+        acc, lse = torch.randn(b, s, h, d), torch.randn(b, h, s)
+        lse[0, 0, 0], acc[0, 0, 0] = float("-inf"), 0.0
+        blk, blk_lse = torch.randn(b, s, h, d).bfloat16(), torch.randn(b, h, s)
+        blk_lse[0, 0, 0] = float("-inf")
+        blk_lse[:, 1, 1] = float("-inf")
+        eager = (acc.clone(), lse.clone())
+        fused = (acc.clone(), lse.clone())
+        merge._merge_eager_(eager[0][:, rows], eager[1][:, :, rows], blk[:, rows], blk_lse[:, :, rows])
+        merge._merge_fused_(fused[0][:, rows], fused[1][:, :, rows], blk[:, rows], blk_lse[:, :, rows])
+        assert not fused[0].isnan().any() and not fused[1].isnan().any()
+        assert torch.allclose(fused[0], eager[0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(torch.isinf(fused[1]), torch.isinf(eager[1]))
+        finite = torch.isfinite(eager[1])
+        assert torch.allclose(fused[1][finite], eager[1][finite], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (optional)")
+def test_fused_triton_merge_matches_eager_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import test_backends as t; t.fused_merge_matches_eager()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 # --------------------------------------------------------------------------------------------- registry
