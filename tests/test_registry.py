@@ -233,6 +233,7 @@ def test_installed_transformers_matches_its_recorded_entry_exactly():
     "mutate,message",
     [
         (lambda d: d.update(format=2), "format 2"),
+        (lambda d: d.update(id="S?-5.19.0"), "id 'S\\?-5.19.0' must look like"),
         (lambda d: d.update(releases="4.43"), "packaging specifier"),
         (lambda d: d["params"][0].update(role="querry"), "role 'querry'"),
         (lambda d: d["params"][1].update(role="query"), "roles ['query']"),

@@ -35,6 +35,7 @@ import difflib
 import functools
 import inspect
 import json
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Iterable, Mapping
@@ -234,6 +235,8 @@ def entry_from_json(data: Mapping[str, Any], *, origin: str = "<json>") -> Signa
 
     if data.get("format") != FORMAT_VERSION:
         raise bad(f"format {data.get('format')!r} is not {FORMAT_VERSION}")
+    if not re.fullmatch(r"S\d+-[0-9][0-9A-Za-z.+]*", str(data.get("id"))):
+        raise bad(f"id {data.get('id')!r} must look like 'S<generation>-<first release>', e.g. 'S5-4.53.3'")
     try:
         releases = SpecifierSet(data["releases"])
     except (KeyError, InvalidSpecifier) as exc:
