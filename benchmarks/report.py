@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 from typing import Iterable, List, Optional
 
-__all__ = ["markdown", "plot", "try_plot", "targets", "merge"]
+__all__ = ["markdown", "compact", "plot", "try_plot", "targets", "merge"]
 
 TARGET_TOKENS = 8192   # issue 8's targets are stated at 8k tokens per GPU, forward+backward, 2 GPUs
 
@@ -140,6 +140,27 @@ def markdown(doc: dict) -> str:
     if missing:
         out += ["## Not measured\n", _table(["what", "status", "reason", "cases"], missing)]
     return "\n".join(out)
+
+
+def compact(doc: dict) -> str:
+    """A short plain-text digest for a terminal whose output is cut (the device tool keeps ~12k characters):
+    issue 8's targets, then per (tokens, config, mask, variant) the best backend's fwd+bwd numbers."""
+    lines = []
+    if any(s["tokens_per_rank"] == TARGET_TOKENS for s in doc["summary"]):
+        lines += [f"TARGET {cfg}: {what} -> {reached} [{who}]" for cfg, what, who, reached in targets(doc)]
+    best = {}
+    for s in doc["summary"]:
+        if s["mode"] != "fwd_bwd":
+            continue
+        key = (s["tokens_per_rank"], s["config"], s["causal"], s["variant"] if s["kind"] == "ring" else "native_cp")
+        if key not in best or s["t_ms"] < best[key]["t_ms"]:
+            best[key] = s
+    for (tokens, cfg, causal, variant), s in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], not kv[0][2],
+                                                                                 kv[0][3])):
+        lines.append(f"{tokens} {cfg} {'causal' if causal else 'full'} {variant}/{s['backend']}: "
+                     f"{_ms(s['t_ms'])} ms, eff {_pct(s['efficiency'])}, vs best {_pct(s['efficiency_vs_best'])}, "
+                     f"no-comm {_ms(s.get('t_ring_nocomm_ms'))} ms, mem {_num(s.get('mem_ratio'))}")
+    return "\n".join(lines)
 
 
 def plot(doc: dict, path: str) -> str:

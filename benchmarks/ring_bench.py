@@ -530,6 +530,7 @@ def main(argv=None) -> int:
         pass
     path = _write(bench, stem, final=True)
     if path:
+        print(report.compact(_document(bench)), flush=True)
         bench.log(f"wrote {path} and {path[:-5]}.md")
         plot = report.try_plot(path)
         bench.log(plot)
