@@ -262,7 +262,10 @@ def entry_from_json(data: Mapping[str, Any], *, origin: str = "<json>") -> Signa
         function=data.get("function", FUNCTION),
         note=data.get("note", ""),
     )
-    entry.signature()  # validates the parameter order (defaults after required, kinds in order)
+    try:
+        entry.signature()  # validates the parameter order (defaults after required, kinds in order)
+    except ValueError as exc:
+        raise bad(f"the parameters do not form a valid signature: {exc}") from exc
     return entry
 
 
@@ -272,6 +275,9 @@ def _default_from_json(item: Mapping[str, Any], bad) -> DefaultSpec | None:
         return None
     source = default.get("source")
     if "value" in default:
+        if source is not None and _is_literal_source(source):
+            # The source text is the truth: JSON has no tuples (and no int/float distinction in some writers).
+            return DefaultSpec(source, (ast.literal_eval(source),))
         return DefaultSpec(source if source is not None else repr(default["value"]), (default["value"],))
     if default.get("one_of"):
         return DefaultSpec(source, tuple(default["one_of"]))
