@@ -30,6 +30,9 @@ BACKENDS = ("torch_cpu", "reference")
 ARGV = ["--device", "cpu", "--tokens", "64", "--configs", "tiny:4:2:32", "--iters", "1", "--warmup", "0",
         "--check-tokens", "64", "--backends", ",".join(BACKENDS), "--tag", "cpu_test"]
 
+FAULTY_ARGV = ARGV[:-2] + ["--tag", "cpu_faulty", "--layouts", "batch", "--variants", "ring", "--causal", "causal",
+                           "--native", "", "--no-nocomm"]
+
 
 def _world(rank, world_size, out_dir):
     import torch
@@ -45,6 +48,22 @@ def _world(rank, world_size, out_dir):
     import ring_bench
 
     assert ring_bench.main(ARGV + ["--out", out_dir]) == 0
+
+    # The gate itself: a backend that refuses is recorded as such, a wrong result is never timed.
+    real = ring_bench.ring_outputs_and_grads
+
+    def faulty(variant, local, *, backend, **kw):
+        if backend == "reference":
+            raise ValueError("backend='reference' refuses (injected by the test)")
+        got = real(variant, local, backend=backend, **kw)
+        got["dv"] = got["dv"] * 1.1          # 10% off: far outside bf16's 5e-2
+        return got
+
+    ring_bench.ring_outputs_and_grads = faulty
+    try:
+        assert ring_bench.main(FAULTY_ARGV + ["--out", out_dir]) == 0
+    finally:
+        ring_bench.ring_outputs_and_grads = real
 
 
 def _has_matplotlib() -> bool:
@@ -66,6 +85,8 @@ def bench_doc(tmp_path_factory):
         doc = json.load(f)
     with open(os.path.join(out, "cpu_test.md")) as f:
         doc["_markdown"] = f.read()
+    with open(os.path.join(out, "cpu_faulty.json")) as f:
+        doc["_faulty"] = json.load(f)
     return doc
 
 
@@ -114,6 +135,19 @@ def test_single_baselines_and_nocomm_runs(bench_doc):
     # No CUDA here: PyTorch's native CP is recorded as skipped with the reason, never silently absent.
     native = [r for r in res if r["kind"] == "native_cp"]
     assert native and all(r["status"] == "skipped" and "CUDA" in r["reason"] for r in native)
+
+
+def test_refused_and_wrong_are_recorded_and_never_timed(bench_doc):
+    faulty = bench_doc["_faulty"]
+    ring = {r["backend"]: r for r in faulty["results"] if r["kind"] == "ring"}
+    assert set(ring) == set(BACKENDS)
+    ref, cpu = ring["reference"], ring["torch_cpu"]
+    assert ref["status"] == "refused" and "injected by the test" in ref["reason"] and "time_ms" not in ref
+    assert cpu["status"] == "wrong" and cpu["check"]["passed"] is False and "time_ms" not in cpu
+    assert cpu["check"]["errors"]["dv"]["fro"] == pytest.approx(0.1, rel=0.05)
+    assert cpu["check"]["errors"]["dq"]["fro"] < 5e-2          # only dv was perturbed
+    assert not [s for s in faulty["summary"] if s["kind"] == "ring"]
+    assert "wrong" in report.markdown(faulty) and "refused" in report.markdown(faulty)
 
 
 def test_summary_rows_and_markdown(bench_doc):
