@@ -7,7 +7,6 @@ step time (``all_reduce(MAX)`` of the per-iteration vector): a ring step is as f
 """
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -90,7 +89,6 @@ def peak_memory_bytes(fn: Callable[[], object], *, device: torch.device, baselin
     """
     if device.type != "cuda":
         return None
-    gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     fn()
