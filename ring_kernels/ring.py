@@ -164,6 +164,9 @@ def _run(fn: str, q, k, v, *, group, causal, softmax_scale, backend, window_size
     scale = _validate.resolve_scale(fn, softmax_scale, q.shape[-1])
     rank, world = group_rank_and_size(group)
     b, s, h, d = q.shape
+    if s == 0 or b == 0:
+        raise _validate.RingInputError(
+            f"{fn}: q has shape {tuple(q.shape)}; batch and seqlen_local must be >= 1 on every rank")
     fields = [("layout", layout_code), ("batch", b), ("seqlen_local", s), ("nheads", h), ("nheads_k", k.shape[2]),
               ("headdim", d), ("dtype", _validate.dtype_code(q.dtype)), ("causal", int(bool(causal))),
               ("softmax_scale", scale), ("softcap", float(softcap)), ("window_left", window[0]),

@@ -263,6 +263,7 @@ BAD_INPUT = [
     (rk.ring_attn_func, (_t(1, 6, 4, 8),) * 3, {"softcap": -1.0}, r"softcap=-1.0; expected a float >= 0"),
     (rk.ring_attn_func, (_t(1, 6, 4, 8),) * 3, {"backend": "torch_flash"}, r"not available on device type 'cpu'"),
     (rk.zigzag_ring_attn_func, (_t(1, 7, 4, 8),) * 3, {}, r"seqlen_local=7; the zigzag layout needs an even"),
+    (rk.ring_attn_func, (_t(1, 0, 4, 8),) * 3, {}, r"shape \(1, 0, 4, 8\); batch and seqlen_local must be >= 1"),
     (rk.zigzag_ring_attn_func, (_t(1, 6, 4, 8),) * 3, {"causal": False}, r"causal=False .* use ring_attn_func"),
     (rk.stripe_attn_func, (_t(1, 6, 4, 8),) * 3, {"causal": False}, r"causal=False .* use ring_attn_func"),
 ]
