@@ -3,17 +3,18 @@
 Inputs, all committed so that rendering and the staleness check need no network:
 
 ``compat/results/<release>.json``
-    One record per tox env of the release matrix (``hfpatch compat record``): release, signature id, verdict,
-    binding sites patched in the dry run, the CPU suite's outcome, date, and the digest of the registry the
-    run used.
+    One record per tox env of the release matrix (``hfpatch compat --record``): release, signature id,
+    verdict, binding sites patched in the dry run, the CPU suite's outcome, date, and the digest of the
+    registry entry (file) the release matched.
 ``compat/static.json``
     The static scan (``hfpatch compat --scan``) of the latest patch of every minor release from 4.43 to the
     newest: verdict, signature id and from-import binding sites read from each wheel, plus the list of
     releases known to exist and the registry digest the scan used.
 
 Staleness (``hfpatch compat --check``, run by CI): COMPAT.md must equal the rendering of the committed inputs
-(a hand edit or a forgotten re-render fails), and every input must have been produced against the current
-registry files (their sha256 digest): a registry change without a re-scan / matrix re-run fails. Optionally,
+(a hand edit or a forgotten re-render fails), the static scan must have been made against the current registry
+files (their sha256 digest), and each matrix record against the current file of the entry it matched: a
+registry change without a re-scan / matrix re-run of the affected releases fails. Optionally,
 fresh matrix records (CI's own run) must agree with the committed ones on every fact except the date.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED
 
 __all__ = [
     "registry_digest",
+    "entry_digest",
     "latest_patch_per_minor",
     "load_results",
     "load_static",
@@ -59,6 +61,19 @@ def registry_digest() -> str:
     for res in files:
         h.update(res.name.encode() + b"\0" + res.read_bytes() + b"\0")
     return "sha256:" + h.hexdigest()
+
+
+def entry_digest(signature_id: str | None) -> str | None:
+    """``sha256:<hex>`` of the registry file of the entry a signature id names (``"S5-4.53.3+compatible"`` ->
+    ``S5-4.53.3.json``); None when there is no such entry. A matrix record depends on this file only, so a
+    new generation added to the registry does not invalidate the records of the others."""
+    if not signature_id:
+        return None
+    entry_id = signature_id.split("+", 1)[0]
+    res = resources.files("hfpatch.signatures").joinpath(f"{entry_id}.json")
+    if not res.is_file():
+        return None
+    return "sha256:" + hashlib.sha256(res.read_bytes()).hexdigest()
 
 
 def latest_patch_per_minor(releases: Iterable[str], *, minimum: Version = TRANSFORMERS_MIN_SUPPORTED) -> list[str]:
@@ -230,11 +245,12 @@ def stale_reasons(
             f"{digest}. Fix: `hfpatch compat --scan`."
         )
     for release, record in sorted(results.items(), key=lambda kv: Version(kv[0])):
-        if record.get("registry_digest") != digest:
+        current = entry_digest(record.get("signature_id"))
+        if current is None or record.get("entry_digest") != current:
             reasons.append(
-                f"compat/results record of transformers {release} was made against registry "
-                f"{record.get('registry_digest')}, the registry is now {digest}. Fix: `tox -e {record.get('env')}`, "
-                "then `hfpatch compat`."
+                f"the compat/results record of transformers {release} was made against registry entry "
+                f"{record.get('signature_id')} {record.get('entry_digest')}, which is now {current or 'gone'}. "
+                f"Fix: `tox -e {record.get('env')}`, then `hfpatch compat`."
             )
     if not reasons and compat_md != render(results, static, digest=digest):
         reasons.append(

@@ -82,11 +82,12 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def write(output: Path, results_dir: Path, static_path: Path) -> int:
-    from hfpatch.compat_report import load_results, load_static, registry_digest, render
+    from hfpatch.compat_report import entry_digest, load_results, load_static, registry_digest, render
 
     results, static = load_results(results_dir), load_static(static_path)
     digest = registry_digest()
-    stale_inputs = [f"compat/results {r}" for r, rec in results.items() if rec.get("registry_digest") != digest]
+    stale_inputs = [f"compat/results {r}" for r, rec in results.items()
+                    if rec.get("entry_digest") != entry_digest(rec.get("signature_id"))]
     if static.get("releases") and static.get("registry_digest") != digest:
         stale_inputs.append(str(static_path))
     output.write_text(render(results, static, digest=digest), encoding="utf-8")
@@ -223,7 +224,7 @@ def _run_streaming(command: list[str]) -> tuple[int, str | None]:
 
 def record(env: str, command: list[str], results_dir: Path) -> int:
     """Run the test command, then ``hfpatch check --json`` in a fresh process, and write the record."""
-    from hfpatch.compat_report import registry_digest
+    from hfpatch.compat_report import entry_digest
 
     test_code, summary = _run_streaming(command)
     check_proc = subprocess.run(
@@ -250,7 +251,7 @@ def record(env: str, command: list[str], results_dir: Path) -> int:
         "python": report.get("python"),
         "torch": report.get("torch"),
         "date": _today(),
-        "registry_digest": registry_digest(),
+        "entry_digest": entry_digest(report.get("signature_id")),
     }
     if not record_data["release"]:
         return _usage("`hfpatch check` could not tell the installed transformers version; no record written")
