@@ -33,11 +33,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # Sibling modules, and the checkout's ring_kernels even where the project is not pip-installed (GPU machine).
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
-from _cases import (BATCH_VARIANTS, CAUSAL_ONLY, CONFIGS, MODES, VARLEN_VARIANTS, VARIANT_LAYOUT,  # noqa: E402
+from _cases import (BATCH_VARIANTS, CAUSAL_ONLY, CONFIGS, MODES, VARLEN_VARIANTS,  # noqa: E402
                     AttnConfig, attention_flops, global_document_mix, local_document_mix)
 from _check import max_over_ranks, passes, reference_attention, relative_errors  # noqa: E402
 from _nocomm import no_communication, nocomm_unavailable_reason  # noqa: E402
-from _runners import (Inputs, cu_seqlens_of, input_bytes, make_backend_step, make_inputs,  # noqa: E402
+from _runners import (Inputs, input_bytes, make_backend_step, make_inputs,  # noqa: E402
                       make_ring_step, make_varlen_single_step, ring_outputs_and_grads, shard_inputs)
 from _stamp import stamp  # noqa: E402
 from _timing import peak_memory_bytes, time_callable  # noqa: E402
@@ -276,19 +276,19 @@ def run_group(bench: Bench, cfg: AttnConfig, layout: str, causal: bool, tokens: 
     # Single-GPU baselines on this GPU's share (same backends), then every variant x backend on the ring.
     single_in = make_inputs(cfg, tokens, dtype=bench.dtype, device=bench.device, seed=1, doc_lengths=local_mix)
     for backend in bench.backends if variants else ():
-        make = (lambda b=backend: make_varlen_single_step(single_in, causal=causal, backend=b,
-                                                           solo_group=bench.solo_group)) if varlen \
-            else (lambda b=backend: make_backend_step(b, single_in, causal=causal))
+        make = (lambda b=backend, x=single_in: make_varlen_single_step(x, causal=causal, backend=b,
+                                                                        solo_group=bench.solo_group)) if varlen \
+            else (lambda b=backend, x=single_in: make_backend_step(b, x, causal=causal))
         _measure(bench, make, single_in, dict(common, kind="single", variant="single", backend=backend),
                  doc_lengths_local, tag)
     if not varlen:
         _sdpa_and_native(bench, cfg, causal, tokens, common, single_in, check, tag)
-    del single_in
+    single_in = None   # free it before the N-times larger global inputs exist
     bench.free()
 
     global_in = make_inputs(cfg, tokens * n, dtype=bench.dtype, device=bench.device, seed=2, doc_lengths=doc_global)
     for variant in variants:
-        local, err = _attempt(bench, lambda: shard_inputs(global_in, variant))
+        local, err = _attempt(bench, lambda x=global_in, v=variant: shard_inputs(x, v))
         for backend in bench.backends:
             base = dict(common, kind="ring", variant=variant, backend=backend)
             if err is not None:
@@ -301,14 +301,14 @@ def run_group(bench: Bench, cfg: AttnConfig, layout: str, causal: bool, tokens: 
                 continue
             kv = local.k.numel() * local.k.element_size() + local.v.numel() * local.v.element_size()
             base.update(check=verdict["check"], kv_double_buffer_bytes=2 * kv)
-            make = lambda v=variant, b=backend: make_ring_step(v, local, causal=causal, backend=b,  # noqa: E731
-                                                                global_doc_lengths=doc_global)
+            make = lambda v=variant, b=backend, x=local: make_ring_step(  # noqa: E731
+                v, x, causal=causal, backend=b, global_doc_lengths=doc_global)
             _measure(bench, make, local, base, doc_lengths_global, tag)
             if not args.no_nocomm:
                 _measure_nocomm(bench, make, local, base, doc_lengths_global, tag)
-        del local
+        local = None
         bench.free()
-    del global_in
+    global_in = None
     bench.free(collect=bench.device.type == "cuda")
 
 
