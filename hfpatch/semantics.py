@@ -40,7 +40,7 @@ copy of this table):
 """
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Tuple
 
@@ -279,10 +279,17 @@ def _window_size(sliding_window: Optional[int], seq_len_global: int) -> Tuple[in
     # what the non-CP run sees); a window at least as long as the sequence excludes nothing anyway.
     if sliding_window is None or seq_len_global <= sliding_window:
         return (-1, -1)
-    version = _compat.installed_transformers_version()
-    if version is None or version >= _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE:
+    if _window_is_inclusive():
         return (sliding_window - 1, sliding_window - 1)
     return (sliding_window, sliding_window)
+
+
+@functools.lru_cache(maxsize=None)
+def _window_is_inclusive() -> bool:
+    """True when the installed release gives flash-attn (w - 1, w - 1) for sliding_window w (read once: the
+    metadata lookup is too slow for the per-layer hot path)."""
+    version = _compat.installed_transformers_version()
+    return version is None or version >= _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE
 
 
 def _kernel_kwargs(call: Mapping[str, Any], step: StepState, ctx: RingContext) -> dict:
@@ -327,7 +334,9 @@ def _check_step_position_ids(position_ids, step: StepState, ctx: RingContext) ->
     expected = step.position_ids
 
     def same(p: torch.Tensor) -> bool:
-        return p.shape[-1] == expected.shape[-1] and bool(torch.equal(p.expand_as(expected).to(expected.device), expected))
+        if p.dim() != expected.dim() or p.shape[-1] != expected.shape[-1] or p.shape[0] not in (1, expected.shape[0]):
+            return False
+        return bool(torch.equal(p.expand_as(expected).to(expected.device), expected))
 
     if not _cached(ctx, "step_position_ids", position_ids, same):
         raise UnsupportedArgument(
@@ -467,6 +476,7 @@ def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingC
     No collective outside the kernels' own, no Python loop over tokens; the step state is cached.
     """
     q, k, v = call["query"], call["key"], call["value"]
+    extra = extra or {}
     _refuse_unsupported(call, extra, q, k, ctx)
     step = _step_for_call(call, q, ctx)
     kwargs = _kernel_kwargs(call, step, ctx)
@@ -496,6 +506,7 @@ def reference_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: 
     from ring_kernels import shard, unshard
 
     q, k, v = call["query"], call["key"], call["value"]
+    extra = extra or {}
     _refuse_unsupported(call, extra, q, k, ctx)
     step = _step_for_call(call, q, ctx)
     causal = bool(call.get("is_causal", True))
@@ -521,6 +532,8 @@ def _original_on_whole(call, extra, ctx: RingContext, gathered, cu) -> Optional[
     q = gathered[0]
     if ctx.call_original is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return None
+    if cu is not None and "cu_seq_lens_q" not in call:
+        return None  # a release (< 4.47) whose function cannot be told the documents: plain math honours them
     try:
         import flash_attn  # noqa: F401  (the original function needs it)
     except ImportError:

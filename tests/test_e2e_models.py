@@ -197,6 +197,10 @@ def _world(rank, world, cases, extras):
         assert kernels[key] == want, f"{key}: ran {kernels[key]!r}, expected {want!r}"
     for fn_name in extras.get("after", []):
         globals()[fn_name](rank, world)
+    if extras.get("semantics_cases"):
+        import test_semantics
+
+        test_semantics._cases_world(rank, world, extras["semantics_cases"], ["ring_attention"])
 
 
 _MODELS = ["llama", "qwen2", "mistral", "gemma2", "mixtral"]
@@ -209,7 +213,8 @@ def _runnable(cases, extras):
     if hasattr(ring_kernels, "llama3_attn_varlen_func"):
         return cases, extras
     kept = [c for c in cases if c[1] == "batch"]
-    extras = dict(extras, kernels={k: v for k, v in extras.get("kernels", {}).items() if k in kept})
+    extras = dict(extras, kernels={k: v for k, v in extras.get("kernels", {}).items() if k in kept},
+                  semantics_cases=[c for c in extras.get("semantics_cases", []) if c[2] == "batch"])
     return kept, extras
 
 
@@ -228,4 +233,7 @@ def test_models_match_non_cp_2_ranks():
 def test_models_match_non_cp_4_ranks():
     cases = [("llama", "batch", "auto"), ("llama", "packed", "auto"), ("gemma2", "batch", "auto"),
              ("mistral", "packed", "auto"), ("mixtral", "batch", "auto"), ("qwen2", "batch", "ring")]
-    run_world(4, _world, *_runnable(cases, {}))
+    # plus the ring_attention unit cases of test_semantics on 4 ranks (one world fewer to spawn)
+    from test_semantics import CASES_4_RANKS
+
+    run_world(4, _world, *_runnable(cases, {"semantics_cases": CASES_4_RANKS}))
