@@ -1,61 +1,74 @@
-"""Overlap evidence: the same ring run with its point-to-point communication replaced by local copies.
+"""Overlap evidence: the same ring run with its communication replaced by local copies.
 
-``no_communication()`` patches ``ring_kernels.comm.RingExchange.start`` (the one place every P2P ring variant,
-batch and varlen, sends K/V and dK/dV) with what a ring of one rank does: copy each send buffer into its
-receive buffer on the current stream. Everything else (the per-block kernels, the LSE merge, the gradient
-accumulation, the buffer management) runs unchanged, so
+``no_communication(variant)`` patches the one place each variant moves data between ranks:
+
+- ring, zigzag, stripe, ring_varlen, zigzag_varlen: ``ring_kernels.comm.RingExchange.start`` (K/V forward,
+  dK/dV in the backward) becomes what a ring of one rank does: copy each send buffer into its receive buffer.
+- llama3: the module-level tensor collectives ``ring_kernels.llama3._all_gather_tensor`` /
+  ``_reduce_scatter_tensor`` become a copy of this rank's own part (the all-gather fills only our slot of the
+  gathered buffer, the reduce-scatter takes our slot of the full gradient), returning a finished work object.
+
+Everything else (the per-block kernels, the LSE merge, the gradient accumulation, buffer management) runs
+unchanged, so
 
     T_ring - T_ring_nocomm  = the communication time the ring failed to hide,
     T_ring_nocomm - T_ideal = the cost of the ring's own work around the kernels (merge, copies, launches).
 
-The outputs of such a run are wrong by design (every rank sees its own K/V N times); it is only timed.
-llama3 moves K/V with collectives (all-gather / reduce-scatter), not through ``RingExchange``: it has no
-no-communication measurement.
+The outputs of such a run are wrong by design (every rank sees only its own K/V); it is only timed. The
+stand-ins count their calls: a run in which none was called bypassed them (it still communicated), and its
+time must be discarded — the caller checks ``counter.calls``.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["NOCOMM_VARIANTS", "no_communication", "nocomm_unavailable_reason", "NoCommCounter"]
+__all__ = ["no_communication", "nocomm_unavailable_reason", "NoCommCounter"]
 
-NOCOMM_VARIANTS = frozenset({"ring", "zigzag", "stripe", "ring_varlen", "zigzag_varlen"})
-
-
-def nocomm_unavailable_reason(variant: str) -> Optional[str]:
-    """None if ``variant`` can be timed without communication, else why not."""
-    if variant not in NOCOMM_VARIANTS:
-        return f"{variant} communicates through collectives, not ring_kernels.comm.RingExchange"
-    try:
-        from ring_kernels.comm import RingExchange
-    except ImportError as exc:
-        return f"ring_kernels.comm.RingExchange is not importable ({exc})"
-    if not callable(getattr(RingExchange, "start", None)):
-        return "ring_kernels.comm.RingExchange has no start() to replace"
-    return None
+_RING_EXCHANGE_VARIANTS = frozenset({"ring", "zigzag", "stripe", "ring_varlen", "zigzag_varlen"})
+_LLAMA3_COLLECTIVES = ("_all_gather_tensor", "_reduce_scatter_tensor")
 
 
 class NoCommCounter:
-    """How many exchanges the stand-in replaced: zero after a run means the variant bypassed RingExchange
-    (it still communicated), so its "no-communication" time would be a lie and is discarded."""
+    """How many exchanges / collectives the stand-ins replaced."""
 
     def __init__(self) -> None:
         self.calls = 0
 
 
-def _make_local_copy_start(counter: NoCommCounter):
-    def start(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> None:
-        counter.calls += 1
-        _local_copy(send, recv)
+class _Done:
+    """A finished work handle (what ``async_op=True`` collectives return), for the stand-ins."""
 
-    start.__name__ = start.__qualname__ = "start_without_communication"
-    return start
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def nocomm_unavailable_reason(variant: str) -> Optional[str]:
+    """None if ``variant`` can be timed without communication, else why not."""
+    if variant in _RING_EXCHANGE_VARIANTS:
+        try:
+            from ring_kernels.comm import RingExchange
+        except ImportError as exc:
+            return f"ring_kernels.comm.RingExchange is not importable ({exc})"
+        if not callable(getattr(RingExchange, "start", None)):
+            return "ring_kernels.comm.RingExchange has no start() to replace"
+        return None
+    if variant == "llama3":
+        try:
+            import ring_kernels.llama3 as llama3
+        except ImportError as exc:
+            return f"ring_kernels.llama3 is not importable ({exc})"
+        missing = [n for n in _LLAMA3_COLLECTIVES if not callable(getattr(llama3, n, None))]
+        return f"ring_kernels.llama3 has no {missing} to replace" if missing else None
+    return f"no communication stand-in is known for variant {variant!r}"
 
 
 def _local_copy(send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> None:
-    """Stand-in for ``RingExchange.start``: what a ring of one does, for any ring size."""
     if len(send) != len(recv):
         raise ValueError(f"RingExchange.start (no-communication stand-in): {len(send)} tensors to send but "
                          f"{len(recv)} receive buffers")
@@ -63,18 +76,58 @@ def _local_copy(send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> N
         r.copy_(s)
 
 
-@contextlib.contextmanager
-def no_communication() -> Iterator[NoCommCounter]:
-    """Within the block, every ``RingExchange`` copies locally instead of sending; restored on exit.
+def _own_slot(full: torch.Tensor, part: torch.Tensor, group) -> torch.Tensor:
+    """This rank's slot of ``full`` (N * rows along dim 0), the shape of ``part``."""
+    import torch.distributed as dist
 
-    Yields a ``NoCommCounter`` of the exchanges replaced.
-    """
+    rank, rows = dist.get_rank(group), part.shape[0]
+    return full[rank * rows:(rank + 1) * rows]
+
+
+def _ring_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:
     from ring_kernels.comm import RingExchange
 
-    original = RingExchange.__dict__["start"]
+    def start_without_communication(self, send, recv):
+        counter.calls += 1
+        _local_copy(send, recv)
+
+    return [(RingExchange, "start", start_without_communication)]
+
+
+def _llama3_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:
+    import ring_kernels.llama3 as llama3
+
+    def all_gather_without_communication(output, input, group=None, async_op=False):
+        counter.calls += 1
+        _own_slot(output, input, group).copy_(input)
+        return _Done() if async_op else None
+
+    def reduce_scatter_without_communication(output, input, op=None, group=None, async_op=False):
+        counter.calls += 1
+        output.copy_(_own_slot(input, output, group))
+        return _Done() if async_op else None
+
+    return [(llama3, "_all_gather_tensor", all_gather_without_communication),
+            (llama3, "_reduce_scatter_tensor", reduce_scatter_without_communication)]
+
+
+@contextlib.contextmanager
+def no_communication(variant: str) -> Iterator[NoCommCounter]:
+    """Within the block, ``variant`` copies locally instead of communicating; restored on exit.
+
+    Yields a ``NoCommCounter`` of the replaced calls. Raises ``ValueError`` for a variant without a stand-in
+    (see ``nocomm_unavailable_reason``).
+    """
+    reason = nocomm_unavailable_reason(variant)
+    if reason is not None:
+        raise ValueError(f"no_communication(variant={variant!r}): {reason}")
     counter = NoCommCounter()
-    RingExchange.start = _make_local_copy_start(counter)
+    patches = _llama3_patches(counter) if variant == "llama3" else _ring_patches(counter)
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
     try:
         yield counter
     finally:
-        RingExchange.start = original
+        for owner, name, original in saved:
+            setattr(owner, name, original)
