@@ -70,7 +70,9 @@ class Patch:
     def sites(self) -> list[str]:
         if self._installation is None or self._removed:
             return []
-        return [site.label for site in self._installation.sites]
+        injected = [f"{module.__name__}._flash_attention_forward (injected by model=)"
+                    for record in self._model_switches for module, _ in record.injected]
+        return [site.label for site in self._installation.sites] + injected
 
     @property
     def calls(self) -> Counter:

@@ -8,10 +8,12 @@ transformers' flash-attn availability check (the bundled ring kernels do not nee
   (``ALL_ATTENTION_FUNCTIONS[...]`` / ``.get_interface(...)``, 5.1+), and the mask builders return no mask for
   flash attention when there is no padding (``masking_utils`` in 4.53+, ``_update_causal_mask`` before). Setting
   ``_attn_implementation = "flash_attention_2"`` on the model's config and every sub-config is enough.
-- 4.43-4.47: the attention class is chosen at construction (``LLAMA_ATTENTION_CLASSES[...]``), so each
-  attention module's class is swapped to the ``"flash_attention_2"`` class of its own modeling module (the
-  weights are the same: the flash class subclasses the eager one), and the config is switched too (the mask
-  builder reads it).
+- 4.43-4.47 (every model), and models that kept the old design later (qwen2_moe until 4.57; falcon, gpt_neo,
+  gptj, bark through 5.23): the attention class is chosen at construction (``LLAMA_ATTENTION_CLASSES[...]``),
+  so each attention module's class is swapped to the ``"flash_attention_2"`` class of the same table in its
+  own modeling module (the weights are the same: the flash class subclasses the eager one), and the config is
+  switched too (the mask builder reads it). This is done on every release where such a table lists the
+  module's class, not behind a version gate.
 - Modeling modules that bind ``_flash_attention_forward`` only ``if is_flash_attn_available()`` (falcon, gpt_neo,
   ... in 5.x; several in 4.43-4.47) lack the name without flash-attn: it is injected (the wrapper) and deleted
   again on restore.
@@ -167,25 +169,20 @@ def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) ->
             "pass the PreTrainedModel you will train, e.g. model=AutoModelForCausalLM.from_config(...)"
         )
     version = transformers_version or _compat.installed_transformers_version()
+    # 4.48+: models that dispatch per call through ALL_ATTENTION_FUNCTIONS need only the config switched.
     per_call_dispatch = version is None or version >= _compat.TRANSFORMERS_ATTENTION_FUNCTIONS
-    if per_call_dispatch and not _supports_flash(model):
+    has_class_table = any(_flash_class_for(m) is not None for m in model.modules())
+    if not has_class_table and not (per_call_dispatch and _supports_flash(model)):
         raise UnsupportedArgument(
             "model", type(model).__name__,
-            f"{type(model).__name__} has no flash-attention path (_supports_flash_attn is False), so its attention "
-            "never reaches _flash_attention_forward and cannot run as ring attention.",
-            "use a model class that supports flash attention, or train this one without context parallelism.",
-        )
-    if not per_call_dispatch and not any(_flash_class_for(m) is not None for m in model.modules()):
-        raise UnsupportedArgument(
-            "model", type(model).__name__,
-            f"{type(model).__name__}'s modeling module has no '{FLASH_IMPLEMENTATION}' attention class, so its "
-            "attention never reaches _flash_attention_forward and cannot run as ring attention.",
+            f"{type(model).__name__} has no flash-attention path (no '{FLASH_IMPLEMENTATION}' attention class and "
+            "_supports_flash_attn is not set), so its attention never reaches _flash_attention_forward and cannot "
+            "run as ring attention.",
             "use a model class that supports flash attention, or train this one without context parallelism.",
         )
     record = ModelSwitch()
     try:
-        if not per_call_dispatch:
-            _swap_classes(model, record)
+        _swap_classes(model, record)
         for config in _configs(model):
             record.configs.append((config, config.__dict__.get("_attn_implementation_internal", _UNSET)))
         for config in _configs(model):

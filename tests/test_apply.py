@@ -180,6 +180,37 @@ def _case_llama_every_layer(group, late_dir):
         torch.testing.assert_close(model(ids, use_cache=False).logits, expected)
 
 
+def _case_class_table_model(group):
+    """Falcon picks its attention class at construction from FALCON_ATTENTION_CLASSES (every release through
+    5.23) and imports _flash_attention_forward only when flash-attn is installed: model= swaps the classes and
+    injects the binding, and remove() undoes both."""
+    import hfpatch
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                          new_decoder_architecture=True, num_kv_heads=2, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = FalconForCausalLM(config).eval()
+    modeling = sys.modules[type(model).__module__]
+    had_binding = NAME in modeling.__dict__
+    classes = [type(layer.self_attention) for layer in model.transformer.h]
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+    with hfpatch.apply(group, model=model) as patch:
+        assert all("FlashAttention2" in type(layer.self_attention).__name__ for layer in model.transformer.h)
+        with torch.no_grad():
+            logits, positions = _ring_forward(patch, model, ids)
+        torch.testing.assert_close(logits, expected[:, positions], rtol=1e-5, atol=1e-5)
+        assert patch.calls == {0: 1, 1: 1} and patch.unpatched_layers(model) == []
+        assert any(site.startswith(modeling.__name__) for site in patch.sites)
+    assert [type(layer.self_attention) for layer in model.transformer.h] == classes
+    assert (NAME in modeling.__dict__) == had_binding
+    if had_binding:
+        assert modeling.__dict__[NAME] is _bindings()[0]
+    assert model.config._attn_implementation == "eager"
+
+
 def _case_context_manager(group):
     import hfpatch
 
@@ -336,6 +367,7 @@ def _apply_cases(rank, world_size, late_dir):
 
     group = dist.group.WORLD
     _case_llama_every_layer(group, late_dir)
+    _case_class_table_model(group)
     _case_context_manager(group)
     _case_failures_leave_nothing(group)
     _case_switch_original_via_env(group)
@@ -374,3 +406,30 @@ def test_bad_switch_environment_is_refused_at_apply(monkeypatch):
     monkeypatch.setenv("RING_ATTN_SWITCH", "on")
     with pytest.raises(ValueError, match="RING_ATTN_SWITCH='on'"):
         hfpatch.apply()
+
+
+def test_model_without_a_flash_path_is_refused_unchanged():
+    from hfpatch.errors import UnsupportedArgument
+    from hfpatch.model_switch import switch_model
+
+    class Config:
+        _attn_implementation_internal = "eager"
+
+        def to_dict(self):
+            return {}
+
+    class NoFlashModel(torch.nn.Module):
+        _supports_flash_attn = False
+
+        def __init__(self):
+            super().__init__()
+            self.config = Config()
+            self.proj = torch.nn.Linear(4, 4)
+
+    model = NoFlashModel()
+    with pytest.raises(UnsupportedArgument) as info:
+        switch_model(model, lambda *a, **k: None)
+    assert info.value.parameter == "model" and "no flash-attention path" in str(info.value)
+    assert model.config._attn_implementation_internal == "eager"
+    with pytest.raises(TypeError, match="model=Linear"):
+        switch_model(torch.nn.Linear(2, 2), lambda *a, **k: None)
