@@ -119,7 +119,8 @@ def markdown(doc: dict) -> str:
            f"{st['date']} · torch {st['torch']} · CUDA {st.get('cuda')} · cuDNN {st.get('cudnn')} · "
            f"triton {st.get('triton')} · flash-attn {st.get('flash_attn')} · transformers {st.get('transformers')} · "
            f"commit {st.get('git_commit')}{' (dirty)' if st.get('git_dirty') else ''} · dtype "
-           f"{doc['settings']['dtype']}{'' if doc.get('complete', True) else ' · INCOMPLETE RUN'}\n",
+           f"{doc['settings']['dtype']}{'' if doc.get('complete', True) else ' · INCOMPLETE RUN'}"
+           f"{' (' + doc['aborted'] + ')' if doc.get('aborted') else ''}\n",
            "Times are medians per call, slowest rank. Efficiency = N x T_single(local shard, same backend) / "
            "T_ring; 'vs best' uses the fastest single-GPU baseline of any backend. See benchmarks/README.md.\n"]
     if any(s["tokens_per_rank"] == TARGET_TOKENS for s in doc["summary"]):

@@ -48,6 +48,9 @@ from _summary import summarize  # noqa: E402
 SCHEMA = "hfpatch-ring-bench/1"
 # ring_kernels/_validate.py: "1" skips the per-call cross-rank shape check (for benchmarks of known-good setups).
 _SKIP_RANK_CHECK_ENV = "RING_KERNELS_SKIP_RANK_CHECK"
+# A hung collective fails after this instead of eating a 10-minute device call (no collective here takes
+# more than seconds; the longest wait is rank 0 computing the float64 reference or writing the plot).
+_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=2)
 # Exceptions by which the library (or torch) declines a combination: recorded as "refused", not "failed".
 _REFUSALS = (ValueError, TypeError, NotImplementedError, LookupError)
 
@@ -137,9 +140,9 @@ class Bench:
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             if self.device.type == "cuda":   # device_id: bind the communicator to our GPU from the start
-                dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), device_id=self.device)
+                dist.init_process_group("nccl", timeout=_COLLECTIVE_TIMEOUT, device_id=self.device)
             else:
-                dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+                dist.init_process_group("gloo", timeout=_COLLECTIVE_TIMEOUT)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # A group of one per rank: the library's own single-GPU path for the varlen baseline.
         self.solo_group, _ = dist.new_subgroups(group_size=1)
@@ -154,6 +157,7 @@ class Bench:
         if args.check_tokens % unit:
             raise SystemExit(f"--check-tokens {args.check_tokens} must be a multiple of {unit}")
         self.results: List[dict] = []
+        self.aborted: Optional[str] = None
         self.started = time.time()
 
     def _backends(self) -> List[str]:
@@ -499,14 +503,17 @@ def _document(bench: Bench) -> dict:
     }
 
 
-def _write(bench: Bench, stem: str, final: bool) -> Optional[str]:
+def _write(bench: Bench, stem: str, complete: bool) -> Optional[str]:
+    """Rank 0 writes ``<stem>.json`` and ``<stem>.md``; ``complete`` is False for partial or stopped runs."""
     if bench.rank != 0:
         return None
     import json
 
     os.makedirs(bench.args.out, exist_ok=True)
     doc = _document(bench)
-    doc["complete"] = final
+    doc["complete"] = complete
+    if bench.aborted:
+        doc["aborted"] = bench.aborted
     path = os.path.join(bench.args.out, stem + ".json")
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
@@ -516,30 +523,39 @@ def _write(bench: Bench, stem: str, final: bool) -> Optional[str]:
     return path
 
 
+def _points(args):
+    for tokens in args.tokens:
+        for cfg in args.configs:
+            for layout in args.layouts:
+                for causal in (c == "causal" for c in args.causal):
+                    yield cfg, layout, causal, tokens
+
+
 def main(argv=None) -> int:
     args = _parse_args(argv)
     bench = Bench(args)
     stem = args.tag or f"ring_bench_{_slug(stamp(bench.device, bench.world)['device_name'])}_" \
                        f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
     bench.log(f"{bench.world} ranks on {bench.device.type}, backends {bench.backends}, dtype {args.dtype}")
+    complete = False
     try:
-        for tokens in args.tokens:
-            for cfg in args.configs:
-                for layout in args.layouts:
-                    for causal in (c == "causal" for c in args.causal):
-                        if args.max_minutes is not None and time.time() - bench.started > 60 * args.max_minutes:
-                            bench.log(f"--max-minutes {args.max_minutes} reached: stopping early")
-                            raise StopIteration
-                        run_group(bench, cfg, layout, causal, tokens)
-                        _write(bench, stem, final=False)
-    except StopIteration:
-        pass
-    path = _write(bench, stem, final=True)
+        for point in _points(args):
+            if args.max_minutes is not None and time.time() - bench.started > 60 * args.max_minutes:
+                bench.log(f"--max-minutes {args.max_minutes} reached: stopping before {point[:3]}")
+                break
+            run_group(bench, *point)
+            _write(bench, stem, complete=False)
+        else:
+            complete = True
+    except BaseException as exc:   # keep what was measured, say why the run ended, then fail loudly
+        bench.aborted = f"{type(exc).__name__}: {exc}"
+        _write(bench, stem, complete=False)
+        raise
+    path = _write(bench, stem, complete=complete)
     if path:
         print(report.compact(_document(bench)), flush=True)
         bench.log(f"wrote {path} and {path[:-5]}.md")
-        plot = report.try_plot(path)
-        bench.log(plot)
+        bench.log(report.try_plot(path))
     dist.barrier()
     if bench.owns_group:
         dist.destroy_process_group()

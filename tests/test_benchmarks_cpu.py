@@ -65,6 +65,9 @@ def _world(rank, world_size, out_dir):
     finally:
         ring_bench.ring_outputs_and_grads = real
 
+    # Out of time before the first case group: an honest, empty, incomplete file.
+    assert ring_bench.main(ARGV[:-2] + ["--tag", "cpu_timeout", "--max-minutes", "0", "--out", out_dir]) == 0
+
 
 def _has_matplotlib() -> bool:
     try:
@@ -87,6 +90,8 @@ def bench_doc(tmp_path_factory):
         doc["_markdown"] = f.read()
     with open(os.path.join(out, "cpu_faulty.json")) as f:
         doc["_faulty"] = json.load(f)
+    with open(os.path.join(out, "cpu_timeout.json")) as f:
+        doc["_timeout"] = json.load(f)
     return doc
 
 
@@ -132,6 +137,12 @@ def test_single_baselines_and_nocomm_runs(bench_doc):
     # No CUDA here: PyTorch's native CP is recorded as skipped with the reason, never silently absent.
     native = [r for r in res if r["kind"] == "native_cp"]
     assert native and all(r["status"] == "skipped" and "CUDA" in r["reason"] for r in native)
+
+
+def test_a_run_out_of_time_says_so(bench_doc):
+    timeout = bench_doc["_timeout"]
+    assert timeout["complete"] is False and timeout["results"] == [] and timeout["summary"] == []
+    assert bench_doc["_faulty"]["complete"] is True and "aborted" not in bench_doc
 
 
 def test_refused_and_wrong_are_recorded_and_never_timed(bench_doc):
