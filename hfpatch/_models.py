@@ -54,9 +54,10 @@ def tiny_config(name: str, *, attn_implementation: str = "eager", **overrides):
     return config
 
 
-def build_model(name: str, *, seed: int = 0, attn_implementation: str = "eager", **overrides) -> torch.nn.Module:
+def build_model(name: str, *, seed: int = 0, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32,
+                **overrides) -> torch.nn.Module:
     """A tiny ``<Family>ForCausalLM`` with random weights drawn from ``seed`` (the same weights on every rank and
-    for every ``attn_implementation``), in fp32 and training mode."""
+    for every ``attn_implementation``), in ``dtype`` (fp32 by default) and training mode."""
     import transformers
 
     config = tiny_config(name, attn_implementation=attn_implementation, **overrides)
@@ -64,4 +65,4 @@ def build_model(name: str, *, seed: int = 0, attn_implementation: str = "eager",
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
-    return model.float().train()
+    return model.to(dtype).train()
