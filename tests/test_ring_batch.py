@@ -166,8 +166,8 @@ def _count_ring_traffic(rank: int, world: int) -> None:
         return original(ops)
 
     b, s, h, hk, d = 1, 6, 8, 2, 64
-    q = torch.randn(b, s, h, d, requires_grad=True)
-    k, v = (torch.randn(b, s, hk, d, requires_grad=True) for _ in range(2))
+    q = torch.randn(b, s, h, d, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, s, hk, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     comm.dist.batch_isend_irecv = recording
     try:
         out = rk.zigzag_ring_attn_func(q, k, v, backend="torch_cpu")
@@ -175,10 +175,15 @@ def _count_ring_traffic(rank: int, world: int) -> None:
         out.sum().backward()
     finally:
         comm.dist.batch_isend_irecv = original
-    kv = [("isend", (b, s, hk, d), torch.float32), ("irecv", (b, s, hk, d), torch.float32)] * 2
+    def exchange(dtype):
+        return [("isend", (b, s, hk, d), dtype), ("irecv", (b, s, hk, d), dtype)] * 2
+
+    kv, partial_sums = exchange(torch.bfloat16), exchange(torch.float32)
     assert forward == [kv] * (world - 1), forward
+    # backward: K/V again (N-1), dK/dV partial sums in fp32 (N-1), then the finished sums home in bf16 (1)
     backward = sent[len(forward):]
-    assert sorted(map(str, backward)) == sorted(map(str, [kv] * (world - 1) + [kv] * world)), backward
+    expected = [kv] * (world - 1) + [partial_sums] * (world - 1) + [kv]
+    assert sorted(map(str, backward)) == sorted(map(str, expected)), backward
 
 
 def _subgroups(rank: int) -> None:

@@ -74,14 +74,14 @@ def _is_present(name: str, device_type: str) -> bool:
         return True
     if name == "torch_cpu":
         return device_type == "cpu"
+    cuda = device_type == "cuda" and torch.cuda.is_available()
     if name in ("torch_flash", "torch_cudnn", "torch_efficient"):
-        return device_type == "cuda" and torch.cuda.is_available()
+        return cuda
     if name == "flash_attn":
-        return device_type == "cuda" and _importable("flash_attn")
+        return cuda and _importable("flash_attn")
     if name == "triton":
         interpreted = device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-        return ((device_type == "cuda" or interpreted) and _importable("triton")
-                and _importable(__name__ + ".triton_attn"))
+        return (cuda or interpreted) and _importable("triton") and _importable(__name__ + ".triton_attn")
     return False
 
 
