@@ -454,17 +454,25 @@ def _measure_native(bench: Bench, cfg, causal, tokens, base, check: _CheckData, 
         bench.log(f"{tag} native_cp/{sdpa}/{rotate}: {verdict['status']} ({verdict['reason'][:160]})")
         return
     base["check"] = verdict["check"]
-    x = make_inputs(cfg, tokens * bench.world, dtype=bench.dtype, device=bench.device, seed=2)
-    try:
-        with native_cp.native_cp_session(cfg, x.q, x.k, x.v, x.dout, causal=causal, sdpa_backend=sdpa,
-                                         rotate=rotate, mesh=bench.mesh_for_native()) as session:
-            del x   # the session holds its own sharded (1, H, S/N, D) copies
+    with contextlib.ExitStack() as stack:
+        def enter():
+            x = make_inputs(cfg, tokens * bench.world, dtype=bench.dtype, device=bench.device, seed=2)
+            # The session keeps its own sharded (1, H, S/N, D) copies; x dies with this function.
+            return stack.enter_context(native_cp.native_cp_session(
+                cfg, x.q, x.k, x.v, x.dout, causal=causal, sdpa_backend=sdpa, rotate=rotate,
+                mesh=bench.mesh_for_native()))
+
+        session, err = _attempt(bench, enter)
+        if err is not None:
+            for mode in bench.args.modes:
+                bench.record(**base, mode=mode, status=err[0], reason=err[1])
+            bench.log(f"{tag} native_cp/{sdpa}/{rotate}: {err[0]} ({err[1][:160]})")
+        else:
             bench.free()
             baseline = None if bench.device.type != "cuda" else \
                 torch.cuda.memory_allocated(bench.device) - session["local_bytes"]
             _measure_with(bench, session["step"], base, [tokens * bench.world], tag, cfg, baseline)
-    finally:
-        bench.free()
+    bench.free()
 
 
 def _measure_with(bench: Bench, step, base: dict, doc_lengths, tag: str, cfg: AttnConfig, baseline) -> None:

@@ -220,3 +220,21 @@ def test_merge_and_plot(tmp_path):
         assert line == f"wrote {tmp_path / 'm.png'}" and (tmp_path / "m.png").stat().st_size > 0
     else:
         assert "matplotlib is not installed" in line and not (tmp_path / "m.png").exists()
+
+
+def test_native_cp_layout_and_settings_are_restored():
+    """What of the native-CP peer runs without CUDA: SDPA layout with repeated K/V heads, and its option knobs."""
+    import torch
+    import native_cp
+    from torch.distributed.tensor.experimental._attention import _cp_options, _RotateMethod
+
+    k = torch.randn(1, 5, 2, 3)                               # (1, S, Hk=2, D)
+    sdpa = native_cp._sdpa_layout(k, heads=6)                 # (1, H=6, S, D), query head h uses K/V head h // 3
+    assert sdpa.shape == (1, 6, 5, 3) and sdpa.is_contiguous()
+    for h in range(6):
+        assert torch.equal(sdpa[0, h], k[0, :, h // 3])
+    saved = (_cp_options.enable_load_balance, _cp_options.rotate_method)
+    with native_cp._cp_settings(causal=False, rotate="alltoall"):
+        assert _cp_options.enable_load_balance is False and _cp_options.rotate_method == _RotateMethod.ALL_TO_ALL
+    assert (_cp_options.enable_load_balance, _cp_options.rotate_method) == saved
+    assert "CUDA" in native_cp.native_cp_unavailable_reason(torch.device("cpu"))
