@@ -121,6 +121,9 @@ def markdown(doc: dict) -> str:
            f"commit {st.get('git_commit')}{' (dirty)' if st.get('git_dirty') else ''} · dtype "
            f"{doc['settings']['dtype']}{'' if doc.get('complete', True) else ' · INCOMPLETE RUN'}"
            f"{' (' + doc['aborted'] + ')' if doc.get('aborted') else ''}\n",
+           f"Backends: {', '.join(doc['settings'].get('backends', []))}"
+           + "".join(f"; left out: {b} ({why})" for b, why in doc["settings"].get("backends_left_out", {}).items())
+           + "\n",
            "Times are medians per call, slowest rank. Efficiency = N x T_single(local shard, same backend) / "
            "T_ring; 'vs best' uses the fastest single-GPU baseline of any backend. See benchmarks/README.md.\n"]
     if any(s["tokens_per_rank"] == TARGET_TOKENS for s in doc["summary"]):

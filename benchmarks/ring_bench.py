@@ -164,8 +164,13 @@ class Bench:
         from ring_kernels.backends import available_backends
 
         available = available_backends(self.device)
+        self.backends_left_out = {}
         if self.args.backends == "available":
-            return [b for b in available if not (self.device.type == "cuda" and b == "reference")]
+            if self.device.type == "cuda" and "reference" in available:
+                self.backends_left_out["reference"] = (
+                    "plain-math backend: dense fp32 scores (~8 GB per 8k block, OOM at 32k), minutes per run; "
+                    "name it in --backends to include it")
+            return [b for b in available if b not in self.backends_left_out]
         wanted = _csv(self.args.backends)
         missing = [b for b in wanted if b not in available]
         if missing:
@@ -501,6 +506,7 @@ def _document(bench: Bench) -> dict:
         "settings": {
             "tokens_per_rank": args.tokens, "configs": [dataclasses.asdict(c) for c in args.configs],
             "layouts": args.layouts, "variants": args.variants, "backends": bench.backends,
+            "backends_left_out": bench.backends_left_out,
             "causal": args.causal, "modes": args.modes, "native": args.native, "native_rotate": args.native_rotate,
             "nocomm": not args.no_nocomm, "skip_rank_check": args.skip_rank_check, "dtype": args.dtype, "check_tokens_per_rank": args.check_tokens,
             "iters": {str(t): dict(zip(("warmup", "iters"), _iters_for(t, args))) for t in args.tokens},

@@ -102,7 +102,7 @@ def test_stamp_and_settings(bench_doc):
                 "date", "git_commit"):
         assert key in st, key
     assert st["device_type"] == "cpu" and st["world_size"] == 2
-    assert bench_doc["settings"]["backends"] == list(BACKENDS)
+    assert bench_doc["settings"]["backends"] == list(BACKENDS) and bench_doc["settings"]["backends_left_out"] == {}
     assert bench_doc["settings"]["configs"] == [{"name": "tiny", "nheads": 4, "nheads_k": 2, "head_dim": 32}]
 
 
