@@ -100,6 +100,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=None, help="start no new case group after this")
     p.add_argument("--out", default=os.path.join(_HERE, "results"))
     p.add_argument("--tag", default=None, help="file name stem (default: ring_bench_<device>_<date>)")
+    p.add_argument("--no-plot", action="store_true", help="write no .png even where matplotlib is importable")
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in _csv(args.tokens)]
     args.configs = [_parse_config(c) for c in _csv(args.configs)]
@@ -569,7 +570,8 @@ def main(argv=None) -> int:
     if path:
         print(report.compact(_document(bench)), flush=True)
         bench.log(f"wrote {path} and {path[:-5]}.md")
-        bench.log(report.try_plot(path))
+        if not args.no_plot:
+            bench.log(report.try_plot(path))
     dist.barrier()
     if bench.owns_group:
         dist.destroy_process_group()
