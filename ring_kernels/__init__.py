@@ -9,8 +9,11 @@ from ring_kernels.layout import LAYOUTS, LocalVarlen, local_positions, local_var
 from ring_kernels.ring import ring_attn_func
 from ring_kernels.stripe import stripe_attn_func
 from ring_kernels.zigzag import zigzag_ring_attn_func
+from ring_kernels.varlen import ring_attn_varlen_func, zigzag_ring_attn_varlen_func
+from ring_kernels.llama3 import llama3_attn_varlen_func
 
 __all__ = [
     "ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func",
+    "ring_attn_varlen_func", "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func",
     "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard",
 ]

@@ -136,17 +136,42 @@ def _dist_cases(n):
     return cases
 
 
-def _round_trip_ranks(rank, n, cases):
+def subgroup_phases(rank, run):
+    """Run ``run(group, group_rank, group_size)`` on groups of size 1 to 4 carved out of a world of 4.
+
+    One spawned world instead of one per size (each process start costs seconds of CPU), and it exercises
+    ``group=`` with group ranks that differ from global ranks: phase 1 runs the pairs [0, 1] and [2, 3]
+    side by side, phase 2 the group [0] of one and the trio [1, 2, 3], phase 3 the default group (None).
+    Every rank creates every group (``new_group`` is collective) before any phase starts.
+    """
+    import torch.distributed as dist
+
+    assert dist.get_world_size() == 4
+    phases = [[[0, 1], [2, 3]], [[0], [1, 2, 3]], [[0, 1, 2, 3]]]
+    groups = {tuple(m): dist.new_group(m) for phase in phases[:2] for m in phase}
+    for phase in phases:
+        for members in phase:
+            if rank in members:
+                group = groups.get(tuple(members))  # None for the whole world: the default group
+                run(group, members.index(rank), len(members))
+        dist.barrier()
+
+
+def _round_trip_ranks(rank, world):
+    subgroup_phases(rank, lambda group, r, n: _round_trip_cases(group, r, n, _dist_cases(n)))
+
+
+def _round_trip_cases(group, rank, n, cases):
     for i, case in enumerate(cases):
         torch.manual_seed(i)  # the same global tensor on every rank
         x = torch.randn(case["shape"]).to(case["dtype"])
-        kw = dict(layout=case["layout"], dim=case["dim"], cu_seqlens=case["cu"])
-        pos = local_positions(x.size(case["dim"]), layout=case["layout"], cu_seqlens=case["cu"])
+        kw = dict(layout=case["layout"], dim=case["dim"], cu_seqlens=case["cu"], group=group)
+        pos = local_positions(x.size(case["dim"]), group, layout=case["layout"], cu_seqlens=case["cu"])
         local = shard(x, **kw)
         assert torch.equal(local, x.index_select(case["dim"], pos)), case
         # shard of arange = the positions (the helper hfpatch uses for position ids agrees with shard)
         ar = torch.arange(x.size(case["dim"]))
-        assert torch.equal(shard(ar, layout=case["layout"], dim=0, cu_seqlens=case["cu"]), pos), case
+        assert torch.equal(shard(ar, group, layout=case["layout"], dim=0, cu_seqlens=case["cu"]), pos), case
         local = local.detach().requires_grad_(True)
         full = unshard(local, **kw)
         assert torch.equal(full, x), case
@@ -159,6 +184,5 @@ def _round_trip_ranks(rank, n, cases):
         torch.testing.assert_close(local.grad, want, rtol=tol, atol=tol * 4, msg=lambda m: f"{case}: {m}")
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_shard_unshard_round_trip_and_gradient_across_processes(n):
-    run_world(n, _round_trip_ranks, _dist_cases(n))
+def test_shard_unshard_round_trip_and_gradient_in_groups_of_1_to_4():
+    run_world(4, _round_trip_ranks)

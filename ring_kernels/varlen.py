@@ -1,0 +1,266 @@
+"""Varlen ring attention: packed documents, contiguous (``ring``) and ``zigzag`` layouts.
+
+A packed sequence holds documents back to back; ``cu_seqlens`` (int, (num_docs + 1,)) are the cumulative
+lengths of the *global* packed sequence, identical on every rank. Documents are independent: a token attends
+only to tokens of its own document (causally when ``causal=True``). Tensors are (local_tokens, nheads, headdim).
+
+The ring engine of ``ring.py`` runs unchanged on batch 1: a varlen layout only decides which blocks one ring
+step computes. Each block is one document's (query rows x key rows) of the visiting K/V, and with no window
+every block is FULL or aligned CAUSAL, so fast backends never see a dense (S x S) mask:
+
+- contiguous (rank r holds packed tokens [r*L, (r+1)*L); documents may cross rank boundaries): the part of
+  document d on this rank against the part of d in the visiting block; causally, earlier blocks are FULL,
+  our own block is aligned CAUSAL (same positions), later blocks are skipped;
+- zigzag (each document cut into 2N chunks of c tokens, rank r holds chunks r and 2N-1-r of every document,
+  local cu_seqlens = cu_seqlens // N): per document, the same three cases as the batch zigzag ring.
+
+With a sliding window the blocks are classified from their global positions (FULL, aligned CAUSAL, skipped,
+or GENERAL with the window in the mask). A later fast path can hand all blocks of one step to a backend's
+cu_seqlens (varlen) kernel at once; today each block is one backend call.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _validate
+from .backends import CAUSAL, EMPTY, FULL, GENERAL, get_backend
+from .backends.base import BlockMask
+from .comm import group_rank_and_size
+from .ring import _Block, _RingAttention, _RingConfig
+
+__all__ = ["ring_attn_varlen_func", "zigzag_ring_attn_varlen_func"]
+
+_FULL_MASK = BlockMask()
+_KIND_ORDER = {EMPTY: 0, FULL: 1, CAUSAL: 2, GENERAL: 3}
+_UNBOUNDED = float("inf")
+
+
+# ------------------------------------------------------------------------------------- classification
+
+
+def _classify(qa: int, qb: int, ka: int, kb: int, causal: bool, window: Tuple[int, int]) -> Tuple[str, BlockMask]:
+    """Kind and mask of queries at global positions [qa, qb) against keys [ka, kb) of the same document.
+
+    A query q sees a key k when ``q - left <= k <= q + right`` (causal caps ``right`` at 0; -1 = unbounded).
+    Computed from the interval ends only (no dense mask): EMPTY when no pair is visible, FULL when all are,
+    aligned CAUSAL when q and k cover the same positions and the window does not bind, else GENERAL.
+    """
+    left = window[0] if window[0] >= 0 else _UNBOUNDED
+    right = window[1] if window[1] >= 0 else _UNBOUNDED
+    if causal:
+        right = min(right, 0)
+    # Keys visible from some query lie in [qa - left, qb - 1 + right]; from every query in [qb-1-left, qa+right].
+    if ka > qb - 1 + right or kb - 1 < qa - left:
+        return EMPTY, _FULL_MASK
+    if kb - 1 <= qa + right and ka >= qb - 1 - left:
+        return FULL, _FULL_MASK
+    if causal and qa == ka and qb == kb and left >= qb - qa - 1:
+        return CAUSAL, BlockMask(causal=True, q_start=qa, k_start=ka)
+    return GENERAL, BlockMask(causal=causal, q_start=qa, k_start=ka, window=window)
+
+
+class _StepBuilder:
+    """Collects the blocks of one ring step and the most general mask kind over all steps."""
+
+    def __init__(self):
+        self.kind = EMPTY
+
+    def add(self, blocks: List[_Block], kind: str, mask: BlockMask, q_rows: slice, kv_rows: slice) -> None:
+        if kind == EMPTY or q_rows.stop <= q_rows.start or kv_rows.stop <= kv_rows.start:
+            return
+        blocks.append(_Block(q_rows, kv_rows, mask))
+        if _KIND_ORDER[kind] > _KIND_ORDER[self.kind]:
+            self.kind = kind
+
+
+# ------------------------------------------------------------------------------------------- planners
+
+
+def _documents_overlapping(cu: torch.Tensor, start: int, end: int) -> range:
+    """Indices of the documents with at least one token in [start, end) of the packed stream."""
+    if end <= start:
+        return range(0)
+    first = int(torch.searchsorted(cu, torch.tensor(start), right=True)) - 1
+    last = int(torch.searchsorted(cu, torch.tensor(end - 1), right=True)) - 1
+    return range(first, last + 1)
+
+
+def _ring_varlen_steps(cu: torch.Tensor, rank: int, world: int, local: int, causal: bool,
+                       window: Tuple[int, int]) -> Tuple[List[List[_Block]], str]:
+    """Contiguous layout: step s computes our tokens against those of rank (rank - s) mod N, per document."""
+    builder = _StepBuilder()
+    q0 = rank * local
+    steps = []
+    for step in range(world):
+        src = (rank - step) % world
+        k0 = src * local
+        blocks: List[_Block] = []
+        steps.append(blocks)
+        if causal and src > rank:   # every key comes after every query: nothing to compute, only to pass on
+            continue
+        for d in _documents_overlapping(cu, q0, q0 + local):
+            doc_a, doc_b = int(cu[d]), int(cu[d + 1])
+            qa, qb = max(doc_a, q0), min(doc_b, q0 + local)
+            ka, kb = max(doc_a, k0), min(doc_b, k0 + local)
+            if qa < qb and ka < kb:
+                kind, mask = _classify(qa, qb, ka, kb, causal, window)
+                builder.add(blocks, kind, mask, slice(qa - q0, qb - q0), slice(ka - k0, kb - k0))
+    return steps, builder.kind
+
+
+def _zigzag_varlen_steps(cu: torch.Tensor, rank: int, world: int, causal: bool,
+                         window: Tuple[int, int]) -> Tuple[List[List[_Block]], str]:
+    """Zigzag layout per document (see the module docstring); every document length divides by 2N."""
+    builder = _StepBuilder()
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    starts = cu[:-1].tolist()
+    steps = []
+    for step in range(world):
+        src = (rank - step) % world
+        blocks: List[_Block] = []
+        for start, length in zip(starts, lengths):
+            c = length // (2 * world)
+            lo = start // world                       # local offset of this document on every rank
+            if c == 0:
+                continue
+            if window != (-1, -1):
+                _zigzag_window_blocks(builder, blocks, start, lo, c, rank, src, world, window)
+            elif src == rank:                          # chunks r, 2N-1-r against themselves: positions increase
+                builder.add(blocks, CAUSAL, BlockMask(causal=True), slice(lo, lo + 2 * c), slice(lo, lo + 2 * c))
+            elif src < rank:                           # all queries see the earlier chunk `src` only
+                builder.add(blocks, FULL, _FULL_MASK, slice(lo, lo + 2 * c), slice(lo, lo + c))
+            else:                                      # only the late query chunk 2N-1-r sees, and sees both
+                builder.add(blocks, FULL, _FULL_MASK, slice(lo + c, lo + 2 * c), slice(lo, lo + 2 * c))
+        steps.append(blocks)
+    return steps, builder.kind
+
+
+def _zigzag_window_blocks(builder: _StepBuilder, blocks: List[_Block], start: int, lo: int, c: int, rank: int,
+                          src: int, world: int, window: Tuple[int, int]) -> None:
+    """With a window: one block per (query chunk, key chunk) pair, classified from global positions."""
+    for q_chunk, q_off in ((rank, 0), (2 * world - 1 - rank, c)):
+        for k_chunk, k_off in ((src, 0), (2 * world - 1 - src, c)):
+            qa, ka = start + q_chunk * c, start + k_chunk * c
+            kind, mask = _classify(qa, qa + c, ka, ka + c, True, window)
+            builder.add(blocks, kind, mask, slice(lo + q_off, lo + q_off + c), slice(lo + k_off, lo + k_off + c))
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def _check_cu_seqlens(fn: str, cu_seqlens) -> torch.Tensor:
+    """cu_seqlens as a CPU int64 tensor (num_docs + 1,), starting at 0, non-decreasing."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{fn}: cu_seqlens must be a 1-D int32 torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise _validate.RingInputError(
+            f"{fn}: cu_seqlens has dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}; expected a 1-D "
+            f"integer tensor (int32) of cumulative document lengths starting at 0")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or bool((lengths < 0).any()):
+        raise _validate.RingInputError(
+            f"{fn}: cu_seqlens={cu.tolist()[:16]}{'...' if cu.numel() > 16 else ''} must start at 0 and be "
+            f"non-decreasing (cumulative lengths of the global packed sequence)")
+    return cu
+
+
+def _cu_fingerprint(cu: torch.Tensor) -> float:
+    """A number that differs when two ranks pass different cu_seqlens (exact in float64 for realistic sizes)."""
+    weights = torch.arange(1, cu.numel() + 1, dtype=torch.int64)
+    return float(int((cu * weights).sum()) % (1 << 52))
+
+
+class _VarlenCall:
+    """Validated arguments of one varlen call: rank, world, cu (CPU int64), local tokens, scale, window."""
+
+    def __init__(self, fn: str, q, k, v, cu_seqlens, *, group, causal, softmax_scale, window_size, softcap,
+                 dropout_p, layout_code: int, extra_fields: Sequence[Tuple[str, float]] = ()):
+        _validate.check_qkv(fn, q, k, v, varlen=True)
+        self.window = _validate.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
+        self.scale = _validate.resolve_scale(fn, softmax_scale, q.shape[-1])
+        self.softcap = float(softcap)
+        self.causal = bool(causal)
+        self.cu = _check_cu_seqlens(fn, cu_seqlens)
+        self.rank, self.world = group_rank_and_size(group)
+        self.local = q.shape[0]
+        if self.local == 0:
+            raise _validate.RingInputError(
+                f"{fn}: q has 0 local tokens (shape {tuple(q.shape)}); every rank must hold at least one token "
+                f"of the packed sequence (shard it with ring_kernels.shard(x, dim=0, cu_seqlens=..., layout=...))")
+        t, h, d = q.shape
+        fields = [("layout", layout_code), ("local_tokens", t), ("nheads", h), ("nheads_k", k.shape[1]),
+                  ("headdim", d), ("dtype", _validate.dtype_code(q.dtype)), ("causal", int(self.causal)),
+                  ("softmax_scale", self.scale), ("softcap", self.softcap), ("window_left", self.window[0]),
+                  ("window_right", self.window[1]), ("cu_seqlens length", self.cu.numel()),
+                  ("cu_seqlens[-1]", int(self.cu[-1])), ("cu_seqlens fingerprint", _cu_fingerprint(self.cu)),
+                  *extra_fields]
+        if self.world > 1:
+            _validate.check_ranks_agree(fn, group, fields, q.device)
+        total = self.local * self.world
+        if int(self.cu[-1]) != total:
+            raise _validate.RingInputError(
+                f"{fn}: cu_seqlens[-1]={int(self.cu[-1])} but the group holds {self.world} ranks x {self.local} "
+                f"local tokens = {total}; cu_seqlens must be the cumulative lengths of the whole (global) packed "
+                f"sequence, identical on every rank, and every rank must hold the same number of tokens")
+
+
+def _check_zigzag_documents(fn: str, cu: torch.Tensor, world: int) -> None:
+    lengths = cu[1:] - cu[:-1]
+    bad = torch.nonzero(lengths % (2 * world) != 0).flatten()
+    if bad.numel():
+        d = int(bad[0])
+        raise _validate.RingInputError(
+            f"{fn}: document {d} of cu_seqlens (tokens {int(cu[d])}..{int(cu[d + 1])}) has length "
+            f"{int(lengths[d])}, not divisible by 2 x world_size = {2 * world} ({bad.numel()} document(s) "
+            f"affected); the zigzag layout cuts every document into {2 * world} equal chunks: pad each document "
+            f"to a multiple of {2 * world}, or use ring_attn_varlen_func / llama3_attn_varlen_func")
+
+
+# -------------------------------------------------------------------------------------------- running
+
+
+def _run_ring_varlen(q, k, v, call: _VarlenCall, steps: List[List[_Block]], kind: str, backend: str, group):
+    """Pick the backend for the most general block kind and run the ring engine on batch 1."""
+    chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                         mask_kind=FULL if kind == EMPTY else kind, softcap=call.softcap)
+    cfg = _RingConfig(steps, chosen, call.scale, call.softcap, group, call.rank, call.world)
+    out = _RingAttention.apply(q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0),
+                               v.contiguous().unsqueeze(0), cfg)
+    return out.squeeze(0)
+
+
+def ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, softmax_scale=None, backend="auto",
+                          window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
+    """Ring attention over packed documents sharded contiguously (layout ``"contiguous"``).
+
+    q: (T_local, H, D); k, v: (T_local, Hk, D), H % Hk == 0; rank r holds packed tokens [r*T_local,
+    (r+1)*T_local) of the global sequence described by ``cu_seqlens`` (int32 (num_docs + 1,), identical on
+    every rank; documents may cross rank boundaries). Returns out (T_local, H, D) in q's dtype; differentiable.
+    ``window_size`` (left, right) and ``softcap`` follow flash-attn; ``dropout_p`` must be 0.
+    """
+    fn = "ring_attn_varlen_func"
+    call = _VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
+                       window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=10)
+    steps, kind = _ring_varlen_steps(call.cu, call.rank, call.world, call.local, call.causal, call.window)
+    return _run_ring_varlen(q, k, v, call, steps, kind, backend, group)
+
+
+def zigzag_ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=True, softmax_scale=None,
+                                 backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
+    """Causal ring attention over packed documents in the varlen ``"zigzag"`` layout.
+
+    Every document of the global ``cu_seqlens`` is cut into 2N chunks; rank r holds chunk r then chunk 2N-1-r
+    of each document, documents in order (``ring_kernels.shard(x, layout="zigzag", dim=0, cu_seqlens=...)``).
+    q: (T_local, H, D); k, v: (T_local, Hk, D). Each document length must be divisible by 2N.
+    ``causal=False`` raises (use ``ring_attn_varlen_func``).
+    """
+    fn = "zigzag_ring_attn_varlen_func"
+    _validate.require_causal(fn, causal, alternative="ring_attn_varlen_func")
+    call = _VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
+                       window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=11)
+    _check_zigzag_documents(fn, call.cu, call.world)
+    steps, kind = _zigzag_varlen_steps(call.cu, call.rank, call.world, call.causal, call.window)
+    return _run_ring_varlen(q, k, v, call, steps, kind, backend, group)

@@ -1,0 +1,268 @@
+"""Varlen ring attention (ring, zigzag) and llama3 against plain per-document attention, forward and backward.
+
+The reference is written here: softmax(QK^T)V in float64 on the whole (unsharded) packed sequence with a
+block-diagonal document mask (causal / window inside documents), K/V heads repeated for GQA, gradients by
+autograd. Each rank runs every case of a table in one gloo world per world size, and compares its shard of
+out, dq, dk, dv with the same shard of the reference: fp32 max|err| / max|ref| < 1e-5; bf16 relative
+Frobenius error < 1e-2 (out) and < 5e-2 (gradients).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _dist import run_world
+from ring_kernels.layout import shard
+from test_layout import subgroup_phases
+
+_VARIANTS = ("ring", "zigzag", "llama3")
+
+
+# -------------------------------------------------------------------------------------------- reference
+
+
+def _reference(q, k, v, cu, *, causal, window=(-1, -1), softcap=0.0, scale=None):
+    """Plain attention of packed documents: q (T, H, D), k/v (T, Hk, D) float64 -> (T, H, D)."""
+    t, h, d = q.shape
+    pos = torch.arange(t)
+    doc = torch.searchsorted(cu.long(), pos, right=True) - 1
+    visible = doc[:, None] == doc[None, :]
+    if causal:
+        visible &= pos[None, :] <= pos[:, None]
+    if window[0] >= 0:
+        visible &= pos[None, :] >= pos[:, None] - window[0]
+    if window[1] >= 0:
+        visible &= pos[None, :] <= pos[:, None] + window[1]
+    group = h // k.shape[1]
+    k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k_rep) * (d ** -0.5 if scale is None else scale)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v_rep)
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _contiguous_docs(n):
+    """Uneven documents over N ranks of 11 tokens (not a power of two): length-1 documents, and documents
+    that cross rank boundaries (and, for N >= 3, one that spans a whole rank)."""
+    lengths, pattern, total, i = [], [1, 13, 1, 2, 1, 3 * 11, 4, 1, 9], 11 * n, 0
+    while sum(lengths) < total:
+        lengths.append(min(pattern[i % len(pattern)], total - sum(lengths)))
+        i += 1
+    return lengths
+
+
+def _zigzag_docs(n):
+    """Every length a multiple of 2N (one empty document); 7 chunks of 2N, i.e. 14 local tokens."""
+    return [2 * n * 3, 2 * n, 0, 2 * n * 2, 2 * n]
+
+
+# ---------------------------------------------------------------------------------------------- cases
+
+
+def _case(variant, backend="reference", causal=True, h=8, hk=2, d=64, dtype=torch.float32, **extra):
+    return dict(variant=variant, backend=backend, causal=causal, h=h, hk=hk, d=d, dtype=dtype, **extra)
+
+
+def _cases():
+    """A covering table (not the full product): every variant x backend x causal, then GQA/MHA, head dims
+    64/128/80, bf16, windows, softcap and llama3's head strides spread over it."""
+    cases = []
+    for variant in _VARIANTS:
+        for backend in ("reference", "torch_cpu"):
+            for causal in ((True,) if variant == "zigzag" else (True, False)):
+                cases.append(_case(variant, backend, causal))
+        cases.append(_case(variant, "torch_cpu", True, h=4, hk=4, d=128))                   # MHA, d=128
+        cases.append(_case(variant, "torch_cpu", True, d=80, dtype=torch.bfloat16))         # odd head dim, bf16
+        cases.append(_case(variant, "reference", variant == "zigzag", h=6, hk=3, d=64, dtype=torch.bfloat16))
+        cases.append(_case(variant, "torch_cpu", True, window=(5, 0)))                      # sliding window
+        cases.append(_case(variant, "reference", True, softcap=7.0, h=4, hk=1, d=32))      # softcap, MQA
+        if variant != "zigzag":
+            cases.append(_case(variant, "reference", False, window=(3, 4)))                 # two-sided window
+    for stride in (1, 2):
+        cases.append(_case("llama3", "torch_cpu", True, h=8, hk=4, stride=stride))
+    cases.append(_case("llama3", "reference", False, h=8, hk=4, stride=1, dtype=torch.bfloat16))
+    return cases
+
+
+def _fn(variant):
+    import ring_kernels
+
+    return {"ring": ring_kernels.ring_attn_varlen_func, "zigzag": ring_kernels.zigzag_ring_attn_varlen_func,
+            "llama3": ring_kernels.llama3_attn_varlen_func}[variant]
+
+
+def _errors(got, want, dtype):
+    """(error, limit) for fp32 (max abs, relative to the tensor's scale) or bf16 (relative Frobenius)."""
+    got, want = got.detach().double(), want.detach().double()
+    if dtype == torch.float32:
+        return float((got - want).abs().max() / want.abs().max()), 1e-5
+    return float((got - want).norm() / want.norm()), None
+
+
+def _run_case(group, rank, n, index, case):
+    torch.manual_seed(1000 + index)                     # the same global tensors on every rank
+    lengths = _zigzag_docs(n) if case["variant"] == "zigzag" else _contiguous_docs(n)
+    cu = _cu(lengths)
+    t, h, hk, d, dtype = int(cu[-1]), case["h"], case["hk"], case["d"], case["dtype"]
+    q, k, v = (torch.randn(t, heads, d, dtype=torch.float64).to(dtype) for heads in (h, hk, hk))
+    dout = torch.randn(t, h, d, dtype=torch.float64).to(dtype)
+    options = dict(causal=case["causal"], window=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0))
+    ref_in = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref_out = _reference(*ref_in, cu, **options)
+    ref_out.backward(dout.double())
+
+    layout = "zigzag" if case["variant"] == "zigzag" else "contiguous"
+    part = lambda x: shard(x, group, layout=layout, dim=0, cu_seqlens=cu)  # noqa: E731
+    local = [part(x).detach().requires_grad_(True) for x in (q, k, v)]
+    kwargs = dict(group=group, causal=case["causal"], backend=case["backend"], window_size=options["window"],
+                  softcap=options["softcap"])
+    if "stride" in case:
+        kwargs["heads_k_stride"] = case["stride"]
+    out = _fn(case["variant"])(*local, cu, **kwargs)
+    out.backward(part(dout))
+    assert out.dtype == dtype and out.shape == local[0].shape, case
+    pairs = [("out", out, ref_out), ("dq", local[0].grad, ref_in[0].grad), ("dk", local[1].grad, ref_in[1].grad),
+             ("dv", local[2].grad, ref_in[2].grad)]
+    for name, got, want in pairs:
+        assert torch.isfinite(got).all(), f"{name} has NaN/Inf: {case}"
+        err, limit = _errors(got, part(want), dtype)
+        limit = limit or (1e-2 if name == "out" else 5e-2)
+        assert err < limit, f"rank {rank}/{n} {name}: error {err:.3g} >= {limit} in {case}"
+
+
+def _group_cases(group, rank, n, cases):
+    for index, case in enumerate(cases):
+        _run_case(group, rank, n, index, case)
+    if n == 2:
+        _bad_input_across_ranks(group, rank)
+
+
+def _cases_ranks(rank, world, cases):
+    subgroup_phases(rank, lambda group, r, n: _group_cases(group, r, n, cases))
+
+
+def test_varlen_matches_plain_attention_single_process():
+    """A world of one without any process group (group=None, torch.distributed not initialised)."""
+    for index, case in enumerate(_cases()):
+        _run_case(None, 0, 1, index, case)
+
+
+def test_varlen_matches_plain_attention_in_groups_of_1_to_4():
+    """Groups of 1, 2, 3 and 4 ranks (one world of 4, see ``test_layout.subgroup_phases``)."""
+    run_world(4, _cases_ranks, _cases())
+
+
+# -------------------------------------------------------------------------------------------- bad input
+
+
+def _expect(match, fn, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
+def _bad_input_across_ranks(group, rank):
+    """Errors that need a group: ranks that disagree, cu_seqlens that do not add up, zigzag documents."""
+    import ring_kernels as rk
+
+    q, k = torch.randn(6, 4, 16), torch.randn(6, 2, 16)
+    cu = _cu([12])
+    # Rank 1 passes a different local length: both ranks learn it from the shape all-gather.
+    qr = q[: 6 if rank == 0 else 5]
+    kr = k[: 6 if rank == 0 else 5]
+    _expect(r"ranks disagree on local_tokens \(rank 0: 6, rank 1: 5\)", rk.ring_attn_varlen_func, qr, kr, kr,
+            _cu([6 + qr.shape[0]]), group=group)
+    # cu_seqlens differ between ranks (same length, same total): caught by the fingerprint.
+    _expect(r"ranks disagree on cu_seqlens fingerprint", rk.llama3_attn_varlen_func, q, k, k,
+            _cu([4, 8] if rank == 0 else [8, 4]), group=group)
+    _expect(r"cu_seqlens\[-1\]=10 but the group holds 2 ranks x 6 local tokens = 12", rk.ring_attn_varlen_func,
+            q, k, k, _cu([10]), group=group)
+    _expect(r"document 1 of cu_seqlens \(tokens 4\.\.10\) has length 6, not divisible by 2 x world_size = 4",
+            rk.zigzag_ring_attn_varlen_func, q, k, k, _cu([4, 6, 2]), group=group)
+    out = rk.ring_attn_varlen_func(q, k, k, cu, group=group)        # the group still works after the errors
+    assert out.shape == q.shape
+
+
+def test_bad_input_single_process():
+    import ring_kernels as rk
+
+    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
+    cu = _cu([3, 5])
+    for fn in (rk.ring_attn_varlen_func, rk.zigzag_ring_attn_varlen_func, rk.llama3_attn_varlen_func):
+        _expect(r"nheads % nheads_k must be 0", fn, q, torch.randn(8, 3, 16), torch.randn(8, 3, 16), cu)
+        _expect(r"k has shape \(8, 2, 16\) but v has \(8, 2, 8\)", fn, q, k, torch.randn(8, 2, 8), cu)
+        _expect(r"local token count \(8,\) but k/v have \(7,\)", fn, q, k[:7], k[:7], cu)
+        _expect(r"dropout_p=0.1", fn, q, k, k, cu, dropout_p=0.1)
+        _expect(r"cu_seqlens\[-1\]=9 but the group holds 1 ranks x 8 local tokens = 8", fn, q, k, k, _cu([9]))
+        _expect(r"start at 0 and be non-decreasing", fn, q, k, k, torch.tensor([0, 5, 3, 8], dtype=torch.int32))
+        _expect(r"integer tensor", fn, q, k, k, torch.tensor([0.0, 8.0]))
+        _expect(r"q has 0 local tokens", fn, q[:0], k[:0], k[:0], _cu([]))
+        with pytest.raises(TypeError, match="cu_seqlens must be a 1-D int32 torch.Tensor"):
+            fn(q, k, k, [0, 8])
+    _expect(r"causal=False .*use ring_attn_varlen_func", rk.zigzag_ring_attn_varlen_func, q, k, k, _cu([4, 4]),
+            causal=False)
+    _expect(r"zigzag.*document 0 .*length 3, not divisible by 2 x world_size = 2", rk.zigzag_ring_attn_varlen_func,
+            q, k, k, cu)
+    _expect(r"heads_k_stride=3 must divide nheads_k=2.*\[1, 2\]", rk.llama3_attn_varlen_func, q, k, k, cu,
+            heads_k_stride=3)
+    _expect(r"heads_k_stride=0 must divide", rk.llama3_attn_varlen_func, q, k, k, cu, heads_k_stride=0)
+    _expect(r"backend='nope' is not a known backend", rk.ring_attn_varlen_func, q, k, k, cu, backend="nope")
+    _expect(r"softcap", rk.ring_attn_varlen_func, q, k, k, cu, softcap=5.0, backend="torch_cpu")
+
+
+# ------------------------------------------------------------------------------------------- structure
+
+
+def test_standard_blocks_need_no_dense_mask():
+    """Without a window every block is FULL or aligned CAUSAL (fast backends, no (S x S) mask) and covers
+    exactly one document; windows may add GENERAL blocks, each still inside one document."""
+    from ring_kernels.backends import CAUSAL, FULL
+    from ring_kernels.llama3 import _llama3_blocks
+    from ring_kernels.varlen import _ring_varlen_steps, _zigzag_varlen_steps
+
+    n = 4
+    cu_ring, cu_zig = _cu(_contiguous_docs(n)).long(), _cu(_zigzag_docs(n)).long()
+    local = int(cu_ring[-1]) // n
+    for rank in range(n):
+        for causal in (True, False):
+            steps, kind = _ring_varlen_steps(cu_ring, rank, n, local, causal, (-1, -1))
+            assert kind == (CAUSAL if causal else FULL)
+            blocks = [b for step in steps for b in step]
+            blocks += _llama3_blocks(cu_ring, rank, local, causal, (-1, -1))[0]
+            assert all(b.mask.kind(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start)
+                       in (FULL, CAUSAL) for b in blocks)
+        steps, kind = _zigzag_varlen_steps(cu_zig, rank, n, True, (-1, -1))
+        assert kind == CAUSAL and all(len(step) == 4 for step in steps)  # one block per non-empty document
+
+
+def test_block_classification_matches_dense_mask():
+    """``_classify`` decides from interval ends alone; check it against the dense mask on every small case."""
+    from ring_kernels.backends import CAUSAL, EMPTY, FULL
+    from ring_kernels.backends.base import BlockMask
+    from ring_kernels.varlen import _classify
+
+    windows = [(-1, -1), (0, 0), (2, -1), (-1, 1), (3, 0), (1, 2), (6, 6)]
+    for causal in (True, False):
+        for window in windows:
+            for qa in range(0, 5):
+                for qb in range(qa + 1, 7):
+                    for ka in range(0, 7):
+                        for kb in range(ka + 1, 8):
+                            kind, mask = _classify(qa, qb, ka, kb, causal, window)
+                            dense = BlockMask(causal=causal, q_start=qa, k_start=ka, window=window).dense(
+                                qb - qa, kb - ka, "cpu")
+                            where = (qa, qb, ka, kb, causal, window, kind)
+                            if kind == EMPTY:
+                                assert not dense.any(), where
+                                continue
+                            assert dense.any(), where
+                            assert torch.equal(mask.dense(qb - qa, kb - ka, "cpu"), dense), where
+                            if kind in (FULL, CAUSAL):
+                                assert mask.kind(qb - qa, kb - ka) == kind, where
+                            assert (kind == FULL) == bool(dense.all()), where
