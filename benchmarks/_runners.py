@@ -16,7 +16,7 @@ import torch
 
 from _cases import VARIANT_LAYOUT, AttnConfig
 
-__all__ = ["Inputs", "make_inputs", "shard_inputs", "ring_function", "make_ring_step", "make_backend_step",
+__all__ = ["Inputs", "make_inputs", "shard_inputs", "shard_tensors", "ring_function", "make_ring_step", "make_backend_step",
            "make_varlen_single_step", "cu_seqlens_of", "input_bytes", "ring_outputs_and_grads"]
 
 # ring_kernels public name of each variant; looked up at run time so a missing one is reported, not fatal.
@@ -82,17 +82,26 @@ def make_inputs(cfg: AttnConfig, tokens: int, *, dtype, device, seed: int,
                   list(doc_lengths) if doc_lengths is not None else None)
 
 
-def shard_inputs(inputs: Inputs, variant: str, group=None) -> Inputs:
-    """This rank's part of global ``inputs`` in ``variant``'s layout (contiguous copies)."""
+def shard_tensors(tensors: Dict[str, torch.Tensor], variant: str, doc_lengths: Optional[Sequence[int]] = None,
+                  group=None) -> Dict[str, torch.Tensor]:
+    """This rank's part of each global tensor in ``variant``'s layout (contiguous copies).
+
+    Batch tensors are (1, S, H*, D), sharded along dim 1; varlen (``doc_lengths`` given) (T, H*, D) along dim 0.
+    """
     shard = _api("shard")
     layout = VARIANT_LAYOUT[variant]
-    if inputs.varlen:
-        cu = cu_seqlens_of(inputs.doc_lengths, "cpu")
-        kw = dict(layout=layout, dim=0, cu_seqlens=cu)
+    if doc_lengths is not None:
+        kw = dict(layout=layout, dim=0, cu_seqlens=cu_seqlens_of(doc_lengths, "cpu"))
     else:
         kw = dict(layout=layout, dim=1)
-    parts = [shard(t, group, **kw).contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.dout)]
-    return Inputs(*parts, doc_lengths=inputs.doc_lengths)
+    return {name: shard(t, group, **kw).contiguous() for name, t in tensors.items()}
+
+
+def shard_inputs(inputs: Inputs, variant: str, group=None) -> Inputs:
+    """This rank's part of global ``inputs`` in ``variant``'s layout (contiguous copies)."""
+    parts = shard_tensors({"q": inputs.q, "k": inputs.k, "v": inputs.v, "dout": inputs.dout}, variant,
+                          inputs.doc_lengths, group)
+    return Inputs(**parts, doc_lengths=inputs.doc_lengths)
 
 
 def input_bytes(inputs: Inputs) -> int:

@@ -38,7 +38,8 @@ from _cases import (BATCH_VARIANTS, CAUSAL_ONLY, CONFIGS, MODES, VARLEN_VARIANTS
 from _check import max_over_ranks, passes, reference_attention, relative_errors  # noqa: E402
 from _nocomm import no_communication, nocomm_unavailable_reason  # noqa: E402
 from _runners import (Inputs, input_bytes, make_backend_step, make_inputs,  # noqa: E402
-                      make_ring_step, make_varlen_single_step, ring_outputs_and_grads, shard_inputs)
+                      make_ring_step, make_varlen_single_step, ring_outputs_and_grads, shard_inputs,
+                      shard_tensors)
 from _stamp import stamp  # noqa: E402
 from _timing import peak_memory_bytes, time_callable  # noqa: E402
 import native_cp  # noqa: E402
@@ -389,10 +390,7 @@ class _CheckData:
         return self._ref
 
     def _sharded_reference(self, variant: str) -> Dict[str, torch.Tensor]:
-        ref, x = self.reference(), self.inputs()
-        as_inputs = Inputs(ref["dq"], ref["dk"], ref["dv"], ref["out"], doc_lengths=x.doc_lengths)
-        s = shard_inputs(as_inputs, variant)
-        return {"dq": s.q, "dk": s.k, "dv": s.v, "out": s.dout}
+        return shard_tensors(self.reference(), variant, self.inputs().doc_lengths)
 
     def ring(self, variant: str, backend: str) -> dict:
         """``{"status": "ok", "check": errors}`` or ``{"status": ..., "reason": ...}``, agreed by all ranks."""
