@@ -24,6 +24,7 @@ before the error is raised.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import sys
 import threading
 import types
@@ -301,9 +302,23 @@ def _undo(done: list[Site]) -> None:
 # ------------------------------------------------------------------------------------------ import hook
 
 
+# Loaders that the path finder creates afresh for every module (so an instance attribute affects one module).
+_PER_MODULE_LOADERS = (
+    importlib.machinery.SourceFileLoader,
+    importlib.machinery.SourcelessFileLoader,
+    importlib.machinery.ExtensionFileLoader,
+)
+
+
 class _RebindFinder(importlib.abc.MetaPathFinder):
-    """First on ``sys.meta_path``: finds each module through the other finders and wraps its loader so that,
-    right after the module's code has run, ``installation.adopt_module(module)`` sees it."""
+    """First on ``sys.meta_path``: finds each module through the other finders and arranges that, right after
+    the module's code has run, ``installation.adopt_module(module)`` sees it.
+
+    Only file-based modules are intercepted (``.py``, ``.pyc`` and extension files), because their loader is a fresh object per module: an instance attribute ``exec_module`` on it
+    wraps that one module's execution and is deleted right after, so the spec, ``__loader__`` and the loader's
+    type are exactly what they would be without hfpatch. Other loaders (built-ins, zip archives, custom ones)
+    may be shared between modules and are left alone; ``Installation.restore`` still sweeps those modules.
+    """
 
     def __init__(self, installation: Installation) -> None:
         self._installation = installation
@@ -334,29 +349,17 @@ class _RebindFinder(importlib.abc.MetaPathFinder):
         finally:
             self._busy.active = False
         loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec  # namespace packages, legacy loaders: nothing executes that could bind the function
-        spec.loader = _RebindLoader(loader, self._installation.adopt_module)
+        if isinstance(loader, _PER_MODULE_LOADERS) and "exec_module" not in vars(loader):
+            loader.exec_module = _adopting_exec(loader, self._installation.adopt_module)
         return spec
 
 
-class _RebindLoader(importlib.abc.Loader):
-    """Delegates to the real loader; gives the module its real loader back before its code runs (so
-    ``__loader__`` and ``__spec__.loader`` are what they would be without hfpatch), then calls ``after``."""
+def _adopting_exec(loader, after: Callable[[types.ModuleType], None]) -> Callable[[types.ModuleType], None]:
+    """``loader.exec_module`` (the class's method) followed by ``after(module)``; removes itself first."""
 
-    def __init__(self, loader, after: Callable[[types.ModuleType], None]) -> None:
-        self._loader = loader
-        self._after = after
+    def exec_module(module: types.ModuleType) -> None:
+        vars(loader).pop("exec_module", None)  # one use: the loader is pristine again
+        type(loader).exec_module(loader, module)
+        after(module)
 
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        module.__loader__ = self._loader
-        if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        self._after(module)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
+    return exec_module

@@ -3,6 +3,7 @@ get the wrapper (import hook) and get the original back on restore."""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 import textwrap
 import types
@@ -121,9 +122,9 @@ def test_module_imported_after_install_gets_wrapper_and_original_back(original, 
         for label in ("hfpatch_late_from_import._flash_attention_forward", "hfpatch_late_from_import.aliased",
                       "hfpatch_late_saved.fa"):
             assert label in labels
-        # the hook hands the module its real loader back: nothing downstream sees hfpatch
-        assert type(late.__loader__).__name__ == "SourceFileLoader"
-        assert late.__spec__.loader is late.__loader__
+        # the module's loader is the real one, untouched (the one-shot exec hook is gone): nothing sees hfpatch
+        assert type(late.__loader__) is importlib.machinery.SourceFileLoader
+        assert late.__spec__.loader is late.__loader__ and "exec_module" not in vars(late.__loader__)
         inst.restore()
         assert late._flash_attention_forward is original and late.aliased is original and saved.fa is original
     finally:
