@@ -102,14 +102,18 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, o
     return acc, l_i, m_i
 
 
+@triton.heuristics({"EVEN_N": lambda a: a["Sk"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _attn_fwd(Q, K, V, Out, Lse,
               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
               H, GROUP, Sq, Sk, cap_in, score_scale2,
               HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One (query block, batch*head): out (BM, D) and lse (BM,). Needs BLOCK_M % BLOCK_N == 0 when causal."""
+              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """One (query block, batch*head): out (BM, D) and lse (BM,). Needs BLOCK_M % BLOCK_N == 0 when causal.
+
+    EVEN_N (Sk % BLOCK_N == 0, set by the heuristic) drops the ragged-tail loop from the compiled kernel.
+    """
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
         pid_m = tl.cdiv(Sq, BLOCK_M) - 1 - pid_m  # heaviest (last) query blocks first: a shorter tail
@@ -142,9 +146,10 @@ def _attn_fwd(Q, K, V, Out, Lse,
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
                                    0, n_full, Sk, cap_in, score_scale2,
                                    BLOCK_N, False, False, SOFTCAP, DOT_PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
-                                   n_full, Sk, Sk, cap_in, score_scale2,
-                                   BLOCK_N, False, True, SOFTCAP, DOT_PRECISION)
+        if not EVEN_N:
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
+                                       n_full, Sk, Sk, cap_in, score_scale2,
+                                       BLOCK_N, False, True, SOFTCAP, DOT_PRECISION)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -221,6 +226,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
     return dk, dv
 
 
+@triton.heuristics({"EVEN_M": lambda a: a["Sq"] % a["BLOCK_M"] == 0})
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -229,10 +235,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
                    stride_dvb, stride_dvs, stride_dvh,
                    H, HK, GROUP, Sq, Sk, scale, cap_in, score_scale2,
                    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   EVEN_M: tl.constexpr):
     """dK, dV of one (key block, batch*kv-head), summed over the GROUP query heads that read it.
 
-    Needs BLOCK_N % BLOCK_M == 0 when causal (the diagonal is whole query blocks).
+    Needs BLOCK_N % BLOCK_M == 0 when causal (the diagonal is whole query blocks). EVEN_M (Sq % BLOCK_M == 0)
+    drops the ragged-tail loop: fewer live registers in a kernel that holds dK and dV in them.
     """
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
@@ -264,16 +272,18 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
                                  stride_ls, offs_n, offs_d, lo, m_full, Sq,
                                  cap_in, score_scale2, BLOCK_M, False, False, SOFTCAP, DOT_PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
-                                 stride_ls, offs_n, offs_d, tl.maximum(lo, m_full), Sq, Sq,
-                                 cap_in, score_scale2, BLOCK_M, False, True, SOFTCAP, DOT_PRECISION)
+            if not EVEN_M:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
+                                     stride_ls, offs_n, offs_d, tl.maximum(lo, m_full), Sq, Sq,
+                                     cap_in, score_scale2, BLOCK_M, False, True, SOFTCAP, DOT_PRECISION)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
                                  stride_ls, offs_n, offs_d, 0, m_full, Sq,
                                  cap_in, score_scale2, BLOCK_M, False, False, SOFTCAP, DOT_PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
-                                 stride_ls, offs_n, offs_d, m_full, Sq, Sq,
-                                 cap_in, score_scale2, BLOCK_M, False, True, SOFTCAP, DOT_PRECISION)
+            if not EVEN_M:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
+                                     stride_ls, offs_n, offs_d, m_full, Sq, Sq,
+                                     cap_in, score_scale2, BLOCK_M, False, True, SOFTCAP, DOT_PRECISION)
     dk = dk * scale
     tl.store(DK + b * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_rows)
@@ -312,6 +322,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs
     return dq
 
 
+@triton.heuristics({"EVEN_N": lambda a: a["Sk"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -319,8 +330,8 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
                  stride_lb, stride_lh, stride_ls, stride_dqb, stride_dqs, stride_dqh,
                  H, GROUP, Sq, Sk, scale, cap_in, score_scale2,
                  HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dQ of one (query block, batch*head). Needs BLOCK_M % BLOCK_N == 0 when causal."""
+                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """dQ of one (query block, batch*head). Needs BLOCK_M % BLOCK_N == 0 when causal; EVEN_N as in _attn_fwd."""
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
         pid_m = tl.cdiv(Sq, BLOCK_M) - 1 - pid_m  # heaviest (last) query blocks first: a shorter tail
@@ -352,8 +363,9 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
         n_full = (Sk // BLOCK_N) * BLOCK_N
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
                        0, n_full, Sk, cap_in, score_scale2, BLOCK_N, False, False, SOFTCAP, DOT_PRECISION)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
-                       n_full, Sk, Sk, cap_in, score_scale2, BLOCK_N, False, True, SOFTCAP, DOT_PRECISION)
+        if not EVEN_N:
+            dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
+                           n_full, Sk, Sk, cap_in, score_scale2, BLOCK_N, False, True, SOFTCAP, DOT_PRECISION)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=rows)
@@ -364,20 +376,22 @@ def _cfg(block_m: int, block_n: int, warps: int, stages: int) -> "triton.Config"
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
-# Small lists aimed at Hopper (H100/H200): 128-row tiles with 8 warps feed wgmma best at D=128; 64-row
-# tiles and fewer stages keep D=256 within shared memory. Configs that do not fit fail to compile and
-# the autotuner skips them.
+# Small lists aimed at Hopper (H100/H200), checked by compiling for sm_90 ahead of time (registers, spills,
+# shared memory at D=128, bf16): 128-row tiles need 8 warps to keep the fp32 accumulators in registers;
+# 64-row tiles with 4 warps and fewer stages are the fallback that fits D=256. A config that does not fit
+# a shape fails to compile and the autotuner skips it.
 _FWD_CONFIGS = [
-    _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 32, 4, 4),
+    _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2),
     _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
 ]
-# dK/dV: key tile is BLOCK_N (kept in registers with dK/dV), query tile BLOCK_M streams by (BLOCK_N % BLOCK_M == 0).
+# dK/dV: the key tile BLOCK_N stays resident (K, V in shared memory, dK, dV in registers: 128 registers per
+# thread at BLOCK_N=128 and 8 warps), so the streamed query tile BLOCK_M is small (BLOCK_N % BLOCK_M == 0).
 _DKDV_CONFIGS = [
-    _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2),
+    _cfg(32, 128, 8, 3), _cfg(16, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 2),
 ]
 # dQ: query tile BLOCK_M (with dQ in registers), key tile BLOCK_N streams by (BLOCK_M % BLOCK_N == 0).
 _DQ_CONFIGS = [
-    _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
+    _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
 ]
 _TUNE_KEY = ["Sq", "Sk", "HEAD_DIM", "IS_CAUSAL"]
 
