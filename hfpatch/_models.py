@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MODEL_NAMES", "tiny_config", "build_model"]
+__all__ = ["MODEL_NAMES", "tiny_config", "build_model", "eager_reference_overrides"]
 
 _COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -66,3 +66,21 @@ def build_model(name: str, *, seed: int = 0, attn_implementation: str = "eager",
         torch.manual_seed(seed)
         model = model_cls(config)
     return model.to(dtype).train()
+
+
+def eager_reference_overrides(name: str) -> dict:
+    """Config overrides under which the EAGER model computes what the installed release's flash path computes.
+
+    Eager (every release) lets a query see ``sliding_window`` keys including itself (left window w - 1), and so
+    does the flash path from 4.56. In 4.43-4.55 the flash path gives flash-attn ``window_size=(w, w)``: one key
+    more, a difference inside transformers itself. The ring matches the flash path of the installed release (it
+    replaces it), so the non-CP eager reference of those releases needs a window one wider.
+    """
+    from hfpatch import _compat
+
+    _check_name(name)
+    window = {**_COMMON, **_MODELS[name][2]}.get("sliding_window")
+    version = _compat.installed_transformers_version()
+    if window is None or version is None or version >= _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE:
+        return {}
+    return {"sliding_window": window + 1}

@@ -98,11 +98,11 @@ def _compare(label, loss, grads, ref_loss, ref_grads):
 
 def _run_case(rank, world, model_name, kind, kernel, verify):
     import hfpatch
-    from hfpatch._models import build_model
+    from hfpatch._models import build_model, eager_reference_overrides
 
     ids, pos, docs = {"batch": _batch_inputs, "packed": _packed_inputs,
                       "packed-zigzag": lambda: _packed_inputs(ZIGZAG_DOCS)}[kind]()
-    ref_loss, ref_grads = _baseline(build_model(model_name), ids, docs)
+    ref_loss, ref_grads = _baseline(build_model(model_name, **eager_reference_overrides(model_name)), ids, docs)
     model = build_model(model_name)
     label = f"{model_name}/{kind}/{kernel}/world {world}"
     with hfpatch.apply(dist.group.WORLD, kernel=kernel, model=model, verify=verify) as patch:

@@ -184,9 +184,12 @@ def _train(rank: int, options: dict) -> list:
     import torch.distributed as dist
 
     import hfpatch
-    from hfpatch._models import build_model
+    from hfpatch._models import build_model, eager_reference_overrides
 
-    reference = build_model(options["model"]) if rank == 0 else None   # only rank 0 compares
+    # Only rank 0 compares. The reference is eager attention with the semantics of the installed release's flash
+    # path (the path the ring replaces; see eager_reference_overrides).
+    name = options["model"]
+    reference = build_model(name, **eager_reference_overrides(name)) if rank == 0 else None
     model = build_model(options["model"])
     results = []
     with hfpatch.apply(dist.group.WORLD, kernel=options["kernel"], model=model) as patch:
