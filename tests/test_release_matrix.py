@@ -1,0 +1,123 @@
+"""The release matrix itself: tox.ini covers every signature generation of the registry plus the newest release,
+torch is shared into each env (never installed there), and CI runs the matrix and the COMPAT.md check."""
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from hfpatch.signatures.registry import load_registry
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tox() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(ROOT / "tox.ini")
+    return parser
+
+
+def _env_releases() -> dict[str, str]:
+    """env name -> the transformers release it pins (``transformers==X`` in its deps)."""
+    tox = _tox()
+    envs = [e.strip() for e in tox["tox"]["env_list"].split(",")]
+    pins = {}
+    for env in envs:
+        deps = [line.strip() for line in tox[f"testenv:{env}"]["deps"].splitlines() if line.strip()]
+        (pin,) = [d for d in deps if d.startswith("transformers==")]
+        pins[env] = pin.split("==", 1)[1]
+    return pins
+
+
+def newest_pin(pins: dict[str, str]) -> str:
+    return max(pins.values(), key=Version)
+
+
+def test_every_registry_generation_has_an_env_and_so_has_the_newest_release():
+    pins = _env_releases()
+    assert all(env == f"tf{release}" for env, release in pins.items())
+    covered = {entry.id: [r for r in pins.values() if entry.covers(r)] for entry in load_registry()}
+    # Every generation is run. A generation has a second env only for the newest release (S7: 5.19.0 and
+    # 5.23.0) or for a second range of releases (S5: 4.53, then 5.0-5.18 after the `implementation` rename
+    # was reverted; its specifier excludes 4.54-4.57).
+    for gid, releases in covered.items():
+        assert releases, f"no tox env runs a release of generation {gid}"
+        if len(releases) > 1:
+            entry = next(e for e in load_registry() if e.id == gid)
+            assert len(releases) == 2 and ("!=" in str(entry.releases) or max(releases, key=Version) == newest_pin(pins)), (gid, releases)
+    static = json.loads((ROOT / "compat" / "static.json").read_text())
+    newest = max((Version(v) for v in static["available_releases"] if not Version(v).is_prerelease))
+    assert str(newest) in pins.values(), f"the newest release {newest} is not in tox.ini"
+    # Every env release is one a generation covers (no env tests a release the registry does not know).
+    assert all(any(e.covers(r) for e in load_registry()) for r in pins.values())
+
+
+def test_tox_shares_torch_and_records_results():
+    testenv = _tox()["testenv"]
+    assert ".ci/share_torch.py" in testenv["install_command"]
+    assert "torch" not in testenv["deps"].replace("share_torch", "")  # never installed per env
+    assert "hfpatch compat --record {env_name}" in testenv["commands"]
+    assert "python -m pytest -q" in testenv["commands"]
+
+
+def test_ci_runs_the_readme_command_then_the_matrix_and_the_compat_check():
+    ci = (ROOT / ".ci" / "run").read_text()
+    lines = [line.strip() for line in ci.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert "python -m pip install -q torch==2.13.0" in lines
+    order = [lines.index("python -m pytest -q")]
+    order.append(next(i for i, line in enumerate(lines) if line.startswith("tox ")))
+    order.append(next(i for i, line in enumerate(lines) if line.startswith("hfpatch compat --check")))
+    assert order == sorted(order)
+
+
+def test_share_torch_links_torch_behind_the_envs_own_packages(tmp_path):
+    """A bare venv gets this interpreter's torch through the .pth file, and nothing that is not torch's."""
+    env = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    env_python = env / "bin" / "python"
+    sys.path.insert(0, str(ROOT / ".ci"))
+    try:
+        import share_torch
+    finally:
+        sys.path.pop(0)
+    script = (
+        "import sys, sysconfig; sys.path.insert(0, %r); import share_torch; from pathlib import Path; "
+        "share_torch.link_shared_torch(Path(%r), %r)" % (str(ROOT / ".ci"), str(env), sys.executable)
+    )
+    subprocess.run([str(env_python), "-c", script], check=True)
+    probe = (
+        "import importlib.util as u, json, sys, torch; "
+        "print(json.dumps({'torch': torch.__file__, 'version': torch.__version__, "
+        "'transformers': u.find_spec('transformers') is not None, 'path': sys.path}))"
+    )
+    out = json.loads(subprocess.run([str(env_python), "-c", probe], check=True, capture_output=True, text=True,
+                                    env={**os.environ, "PYTHONPATH": ""}).stdout)
+    import torch
+
+    assert out["version"] == torch.__version__
+    assert out["torch"].startswith(str(env / "shared-torch"))
+    assert out["transformers"] is False  # the parent's transformers is never shared
+    site = next(p for p in out["path"] if p.endswith("site-packages") and p.startswith(str(env)))
+    assert out["path"].index(site) < out["path"].index(str(env / "shared-torch"))  # the env's own packages win
+    # Idempotent: a second run (tox calls it before every install) changes nothing.
+    before = sorted(p.name for p in (env / "shared-torch").iterdir())
+    subprocess.run([str(env_python), "-c", script], check=True)
+    assert sorted(p.name for p in (env / "shared-torch").iterdir()) == before
+    assert share_torch._PTH_NAME in os.listdir(site)
+
+
+def test_share_torch_without_torch_says_how_to_fix(tmp_path):
+    env = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    proc = subprocess.run(
+        [str(env / "bin" / "python"), str(ROOT / ".ci" / "share_torch.py"), str(env), "--", "nothing"],
+        capture_output=True, text=True, env={**os.environ, "HFPATCH_TORCH_PYTHON": str(env / "bin" / "python")},
+    )
+    assert proc.returncode != 0
+    assert "has no torch installed" in proc.stderr or "HFPATCH_TORCH_PYTHON" in proc.stderr
