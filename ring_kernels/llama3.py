@@ -2,17 +2,22 @@
 
 Layout ``"contiguous"``: rank r holds packed tokens [r*L, (r+1)*L) of the global sequence described by
 ``cu_seqlens``. Instead of a ring, each rank all-gathers the K/V of the whole sequence, ``heads_k_stride``
-K/V heads at a time (bounding the memory of the gathered copy), and computes its queries of the matching
-query heads against them. The next head slice's all-gather is in flight while the current one computes.
-The backward gathers K/V again, computes dK/dV of the whole sequence for the slice in fp32, and
-reduce-scatters them back to their owners (again overlapped with the next slice).
+K/V heads at a time (bounding the memory of the gathered copy: 2 buffers x (N*L, stride, D) for K and V),
+and computes its queries of the matching query heads against them.
 
 Blocks, per document d overlapping our tokens [qa, qb): causally, keys [start(d), qa) are FULL and keys
 [qa, qb) are aligned CAUSAL; non-causally all keys of d are FULL; a window classifies them like the ring
-(``varlen._classify``). No dense (S x S) mask for the standard cases.
+(``varlen._classify``), so there is no dense (S x S) mask in the standard cases. Key ranges are also cut at
+our own token range: *local* blocks (keys this rank holds) need no gathered copy and run while the
+all-gather is in flight; only *remote* blocks (documents that cross a rank boundary) wait for it. When no
+document crosses a rank boundary, no rank gathers anything (all ranks see the same cu_seqlens).
+
+Backward, per head slice: half of the local blocks while the K/V all-gather is in flight, then the remote
+blocks into fp32 full-sequence dK/dV, whose reduce-scatter back to the owners overlaps the other half.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -20,9 +25,8 @@ import torch.distributed as dist
 
 from . import _validate
 from .backends import EMPTY, FULL, get_backend
-from .backends.base import BlockBackend
-from .merge import merge_block_, new_accumulators
-from .ring import _Block
+from .backends.base import BlockBackend, BlockMask
+from .merge import merge_block_, new_accumulators, set_block_
 from .varlen import _classify, _documents_overlapping, _StepBuilder, _VarlenCall
 
 __all__ = ["llama3_attn_varlen_func"]
@@ -32,27 +36,78 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _llama3_blocks(cu: torch.Tensor, rank: int, local: int, causal: bool,
-                   window: Tuple[int, int]) -> Tuple[List[_Block], str]:
-    """Blocks of our queries (rows of the local tensor) against the gathered K/V (rows = global positions)."""
+@dataclass(frozen=True)
+class _Llama3Block:
+    """One backend call: local query rows x key rows, of the local K/V (``local``) or of the gathered sequence.
+
+    ``first``: the first block over these query rows; it initialises the accumulators by a copy instead of a
+    merge (local blocks run first, and every query row has one: its own position is always visible).
+    """
+
+    q_rows: slice
+    kv_rows: slice
+    mask: BlockMask
+    local: bool
+    first: bool
+
+
+@dataclass
+class _Llama3Plan:
+    """This rank's blocks (local ones run while the K/V all-gather is in flight) and whether to gather."""
+
+    local_blocks: List[_Llama3Block]
+    remote_blocks: List[_Llama3Block]
+    kind: str
+    gather: bool
+
+
+def _any_document_crosses_ranks(cu: torch.Tensor, local: int, world: int) -> bool:
+    """Whether some document spans a rank boundary; if none does, no rank needs another's K/V (no collective).
+
+    Every rank computes the same answer from the same cu_seqlens, so all skip (or join) the collectives alike.
+    """
+    boundaries = torch.arange(1, world) * local
+    first_doc_after = torch.searchsorted(cu, boundaries, right=False)   # first cu entry >= boundary
+    return bool((cu[first_doc_after] != boundaries).any()) if world > 1 else False
+
+
+def _split_at(ka: int, kb: int, cuts: Tuple[int, int]) -> List[Tuple[int, int]]:
+    """[ka, kb) cut at the positions ``cuts`` (our own token range's ends), empty pieces dropped."""
+    points = [ka] + [c for c in cuts if ka < c < kb] + [kb]
+    return [(a, b) for a, b in zip(points, points[1:]) if a < b]
+
+
+def _llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: bool,
+                 window: Tuple[int, int]) -> _Llama3Plan:
+    """Blocks of our queries (local rows) per document overlapping our tokens [q0, q0 + L)."""
     builder = _StepBuilder()
-    blocks: List[_Block] = []
-    q0 = rank * local
-    for d in _documents_overlapping(cu, q0, q0 + local):
+    q0, q1 = rank * local, (rank + 1) * local
+    pieces: List[Tuple[slice, int, int, BlockMask]] = []
+    for d in _documents_overlapping(cu, q0, q1):
         doc_a, doc_b = int(cu[d]), int(cu[d + 1])
         qa, qb = max(doc_a, q0), min(doc_b, q0 + local)
-        # Causal: split at qa so that both parts are standard blocks (FULL before, aligned CAUSAL after).
+        # Causal: split at qa so that both parts are standard blocks (FULL before, aligned CAUSAL after);
+        # then cut at our own range so that local keys need no gathered copy.
         key_ranges = [(doc_a, qa), (qa, qb)] if causal else [(doc_a, doc_b)]
-        for ka, kb in key_ranges:
-            if ka < kb:
-                kind, mask = _classify(qa, qb, ka, kb, causal, window)
-                builder.add(blocks, kind, mask, slice(qa - q0, qb - q0), slice(ka, kb))
-    return blocks, builder.kind
+        for ka, kb in (piece for kr in key_ranges for piece in _split_at(*kr, (q0, q1))):
+            kind, mask = _classify(qa, qb, ka, kb, causal, window)
+            if builder.keep(kind):
+                pieces.append((slice(qa - q0, qb - q0), ka, kb, mask))
+    local_blocks, remote_blocks, seen = [], [], set()
+    for is_local in (True, False):            # execution order: local blocks, then remote ones
+        for rows, ka, kb, mask in pieces:
+            if (q0 <= ka and kb <= q1) != is_local:
+                continue
+            first = (rows.start, rows.stop) not in seen
+            seen.add((rows.start, rows.stop))
+            kv_rows = slice(ka - q0, kb - q0) if is_local else slice(ka, kb)
+            (local_blocks if is_local else remote_blocks).append(_Llama3Block(rows, kv_rows, mask, is_local, first))
+    return _Llama3Plan(local_blocks, remote_blocks, builder.kind, _any_document_crosses_ranks(cu, local, world))
 
 
 class _Llama3Config:
-    def __init__(self, blocks, backend: BlockBackend, scale, softcap, group, world, heads_k_stride):
-        self.blocks, self.backend, self.scale, self.softcap = blocks, backend, scale, softcap
+    def __init__(self, plan: _Llama3Plan, backend: BlockBackend, scale, softcap, group, world, heads_k_stride):
+        self.plan, self.backend, self.scale, self.softcap = plan, backend, scale, softcap
         self.group, self.world, self.stride = group, world, heads_k_stride
 
 
@@ -66,12 +121,10 @@ class _SliceGather:
         self.k, self.v, self.cfg = k, v, cfg
         n_bufs = min(2, k.shape[1] // cfg.stride)
         shape = (k.shape[0] * cfg.world, cfg.stride, k.shape[2])
-        self.buffers = [(k.new_empty(shape), v.new_empty(shape)) for _ in range(n_bufs)] if cfg.world > 1 else []
+        self.buffers = [(k.new_empty(shape), v.new_empty(shape)) for _ in range(n_bufs)]
         self.pending = {}
 
     def start(self, j: int) -> None:
-        if self.cfg.world == 1:
-            return
         heads = slice(j * self.cfg.stride, (j + 1) * self.cfg.stride)
         kbuf, vbuf = self.buffers[j % len(self.buffers)]
         # The tensor all-gather concatenates along dim 0 = the global token order of the contiguous layout.
@@ -82,65 +135,75 @@ class _SliceGather:
 
     def get(self, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Wait for slice j; gathered (N*L, stride, D) K and V."""
-        if self.cfg.world == 1:
-            heads = slice(j * self.cfg.stride, (j + 1) * self.cfg.stride)
-            return self.k[:, heads], self.v[:, heads]
         for work in self.pending.pop(j):
             work.wait()
         return self.buffers[j % len(self.buffers)]
 
 
+def _heads(j: int, cfg: _Llama3Config, group_size: int) -> Tuple[slice, slice]:
+    """(K/V heads, query heads) of head slice j."""
+    return (slice(j * cfg.stride, (j + 1) * cfg.stride),
+            slice(j * cfg.stride * group_size, (j + 1) * cfg.stride * group_size))
+
+
+def _forward_blocks(blocks, q4, k_rows, v_rows, hq, out_acc, lse_acc, cfg: _Llama3Config) -> None:
+    """Forward of ``blocks`` for query heads ``hq`` against K/V rows (T, stride, D), merged into the accumulators."""
+    for blk in blocks:
+        out, lse = cfg.backend.forward(
+            q4[:, blk.q_rows, hq], k_rows[blk.kv_rows].unsqueeze(0), v_rows[blk.kv_rows].unsqueeze(0),
+            scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
+        if blk.first:
+            set_block_(out_acc[:, blk.q_rows, hq], lse_acc[:, hq, blk.q_rows], out, lse)
+        else:
+            merge_block_(out_acc[:, blk.q_rows, hq], lse_acc[:, hq, blk.q_rows], out, lse)
+
+
 def _forward(q, k, v, cfg: _Llama3Config):
     """q (L, H, D), k/v (L, Hk, D) -> out_acc (1, L, H, D) fp32, lse (1, H, L) fp32."""
-    q4 = q.unsqueeze(0)
+    q4, plan = q.unsqueeze(0), cfg.plan
     out_acc, lse_acc = new_accumulators(q4)
-    slices = k.shape[1] // cfg.stride
-    group_size = q.shape[1] // k.shape[1]
-    gather = _SliceGather(k, v, cfg)
-    gather.start(0)
+    slices, group_size = k.shape[1] // cfg.stride, q.shape[1] // k.shape[1]
+    gather = _SliceGather(k, v, cfg) if plan.gather else None
+    if gather:
+        gather.start(0)
     for j in range(slices):
-        k_all, v_all = gather.get(j)
-        if j + 1 < slices:
+        if gather and j + 1 < slices:
             gather.start(j + 1)                       # the next slice travels while this one computes
-        hq = slice(j * cfg.stride * group_size, (j + 1) * cfg.stride * group_size)
-        for blk in cfg.blocks:
-            out, lse = cfg.backend.forward(
-                q4[:, blk.q_rows, hq], k_all[blk.kv_rows].unsqueeze(0), v_all[blk.kv_rows].unsqueeze(0),
-                scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
-            merge_block_(out_acc[:, blk.q_rows, hq], lse_acc[:, hq, blk.q_rows], out, lse)
+        hk, hq = _heads(j, cfg, group_size)
+        _forward_blocks(plan.local_blocks, q4, k[:, hk], v[:, hk], hq, out_acc, lse_acc, cfg)
+        if gather:
+            k_all, v_all = gather.get(j)              # in flight while the local blocks computed
+            _forward_blocks(plan.remote_blocks, q4, k_all, v_all, hq, out_acc, lse_acc, cfg)
     return out_acc, lse_acc
 
 
 class _SliceReduceScatter:
-    """Reduce-scatters of full-sequence fp32 dK/dV slices back to their owners, one in flight per buffer."""
+    """Reduce-scatters of full-sequence fp32 dK/dV slices back to their owners, one in flight per buffer.
 
-    def __init__(self, k: torch.Tensor, cfg: _Llama3Config):
-        self.cfg = cfg
-        self.dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        self.dv = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        n_bufs = min(2, k.shape[1] // cfg.stride)
-        full = (k.shape[0] * cfg.world, cfg.stride, k.shape[2])
-        part = (k.shape[0], cfg.stride, k.shape[2])
-        new = lambda shape: torch.empty(shape, dtype=torch.float32, device=k.device)  # noqa: E731
+    The scattered parts are added into ``dk``/``dv`` (L, Hk, D) fp32, which already hold the local blocks' part.
+    """
+
+    def __init__(self, dk: torch.Tensor, dv: torch.Tensor, cfg: _Llama3Config):
+        self.cfg, self.dk, self.dv = cfg, dk, dv
+        n_bufs = min(2, dk.shape[1] // cfg.stride)
+        full = (dk.shape[0] * cfg.world, cfg.stride, dk.shape[2])
+        part = (dk.shape[0], cfg.stride, dk.shape[2])
+        new = lambda shape: torch.empty(shape, dtype=torch.float32, device=dk.device)  # noqa: E731
         self.full = [(new(full), new(full)) for _ in range(n_bufs)]
-        self.part = [(new(part), new(part)) for _ in range(n_bufs)] if cfg.world > 1 else []
+        self.part = [(new(part), new(part)) for _ in range(n_bufs)]
         self.pending = {}
 
     def buffers(self, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Zeroed full-sequence accumulators for slice j (waiting for the slice that used them before)."""
-        slot = j % len(self.full)
         if j - len(self.full) in self.pending:
             self._finish(j - len(self.full))
-        dk_all, dv_all = self.full[slot]
+        dk_all, dv_all = self.full[j % len(self.full)]
         dk_all.zero_()
         dv_all.zero_()
         return dk_all, dv_all
 
     def start(self, j: int) -> None:
         slot = j % len(self.full)
-        if self.cfg.world == 1:
-            self._store(j, *self.full[slot])
-            return
         (dk_all, dv_all), (dk_part, dv_part) = self.full[slot], self.part[slot]
         self.pending[j] = [
             _reduce_scatter_tensor(dk_part, dk_all, group=self.cfg.group, async_op=True),
@@ -150,46 +213,72 @@ class _SliceReduceScatter:
     def _finish(self, j: int) -> None:
         for work in self.pending.pop(j):
             work.wait()
-        self._store(j, *self.part[j % len(self.part)])
-
-    def _store(self, j: int, dk_part: torch.Tensor, dv_part: torch.Tensor) -> None:
         heads = slice(j * self.cfg.stride, (j + 1) * self.cfg.stride)
-        self.dk[:, heads] = dk_part
-        self.dv[:, heads] = dv_part
+        dk_part, dv_part = self.part[j % len(self.part)]
+        self.dk[:, heads] += dk_part
+        self.dv[:, heads] += dv_part
 
-    def result(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def finish_all(self) -> None:
         for j in sorted(self.pending):
             self._finish(j)
-        return self.dk, self.dv
+
+
+def _backward_blocks(blocks, dout4, q4, out4, lse, k_rows, v_rows, hq, dq_acc, dk_acc, dv_acc, cfg) -> None:
+    """Backward of ``blocks``: dq into ``dq_acc`` (1, L, H, D), dk/dv into accumulators over ``k_rows``' rows."""
+    for blk in blocks:
+        rows = blk.q_rows
+        dq, dk, dv = cfg.backend.backward(
+            dout4[:, rows, hq], q4[:, rows, hq], k_rows[blk.kv_rows].unsqueeze(0),
+            v_rows[blk.kv_rows].unsqueeze(0), out4[:, rows, hq], lse[:, hq, rows],
+            scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
+        dq_acc[:, rows, hq] += dq
+        dk_acc[blk.kv_rows] += dk.squeeze(0)
+        dv_acc[blk.kv_rows] += dv.squeeze(0)
+
+
+def _halves(blocks: List[_Llama3Block]) -> Tuple[List[_Llama3Block], List[_Llama3Block]]:
+    """Split blocks into two parts of about equal work (query rows x key rows)."""
+    work = [(b.q_rows.stop - b.q_rows.start) * (b.kv_rows.stop - b.kv_rows.start) for b in blocks]
+    total, acc = sum(work), 0
+    for i, w in enumerate(work):
+        if 2 * (acc + w) > total:
+            return blocks[:i], blocks[i:]
+        acc += w
+    return blocks, []
 
 
 def _backward(dout, q, k, v, out, lse, cfg: _Llama3Config):
-    """Gradients (fp32) dq (L, H, D), dk, dv (L, Hk, D) from the merged out (L, H, D) and lse (1, H, L)."""
-    q4, dout4, out4 = q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0)
+    """Gradients (fp32) dq (L, H, D), dk, dv (L, Hk, D) from the merged out (L, H, D) and lse (1, H, L).
+
+    Per head slice: half of the local blocks while its K/V all-gather is in flight, the remote blocks into
+    full-sequence dK/dV, their reduce-scatter started, then the other half of the local blocks meanwhile.
+    """
+    q4, dout4, out4, plan = q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0), cfg.plan
     dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device)
-    slices = k.shape[1] // cfg.stride
-    group_size = q.shape[1] // k.shape[1]
-    gather = _SliceGather(k, v, cfg)
-    scatter = _SliceReduceScatter(k, cfg)
-    gather.start(0)
+    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    slices, group_size = k.shape[1] // cfg.stride, q.shape[1] // k.shape[1]
+    before, after = _halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
+    gather = _SliceGather(k, v, cfg) if plan.gather else None
+    scatter = _SliceReduceScatter(dk_acc, dv_acc, cfg) if plan.gather else None
+    if gather:
+        gather.start(0)
     for j in range(slices):
-        k_all, v_all = gather.get(j)
-        if j + 1 < slices:
+        if gather and j + 1 < slices:
             gather.start(j + 1)
-        dk_all, dv_all = scatter.buffers(j)
-        hq = slice(j * cfg.stride * group_size, (j + 1) * cfg.stride * group_size)
-        for blk in cfg.blocks:
-            rows = blk.q_rows
-            dq, dk, dv = cfg.backend.backward(
-                dout4[:, rows, hq], q4[:, rows, hq], k_all[blk.kv_rows].unsqueeze(0),
-                v_all[blk.kv_rows].unsqueeze(0), out4[:, rows, hq], lse[:, hq, rows],
-                scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
-            dq_acc[:, rows, hq] += dq
-            dk_all[blk.kv_rows] += dk.squeeze(0)
-            dv_all[blk.kv_rows] += dv.squeeze(0)
-        scatter.start(j)                              # back to the owners while the next slice computes
-    dk, dv = scatter.result()
-    return dq_acc.squeeze(0), dk, dv
+        hk, hq = _heads(j, cfg, group_size)
+        local_grads = (dout4, q4, out4, lse, k[:, hk], v[:, hk], hq, dq_acc, dk_acc[:, hk], dv_acc[:, hk], cfg)
+        _backward_blocks(before, *local_grads)
+        if gather:
+            k_all, v_all = gather.get(j)
+            dk_all, dv_all = scatter.buffers(j)
+            _backward_blocks(plan.remote_blocks, dout4, q4, out4, lse, k_all, v_all, hq, dq_acc, dk_all, dv_all,
+                             cfg)
+            scatter.start(j)                          # back to their owners while the rest computes
+        _backward_blocks(after, *local_grads)
+    if scatter:
+        scatter.finish_all()
+    return dq_acc.squeeze(0), dk_acc, dv_acc
 
 
 class _Llama3Attention(torch.autograd.Function):
@@ -236,8 +325,8 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     call = _VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=12,
                        extra_fields=[("heads_k_stride", stride)])
-    blocks, kind = _llama3_blocks(call.cu, call.rank, call.local, call.causal, call.window)
+    plan = _llama3_plan(call.cu, call.rank, call.world, call.local, call.causal, call.window)
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
-                         mask_kind=FULL if kind == EMPTY else kind, softcap=call.softcap)
-    cfg = _Llama3Config(blocks, chosen, call.scale, call.softcap, group, call.world, stride)
+                         mask_kind=FULL if plan.kind == EMPTY else plan.kind, softcap=call.softcap)
+    cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.world, stride)
     return _Llama3Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)

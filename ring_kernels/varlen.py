@@ -67,12 +67,15 @@ class _StepBuilder:
     def __init__(self):
         self.kind = EMPTY
 
-    def add(self, blocks: List[_Block], kind: str, mask: BlockMask, q_rows: slice, kv_rows: slice) -> None:
-        if kind == EMPTY or q_rows.stop <= q_rows.start or kv_rows.stop <= kv_rows.start:
-            return
-        blocks.append(_Block(q_rows, kv_rows, mask))
+    def keep(self, kind: str) -> bool:
+        """Record a block's kind; False for an EMPTY block, which is skipped."""
         if _KIND_ORDER[kind] > _KIND_ORDER[self.kind]:
             self.kind = kind
+        return kind != EMPTY
+
+    def add(self, blocks: List[_Block], kind: str, mask: BlockMask, q_rows: slice, kv_rows: slice) -> None:
+        if q_rows.stop > q_rows.start and kv_rows.stop > kv_rows.start and self.keep(kind):
+            blocks.append(_Block(q_rows, kv_rows, mask))
 
 
 # ------------------------------------------------------------------------------------------- planners

@@ -223,7 +223,7 @@ def test_standard_blocks_need_no_dense_mask():
     """Without a window every block is FULL or aligned CAUSAL (fast backends, no (S x S) mask) and covers
     exactly one document; windows may add GENERAL blocks, each still inside one document."""
     from ring_kernels.backends import CAUSAL, FULL
-    from ring_kernels.llama3 import _llama3_blocks
+    from ring_kernels.llama3 import _llama3_plan
     from ring_kernels.varlen import _ring_varlen_steps, _zigzag_varlen_steps
 
     n = 4
@@ -234,7 +234,8 @@ def test_standard_blocks_need_no_dense_mask():
             steps, kind = _ring_varlen_steps(cu_ring, rank, n, local, causal, (-1, -1))
             assert kind == (CAUSAL if causal else FULL)
             blocks = [b for step in steps for b in step]
-            blocks += _llama3_blocks(cu_ring, rank, local, causal, (-1, -1))[0]
+            plan = _llama3_plan(cu_ring, rank, n, local, causal, (-1, -1))
+            blocks += plan.local_blocks + plan.remote_blocks
             assert all(b.mask.kind(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start)
                        in (FULL, CAUSAL) for b in blocks)
         steps, kind = _zigzag_varlen_steps(cu_zig, rank, n, True, (-1, -1))
@@ -266,3 +267,27 @@ def test_block_classification_matches_dense_mask():
                             if kind in (FULL, CAUSAL):
                                 assert mask.kind(qb - qa, kb - ka) == kind, where
                             assert (kind == FULL) == bool(dense.all()), where
+
+
+def test_llama3_plan_local_blocks_first_and_gathers_only_when_documents_cross_ranks():
+    """Local key ranges use the local K/V (no gather needed), each query row's first block is local, remote
+    blocks cover exactly the keys of crossing documents that other ranks hold, and a packing whose documents
+    all stay on one rank gathers nothing."""
+    from ring_kernels.llama3 import _llama3_plan
+
+    n, local = 3, 6
+    cu = _cu([2, 7, 3, 6]).long()                   # docs [0,2) [2,9) [9,12) [12,18); [2,9) crosses 6
+    for causal in (True, False):
+        for rank in range(n):
+            plan = _llama3_plan(cu, rank, n, local, causal, (-1, -1))
+            assert plan.gather
+            firsts = [(b.q_rows.start, b.q_rows.stop) for b in plan.local_blocks if b.first]
+            assert sorted(r for a, b in firsts for r in range(a, b)) == list(range(local))
+            assert not any(b.first for b in plan.remote_blocks)
+            assert all(0 <= b.kv_rows.start and b.kv_rows.stop <= local for b in plan.local_blocks)
+            q0 = rank * local
+            remote = sorted(k for b in plan.remote_blocks for k in range(b.kv_rows.start, b.kv_rows.stop))
+            want = {0: [6, 7, 8] if not causal else [], 1: [2, 3, 4, 5], 2: []}[rank]
+            assert remote == want and all(not q0 <= k < q0 + local for k in remote), (rank, causal, remote)
+    aligned = _cu([2, 4, 6, 1, 5]).long()          # boundaries at 6 and 12 fall between documents
+    assert not any(_llama3_plan(aligned, r, n, local, True, (-1, -1)).gather for r in range(n))
