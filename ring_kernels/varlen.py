@@ -20,7 +20,7 @@ cu_seqlens (varlen) kernel at once; today each block is one backend call.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -189,10 +189,6 @@ class _VarlenCall:
         self.cu = _check_cu_seqlens(fn, cu_seqlens)
         self.rank, self.world = group_rank_and_size(group)
         self.local = q.shape[0]
-        if self.local == 0:
-            raise _validate.RingInputError(
-                f"{fn}: q has 0 local tokens (shape {tuple(q.shape)}); every rank must hold at least one token "
-                f"of the packed sequence (shard it with ring_kernels.shard(x, dim=0, cu_seqlens=..., layout=...))")
         t, h, d = q.shape
         fields = [("layout", layout_code), ("local_tokens", t), ("nheads", h), ("nheads_k", k.shape[1]),
                   ("headdim", d), ("dtype", _validate.dtype_code(q.dtype)), ("causal", int(self.causal)),
@@ -202,6 +198,11 @@ class _VarlenCall:
                   *extra_fields]
         if self.world > 1:
             _validate.check_ranks_agree(fn, group, fields, q.device)
+        # Checked after the ranks agreed on the shapes, so that every rank raises (none waits in a collective).
+        if self.local == 0:
+            raise _validate.RingInputError(
+                f"{fn}: q has 0 local tokens (shape {tuple(q.shape)}); every rank must hold at least one token "
+                f"of the packed sequence (shard it with ring_kernels.shard(x, dim=0, cu_seqlens=..., layout=...))")
         total = self.local * self.world
         if int(self.cu[-1]) != total:
             raise _validate.RingInputError(

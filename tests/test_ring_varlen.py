@@ -8,8 +8,6 @@ Frobenius error < 1e-2 (out) and < 5e-2 (gradients).
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
