@@ -51,9 +51,21 @@ class _RingConfig:
 
 # ----------------------------------------------------------------------------------------------- engine
 
+def _first_block_covers_all(cfg: _RingConfig) -> bool:
+    """Whether step 0 starts with a block over every query and key row: it can then initialise the fp32
+    accumulators by a copy (no zero fill, no read of zeros)."""
+    first = cfg.steps[0] if cfg.steps else []
+    return bool(first) and first[0].q_rows == _ALL and first[0].kv_rows == _ALL
+
+
 def _forward(q, k, v, cfg: _RingConfig) -> Tuple[torch.Tensor, torch.Tensor]:
     """Ring forward: q (B, S, H, D), k/v (B, S, Hk, D) -> out_acc (B, S, H, D) fp32, lse (B, H, S) fp32."""
-    out_acc, lse_acc = new_accumulators(q)
+    if _first_block_covers_all(cfg):
+        b, s, h, _ = q.shape
+        out_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse_acc = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    else:
+        out_acc, lse_acc = new_accumulators(q)
     exchange = RingExchange(cfg.group, tag=0)
     # Two receive buffers alternate (the one just computed on may still be read by the send in flight).
     buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, cfg.world - 1))]
@@ -81,10 +93,12 @@ def _forward(q, k, v, cfg: _RingConfig) -> Tuple[torch.Tensor, torch.Tensor]:
 def _backward(dout, q, k, v, out, lse, cfg: _RingConfig):
     """Ring backward from the merged ``out``/``lse``: (dq fp32, dk, dv) shaped like q, k, v (dk/dv in k's dtype
     when they crossed the ring, fp32 in a world of one; the caller casts)."""
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    # dK/dV accumulators travel with a one-step lag; [0] starts at zero, [1] only ever receives.
-    dkv = [(torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-            torch.zeros(v.shape, dtype=torch.float32, device=v.device))]
+    # fp32 accumulators: the first block initialises them by a copy when it covers every row, else zeros.
+    dq_fresh = dkv_fresh = _first_block_covers_all(cfg)
+    new = torch.empty if dq_fresh else torch.zeros
+    dq_acc = new(q.shape, dtype=torch.float32, device=q.device)
+    # dK/dV accumulators travel with a one-step lag; [0] starts empty/zero, [1] only ever receives.
+    dkv = [(new(k.shape, dtype=torch.float32, device=k.device), new(v.shape, dtype=torch.float32, device=v.device))]
     if cfg.world > 1:
         dkv.append((torch.empty_like(dkv[0][0]), torch.empty_like(dkv[0][1])))
     kv_exchange, dkv_exchange = RingExchange(cfg.group, tag=0), RingExchange(cfg.group, tag=1)
@@ -100,14 +114,23 @@ def _backward(dout, q, k, v, out, lse, cfg: _RingConfig):
             dq, dk, dv = cfg.backend.backward(
                 dout[:, rows], q[:, rows], current[0][:, block.kv_rows], current[1][:, block.kv_rows],
                 out[:, rows], lse[:, :, rows], scale=cfg.scale, mask=block.mask, softcap=cfg.softcap)
-            dq_acc[:, rows] += dq
+            if dq_fresh:
+                dq_acc.copy_(dq)
+                dq_fresh = False
+            else:
+                dq_acc[:, rows] += dq
             grads.append((block.kv_rows, dk, dv))
         if dkv_exchange.in_flight:
             dkv_exchange.wait()                      # the previous rank's partial sums for this K/V block
         dk_acc, dv_acc = dkv[step % 2]
         for kv_rows, dk, dv in grads:
-            dk_acc[:, kv_rows] += dk
-            dv_acc[:, kv_rows] += dv
+            if dkv_fresh:
+                dk_acc.copy_(dk)
+                dv_acc.copy_(dv)
+                dkv_fresh = False
+            else:
+                dk_acc[:, kv_rows] += dk
+                dv_acc[:, kv_rows] += dv
         if step + 1 < cfg.world:
             dkv_exchange.start((dk_acc, dv_acc), dkv[(step + 1) % 2])
         elif cfg.world > 1:

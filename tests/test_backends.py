@@ -215,6 +215,80 @@ def test_fused_triton_merge_matches_eager_under_interpreter():
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+def _fake_flash_attn(generation: str):
+    """A stand-in for flash-attn's private interface with the given release's parameter names and return
+    tuple, computing with the reference backend, so the adapter's glue is tested without CUDA."""
+    import types
+
+    from ring_kernels.backends.reference import ReferenceBackend
+
+    ref = ReferenceBackend()
+
+    def mask_of(causal, window):
+        assert tuple(window) == (-1, -1)
+        return BlockMask(causal=causal)
+
+    if generation == "2.7":
+        def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                                softcap, alibi_slopes, return_softmax):
+            out, lse = ref.forward(q, k, v, scale=softmax_scale, mask=mask_of(causal, (window_size_left, window_size_right)),
+                                   softcap=softcap)
+            return out, lse, None, torch.tensor([7])
+
+        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                 window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+                                 rng_state=None):
+            assert rng_state is not None and int(rng_state) == 7
+            grads = ref.backward(dout, q, k, v, out, softmax_lse, scale=softmax_scale,
+                                 mask=mask_of(causal, (window_size_left, window_size_right)), softcap=softcap)
+            for buf, g in zip((dq, dk, dv), grads):
+                buf.copy_(g)
+            return softmax_lse
+    else:  # 2.6: window as a tuple, an 8-tuple from the forward
+        def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                return_softmax):
+            out, lse = ref.forward(q, k, v, scale=softmax_scale, mask=mask_of(causal, window_size), softcap=softcap)
+            return out, q, k, v, out, lse, None, torch.tensor([7])
+
+        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                 window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+            grads = ref.backward(dout, q, k, v, out, softmax_lse, scale=softmax_scale,
+                                 mask=mask_of(causal, window_size), softcap=softcap)
+            for buf, g in zip((dq, dk, dv), grads):
+                buf.copy_(g)
+
+    iface = types.ModuleType("flash_attn.flash_attn_interface")
+    iface._flash_attn_forward, iface._flash_attn_backward = _flash_attn_forward, _flash_attn_backward
+    package = types.ModuleType("flash_attn")
+    package.flash_attn_interface = iface
+    return package, iface
+
+
+@pytest.mark.parametrize("generation", ["2.6", "2.7"])
+def test_flash_attn_adapter_maps_arguments_of_each_release(generation, monkeypatch):
+    package, iface = _fake_flash_attn(generation)
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
+    from ring_kernels.backends.flash_attn import FlashAttnBackend
+
+    impl = FlashAttnBackend()
+    assert impl.unsupported_reason(device="cuda", dtype=torch.bfloat16, head_dim=128, mask_kind=CAUSAL, softcap=5.0) is None
+    assert "mask kind" in impl.unsupported_reason(device="cuda", dtype=torch.bfloat16, head_dim=128,
+                                                   mask_kind=GENERAL, softcap=0.0)
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    mask = BlockMask(causal=True)
+    out, lse = impl.forward(q, k, v, scale=0.3, mask=mask, softcap=5.0)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref, ref_lse = dense_reference(qr, kr, vr, mask.dense(8, 8, "cpu"), 0.3, 5.0)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    assert rel(out, ref) < 1e-5 and rel(lse, ref_lse) < 1e-5
+    grads = impl.backward(dout.float(), q, k, v, out, lse, scale=0.3, mask=mask, softcap=5.0)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        assert rel(got, want) < 1e-5
+
+
 # --------------------------------------------------------------------------------------------- registry
 
 def test_available_backends_on_cpu_in_auto_order():

@@ -22,9 +22,17 @@ __all__ = ["FlashAttnBackend"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _parameters(fn):
+    """Named parameters of ``fn``; flash-attn >= 2.7 wraps these functions in torch custom ops (``_init_fn``)."""
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        raise RuntimeError(f"flash_attn backend: cannot read the parameters of flash-attn's {fn.__name__}")
+    return params
+
+
 def _call_by_name(fn, **kwargs):
     """Call ``fn`` with the keyword arguments its signature has; required ones missing here are an error."""
-    params = inspect.signature(fn).parameters
+    params = _parameters(fn)
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in kwargs]
     if missing:
         raise RuntimeError(f"flash_attn backend: installed flash-attn's {fn.__name__} needs {missing}; "
@@ -52,7 +60,7 @@ class FlashAttnBackend:
             return f"head_dim {head_dim} not supported (a multiple of 8, at most 256)"
         if mask_kind not in (FULL, CAUSAL, EMPTY):
             return f"mask kind {mask_kind!r} not supported (FULL/CAUSAL blocks only)"
-        if softcap > 0.0 and "softcap" not in inspect.signature(self._iface._flash_attn_forward).parameters:
+        if softcap > 0.0 and "softcap" not in _parameters(self._iface._flash_attn_forward):
             return "the installed flash-attn has no softcap (needs flash-attn >= 2.6)"
         return None
 
@@ -67,8 +75,9 @@ class FlashAttnBackend:
             return q.new_zeros(q.shape), torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
         result = _call_by_name(self._iface._flash_attn_forward, q=q, k=k, v=v, return_softmax=False,
                                **self._common(q, scale, kind, softcap))
-        out, lse = result[0], result[1]
-        self._rng_state = result[-1] if len(result) >= 4 else None
+        # 2.7+: (out, lse, S_dmask, rng_state); <= 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
+        out, lse = result[0], result[5] if len(result) == 8 else result[1]
+        self._rng_state = result[-1]
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, mask: BlockMask, softcap: float = 0.0):
