@@ -48,9 +48,14 @@ class ModelSwitch:
     classes: list[tuple[torch.nn.Module, type]] = field(default_factory=list)
     added_attrs: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
     injected: list[tuple[types.ModuleType, Any]] = field(default_factory=list)
+    # (module, previous value) of an ``_attn_implementation`` instance attribute copied from the config at
+    # construction (4.43-4.47 mistral, mixtral, qwen2, phi3, ...: their mask builder reads it, not the config).
+    module_impls: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
 
     def restore(self) -> None:
         """Undo every change, newest first."""
+        for module, previous in reversed(self.module_impls):
+            module.__dict__["_attn_implementation"] = previous
         for module, wrapper in reversed(self.injected):
             if module.__dict__.get(_FLASH_NAME) is wrapper:
                 delattr(module, _FLASH_NAME)
@@ -66,6 +71,7 @@ class ModelSwitch:
             else:
                 config.__dict__["_attn_implementation_internal"] = previous
         self.injected.clear()
+        self.module_impls.clear()
         self.added_attrs.clear()
         self.classes.clear()
         self.configs.clear()
@@ -157,6 +163,17 @@ def _code_names(cls: type) -> set[str]:
     return names
 
 
+def _switch_module_copies(model: torch.nn.Module, record: ModelSwitch) -> None:
+    """Switch the ``_attn_implementation`` that some models copy from the config into a module attribute at
+    construction (e.g. ``MistralModel`` in 4.43.4: its ``_update_causal_mask`` reads ``self._attn_implementation``
+    and would otherwise still build the eager 4-D mask for the flash path)."""
+    for module in model.modules():
+        previous = module.__dict__.get("_attn_implementation", _UNSET)
+        if isinstance(previous, str) and previous != FLASH_IMPLEMENTATION:
+            record.module_impls.append((module, previous))
+            module.__dict__["_attn_implementation"] = FLASH_IMPLEMENTATION
+
+
 def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) -> ModelSwitch:
     """Switch ``model`` onto the flash-attention path (see the module docstring); returns the record to undo it.
 
@@ -187,6 +204,7 @@ def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) ->
             record.configs.append((config, config.__dict__.get("_attn_implementation_internal", _UNSET)))
         for config in _configs(model):
             config.__dict__["_attn_implementation_internal"] = FLASH_IMPLEMENTATION
+        _switch_module_copies(model, record)
         _inject_missing_bindings(model, wrapper, record)
     except BaseException:
         record.restore()

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.version import Version
 
 from hfpatch.signatures.registry import load_registry
@@ -121,3 +122,40 @@ def test_share_torch_without_torch_says_how_to_fix(tmp_path):
     )
     assert proc.returncode != 0
     assert "has no torch installed" in proc.stderr or "HFPATCH_TORCH_PYTHON" in proc.stderr
+
+
+def test_model_switch_also_switches_module_copies_of_attn_implementation():
+    """4.43-4.47 (found by the tf4.43.4 env): MistralModel, Qwen2Model, MixtralModel, Phi3Model, ... copy
+    ``config._attn_implementation`` into ``self._attn_implementation`` at construction, and their mask builder
+    reads the copy; switching only the config left them building the eager 4-D mask, which the ring (rightly)
+    refused as a padding mask. The switch sets the copies too, and restore() puts back exactly what was there."""
+    from hfpatch.model_switch import FLASH_IMPLEMENTATION, switch_model
+
+    class Config:
+        _attn_implementation_internal = "eager"
+
+        def to_dict(self):
+            return {}
+
+    class Inner(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self._attn_implementation = config._attn_implementation_internal  # the 4.43 copy
+            self.proj = torch.nn.Linear(4, 4)
+
+    class TinyModel(torch.nn.Module):
+        _supports_flash_attn_2 = True
+
+        def __init__(self):
+            super().__init__()
+            self.config = Config()
+            self.model = Inner(self.config)
+            self.other = torch.nn.Linear(2, 2)   # no copy: must not gain the attribute
+
+    model = TinyModel()
+    record = switch_model(model, lambda *a, **k: None, transformers_version=Version("4.48.0"))
+    assert model.model._attn_implementation == FLASH_IMPLEMENTATION
+    assert "_attn_implementation" not in model.other.__dict__
+    record.restore()
+    assert model.model.__dict__["_attn_implementation"] == "eager"
+    assert "_attn_implementation" not in model.other.__dict__
