@@ -46,19 +46,19 @@ def _cu(lengths):
     return torch.tensor([0] + torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
 
 
-def _contiguous_docs(n):
-    """Uneven documents over N ranks of 11 tokens (not a power of two): length-1 documents, and documents
-    that cross rank boundaries (and, for N >= 3, one that spans a whole rank)."""
-    lengths, pattern, total, i = [], [1, 13, 1, 2, 1, 3 * 11, 4, 1, 9], 11 * n, 0
+def _contiguous_docs(n, local=11):
+    """Uneven documents over N ranks of ``local`` tokens (11: not a power of two): length-1 documents, and
+    documents that cross rank boundaries (and, for N >= 3, one that spans a whole rank)."""
+    lengths, pattern, total, i = [], [1, 13, 1, 2, 1, 3 * local, 4, 1, 9], local * n, 0
     while sum(lengths) < total:
         lengths.append(min(pattern[i % len(pattern)], total - sum(lengths)))
         i += 1
     return lengths
 
 
-def _zigzag_docs(n):
-    """Every length a multiple of 2N (one empty document); 7 chunks of 2N, i.e. 14 local tokens."""
-    return [2 * n * 3, 2 * n, 0, 2 * n * 2, 2 * n]
+def _zigzag_docs(n, scale=1):
+    """Every length a multiple of 2N (one empty document); 7 * scale chunks of 2N, i.e. 14 * scale local tokens."""
+    return [2 * n * 3 * scale, 2 * n, 0, 2 * n * (4 * scale - 2), 2 * n]
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -106,11 +106,13 @@ def _errors(got, want, dtype):
 
 def _run_case(group, rank, n, index, case):
     torch.manual_seed(1000 + index)                     # the same global tensors on every rank
-    lengths = _zigzag_docs(n) if case["variant"] == "zigzag" else _contiguous_docs(n)
+    scale = case.get("scale", 1)                        # larger documents for the GPU cases
+    lengths = _zigzag_docs(n, scale) if case["variant"] == "zigzag" else _contiguous_docs(n, 11 * scale)
     cu = _cu(lengths)
     t, h, hk, d, dtype = int(cu[-1]), case["h"], case["hk"], case["d"], case["dtype"]
     q, k, v = (torch.randn(t, heads, d, dtype=torch.float64).to(dtype) for heads in (h, hk, hk))
     dout = torch.randn(t, h, d, dtype=torch.float64).to(dtype)
+    device = torch.device(case.get("device", "cpu"))
     options = dict(causal=case["causal"], window=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0))
     ref_in = [x.double().requires_grad_(True) for x in (q, k, v)]
     ref_out = _reference(*ref_in, cu, **options)
@@ -118,19 +120,19 @@ def _run_case(group, rank, n, index, case):
 
     layout = "zigzag" if case["variant"] == "zigzag" else "contiguous"
     part = lambda x: shard(x, group, layout=layout, dim=0, cu_seqlens=cu)  # noqa: E731
-    local = [part(x).detach().requires_grad_(True) for x in (q, k, v)]
+    local = [part(x).to(device).detach().requires_grad_(True) for x in (q, k, v)]
     kwargs = dict(group=group, causal=case["causal"], backend=case["backend"], window_size=options["window"],
                   softcap=options["softcap"])
     if "stride" in case:
         kwargs["heads_k_stride"] = case["stride"]
-    out = _fn(case["variant"])(*local, cu, **kwargs)
-    out.backward(part(dout))
+    out = _fn(case["variant"])(*local, cu.to(device), **kwargs)
+    out.backward(part(dout).to(device))
     assert out.dtype == dtype and out.shape == local[0].shape, case
     pairs = [("out", out, ref_out), ("dq", local[0].grad, ref_in[0].grad), ("dk", local[1].grad, ref_in[1].grad),
              ("dv", local[2].grad, ref_in[2].grad)]
     for name, got, want in pairs:
         assert torch.isfinite(got).all(), f"{name} has NaN/Inf: {case}"
-        err, limit = _errors(got, part(want), dtype)
+        err, limit = _errors(got.cpu(), part(want), dtype)
         limit = limit or (1e-2 if name == "out" else 5e-2)
         assert err < limit, f"rank {rank}/{n} {name}: error {err:.3g} >= {limit} in {case}"
 
@@ -289,3 +291,79 @@ def test_llama3_plan_local_blocks_first_and_gathers_only_when_documents_cross_ra
             assert remote == want and all(not q0 <= k < q0 + local for k in remote), (rank, causal, remote)
     aligned = _cu([2, 4, 6, 1, 5]).long()          # boundaries at 6 and 12 fall between documents
     assert not any(_llama3_plan(aligned, r, n, local, True, (-1, -1)).gather for r in range(n))
+
+
+# ------------------------------------------------------------------------------------ CUDA (2 GPUs, NCCL)
+
+
+def _cuda_cases():
+    """Every CUDA backend (and 'auto') x variant x causal, bf16/fp16, MHA/GQA, head dims 64/128/96; documents
+    of up to a few hundred tokens, many of length 1, crossing the rank boundary; plus windows via 'auto'."""
+    from ring_kernels.backends import available_backends
+
+    backends = [b for b in available_backends("cuda") if b != "reference"] + ["auto"]
+    cases, dims = [], [64, 128, 96]
+    for backend in backends:
+        for variant in _VARIANTS:
+            for causal in ((True,) if variant == "zigzag" else (True, False)):
+                for dtype, (h, hk) in ((torch.bfloat16, (8, 2)), (torch.float16, (8, 8))):
+                    cases.append(_case(variant, backend, causal, h=h, hk=hk, d=dims[len(cases) % 3], dtype=dtype,
+                                       device="cuda", scale=24))
+        cases.append(_case("llama3", backend, True, h=8, hk=4, d=128, dtype=torch.bfloat16, device="cuda",
+                           scale=24, stride=2))
+    for variant in _VARIANTS:
+        cases.append(_case(variant, "auto", True, h=8, hk=2, d=128, dtype=torch.bfloat16, device="cuda", scale=24,
+                           window=(40, 0)))
+    return cases
+
+
+def _cuda_rank(rank, world, port, errors):
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    from ring_kernels.backends import UnsupportedBackendError
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        try:
+            for index, case in enumerate(_cuda_cases()):
+                try:
+                    _run_case(None, rank, world, index, case)
+                except UnsupportedBackendError:
+                    if case["backend"] == "auto":     # 'auto' must always find a backend
+                        raise
+                    # a pinned backend may refuse a case it cannot compute (never a wrong result)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_varlen_on_cuda_matches_plain_attention():
+    """The CPU cases' runner on 2 GPUs over NCCL, for every CUDA backend."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_cuda_rank, args=(r, 2, port, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not failures, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
