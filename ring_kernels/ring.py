@@ -11,14 +11,14 @@ Standard (no window) blocks are FULL or aligned CAUSAL, so fast backends never n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from . import _validate
 from .backends import CAUSAL, FULL, GENERAL, get_backend
-from .backends.base import EMPTY, BlockBackend, BlockMask
+from .backends.base import BlockBackend, BlockMask
 from .comm import RingExchange, group_rank_and_size
 from .merge import merge_block_, new_accumulators, set_block_
 
@@ -171,18 +171,36 @@ def _mask_kind(causal: bool, window: Tuple[int, int]) -> str:
     return CAUSAL if causal else FULL
 
 
+def _out_of_reach(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Tuple[int, int]) -> bool:
+    """True when no query can see any key, judged from position ranges only (O(S), no dense mask)."""
+    q_min, q_max, k_min, k_max = int(q_pos.min()), int(q_pos.max()), int(k_pos.min()), int(k_pos.max())
+    left, right = window
+    return ((causal and k_min > q_max) or (left >= 0 and k_max < q_min - left)
+            or (right >= 0 and k_min > q_max + right))
+
+
 def _positional_steps(positions: Callable[[int], torch.Tensor], rank: int, world: int, causal: bool,
                       window: Tuple[int, int]) -> List[List[_Block]]:
-    """Blocks for any layout given the global positions of each rank's tokens: one masked block per step,
-    steps whose block is EMPTY dropped. Used when a window makes the blocks irregular."""
+    """Blocks for any layout given the global positions of each rank's tokens: one masked block per step;
+    steps whose keys are out of every query's reach are dropped (the rest may still be EMPTY for the backend).
+    Used when a window makes the blocks irregular."""
     q_pos = positions(rank)
     steps = []
     for step in range(world):
         k_pos = positions((rank - step) % world)
-        mask = BlockMask(causal=causal, q_pos=q_pos, k_pos=k_pos, window=window)
-        empty = mask.kind(len(q_pos), len(k_pos)) == EMPTY
-        steps.append([] if empty else [_Block(_ALL, _ALL, mask)])
+        skip = _out_of_reach(q_pos, k_pos, causal, window)
+        steps.append([] if skip else [_Block(_ALL, _ALL, BlockMask(causal=causal, q_pos=q_pos, k_pos=k_pos,
+                                                                    window=window))])
     return steps
+
+
+def _positions_to(steps: List[List[_Block]], device: torch.device) -> List[List[_Block]]:
+    """Move masks' position tensors to the device of q, where backends build dense masks from them."""
+    def moved(mask: BlockMask) -> BlockMask:
+        if mask.q_pos is None or mask.q_pos.device == device:
+            return mask
+        return replace(mask, q_pos=mask.q_pos.to(device), k_pos=mask.k_pos.to(device))
+    return [[_Block(b.q_rows, b.kv_rows, moved(b.mask)) for b in blocks] for blocks in steps]
 
 
 def _run(fn: str, q, k, v, *, group, causal, softmax_scale, backend, window_size, softcap, dropout_p,
@@ -204,7 +222,7 @@ def _run(fn: str, q, k, v, *, group, causal, softmax_scale, backend, window_size
         _validate.check_ranks_agree(fn, group, fields, q.device)
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=d,
                          mask_kind=_mask_kind(causal, window), softcap=float(softcap))
-    steps = make_steps(rank, world, s, bool(causal), window)
+    steps = _positions_to(make_steps(rank, world, s, bool(causal), window), q.device)
     cfg = _RingConfig(steps, chosen, scale, float(softcap), group, rank, world)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
 
