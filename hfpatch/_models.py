@@ -71,16 +71,31 @@ def build_model(name: str, *, seed: int = 0, attn_implementation: str = "eager",
 def eager_reference_overrides(name: str) -> dict:
     """Config overrides under which the EAGER model computes what the installed release's flash path computes.
 
-    Eager (every release) lets a query see ``sliding_window`` keys including itself (left window w - 1), and so
-    does the flash path from 4.56. In 4.43-4.55 the flash path gives flash-attn ``window_size=(w, w)``: one key
-    more, a difference inside transformers itself. The ring matches the flash path of the installed release (it
-    replaces it), so the non-CP eager reference of those releases needs a window one wider.
+    The ring replaces transformers' flash path, so it reproduces what that path is given; on some releases that
+    differs from the eager path of the same model (upstream differences, read in each release's source):
+
+    - sliding window: eager lets a query see ``w`` keys including itself (left window w - 1), as does the flash
+      path from 4.56; in 4.43-4.55 the flash path gives flash-attn ``window_size=(w, w)``: one key more.
+    - Gemma2, 4.43: its flash attention passes no ``sliding_window`` at all (eager does apply it).
+    - Gemma2, 4.43-4.47: its flash attention passes ``softcap`` only when flash-attn >= 2.6 is installed
+      (``is_flash_attn_greater_or_equal("2.6.0")``), else None (eager always caps).
     """
     from hfpatch import _compat
 
     _check_name(name)
-    window = {**_COMMON, **_MODELS[name][2]}.get("sliding_window")
+    config = {**_COMMON, **_MODELS[name][2]}
     version = _compat.installed_transformers_version()
-    if window is None or version is None or version >= _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE:
+    if version is None:
         return {}
-    return {"sliding_window": window + 1}
+    overrides = {}
+    window = config.get("sliding_window")
+    if window is not None and version < _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE:
+        overrides["sliding_window"] = window + 1
+    if name == "gemma2" and version < _compat.TRANSFORMERS_POSITION_IDS:            # 4.43
+        overrides["sliding_window"] = config["max_position_embeddings"]         # longer than any test sequence
+    if name == "gemma2" and version < _compat.TRANSFORMERS_ATTENTION_FUNCTIONS:     # 4.43-4.47
+        from transformers.utils import is_flash_attn_greater_or_equal
+
+        if not is_flash_attn_greater_or_equal("2.6.0"):
+            overrides["attn_logit_softcapping"] = None
+    return overrides
