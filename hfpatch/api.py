@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from hfpatch import _compat
-from hfpatch.errors import PatchError, SignatureMismatch, UnsupportedRelease
+from hfpatch.errors import PatchError, SignatureMismatch, UnsupportedRelease, VerificationError
 
 __all__ = ["apply", "Patch", "active_patch"]
 
@@ -268,12 +268,16 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
                      "auto" = zigzag for batch inputs, llama3 for packed inputs.
     on_unsupported:  "raise" (SignatureMismatch with a diff, or UnsupportedRelease) or "fallback" (inactive Patch
                      and one warning) when the installed transformers cannot be patched.
-    verify:          run the numeric probe over the group (collective: every rank must call apply).
+    verify:          run the numeric probe over the group after installing.
     model:           switch this model onto the patched flash-attention path (even without flash-attn installed);
                      restored by ``remove()``. Raises ``UnsupportedArgument`` for a model without a flash path.
 
     ``RING_ATTN_SWITCH`` is read here (``1``/unset ring, ``0`` original, ``reference``) and becomes the
     process-wide switch default until ``remove()``.
+
+    Collective over a group of two or more ranks: every rank must call it. The ranks agree (one all-reduce)
+    before installing, so all of them install, all fall back, or all raise; with ``verify`` the probe's verdict
+    is shared the same way.
 
     Only one patch may be active per process: a second ``apply`` while one is active raises ``PatchError``
     (naming it; call ``patch.remove()`` first). All-or-nothing: if anything fails, nothing is left installed.
@@ -292,10 +296,33 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return _inactive("the CP group has a single rank")
-    match, version, fallback_reason = _match_live_signature(on_unsupported)
+    match, version, fallback_reason = _agreed_match(group, on_unsupported)
     if fallback_reason is not None:
         return _inactive(fallback_reason, level=logging.WARNING)
     return _install(group, kernel, verify, model, match, version, env_mode)
+
+
+# What each rank reports before installing; the group acts on the worst (one rank falling back while the others
+# run the ring would give wrong attention; one rank raising while the others wait in the probe would hang).
+_OK, _FALLBACK, _FAILED = 0.0, 1.0, 2.0
+
+
+def _agreed_match(group, on_unsupported: str):
+    """``_match_live_signature`` on every rank, then one all-reduce so that all ranks do the same thing."""
+    from hfpatch.verify import group_max
+
+    try:
+        match, version, reason = _match_live_signature(on_unsupported)
+    except BaseException:
+        group_max(_FAILED, group)
+        raise
+    agreed = group_max(_FALLBACK if reason is not None else _OK, group)
+    if agreed == _FAILED:
+        raise PatchError("hfpatch.apply failed on another rank of the CP group (see that rank's error); nothing was "
+                         "installed on this rank either. Fix: make every rank run the same transformers release.")
+    if agreed == _FALLBACK and reason is None:
+        return None, None, "another rank of the CP group fell back to non-CP mode, so all ranks do"
+    return match, version, reason
 
 
 def _match_live_signature(on_unsupported: str):
@@ -351,10 +378,21 @@ def _install(group, kernel, verify, model, match, version, env_mode) -> Patch:
     patch = Patch(active=True, reason=None, signature_id=match.id, ctx=ctx, installation=installation,
                   dispatcher=dispatcher, match=match, previous_switch=previous_switch)
     try:
-        if model is not None:
-            patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
-            patch.track(model)
-        verify_module.identity(installation)
+        failure: Optional[BaseException] = None
+        try:
+            if model is not None:
+                patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
+                patch.track(model)
+            verify_module.identity(installation)
+        except BaseException as exc:  # re-raised below, after the other ranks have been told
+            failure = exc
+        # Agree before the probe: its ring exchanges blocks between ranks, so a rank that failed and skipped it
+        # would leave the others waiting forever.
+        if verify_module.group_max(_FAILED if failure is not None else _OK, group) != _OK:
+            if failure is not None:
+                raise failure
+            raise VerificationError("hfpatch.apply failed on another rank of the CP group after installing (see "
+                                    "that rank's error); it was removed here too.")
         if verify:
             verify_module.numeric(wrapper, match, ctx)
         dispatcher.reset()  # the probe's calls are not the user's

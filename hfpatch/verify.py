@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hfpatch import switch as _switch
 from hfpatch.errors import VerificationError
 
-__all__ = ["identity", "numeric", "PROBE_TOLERANCE"]
+__all__ = ["identity", "numeric", "group_max", "PROBE_TOLERANCE"]
 
 # fp32 probe: the ring merges blocks in fp32 via log-sum-exp, so it differs from one softmax by rounding only.
 PROBE_TOLERANCE = 1e-4
@@ -77,8 +77,9 @@ def _probe_call(names: dict, q, k, v, causal: bool, position_ids) -> dict:
 def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float = PROBE_TOLERANCE) -> float:
     """Run the probe through ``wrapper`` (ring mode, this thread only); returns the group's largest error.
 
-    Collective: every rank of ``ctx.group`` must call it. Raises ``VerificationError`` (on every rank) when the
-    error exceeds ``tolerance`` or the wrapper raised on any rank.
+    Collective: every rank of ``ctx.group`` must call it (the ring exchanges blocks between ranks, so a rank
+    that skipped it would leave the others waiting). Raises ``VerificationError`` (on every rank) when the error
+    exceeds ``tolerance`` or the wrapper raised on any rank.
     """
     from hfpatch import inputs
 
@@ -110,13 +111,23 @@ def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float = PROBE
         ctx.set_step(previous_step)
     worst = _group_max(worst, ctx.group, device)
     if failure or not worst <= tolerance:
-        where = f"on this rank: {failure}" if failure else f"largest error {worst:.3g} > tolerance {tolerance:g}"
+        if failure:
+            where = f"on this rank: {failure}"
+        elif worst == math.inf:
+            where = "it failed on another rank of the group; see that rank's error"
+        else:
+            where = f"largest error {worst:.3g} > tolerance {tolerance:g}"
         raise VerificationError(
             f"numeric probe through the installed wrapper failed ({where}; world size {ctx.world_size}, "
             f"kernel {ctx.variant}:{ctx.backend}). Nothing is left installed. Fix: pin another kernel "
             "(apply(kernel='zigzag:reference')) to locate the fault, or pass verify=False to skip the probe."
         )
     return worst
+
+
+def group_max(value: float, group) -> float:
+    """The largest ``value`` over ``group`` (one all-reduce on the group's device): how apply's ranks agree."""
+    return _group_max(value, group, _probe_device(group))
 
 
 def _group_max(value: float, group, device: torch.device) -> float:

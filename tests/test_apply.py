@@ -260,6 +260,16 @@ def _case_failures_leave_nothing(group):
         semantics.ring_attention = real_ring
     _assert_untouched(original)
 
+    # a failure after the install on one rank only (its model has no flash path): all ranks refuse
+    from hfpatch.errors import UnsupportedArgument
+
+    rank = torch.distributed.get_rank(group)
+    odd_model = torch.nn.Linear(2, 2) if rank == 1 else model
+    odd_model.config = model.config if rank == 0 else types.SimpleNamespace(to_dict=dict)
+    with pytest.raises(UnsupportedArgument if rank == 1 else VerificationError):
+        hfpatch.apply(group, model=odd_model)
+    _assert_untouched(original, model)
+
     # failure while swapping the 2nd site
     real_set, count = patcher.Site.set, []
 
@@ -310,7 +320,7 @@ def _case_switch_original_via_env(group):
 def _case_unsupported(group):
     import hfpatch
     from hfpatch import _compat
-    from hfpatch.errors import SignatureMismatch, UnsupportedRelease
+    from hfpatch.errors import PatchError, SignatureMismatch, UnsupportedRelease
     from packaging.version import Version
 
     real = _bindings()[0]
@@ -337,6 +347,19 @@ def _case_unsupported(group):
     finally:
         _set_bindings(real)
         logger.removeHandler(handler)
+
+    # Only one rank cannot patch: every rank must end up doing the same thing (never a hang, never a mix).
+    rank = torch.distributed.get_rank(group)
+    if rank == 1:
+        _set_bindings(_flash_attention_forward)
+    try:
+        with pytest.raises(SignatureMismatch if rank == 1 else PatchError, match="" if rank else "another rank"):
+            hfpatch.apply(group)
+        patch = hfpatch.apply(group, on_unsupported="fallback")
+        assert not patch.active and ("unsupported" if rank == 1 else "another rank") in patch.reason
+    finally:
+        _set_bindings(real)
+    _assert_untouched(real)
 
     real_version = _compat.installed_transformers_version
     _compat.installed_transformers_version = lambda: Version("4.42.4")
