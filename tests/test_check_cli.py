@@ -65,6 +65,12 @@ def test_world_size_below_two_is_a_usage_error(world_size, capsys):
     assert f"--world-size {world_size}" in report["problems"][0] and "at least 2" in report["problems"][0]
 
 
+def test_unknown_kernel_is_a_usage_error(capsys):
+    assert main(["check", "--json", "--kernel", "ulysses"]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert "--kernel 'ulysses'" in report["problems"][0] and "zigzag" in report["problems"][0]
+
+
 def test_transformers_not_installed_is_an_environment_error(monkeypatch):
     monkeypatch.setattr("hfpatch._compat.installed_transformers_version", lambda: None)
     report = check_cli.run_check()

@@ -43,6 +43,7 @@ _DRY_RUN_TIMEOUT_S = 180.0
 _MFAU = "transformers.modeling_flash_attention_utils"
 _TARGET = "_flash_attention_forward"
 _INTEGRATION = "transformers.integrations.flash_attention"
+_KERNEL_VARIANTS = ("auto", "zigzag", "ring", "stripe", "llama3")  # hfpatch.apply(kernel=...)
 
 
 # ------------------------------------------------------------------------------------------------ parser
@@ -128,6 +129,12 @@ def check_installed(*, world_size: int = 2, kernel: str = "auto") -> dict:
         return _fail(report, EXIT_USAGE, (
             f"--world-size {world_size!r}: the dry run needs at least 2 processes (one rank is not context "
             "parallel, hfpatch.apply falls back to non-CP mode there). Fix: --world-size 2 (the default)."
+        ))
+    variant = kernel.split(":", 1)[0] if isinstance(kernel, str) else kernel
+    if variant not in _KERNEL_VARIANTS:
+        return _fail(report, EXIT_USAGE, (
+            f"--kernel {kernel!r}: the ring variant must be one of {', '.join(_KERNEL_VARIANTS)}, optionally "
+            "followed by ':backend' (e.g. 'zigzag:reference'). Fix: --kernel auto (the default)."
         ))
     version = installed_transformers_version()
     if version is None:

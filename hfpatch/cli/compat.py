@@ -113,7 +113,11 @@ def check(output: Path, results_dir: Path, static_path: Path, fresh_dir: Path | 
         for reason in reasons:
             print(f"  - {reason}", file=sys.stderr)
         return 1
-    extra = f" and agrees with {len(fresh)} fresh matrix records" if fresh else ""
+    unrecorded = sorted(set(fresh or {}) - set(load_results(results_dir)))
+    if unrecorded:
+        print(f"note: the matrix ran {', '.join(unrecorded)} without a committed record in {results_dir}; "
+              "copy those records there and run `hfpatch compat` to show them in COMPAT.md")
+    extra = f" and agrees with the fresh matrix records" if fresh else ""
     print(f"{output} is current with the registry and its inputs{extra}")
     return 0
 
