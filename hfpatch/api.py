@@ -171,25 +171,34 @@ class Patch:
                              "a double-remove bug). Fix: call remove() once, or use `with hfpatch.apply(...)`.")
         self._removed = True
         foreign: list[str] = []
-        try:
-            for hook in self._hooks:
-                hook.remove()
-            for record in reversed(self._model_switches):
-                record.restore()
-            if self._installation is not None:
-                foreign = self._installation.restore()
-            if self._dispatcher is not None:
-                self._dispatcher.removed = True  # a stale wrapper reference now calls the original
-            if self._previous_switch is not None:
-                self.switch.set_switch(self._previous_switch)
-        finally:
-            with _active_lock:
-                if _active is self:
-                    _active = None
-        if foreign:
+        errors: list[str] = []
+
+        def attempt(step) -> None:  # every step runs even if an earlier one failed: restore as much as possible
+            try:
+                step()
+            except Exception as exc:  # collected and reported together below
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        for hook in self._hooks:
+            attempt(hook.remove)
+        for record in reversed(self._model_switches):
+            attempt(record.restore)
+        if self._installation is not None:
+            attempt(lambda: foreign.extend(self._installation.restore()))
+        if self._dispatcher is not None:
+            self._dispatcher.removed = True  # a stale wrapper reference now calls the original
+        if self._previous_switch is not None:
+            self.switch.set_switch(self._previous_switch)
+        with _active_lock:
+            if _active is self:
+                _active = None
+        if foreign or errors:
             raise PatchError(
-                "removed hfpatch, but these sites had been rebound by someone else after apply and were left as they "
-                "are: " + ", ".join(foreign) + ". Fix: remove the other patch too, or apply it before hfpatch."
+                "hfpatch was removed, but not cleanly: "
+                + (f"these sites had been rebound by someone else after apply and were left as they are: "
+                   f"{', '.join(foreign)} (fix: remove the other patch too, or apply it before hfpatch). "
+                   if foreign else "")
+                + (f"restoring failed: {'; '.join(errors)}." if errors else "")
             )
         if self.active:
             logger.info("hfpatch: removed (%s); transformers restored", self.signature_id)

@@ -6,7 +6,9 @@ distinction). Callers reach it through:
 1. the defining module, ``transformers.modeling_flash_attention_utils``;
 2. every module that bound it with ``from ... import _flash_attention_forward`` (found by *identity* in each
    module's ``__dict__``, under any name -- never by name alone): ``integrations.flash_attention`` (4.48+),
-   falcon, gpt_neo, ... (5 modules in 5.23, 58 in 4.47);
+   falcon, gpt_neo, ... (5 modules in 5.23, 58 in 4.47). A user or framework module that holds the function
+   (``from ... import _flash_attention_forward as fa``) is a caller too and is patched the same way; hfpatch's
+   own modules are skipped;
 3. attention-interface entries (``ALL_ATTENTION_FUNCTIONS`` / ``AttentionInterface._global_mapping``, 4.48+).
    Their function is ``integrations.flash_attention.flash_attention_forward``, which calls the name from its
    module globals at call time. Decision: the entries themselves are NOT replaced (their signature is the

@@ -207,3 +207,15 @@ def test_interface_entry_with_closure_over_original_is_refused_before_any_change
 def test_nothing_holds_the_function():
     with pytest.raises(PatchError, match="no imported module holds"):
         patcher.plan(lambda: None)
+
+
+def test_restore_leaves_a_site_someone_else_rebound_and_reports_it(original):
+    module = _alias_module("hfpatch_test_foreign", original)
+    try:
+        inst = patcher.install(patcher.plan(original), _wrapper)
+        other = lambda *a, **k: None  # noqa: E731  (another patcher, applied after hfpatch)
+        module.fa_alias = other
+        assert inst.restore() == ["hfpatch_test_foreign.fa_alias"]
+        assert module.fa_alias is other  # not clobbered
+    finally:
+        del sys.modules[module.__name__]
