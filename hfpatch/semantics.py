@@ -81,7 +81,8 @@ class StepState:
     seq_len_global:  S: tokens per row of the whole sequence (S_local * world_size).
     seq_len_local:   S_local: tokens per row on this rank.
     cu_seqlens:      IntTensor (num_docs + 1,) int32, cumulative lengths of the GLOBAL packed row; None if not packed.
-    source:          "shard_inputs" | "position_ids" | "cu_seq_lens" | "shape": where the state came from.
+    source:          "shard_inputs" | "position_ids" | "cu_seq_lens" | "shape": where the state came from; or
+                     the name of the ``hfpatch.compat`` function that set it (e.g. "update_ring_flash_attn_params").
     position_ids:    the local position ids ``shard_inputs`` returned (to detect a model fed other inputs), or None.
     """
 
@@ -315,6 +316,13 @@ def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext) -
     step = ctx.step
     if step is not None:
         if (step.batch_size, step.seq_len_local) != (batch, seq_local):
+            if step.source != "shard_inputs":  # a step set from outside (hfpatch.compat: update_*_params)
+                raise UnsupportedArgument(
+                    "query", q,
+                    f"{step.source} described this step as batch {step.batch_size} x {step.seq_len_local} local "
+                    f"tokens, but the model now runs on batch {batch} x {seq_local}.",
+                    f"call {step.source}(...) with this batch's metadata before every forward.",
+                )
             raise UnsupportedArgument(
                 "query", q,
                 f"shard_inputs prepared this step for batch {step.batch_size} x {step.seq_len_local} local tokens, "
