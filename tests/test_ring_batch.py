@@ -140,6 +140,7 @@ def _world_cases(rank: int, world: int, cases) -> None:
         _ranks_that_disagree_fail_together(rank)
     if world in (2, 3):
         _count_ring_traffic(rank, world)
+        _count_blocks(rank, world)
     if world == 4:
         _subgroups(rank)
 
@@ -184,6 +185,38 @@ def _count_ring_traffic(rank: int, world: int) -> None:
     backward = sent[len(forward):]
     expected = [kv] * (world - 1) + [partial_sums] * (world - 1) + [kv]
     assert sorted(map(str, backward)) == sorted(map(str, expected)), backward
+
+
+def _count_blocks(rank: int, world: int) -> None:
+    """The blocks each rank computes, by kind and size: causal ring does r+1 blocks on rank r (the imbalance
+    zigzag and stripe exist to remove); zigzag and stripe do N blocks on every rank, of equal total work; and
+    no standard block needs a dense mask (FULL or aligned CAUSAL only)."""
+    from ring_kernels.backends import get_backend
+
+    impl = get_backend("torch_cpu", device="cpu", dtype=torch.float32, head_dim=64, mask_kind="causal")
+    calls = []
+    original = impl.forward
+
+    def counting(q, k, v, *, scale, mask, softcap=0.0):
+        calls.append((mask.kind(q.shape[1], k.shape[1]), q.shape[1], k.shape[1]))
+        return original(q, k, v, scale=scale, mask=mask, softcap=softcap)
+
+    s = 6
+    q = torch.randn(1, s, 4, 64)
+    expected = {
+        "ring": [("causal", s, s)] + [("full", s, s)] * rank,
+        "zigzag": [("causal", s, s)] + [("full", s, s // 2) if (rank - i) % world < rank else ("full", s // 2, s)
+                                        for i in range(1, world)],
+        "stripe": [("causal", s, s) if (rank - i) % world <= rank else ("causal", s - 1, s - 1) for i in range(world)],
+    }
+    impl.forward = counting
+    try:
+        for variant, want in expected.items():
+            calls.clear()
+            VARIANTS[variant][0](q, q, q, causal=True, backend="torch_cpu")
+            assert calls == want, (variant, rank, calls)
+    finally:
+        del impl.forward            # back to the class's method
 
 
 def _subgroups(rank: int) -> None:
