@@ -225,18 +225,6 @@ def _world(rank, world, cases, extras):
 _MODELS = ["llama", "qwen2", "mistral", "gemma2", "mixtral"]
 
 
-def _runnable(cases, extras):
-    """Until ring_kernels exports its varlen kernels (in progress), packed cases cannot run."""
-    import ring_kernels
-
-    if hasattr(ring_kernels, "llama3_attn_varlen_func"):
-        return cases, extras
-    kept = [c for c in cases if c[1] == "batch"]
-    extras = dict(extras, kernels={k: v for k, v in extras.get("kernels", {}).items() if k in kept},
-                  semantics_cases=[c for c in extras.get("semantics_cases", []) if c[2] == "batch"])
-    return kept, extras
-
-
 def test_models_match_non_cp_2_ranks():
     cases = [(m, kind, "auto") for m in _MODELS for kind in ("batch", "packed")]
     cases += [("llama", "batch", "ring"), ("llama", "batch", "stripe"), ("gemma2", "packed-zigzag", "zigzag")]
@@ -246,7 +234,7 @@ def test_models_match_non_cp_2_ranks():
                     ("llama", "batch", "stripe"): "stripe", ("gemma2", "packed-zigzag", "zigzag"): "zigzag"},
         "after": ["_switch_modes", "_check_tolerance_detects_off_by_one", "_bf16_within_kernel_tolerance"],
     }
-    run_world(2, _world, *_runnable(cases, extras))
+    run_world(2, _world, cases, extras)
 
 
 def test_models_match_non_cp_4_ranks():
@@ -255,4 +243,4 @@ def test_models_match_non_cp_4_ranks():
     # plus the ring_attention unit cases of test_semantics on 4 ranks (one world fewer to spawn)
     from test_semantics import CASES_4_RANKS
 
-    run_world(4, _world, *_runnable(cases, {"semantics_cases": CASES_4_RANKS}))
+    run_world(4, _world, cases, {"semantics_cases": CASES_4_RANKS})

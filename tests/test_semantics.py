@@ -186,27 +186,16 @@ def _collective_counting_world(rank, world):
         semantics._global_cu_from_position_ids = original
 
 
-_BATCH_ONLY = [c for c in _CASES if c[2] == "batch"]
-
-
-def _have_varlen() -> bool:
-    import ring_kernels
-
-    return all(hasattr(ring_kernels, n) for n in ("llama3_attn_varlen_func", "ring_attn_varlen_func"))
-
-
-def _two_rank_world(rank, world, cases, fns, count_derivations):
+def _two_rank_world(rank, world, cases, fns):
     _cases_world(rank, world, cases, fns)
     _shard_and_loss_world(rank, world)
-    if count_derivations:
-        _collective_counting_world(rank, world)
+    _collective_counting_world(rank, world)
 
 
 def test_semantics_2_ranks():
     """One world (spawning costs seconds): ring and reference attention vs plain attention for every case,
     shard_inputs/reduce_loss, and one derivation of the packing per step."""
-    cases = _CASES if _have_varlen() else _BATCH_ONLY
-    run_world(2, _two_rank_world, cases, ["ring_attention", "reference_attention"], _have_varlen())
+    run_world(2, _two_rank_world, _CASES, ["ring_attention", "reference_attention"])
 
 
 # The same cases on 4 ranks run inside the 4-rank world of test_e2e_models (one world fewer to spawn).
