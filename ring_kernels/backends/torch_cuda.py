@@ -88,6 +88,8 @@ class _TorchCudaBackend:
                 result = call(k, v)
                 self._native_gqa = True
                 return result, False
+            except torch.cuda.OutOfMemoryError:
+                raise                                    # not a GQA refusal: expanding would need more memory
             except RuntimeError:
                 self._native_gqa = False
         return call(_expand_kv(k, groups), _expand_kv(v, groups)), True
