@@ -75,7 +75,8 @@ def _generate(func_name: str, params: list[inspect.Parameter], match: Match) -> 
     """The wrapper's source and the namespace its names resolve in (defaults, helpers)."""
     namespace: dict[str, Any] = {
         "__builtins__": builtins,
-        "__name__": "hfpatch.generated",
+        # No "__name__": torch.compile (Dynamo) imports the module a function's globals name in order to guard on
+        # them; a made-up module name fails that import. Without it, Dynamo guards on this dict itself.
         "_hfpatch_differs": _differs,
         "_hfpatch_refuse": _refuse_unknown,
     }

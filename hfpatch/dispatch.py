@@ -24,6 +24,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from hfpatch import _opaque
 from hfpatch import switch as _switch
 
 __all__ = ["Dispatcher", "LayerRecord"]
@@ -76,15 +77,37 @@ class Dispatcher:
         self.removed = False
         self.calls: Counter = Counter()
         self.mode_calls: Counter = Counter()
+        # Layer key -> calls made while autograd ran a backward (activation checkpointing recomputing a layer):
+        # kept out of ``calls`` and the per-forward record, which count forwards of the model.
+        self.recomputed: Counter = Counter()
+        self.opaque_token = _opaque.register_dispatcher(self)  # how torch.compile's opaque operator finds us
         self._forward: dict[Hashable, LayerRecord] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------- the call
     def __call__(self, call: dict, extra: dict) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Dynamo cannot trace the ring (P2P, data-dependent checks): one opaque operator that runs the rest
+            # of this method at run time (hfpatch/_opaque.py).
+            return _opaque.compiled_call(self, call, extra)
         if self.removed:
             return self.call_original(call, extra)
         mode = _switch.current_mode()
         self._record(mode, extra)
+        return self.run_mode(mode, call, extra)
+
+    def compiled_forward(self, call: dict, extra: dict) -> str:
+        """Run-time part of a compiled call: the mode to run, counted like an eager call (the caller module is
+        not on the stack in compiled code: the key is ``layer_idx``, or "<compiled>")."""
+        if self.removed:
+            return "original"
+        mode = _switch.current_mode()
+        layer_idx = extra.get("layer_idx") if isinstance(extra, dict) else None
+        self._count(mode, layer_idx if isinstance(layer_idx, int) else "<compiled>", None)
+        return mode
+
+    def run_mode(self, mode: str, call: dict, extra: dict) -> torch.Tensor:
+        """Route one call: ``"ring"``, ``"reference"`` or ``"original"`` (no counting)."""
         if mode == "ring":
             from hfpatch import semantics
 
@@ -113,9 +136,15 @@ class Dispatcher:
             key = f"{type(module).__name__}@{id(module):x}"
         else:
             key = "<unknown caller>"
+        self._count(mode, key, id(module) if module is not None else None)
+
+    def _count(self, mode: str, key: Hashable, module_id: int | None) -> None:
         # Two modules with the same layer index (an encoder and a decoder) stay apart by module identity.
-        slot = (key, id(module) if module is not None else None)
+        slot = (key, module_id)
         with self._lock:
+            if _opaque.is_recomputing():  # checkpointing re-runs a layer in backward: not a new forward
+                self.recomputed[key] += 1
+                return
             self.mode_calls[mode] += 1
             if mode == "ring":
                 self.calls[key] += 1
@@ -123,6 +152,8 @@ class Dispatcher:
 
     def begin_forward(self) -> None:
         """Start a new per-forward record (a forward pre-hook of a tracked model calls this)."""
+        if torch.compiler.is_compiling():
+            return  # a lock cannot be traced; compiled calls keep one record per layer (hfpatch/_opaque.py)
         with self._lock:
             self._forward = {}
 
@@ -131,6 +162,7 @@ class Dispatcher:
         with self._lock:
             self.calls.clear()
             self.mode_calls.clear()
+            self.recomputed.clear()
             self._forward = {}
 
     def forward_records(self) -> list[LayerRecord]:

@@ -1,0 +1,261 @@
+"""hfpatch inside the real training stack, on 4 gloo CPU processes: a 2-D DeviceMesh (dp=2 x cp=2), FSDP2
+(``fully_shard``) over the dp dimension, ``hfpatch.apply(mesh["cp"], model=model)``, activation checkpointing
+around the decoder layers, and ``torch.compile``.
+
+1. FSDP2 + CP + checkpointing: three SGD-with-momentum steps on unpacked, packed, unpacked batches. After every
+   step the global loss and every updated parameter (``DTensor.full_tensor()``) equal a single-process, non-CP run
+   of the same model (eager attention) on the same global batch. The reductions that make this true:
+   token-weighted mean over cp (``patch.reduce_loss``: each rank's gradient flows only into its own tokens, so the
+   gradient SUMMED over cp is the replica's gradient) and mean over dp (FSDP2's reduce-scatter averages over dp;
+   an all-reduce hook then sums the shards over cp, the ranks holding the same dp shard).
+2. Checkpointing: the recomputation in backward runs the ring again (counted apart: ``recomputed``), and the
+   per-forward counters still show exactly one ring call per layer per forward.
+3. torch.compile(model, fullgraph=True): the attention call is one opaque operator (``hfpatch/_opaque.py``), so
+   Dynamo traces the whole model without a graph break; loss and gradients equal the eager run on batch and packed
+   inputs. Backend ``aot_eager`` (the full Dynamo + AOTAutograd pipeline with the real custom-op fake kernels and
+   autograd, without inductor's C++ code generation, which takes minutes on 2 cores);
+   ``HFPATCH_TEST_INDUCTOR=1`` adds the inductor backend.
+
+Tolerances (fp32). Loss: relative 1e-5. Parameters after step k: max |p_cp - p_ref| <= 1e-6 (init scale 0.2,
+updates ~1e-2 per step). The ring merges blocks through an fp32 log-sum-exp and the gradients are summed over
+ranks in another order, so CP differs from the single-process run by rounding only (measured: loss ~1e-7
+relative, parameters ~1e-8); a missing or doubled reduction over cp or dp changes the updates by ~1e-3 to 1e-2
+(``_missing_cp_reduction_is_detected`` proves the check can fail).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from _dist import run_world
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-6
+COMPILE_GRAD_RTOL = 2e-5
+SEQ = 32
+LR, MOMENTUM = 0.1, 0.9
+DP, CP = 2, 2
+# Per dp rank: one packed row of SEQ tokens (uneven documents, a document crossing the cp boundary).
+PACKED_DOCS = ([5, 11, 1, 7, 8], [16, 9, 7])
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+
+def _global_batch(step: int):
+    """The global batch of a step: per dp rank (input_ids (rows, SEQ), position_ids or None, docs or None)."""
+    g = torch.Generator().manual_seed(100 + step)
+    if step % 2 == 1:  # packed: one row of documents per dp rank
+        parts = []
+        for docs in PACKED_DOCS:
+            ids = torch.randint(0, 128, (1, SEQ), generator=g)
+            pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+            parts.append((ids, pos, docs))
+        return parts
+    ids = torch.randint(0, 128, (DP * 2, SEQ), generator=g)
+    return [(ids[2 * d:2 * d + 2], None, None) for d in range(DP)]
+
+
+# ------------------------------------------------------------------------------------------- reference
+
+
+def _replica_loss(model, ids, docs):
+    """Non-CP token-mean loss of one dp replica's batch (packed: every document on its own, the definition of
+    independent documents on every transformers release)."""
+    from hfpatch.inputs import shift_labels, token_loss_sum
+
+    if docs is None:
+        logits = model(input_ids=ids, use_cache=False).logits
+    else:
+        pieces, start = [], 0
+        for n in docs:
+            pieces.append(model(input_ids=ids[:, start:start + n], position_ids=torch.arange(n)[None],
+                                use_cache=False).logits)
+            start += n
+        logits = torch.cat(pieces, dim=1)
+    loss_sum, count = token_loss_sum(logits, shift_labels(ids))
+    return loss_sum / count
+
+
+def _reference_run(steps: int):
+    """Single process, no CP: per step the mean over dp replicas of their token-mean losses; SGD steps.
+    Returns [(loss, {name: parameter after the step})]."""
+    from hfpatch._models import build_model
+
+    model = build_model("llama")
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    history = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = sum(_replica_loss(model, ids, docs) for ids, _, docs in _global_batch(step)) / DP
+        loss.backward()
+        opt.step()
+        history.append((loss.detach(), {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return history
+
+
+# ------------------------------------------------------------------------------------------- FSDP2 + CP
+
+
+def _sum_over_cp_hook(cp_group, active: bool):
+    """FSDP2 all-reduce hook: after the reduce-scatter (mean over dp) sum the gradient shards over cp."""
+    def hook(reduce_output: torch.Tensor) -> None:
+        if active:
+            dist.all_reduce(reduce_output, group=cp_group)
+    return hook
+
+
+def _parallel_model(mesh, *, checkpointing: bool, cp_reduction: bool = True):
+    """The stack: build -> hfpatch.apply(mesh["cp"], model=) -> checkpoint layers -> fully_shard over dp."""
+    import hfpatch
+    from hfpatch._models import build_model
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model = build_model("llama")
+    patch = hfpatch.apply(mesh["cp"], model=model)
+    layers = model.model.layers
+    if checkpointing:
+        layer_cls = type(layers[0])
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_cls))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    hook = _sum_over_cp_hook(mesh["cp"].get_group(), cp_reduction)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(hook)
+    return model, patch
+
+
+def _cp_step(model, patch, opt, mesh, step: int) -> torch.Tensor:
+    """One training step on this rank's dp replica; returns the global loss (mean over dp)."""
+    from hfpatch.inputs import token_loss_sum
+
+    ids, pos, _ = _global_batch(step)[mesh["dp"].get_local_rank()]
+    opt.zero_grad(set_to_none=True)
+    batch = patch.shard_inputs(ids, labels=ids, position_ids=pos)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    loss_sum, count = token_loss_sum(logits, batch["labels"])
+    loss = patch.reduce_loss(loss_sum, count)    # token-weighted mean over cp
+    loss.backward()                              # FSDP2: mean over dp, then the hook sums over cp
+    opt.step()
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss, group=mesh["dp"].get_group())
+    return global_loss / mesh["dp"].size()
+
+
+def _full_parameters(model) -> dict:
+    from hfpatch._models import build_model  # noqa: F401  (same names as the reference model)
+
+    return {n: p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach()
+            for n, p in model.named_parameters()}
+
+
+def _clean_name(name: str) -> str:
+    """Parameter name without the wrappers' prefixes (checkpoint_wrapper)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _fsdp_cp_matches_reference(rank, world, mesh, reference):
+    model, patch = _parallel_model(mesh, checkpointing=True)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        layers = model.config.num_hidden_layers
+        for step, (ref_loss, ref_params) in enumerate(reference):
+            patch.reset_calls()
+            loss = _cp_step(model, patch, opt, mesh, step)
+            kind = "packed" if step % 2 else "batch"
+            assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), \
+                f"step {step} ({kind}): FSDP2+CP loss {loss.item():.8f} != single-process {ref_loss.item():.8f}"
+            params = {_clean_name(n): p for n, p in _full_parameters(model).items()}
+            assert set(params) == set(ref_params), sorted(set(params) ^ set(ref_params))
+            for name, ref in ref_params.items():
+                err = (params[name] - ref).abs().max().item()
+                assert err <= PARAM_ATOL, f"step {step} ({kind}): parameter {name} differs by {err:.3e}"
+            # Checkpointing: one ring call per layer in the forward, one more per layer in the recomputation.
+            assert dict(patch.calls) == {i: 1 for i in range(layers)}, f"step {step}: calls {patch.calls}"
+            assert dict(patch._dispatcher.recomputed) == {i: 1 for i in range(layers)}, \
+                f"step {step}: recomputed {patch._dispatcher.recomputed}"
+            assert patch.layers_seen() == list(range(layers)), patch.layers_seen()
+            assert patch.unpatched_layers(model) == [], patch.unpatched_layers(model)
+            expected = "llama3" if kind == "packed" else "zigzag"
+            assert patch.ctx.step.kernel == expected, (step, patch.ctx.step.kernel)
+    finally:
+        patch.remove()
+
+
+def _missing_cp_reduction_is_detected(rank, world, mesh, reference):
+    """Without the sum over cp the first update already misses the tolerance by orders of magnitude."""
+    model, patch = _parallel_model(mesh, checkpointing=False, cp_reduction=False)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        _cp_step(model, patch, opt, mesh, 0)
+        params = {_clean_name(n): p for n, p in _full_parameters(model).items()}
+        worst = max((params[n] - ref).abs().max().item() for n, ref in reference[0][1].items())
+        assert worst > 100 * PARAM_ATOL, f"a missing cp reduction moved parameters by only {worst:.3e}"
+    finally:
+        patch.remove()
+
+
+# ------------------------------------------------------------------------------------------ torch.compile
+
+
+def _compile_matches_eager(rank, world, mesh, backends):
+    """Within one cp group: eager vs torch.compile(fullgraph=True) on a batch step and a packed step."""
+    import hfpatch
+    from hfpatch import _opaque
+    from hfpatch._models import build_model
+    from hfpatch.inputs import token_loss_sum
+
+    model = build_model("llama")
+    with hfpatch.apply(mesh["cp"], model=model, verify=False) as patch:
+        def step(fn, ids, pos):
+            model.zero_grad(set_to_none=True)
+            batch = patch.shard_inputs(ids, labels=ids, position_ids=pos)
+            logits = fn(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            loss = patch.reduce_loss(*token_loss_sum(logits, batch["labels"]))
+            loss.backward()
+            return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        inputs = [_global_batch(0)[0][:2], _global_batch(1)[0][:2]]   # a batch step, a packed step
+        eager = [step(model, ids, pos) for ids, pos in inputs]
+        for backend in backends:
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=backend, fullgraph=True)
+            for (ids, pos), (ref_loss, ref_grads) in zip(inputs, eager):
+                patch.reset_calls()
+                loss, grads = step(compiled, ids, pos)
+                label = f"compile[{backend}] {'packed' if pos is not None else 'batch'}"
+                assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), \
+                    f"{label}: loss {loss.item():.8f} != eager {ref_loss.item():.8f}"
+                for name, ref in ref_grads.items():
+                    err = (grads[name] - ref).abs().max().item()
+                    assert err <= COMPILE_GRAD_RTOL * ref.abs().max().item() + 1e-9, f"{label}: grad {name} {err:.3e}"
+                # The compiled graph called the opaque operator, which ran the ring once per layer.
+                assert dict(patch.calls) == {i: 1 for i in range(model.config.num_hidden_layers)}, patch.calls
+        assert all(token in _opaque._dispatchers for token in [patch._dispatcher.opaque_token])
+
+
+# ------------------------------------------------------------------------------------------------ world
+
+
+def _stack_world(rank, world, backends):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
+    reference = _reference_run(3)
+    _fsdp_cp_matches_reference(rank, world, mesh, reference)
+    _missing_cp_reduction_is_detected(rank, world, mesh, reference)
+    # Compiling costs CPU time: one cp group (dp index 0) compiles; the other waits at the barrier.
+    if mesh["dp"].get_local_rank() == 0:
+        _compile_matches_eager(rank, world, mesh, backends)
+    dist.barrier()
+
+
+def test_fsdp2_cp_checkpointing_compile_match_single_process():
+    backends = ["aot_eager"] + (["inductor"] if os.environ.get("HFPATCH_TEST_INDUCTOR") == "1" else [])
+    run_world(DP * CP, _stack_world, backends, timeout=600)
