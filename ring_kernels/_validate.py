@@ -18,7 +18,16 @@ SKIP_RANK_CHECK_ENV = "RING_KERNELS_SKIP_RANK_CHECK"
 
 
 class RingInputError(ValueError):
-    """Bad input to a ring_kernels function; the message says what was given and what is required."""
+    """Bad input to a ring_kernels function; the message says what was given and what is required.
+
+    ``argument`` names the offending argument (or metadata field) and ``value`` holds what was given, when
+    the check knows them (None otherwise), so callers can react without parsing the message.
+    """
+
+    def __init__(self, message: str, *, argument: Optional[str] = None, value=None):
+        super().__init__(message)
+        self.argument = argument
+        self.value = value
 
 
 def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool = False) -> None:
@@ -44,7 +53,8 @@ def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, var
     h, hk = q.shape[-2], k.shape[-2]
     if hk == 0 or h % hk != 0:
         raise RingInputError(
-            f"{fn}: q has {h} heads and k/v have {hk}; nheads % nheads_k must be 0 (GQA groups of equal size)")
+            f"{fn}: q has {h} heads and k/v have {hk}; nheads % nheads_k must be 0 (GQA groups of equal size)",
+            argument="k", value=tuple(k.shape))
     if not (q.dtype == k.dtype == v.dtype):
         raise RingInputError(f"{fn}: dtypes differ (q {q.dtype}, k {k.dtype}, v {v.dtype}); cast them to one dtype")
     if not (q.device == k.device == v.device):
@@ -56,15 +66,18 @@ def check_options(fn: str, *, window_size, softcap, dropout_p) -> Tuple[int, int
     if dropout_p:
         raise RingInputError(
             f"{fn}: dropout_p={dropout_p!r}; ring attention does not implement attention dropout, pass 0.0 "
-            f"(e.g. run the model in eval mode or set attention_dropout=0)")
+            f"(e.g. run the model in eval mode or set attention_dropout=0)", argument="dropout_p", value=dropout_p)
     if (not isinstance(window_size, Sequence) or len(window_size) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise RingInputError(f"{fn}: window_size={window_size!r}; expected a pair of ints (left, right), -1 = unbounded")
+        raise RingInputError(f"{fn}: window_size={window_size!r}; expected a pair of ints (left, right), -1 = unbounded",
+                             argument="window_size", value=window_size)
     left, right = window_size
     if left < -1 or right < -1:
-        raise RingInputError(f"{fn}: window_size={window_size!r}; each side must be >= 0 or -1 (unbounded)")
+        raise RingInputError(f"{fn}: window_size={window_size!r}; each side must be >= 0 or -1 (unbounded)",
+                             argument="window_size", value=window_size)
     if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or softcap < 0 or math.isnan(softcap):
-        raise RingInputError(f"{fn}: softcap={softcap!r}; expected a float >= 0 (0 disables it)")
+        raise RingInputError(f"{fn}: softcap={softcap!r}; expected a float >= 0 (0 disables it)",
+                             argument="softcap", value=softcap)
     return int(left), int(right)
 
 
@@ -73,14 +86,15 @@ def require_causal(fn: str, causal: bool, alternative: str = "ring_attn_func") -
     if not causal:
         raise RingInputError(
             f"{fn}: causal=False is not supported by this layout (it balances causal work only); "
-            f"use {alternative} for non-causal attention")
+            f"use {alternative} for non-causal attention", argument="causal", value=causal)
 
 
 def resolve_scale(fn: str, softmax_scale: Optional[float], head_dim: int) -> float:
     if softmax_scale is None:
         return head_dim ** -0.5
     if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or not math.isfinite(softmax_scale):
-        raise RingInputError(f"{fn}: softmax_scale={softmax_scale!r}; expected a finite float or None (1/sqrt(headdim))")
+        raise RingInputError(f"{fn}: softmax_scale={softmax_scale!r}; expected a finite float or None (1/sqrt(headdim))",
+                             argument="softmax_scale", value=softmax_scale)
     return float(softmax_scale)
 
 
@@ -106,7 +120,8 @@ def check_ranks_agree(fn: str, group, fields: Sequence[Tuple[str, float]], devic
             per_rank = ", ".join(f"rank {r}: {_fmt(x)}" for r, x in enumerate(column))
             raise RingInputError(
                 f"{fn}: ranks disagree on {name} ({per_rank}); every rank of the group must call with the same "
-                f"shapes and options (shard each sequence with ring_kernels.shard)")
+                f"shapes and options (shard each sequence with ring_kernels.shard)",
+                argument=name, value=[_fmt(x) for x in column])
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -55,7 +55,8 @@ def zigzag_ring_attn_func(q, k, v, *, group=None, causal=True, softmax_scale=Non
     if seqlen is not None and (seqlen % 2 != 0 or seqlen == 0):
         raise RingInputError(
             f"{fn}: q has seqlen_local={seqlen}; the zigzag layout needs an even, non-zero local length "
-            f"(two chunks per rank): make the global length a multiple of 2 * world_size (pad it)")
+            f"(two chunks per rank): make the global length a multiple of 2 * world_size (pad it)",
+            argument="q", value=tuple(q.shape))
     return _run(fn, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, backend=backend,
                 window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=1,
                 make_steps=_zigzag_steps)

@@ -351,6 +351,16 @@ def test_bad_input_raises_value_error_naming_it(fn, args, kwargs, message):
         fn(*args, **kwargs)
 
 
+def test_input_errors_carry_the_argument_and_value():
+    q = torch.randn(1, 6, 4, 8)
+    with pytest.raises(ValueError) as info:
+        rk.ring_attn_func(q, q, q, dropout_p=0.5)
+    assert (info.value.argument, info.value.value) == ("dropout_p", 0.5)
+    with pytest.raises(ValueError) as info:
+        rk.stripe_attn_func(q, q, q, causal=False)
+    assert (info.value.argument, info.value.value) == ("causal", False)
+
+
 def test_mixed_dtypes_rejected():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match=r"dtypes differ"):

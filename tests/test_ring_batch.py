@@ -148,8 +148,9 @@ def _world_cases(rank: int, world: int, cases) -> None:
 def _ranks_that_disagree_fail_together(rank: int) -> None:
     """Different local lengths (or options) on different ranks: every rank raises, naming the field."""
     q = torch.randn(1, 6 + 2 * rank, 4, 64)
-    with pytest.raises(ValueError, match=r"seqlen_local \(rank 0: 6, rank 1: 8\)"):
+    with pytest.raises(ValueError, match=r"seqlen_local \(rank 0: 6, rank 1: 8\)") as info:
         rk.zigzag_ring_attn_func(q, q, q)
+    assert (info.value.argument, info.value.value) == ("seqlen_local", [6, 8])
     q = torch.randn(1, 6, 4, 64)
     with pytest.raises(ValueError, match=r"ranks disagree on causal"):
         rk.ring_attn_func(q, q, q, causal=bool(rank))
