@@ -10,6 +10,9 @@ several blocks, diagonal blocks split into sub-blocks, GQA/MQA, softcap, strided
 A second child, run at the same time, compiles the three main kernels for sm_90 (Hopper) ahead of time, with
 no GPU: the interpreter does not see GPU-only compile errors, register spills or shared-memory overflow.
 
+bf16 is covered on the GPU only (tests/gpu/test_triton_gpu.py): the interpreter computes tl.dot on bf16 as
+integers (numpy has no bfloat16). fp32 and fp16 cover the same code here.
+
 Needs triton; triton < 3.7's interpreter fails with numpy >= 2.4 (triton-lang/triton#9171), so CI installs
 triton 3.8 (the GPU kernels use only APIs that exist in 3.6). Skipped only when triton cannot be imported.
 """
@@ -49,6 +52,8 @@ CASES = {
     "ring_merged_gqa": (1, 24, 48, 4, 2, 16, True, 0.0, "float32", "merged", _MIXED),
     "ring_merged_softcap": (1, 16, 32, 2, 1, 32, True, 3.0, "float32", "merged", _B16),
     "empty_block": (1, 16, 16, 2, 1, 16, True, 0.0, "float32", "empty", _B16),
+    # The CUDA launch path: autotuner (fake timer) -> heuristics (EVEN_*) -> kernel, grid from the chosen config.
+    "autotuned_launch_causal_mqa": (1, 70, 70, 2, 1, 16, True, 0.0, "float32", "contiguous", "autotune"),
 }
 
 # Max error allowed relative to the reference's largest magnitude (lse: absolute, it is O(log Sk)).
@@ -138,6 +143,21 @@ def _run_case(backend, BlockMask, case_id: str, inp: dict) -> dict:
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
+def _autotune_with_fake_timer(triton_attn) -> None:
+    """Launch through the autotuners as on CUDA: each tries its two smallest configs, timed by a stand-in
+    (the interpreter has no GPU timer); the second config tried "wins", so the grid must follow it."""
+    def fake_bench(fn, *args, quantiles=None, **kwargs):
+        fn()
+        fake_bench.calls += 1
+        ms = 1.0 / fake_bench.calls
+        return [ms, ms, ms] if quantiles else ms
+    fake_bench.calls = 0
+    for tuner in (triton_attn._attn_fwd_tuned, triton_attn._attn_bwd_dkdv_tuned, triton_attn._attn_bwd_dq_tuned):
+        tuner.configs = sorted(tuner.configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])[:2]
+        tuner.do_bench = fake_bench
+    triton_attn._fixed_blocks = None
+
+
 def _child_main(in_path: str, out_path: str) -> None:
     """Run every case under the interpreter; a failing case records its traceback, the others still run."""
     import traceback
@@ -151,11 +171,17 @@ def _child_main(in_path: str, out_path: str) -> None:
     for case_id, inp in torch.load(in_path).items():
         start = time.perf_counter()
         try:
-            triton_attn._set_fixed_blocks(CASES[case_id][-1])
+            if CASES[case_id][-1] == "autotune":
+                _autotune_with_fake_timer(triton_attn)
+            else:
+                triton_attn._set_fixed_blocks(CASES[case_id][-1])
             results[case_id] = {"tensors": _run_case(backend, BlockMask, case_id, inp)}
         except Exception:  # reported by that case's test, with the child's traceback
             results[case_id] = {"error": traceback.format_exc()}
         results[case_id]["seconds"] = time.perf_counter() - start
+        if CASES[case_id][-1] == "autotune" and "tensors" in results[case_id]:
+            results[case_id]["best_configs"] = [str(t.best_config) for t in (
+                triton_attn._attn_fwd_tuned, triton_attn._attn_bwd_dkdv_tuned, triton_attn._attn_bwd_dq_tuned)]
     torch.save(results, out_path)
 
 
@@ -303,6 +329,8 @@ def test_matches_float64_reference(interpreter_results, case_id):
             f"{case_id}: {name} max error {err:.3e} > {_TOL[dtype][name]:.0e} x {scale:.3g}")
     if CASES[case_id][9] == "empty":
         assert all(bool((got[n] == 0).all()) for n in ("out", "dq", "dk", "dv")), "empty block must give zeros"
+    if CASES[case_id][10] == "autotune":
+        assert len(result["best_configs"]) == 3 and "None" not in result["best_configs"], result["best_configs"]
 
 
 def test_interpreter_budget(interpreter_results):
