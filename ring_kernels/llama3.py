@@ -9,8 +9,7 @@ Blocks, per document d overlapping our tokens [qa, qb): causally, keys [start(d)
 [qa, qb) are aligned CAUSAL; non-causally all keys of d are FULL; a window classifies them like the ring
 (``varlen._classify``), so there is no dense (S x S) mask in the standard cases. Key ranges are also cut at
 our own token range: *local* blocks (keys this rank holds) need no gathered copy and run while the
-all-gather is in flight; only *remote* blocks (documents that cross a rank boundary) wait for it. When no
-document crosses a rank boundary, no rank gathers anything (all ranks see the same cu_seqlens).
+all-gather is in flight; only *remote* blocks (documents that cross a rank boundary) wait for it.
 
 Backward, per head slice: half of the local blocks while the K/V all-gather is in flight, then the remote
 blocks into fp32 full-sequence dK/dV, whose reduce-scatter back to the owners overlaps the other half.
@@ -53,22 +52,12 @@ class _Llama3Block:
 
 @dataclass
 class _Llama3Plan:
-    """This rank's blocks (local ones run while the K/V all-gather is in flight) and whether to gather."""
+    """This rank's blocks (local ones run while the K/V all-gather is in flight) and whether to gather (N > 1)."""
 
     local_blocks: List[_Llama3Block]
     remote_blocks: List[_Llama3Block]
     kind: str
     gather: bool
-
-
-def _any_document_crosses_ranks(cu: torch.Tensor, local: int, world: int) -> bool:
-    """Whether some document spans a rank boundary; if none does, no rank needs another's K/V (no collective).
-
-    Every rank computes the same answer from the same cu_seqlens, so all skip (or join) the collectives alike.
-    """
-    boundaries = torch.arange(1, world) * local
-    first_doc_after = torch.searchsorted(cu, boundaries, right=False)   # first cu entry >= boundary
-    return bool((cu[first_doc_after] != boundaries).any()) if world > 1 else False
 
 
 def _split_at(ka: int, kb: int, cuts: Tuple[int, int]) -> List[Tuple[int, int]]:
@@ -102,7 +91,9 @@ def _llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: bo
             seen.add((rows.start, rows.stop))
             kv_rows = slice(ka - q0, kb - q0) if is_local else slice(ka, kb)
             (local_blocks if is_local else remote_blocks).append(_Llama3Block(rows, kv_rows, mask, is_local, first))
-    return _Llama3Plan(local_blocks, remote_blocks, builder.kind, _any_document_crosses_ranks(cu, local, world))
+    # Every rank joins the collectives whenever there are other ranks (even if its own blocks are all local:
+    # another rank may need its K/V); local blocks hide them.
+    return _Llama3Plan(local_blocks, remote_blocks, builder.kind, world > 1)
 
 
 class _Llama3Config:

@@ -269,10 +269,10 @@ def test_block_classification_matches_dense_mask():
                             assert (kind == FULL) == bool(dense.all()), where
 
 
-def test_llama3_plan_local_blocks_first_and_gathers_only_when_documents_cross_ranks():
+def test_llama3_plan_local_blocks_first_remote_blocks_only_for_crossing_documents():
     """Local key ranges use the local K/V (no gather needed), each query row's first block is local, remote
-    blocks cover exactly the keys of crossing documents that other ranks hold, and a packing whose documents
-    all stay on one rank gathers nothing."""
+    blocks cover exactly the keys of crossing documents that other ranks hold; packings whose documents all
+    stay on one rank have no remote block."""
     from ring_kernels.llama3 import _llama3_plan
 
     n, local = 3, 6
@@ -290,7 +290,8 @@ def test_llama3_plan_local_blocks_first_and_gathers_only_when_documents_cross_ra
             want = {0: [6, 7, 8] if not causal else [], 1: [2, 3, 4, 5], 2: []}[rank]
             assert remote == want and all(not q0 <= k < q0 + local for k in remote), (rank, causal, remote)
     aligned = _cu([2, 4, 6, 1, 5]).long()          # boundaries at 6 and 12 fall between documents
-    assert not any(_llama3_plan(aligned, r, n, local, True, (-1, -1)).gather for r in range(n))
+    for causal in (True, False):
+        assert not any(_llama3_plan(aligned, r, n, local, causal, (-1, -1)).remote_blocks for r in range(n))
 
 
 # ------------------------------------------------------------------------------------ CUDA (2 GPUs, NCCL)
