@@ -25,8 +25,11 @@ from hfpatch.errors import VerificationError
 
 __all__ = ["identity", "numeric", "group_max", "PROBE_TOLERANCE"]
 
-# fp32 probe: the ring merges blocks in fp32 via log-sum-exp, so it differs from one softmax by rounding only.
-PROBE_TOLERANCE = 1e-4
+# Largest absolute error allowed per probe dtype. fp32 (CPU): the ring merges blocks in fp32 via log-sum-exp,
+# so it differs from one softmax by rounding only. bf16 (CUDA, where the fast block backends are half-precision
+# only): the kernels round P and the output to bf16 (eps 2**-8 ~ 3.9e-3) on outputs of magnitude < 1; a wrong
+# mask or a missing block is off by ~0.1 or more.
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 _PROBE_SHAPE = dict(batch=2, heads=4, kv_heads=2, head_dim=8, tokens_per_rank=8)
 
 
@@ -74,8 +77,11 @@ def _probe_call(names: dict, q, k, v, causal: bool, position_ids) -> dict:
     return kwargs
 
 
-def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float = PROBE_TOLERANCE) -> float:
+def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float | None = None) -> float:
     """Run the probe through ``wrapper`` (ring mode, this thread only); returns the group's largest error.
+
+    fp32 on CPU groups; bf16 on CUDA (NCCL) groups, the training dtype, which every CUDA block backend computes.
+    ``tolerance``: the largest absolute error allowed (default: ``PROBE_TOLERANCE`` of the probe dtype).
 
     Collective: every rank of ``ctx.group`` must call it (the ring exchanges blocks between ranks, so a rank
     that skipped it would leave the others waiting). Raises ``VerificationError`` (on every rank) when the error
@@ -91,7 +97,9 @@ def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float = PROBE
     q = torch.randn(shape["batch"], seq, shape["heads"], shape["head_dim"], generator=generator)
     k, v = (torch.randn(shape["batch"], seq, shape["kv_heads"], shape["head_dim"], generator=generator)
             for _ in range(2))
-    q, k, v = q.to(device), k.to(device), v.to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tolerance = PROBE_TOLERANCE[dtype] if tolerance is None else tolerance
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     worst = 0.0
     failure = ""
     previous_step = ctx.step
@@ -102,7 +110,7 @@ def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float = PROBE
                 index = batch["position_ids"][0].to(device)  # global positions this rank holds, in order
                 out = wrapper(**_probe_call(names, q[:, index], k[:, index], v[:, index], causal,
                                             batch["position_ids"]))
-                expected = _plain_attention(q, k, v, causal)[:, index]
+                expected = _plain_attention(q.float(), k.float(), v.float(), causal)[:, index]
                 worst = max(worst, (out.float() - expected).abs().max().item())
     except Exception as exc:  # reported on every rank below, so that no rank is left waiting
         failure = f"{type(exc).__name__}: {exc}"
