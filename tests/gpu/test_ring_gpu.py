@@ -1,7 +1,7 @@
 """ring / zigzag / stripe on CUDA over NCCL with torch's flash, cuDNN and efficient backends (and flash_attn /
 triton when installed), against float64 attention on the unsharded inputs, forward and backward.
 
-Run either way (skips cleanly with fewer than 2 GPUs):
+Run either way (the ring test skips cleanly with fewer than 2 GPUs, the merge-kernel test without CUDA):
     python -m pytest tests/gpu/test_ring_gpu.py            # spawns 2 NCCL ranks itself
     torchrun --nproc-per-node 2 -m pytest tests/gpu/test_ring_gpu.py
 The case runner and tolerances are the CPU suite's (tests/test_ring_batch.py), moved to the GPU.
@@ -17,10 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
+pytestmark = [pytest.mark.gpu]
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 WORLD = 2
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 5e-2), torch.float16: (1e-2, 5e-2)}
@@ -139,6 +137,31 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_merge_on_cuda_matches_eager():
+    """The Triton merge kernel that ring forwards use on CUDA, against the eager formula (incl. -inf rows)."""
+    from ring_kernels import merge
+
+    if not merge._use_fused():
+        pytest.skip("triton is not installed (or RING_KERNELS_FUSED_MERGE=0): the eager merge is used")
+    torch.manual_seed(0)
+    for b, s, h, d, rows in [(1, 4096, 32, 128, slice(None)), (2, 1000, 8, 96, slice(500, 1000))]:
+        acc, lse = torch.randn(b, s, h, d, device="cuda"), torch.randn(b, h, s, device="cuda")
+        lse[:, :, :7] = float("-inf")
+        acc[:, :7] = 0
+        blk, blk_lse = torch.randn(b, s, h, d, device="cuda").bfloat16(), torch.randn(b, h, s, device="cuda")
+        blk_lse[:, :, 3:11] = float("-inf")
+        eager, fused = (acc.clone(), lse.clone()), (acc.clone(), lse.clone())
+        merge._merge_eager_(eager[0][:, rows], eager[1][:, :, rows], blk[:, rows], blk_lse[:, :, rows])
+        merge.merge_block_(fused[0][:, rows], fused[1][:, :, rows], blk[:, rows], blk_lse[:, :, rows])
+        assert not fused[0].isnan().any() and not fused[1].isnan().any()
+        torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.isinf(fused[1]), torch.isinf(eager[1]))
+        finite = torch.isfinite(eager[1])
+        torch.testing.assert_close(fused[1][finite], eager[1][finite], rtol=1e-5, atol=1e-5)
+
+
+@needs_two_gpus
 def test_ring_variants_on_cuda_match_reference():
     if "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == WORLD:   # under torchrun
         rank = int(os.environ["LOCAL_RANK"])
