@@ -148,13 +148,20 @@ def _inject_missing_bindings(model: torch.nn.Module, wrapper: Callable, record: 
         modeling = sys.modules.get(name)
         if modeling is None or _FLASH_NAME in modeling.__dict__:
             continue
-        if any(_FLASH_NAME in _code_names(obj) for obj in modeling.__dict__.values() if isinstance(obj, type)):
+        if any(_FLASH_NAME in _code_names(obj) for obj in modeling.__dict__.values() if _defined_in(obj, name)):
             setattr(modeling, _FLASH_NAME, wrapper)
             record.injected.append((modeling, wrapper))
 
 
-def _code_names(cls: type) -> set[str]:
-    """Global names read by the methods defined on ``cls`` itself."""
+def _defined_in(obj: Any, module_name: str) -> bool:
+    """A class, or a module-level function (4.47 Gemma2's ``flash_attention_forward``), of that module."""
+    return isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == module_name
+
+
+def _code_names(cls: Any) -> set[str]:
+    """Global names read by a function, or by the methods defined on a class itself."""
+    if isinstance(cls, types.FunctionType):
+        return set(cls.__code__.co_names)
     names: set[str] = set()
     for value in vars(cls).values():
         code = getattr(value, "__code__", None)
@@ -189,6 +196,10 @@ def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) ->
     # 4.48+: models that dispatch per call through ALL_ATTENTION_FUNCTIONS need only the config switched.
     per_call_dispatch = version is None or version >= _compat.TRANSFORMERS_ATTENTION_FUNCTIONS
     has_class_table = any(_flash_class_for(m) is not None for m in model.modules())
+    # 4.47: Gemma2 already dispatches per call from config._attn_implementation (its own GEMMA2_ATTENTION_FUNCTION
+    # dict, the forerunner of ALL_ATTENTION_FUNCTIONS): a flash-capable model without a class table is switched
+    # by its config on every release.
+    per_call_dispatch = per_call_dispatch or not has_class_table
     if not has_class_table and not (per_call_dispatch and _supports_flash(model)):
         raise UnsupportedArgument(
             "model", type(model).__name__,

@@ -159,3 +159,47 @@ def test_model_switch_also_switches_module_copies_of_attn_implementation():
     record.restore()
     assert model.model.__dict__["_attn_implementation"] == "eager"
     assert "_attn_implementation" not in model.other.__dict__
+
+
+def test_model_switch_handles_4_47_gemma2_per_call_dispatch(monkeypatch):
+    """4.47.1 (found by the tf4.47.1 env): Gemma2 has no attention class table; it dispatches per call from
+    ``config._attn_implementation`` through a module-level dict whose flash entry is a module-level function
+    calling ``_flash_attention_forward`` -- imported only when flash-attn is installed. The switch accepts the
+    model, switches its config, and binds the wrapper for that function (removed again by restore)."""
+    import types as _types
+
+    from hfpatch.model_switch import FLASH_IMPLEMENTATION, switch_model
+
+    modeling = _types.ModuleType("hfpatch_test_modeling_gemma2_447")
+    exec(
+        "def flash_attention_forward(q):\n    return _flash_attention_forward(q)\n"
+        "ATTENTION_FUNCTION = {'flash_attention_2': flash_attention_forward}\n",
+        modeling.__dict__,
+    )
+    monkeypatch.setitem(sys.modules, modeling.__name__, modeling)
+
+    class Config:
+        _attn_implementation_internal = "eager"
+
+        def to_dict(self):
+            return {}
+
+    class Gemma2Like(torch.nn.Module):
+        _supports_flash_attn_2 = True
+
+        def __init__(self):
+            super().__init__()
+            self.config = Config()
+
+    Gemma2Like.__module__ = modeling.__name__
+    model = Gemma2Like()
+
+    def wrapper(q):
+        return ("ring", q)
+
+    record = switch_model(model, wrapper, transformers_version=Version("4.47.1"))
+    assert model.config._attn_implementation_internal == FLASH_IMPLEMENTATION
+    assert modeling.flash_attention_forward(1) == ("ring", 1)
+    record.restore()
+    assert model.config._attn_implementation_internal == "eager"
+    assert "_flash_attention_forward" not in modeling.__dict__
