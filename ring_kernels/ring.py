@@ -12,7 +12,7 @@ Standard (no window) blocks are FULL or aligned CAUSAL, so fast backends never n
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 

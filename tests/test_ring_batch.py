@@ -9,7 +9,6 @@ so the layouts are checked independently.
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
