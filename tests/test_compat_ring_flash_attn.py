@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_world
 
 KERNEL_RTOL = 2e-5
 LOGIT_RTOL = 1e-5
@@ -250,6 +249,11 @@ def _hf_misuse(rank, world, patch, model):
     from hfpatch.compat.ring_flash_attn import update_ring_flash_attn_params, use_ring_attn
     from hfpatch.errors import UnsupportedArgument
 
+    from hfpatch.compat.ring_flash_attn import substitute_hf_flash_attn
+
+    again = substitute_hf_flash_attn(dist.group.WORLD, 1, model=model)  # a second call replaces the first patch
+    assert again.active and again is not patch and patch._removed and hfpatch.active_patch() is again
+    patch = again
     update_ring_flash_attn_params(torch.tensor([0, 8, 24], dtype=torch.int32), dist.group.WORLD)
     ids = torch.zeros(1, 32 // world, dtype=torch.long)
     with pytest.raises(UnsupportedArgument, match="update_ring_flash_attn_params described this step"):
@@ -265,22 +269,23 @@ def _hf_misuse(rank, world, patch, model):
     patch.remove()
 
 
-def _world(rank, world, model_names):
-    torch.manual_seed(0)
+_MODELS = {2: "llama", 4: "mistral"}  # mistral: a sliding window inside the packed documents
+
+
+def _rfa_part(rank, world):
+    """Every kernel case, then the HF flow; run inside tests/_compat_world.py's shared world."""
     for case in _kernel_cases(world):
         _run_kernel_case(rank, world, *case)
-    patch = model = None
-    for name in model_names:  # each substitute_hf_flash_attn replaces the previous patch (a second call works)
-        patch, model = _hf_flow(rank, world, name)
+    patch, model = _hf_flow(rank, world, _MODELS[world])
     _hf_misuse(rank, world, patch, model)
 
 
-def test_ring_flash_attn_world_2():
-    run_world(2, _world, ["llama", "mistral"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_flash_attn_on_gloo_ranks(world):
+    from _compat_world import failure_of
 
-
-def test_ring_flash_attn_world_4():
-    run_world(4, _world, ["qwen2", "gemma2"])
+    failure = failure_of("ring_flash_attn", world)
+    assert failure is None, failure
 
 
 # --------------------------------------------------------------------------------- one process
