@@ -379,6 +379,8 @@ def test_bad_inputs_raise_clear_errors(triton_attn):
         be.forward(q, q, q, scale=0.25, mask=True)
     with pytest.raises(TypeError, match="scale must be a finite float"):
         be.forward(q, q, q, scale=float("nan"), mask=BlockMask())
+    with pytest.raises(ValueError, match=r"scale must be > 0 .*got -0.25"):
+        be.forward(q, q, q, scale=-0.25, mask=BlockMask())
     with pytest.raises(ValueError, match="cannot compute this block: .*general"):
         be.forward(q, q, q, scale=0.25, mask=BlockMask(causal=True, q_start=0, k_start=4))
     with pytest.raises(ValueError, match="lse must be a float32 tensor"):

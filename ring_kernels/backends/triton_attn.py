@@ -82,14 +82,20 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, o
             kt = tl.load(kt_ptrs, mask=offs_n[None, :] < Sk, other=0.0)
         else:
             kt = tl.load(kt_ptrs)
-        s, _t = _scores_log2(tl.dot(q, kt, input_precision=DOT_PRECISION), cap_in, score_scale2, SOFTCAP)
-        if MASK_CAUSAL:
-            s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
-        if MASK_KEYS:
-            s = tl.where(offs_n[None, :] < Sk, s, float("-inf"))
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
         # Every row sees at least one key of the first block it visits (see _attn_fwd), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        if SOFTCAP or MASK_CAUSAL or MASK_KEYS:
+            s, _t = _scores_log2(qk, cap_in, score_scale2, SOFTCAP)
+            if MASK_CAUSAL:
+                s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+            if MASK_KEYS:
+                s = tl.where(offs_n[None, :] < Sk, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            # The hot path: max of the raw scores, then one fused multiply-add per score (scale > 0).
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * score_scale2)
+            p = tl.math.exp2(qk * score_scale2 - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK_KEYS:
@@ -491,6 +497,8 @@ class TritonBackend:
             raise TypeError(f"triton backend: mask must be a BlockMask, got {type(mask).__name__}")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise TypeError(f"triton backend: scale must be a finite float, got {scale!r}")
+        if scale <= 0:  # the forward takes the row maximum of unscaled scores: a positive scale keeps it the max
+            raise ValueError(f"triton backend: scale must be > 0 (usually 1/sqrt(head_dim)), got {scale!r}")
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap):
             raise TypeError(f"triton backend: softcap must be a finite float (0 = off), got {softcap!r}")
         b, sq, h, d = q.shape
