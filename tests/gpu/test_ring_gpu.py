@@ -116,10 +116,21 @@ def _cases():
     return cases
 
 
+def _pin_triton_blocks():
+    """Correctness, not speed, is checked here: autotuning every case's shape would compile ~15 kernel
+    configurations per shape (minutes). Pinned 64x64 blocks are one valid configuration (benchmarks autotune)."""
+    try:
+        from ring_kernels.backends import triton_attn
+    except ImportError:
+        return
+    triton_attn._set_fixed_blocks({"fwd": (64, 64), "dkdv": (64, 64), "dq": (64, 64)})
+
+
 def _rank_main(rank, world, port, errors):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.cuda.set_device(rank)
+        _pin_triton_blocks()
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
         try:
             for case in _cases():
