@@ -24,7 +24,7 @@ logger = logging.getLogger("hfpatch")
 
 _ON_UNSUPPORTED = ("raise", "fallback")
 _active: Optional["Patch"] = None
-_active_lock = threading.Lock()
+_active_lock = threading.RLock()  # re-entered by Patch.remove() inside apply's final check
 
 
 def active_patch() -> Optional["Patch"]:
@@ -296,16 +296,13 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
 
     env_mode = switch_module.mode_from_env()  # a bad RING_ATTN_SWITCH is an error even without CP
     group = _resolve_group(cp_group)
-    with _active_lock:
-        _check_no_active_patch()
-    if group is None:
-        return _inactive("no CP group given (cp_group=None)")
     import torch.distributed as dist
 
-    world_size = dist.get_world_size(group)
-    if world_size == 1:
-        return _inactive("the CP group has a single rank")
-    match, version, fallback_reason = _agreed_match(group, on_unsupported)
+    if group is None or dist.get_world_size(group) == 1:
+        with _active_lock:
+            _check_no_active_patch()
+        return _inactive("no CP group given (cp_group=None)" if group is None else "the CP group has a single rank")
+    match, version, fallback_reason = _agreed_match(group, on_unsupported)  # checks for an active patch too
     if fallback_reason is not None:
         return _inactive(fallback_reason, level=logging.WARNING)
     return _install(group, kernel, verify, model, match, version, env_mode)
@@ -321,6 +318,8 @@ def _agreed_match(group, on_unsupported: str):
     from hfpatch.verify import group_max
 
     try:
+        with _active_lock:
+            _check_no_active_patch()
         match, version, reason = _match_live_signature(on_unsupported)
     except BaseException:
         group_max(_FAILED, group)
@@ -361,10 +360,47 @@ def _match_live_signature(on_unsupported: str):
 
 def _install(group, kernel, verify, model, match, version, env_mode) -> Patch:
     global _active
+    from hfpatch import switch as switch_module
+    from hfpatch import verify as verify_module
+
+    patch: Optional[Patch] = None
+    failure: Optional[BaseException] = None
+    try:
+        patch = _install_here(group, kernel, model, match, version)
+        patch._previous_switch = switch_module.set_switch(env_mode)
+    except BaseException as exc:  # re-raised below, after the other ranks have been told
+        failure = exc
+    # Agree before the probe: its ring exchanges blocks between ranks, so a rank that failed and skipped it would
+    # leave the others waiting forever. Every rank that installed removes again if any rank failed.
+    if verify_module.group_max(_FAILED if failure is not None else _OK, group) != _OK:
+        _remove_quietly(patch)
+        if failure is not None:
+            raise failure
+        raise VerificationError("hfpatch.apply failed on another rank of the CP group (see that rank's error); "
+                                "what was installed here was removed again.")
+    try:
+        if verify:
+            verify_module.numeric(patch._installation.wrapper, match, patch.ctx)
+        patch._dispatcher.reset()  # the probe's calls are not the user's
+    except BaseException:
+        _remove_quietly(patch)
+        raise
+    with _active_lock:
+        if _active is not None:  # another thread applied meanwhile: keep theirs, undo ours
+            patch.remove()
+            _check_no_active_patch()
+        _active = patch
+    logger.info("hfpatch: active: %s, %d binding sites, kernel %s:%s over %d ranks, switch=%s",
+                match.id, len(patch.sites), patch.ctx.variant, patch.ctx.backend, patch.ctx.world_size, env_mode)
+    return patch
+
+
+def _install_here(group, kernel, model, match, version) -> Patch:
+    """This rank's part of apply: render, install at every site, switch the model, check identity. On failure
+    everything it did is undone before the error propagates."""
     import transformers.modeling_flash_attention_utils as mfau
 
     from hfpatch import codegen, patcher
-    from hfpatch import switch as switch_module
     from hfpatch import verify as verify_module
     from hfpatch.dispatch import Dispatcher
     from hfpatch.model_switch import switch_model
@@ -378,41 +414,27 @@ def _install(group, kernel, verify, model, match, version, env_mode) -> Patch:
     dispatcher = Dispatcher(original=original, match=match, ctx=ctx)
     ctx.call_original = dispatcher.call_original
     wrapper = codegen.render(match, dispatcher, original=original)
-    try:
-        wrapper.__hfpatch_wrapper__ = True
-    except AttributeError:  # a wrapper type without a __dict__: detection above then relies on identity only
-        pass
-    installation = patcher.install(patcher.plan(original), wrapper)
-    previous_switch = switch_module.set_switch(env_mode)
+    wrapper.__hfpatch_wrapper__ = True  # lets a later apply recognise a wrapper left behind
+    installation = patcher.install(patcher.plan(original), wrapper)  # all-or-nothing by itself
     patch = Patch(active=True, reason=None, signature_id=match.id, ctx=ctx, installation=installation,
-                  dispatcher=dispatcher, match=match, previous_switch=previous_switch)
+                  dispatcher=dispatcher, match=match)
     try:
-        failure: Optional[BaseException] = None
-        try:
-            if model is not None:
-                patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
-                patch.track(model)
-            verify_module.identity(installation)
-        except BaseException as exc:  # re-raised below, after the other ranks have been told
-            failure = exc
-        # Agree before the probe: its ring exchanges blocks between ranks, so a rank that failed and skipped it
-        # would leave the others waiting forever.
-        if verify_module.group_max(_FAILED if failure is not None else _OK, group) != _OK:
-            if failure is not None:
-                raise failure
-            raise VerificationError("hfpatch.apply failed on another rank of the CP group after installing (see "
-                                    "that rank's error); it was removed here too.")
-        if verify:
-            verify_module.numeric(wrapper, match, ctx)
-        dispatcher.reset()  # the probe's calls are not the user's
+        if model is not None:
+            patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
+            patch.track(model)
+        verify_module.identity(installation)
     except BaseException:
-        patch.remove()
+        _remove_quietly(patch)
         raise
-    with _active_lock:
-        if _active is not None:  # another thread applied meanwhile: keep theirs, undo ours
-            patch.remove()
-            _check_no_active_patch()
-        _active = patch
-    logger.info("hfpatch: active: %s, %d binding sites, kernel %s:%s over %d ranks, switch=%s",
-                match.id, len(installation.sites), ctx.variant, ctx.backend, ctx.world_size, env_mode)
     return patch
+
+
+def _remove_quietly(patch: Optional[Patch]) -> None:
+    """Undo a half-finished apply while another error propagates: a failure to restore is logged, not raised,
+    so that the error the user sees is the one that caused the rollback."""
+    if patch is None or patch._removed:
+        return
+    try:
+        patch.remove()
+    except Exception:  # reported in the log; the original error propagates
+        logger.exception("hfpatch: restoring after a failed apply also failed")

@@ -270,22 +270,25 @@ def _case_failures_leave_nothing(group):
         hfpatch.apply(group, model=odd_model)
     _assert_untouched(original, model)
 
-    # failure while swapping the 2nd site
-    real_set, count = patcher.Site.set, []
+    # failure while swapping the 2nd site, on every rank, then on rank 1 only (rank 0 had installed: it removes)
+    real_set = patcher.Site.set
+    for failing_ranks in ((0, 1), (1,)):
+        count = []
 
-    def failing_set(site, value):
-        count.append(site.label)
-        if len(count) == 2:
-            raise OSError("injected failure at the 2nd site")
-        real_set(site, value)
+        def failing_set(site, value):
+            count.append(site.label)
+            if len(count) == 2 and rank in failing_ranks:
+                raise OSError("injected failure at the 2nd site")
+            real_set(site, value)
 
-    patcher.Site.set = failing_set
-    try:
-        with pytest.raises(PatchError, match="2nd site"):
-            hfpatch.apply(group, model=model)
-    finally:
-        patcher.Site.set = real_set
-    _assert_untouched(original, model)
+        patcher.Site.set = failing_set
+        try:
+            expected = (PatchError, "2nd site") if rank in failing_ranks else (VerificationError, "another rank")
+            with pytest.raises(expected[0], match=expected[1]):
+                hfpatch.apply(group, model=model)
+        finally:
+            patcher.Site.set = real_set
+        _assert_untouched(original, model)
 
 
 def _case_switch_original_via_env(group):
