@@ -567,6 +567,8 @@ class TritonBackend:
         dv = alloc((b, sk, hk, d), dtype=v.dtype, device=v.device)
         if kind == EMPTY or b * h == 0:
             return dq, dk, dv
+        if dout.dtype != q.dtype:  # dout feeds tensor-core dots with q/k/v: one dtype (out is read in fp32)
+            dout = dout.to(q.dtype)
         q, k, v, dout, out = (_last_dim_contiguous(x) for x in (q, k, v, dout, out))
         cap_in, score_scale2 = _score_params(float(scale), float(softcap))
         meta = dict(HEAD_DIM=d, IS_CAUSAL=kind == CAUSAL, SOFTCAP=softcap > 0.0,
