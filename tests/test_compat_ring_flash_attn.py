@@ -254,8 +254,9 @@ def _hf_misuse(rank, world, patch, model):
 
     from hfpatch.compat.ring_flash_attn import substitute_hf_flash_attn
 
-    again = substitute_hf_flash_attn(dist.group.WORLD, 1, model=model)  # a second call replaces the first patch
+    again = substitute_hf_flash_attn(None, 1, model=model)  # a second call replaces the first; None: default group
     assert again.active and again is not patch and patch._removed and hfpatch.active_patch() is again
+    assert again.ctx.world_size == world
     patch = again
     update_ring_flash_attn_params(torch.tensor([0, 8, 24], dtype=torch.int32), dist.group.WORLD)
     ids = torch.zeros(1, 32 // world, dtype=torch.long)
@@ -374,3 +375,16 @@ def test_single_process_entry_points_equal_reference():
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     got = rfa.ring_flash_attn_varlen_func(q[0].float(), k[0].float(), v[0].float(), cu, 7, causal=True)
     _close("single varlen", got, _reference(q[:1], k[:1], v[:1], causal=True, cu=cu)[0])
+
+
+def test_without_a_process_group_the_adapter_is_inactive():
+    """No torch.distributed at all: an inactive patch, transformers untouched, the per-step update a no-op."""
+    import transformers.modeling_flash_attention_utils as mfau
+
+    from hfpatch.compat.ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
+
+    before = mfau._flash_attention_forward
+    patch = substitute_hf_flash_attn(None, 1)
+    assert not patch.active and "no CP group" in patch.reason
+    update_ring_flash_attn_params(torch.tensor([0, 5, 8], dtype=torch.int32), None)
+    assert mfau._flash_attention_forward is before

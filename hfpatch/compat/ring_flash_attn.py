@@ -67,11 +67,14 @@ def substitute_hf_flash_attn(process_group: dist.ProcessGroup, heads_k_stride: O
                     installed; a model loaded with ``attn_implementation="flash_attention_2"`` needs nothing.
     verify:         (extension) run hfpatch's numeric probe over the group (a collective: call on every rank).
 
-    Collective: call it on every rank of the group. A second call replaces the first patch (ring-flash-attn's
-    second call fails); ``patch.remove()`` restores transformers exactly. A group of one rank gives an inactive
-    patch and leaves transformers untouched (the script then runs without CP).
+    Collective: call it on every rank of the group (None: the default group, as in ring-flash-attn). A second
+    call replaces the first patch (ring-flash-attn's second call fails); ``patch.remove()`` restores transformers
+    exactly. A group of one rank (or no process group at all) gives an inactive patch and leaves transformers
+    untouched: the script then runs without CP.
     """
     stride = _session.check_stride(_SUBSTITUTE, heads_k_stride)
+    if process_group is None and dist.is_initialized():
+        process_group = dist.group.WORLD  # ring-flash-attn's None is torch.distributed's default group
     return _session.install("ring_flash_attn", process_group, kernel="llama3", heads_k_stride=stride,
                             model=model, verify=verify).patch
 
