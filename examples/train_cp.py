@@ -4,10 +4,12 @@
     torchrun --nproc-per-node 4 examples/train_cp.py                    # CPU, gloo: dp=2 x cp=2
     torchrun --nproc-per-node 4 examples/train_cp.py --no-cp            # the same global batch without CP
     torchrun --nproc-per-node 2 examples/train_cp.py --device cuda --dp 1 --cp 2 --seq-len 32768 --model small
+    torchrun --nproc-per-node 2 examples/train_cp.py --device cuda --dp 1 --cp 2 --seq-len 32768 --model small --no-cp
 
 What one step does, on every rank (dp index d, cp index c):
 
-1. The dp replica d takes its own packed row of documents (the same row on all cp ranks of the replica).
+1. The dp replica d takes its own packed row of documents (the same row on all cp ranks of the replica);
+   ``--data batch``: one document per row instead (no packing; sdpa's causal kernel serves the --no-cp baseline).
 2. ``patch.shard_inputs`` keeps this rank's part of the row (the layout the ring kernel needs) with GLOBAL
    position ids and labels already shifted; the model runs on that part; attention is ring attention over cp.
 3. ``patch.reduce_loss``: the token-weighted mean loss over cp (each rank's gradient flows into its own tokens only).
@@ -52,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cp", type=int, default=None, help="context-parallel size (default: 2, or 1 for 1 rank)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per packed row (default 128)")
+    parser.add_argument("--data", choices=("packed", "batch"), default="packed",
+                        help="packed: one row of documents per replica (default); batch: one document per row")
     parser.add_argument("--doc-len", type=int, default=None,
                         help="mean document length in the packed row (default: seq-len / 4)")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="model size preset (default tiny)")
@@ -61,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kernel", default="auto", help="hfpatch ring variant, e.g. auto, llama3, zigzag:reference")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing around every layer")
     parser.add_argument("--no-cp", action="store_true", help="baseline: the same mesh and batch without CP")
+    parser.add_argument("--attn", default="sdpa",
+                        help="the model's own attention, used by --no-cp (default sdpa; e.g. flash_attention_2 on "
+                             "GPUs with flash-attn for packed rows, which sdpa can only run with a dense mask)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -103,7 +110,7 @@ def build_model(args, device, dtype):
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=max(args.seq_len, 256), attention_dropout=0.0, use_cache=False,
                          tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"   # the non-CP attention; hfpatch.apply(model=) switches it to the ring
+    config._attn_implementation = args.attn   # the non-CP attention; hfpatch.apply(model=) switches it to the ring
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = LlamaForCausalLM(config)
@@ -163,6 +170,20 @@ def packed_row(step: int, dp_index: int, args, vocab: int):
     return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(labels)[None]
 
 
+def one_document_row(step: int, dp_index: int, args, vocab: int):
+    """``--data batch``: one document filling the row (1, seq_len): (input_ids, None, labels)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dp_index)
+    start, stride = torch.randint(0, vocab, (2,), generator=g).tolist()
+    ids = ((start + (stride % 7 + 1) * torch.arange(args.seq_len)) % vocab)[None]
+    return ids, None, ids.clone()
+
+
+def make_batch(step: int, dp_index: int, args, vocab: int):
+    """This replica's rows of the step: (input_ids, position_ids or None, unshifted labels), whole sequences."""
+    row = packed_row if args.data == "packed" else one_document_row
+    return row(step, dp_index, args, vocab)
+
+
 # ------------------------------------------------------------------------------------------------- loop
 
 
@@ -186,12 +207,13 @@ def train(args) -> list:
               f"tokens per replica; {mode}", flush=True)
     losses, times, peaks = [], [], []
     for step in range(args.steps):
-        ids, pos, labels = packed_row(step, dp_index, args, model.config.vocab_size)
+        ids, pos, labels = make_batch(step, dp_index, args, model.config.vocab_size)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        batch = patch.shard_inputs(ids.to(device), labels=labels.to(device), position_ids=pos.to(device))
+        batch = patch.shard_inputs(ids.to(device), labels=labels.to(device),
+                                   position_ids=None if pos is None else pos.to(device))
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         loss_sum, count = token_loss_sum(logits, batch["labels"])
         loss = patch.reduce_loss(loss_sum, count)       # token-weighted over cp (identity without CP)
@@ -216,7 +238,7 @@ def train(args) -> list:
     if rank0 and args.steps > 1:
         timed = times[1:]
         print(f"summary: {'cp' if patch.active else 'no-cp'} dp={mesh['dp'].size()} cp={mesh['cp'].size()} "
-              f"seq={args.seq_len} model={args.model} checkpointing={args.checkpointing}: median step "
+              f"seq={args.seq_len} data={args.data} model={args.model} checkpointing={args.checkpointing}: median step "
               f"{statistics.median(timed):.3f} s over steps 2-{args.steps}, peak memory "
               f"{_format_bytes(max(peaks), device)}", flush=True)
     if patch.active:

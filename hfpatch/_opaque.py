@@ -157,11 +157,9 @@ def _dispatcher(token: int) -> Any:
     return found
 
 
-def _query_index(spec_id: int) -> int:
-    for section, name, kind, value in _specs[spec_id]:
-        if section == "call" and name == "query" and kind == _TENSOR:
-            return value
-    raise PatchError(f"internal: spec {spec_id} has no query tensor")  # the wrapper always passes one
+def _call_tensor_index(spec_id: int) -> dict:
+    """role -> position in ``tensors`` of the call's tensor arguments."""
+    return {name: value for section, name, kind, value in _specs[spec_id] if section == "call" and kind == _TENSOR}
 
 
 def _private_output(out: torch.Tensor, inputs: List[torch.Tensor]) -> torch.Tensor:
@@ -188,8 +186,10 @@ def _flash_attention(tensors: List[torch.Tensor], ints: List[int], token: int,
 
 @_flash_attention.register_fake
 def _flash_attention_fake(tensors, ints, token, spec_id):
-    q = tensors[_query_index(spec_id)]
-    return q.new_empty(q.shape), q.new_empty((), dtype=torch.int64)
+    index = _call_tensor_index(spec_id)
+    q, v = tensors[index["query"]], tensors[index["value"]]
+    # (B, S_local, H, D_v): flash attention's output has the query's heads and the value's head dim.
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty((), dtype=torch.int64)
 
 
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
@@ -210,8 +210,8 @@ def _flash_attention_backward(grad_out: torch.Tensor, tensors: List[torch.Tensor
 
 @_flash_attention_backward.register_fake
 def _flash_attention_backward_fake(grad_out, tensors, ints, token, spec_id, mode_code):
-    call_index = {name: value for section, name, kind, value in _specs[spec_id] if section == "call" and kind == _TENSOR}
-    return [tensors[call_index[role]].new_empty(tensors[call_index[role]].shape) for role in ("query", "key", "value")]
+    index = _call_tensor_index(spec_id)
+    return [tensors[index[role]].new_empty(tensors[index[role]].shape) for role in ("query", "key", "value")]
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -224,7 +224,7 @@ def _backward(ctx, grad_out, _grad_mode):
     *tensors, mode_code = ctx.saved_tensors
     dq, dk, dv = torch.ops.hfpatch.flash_attention_backward(grad_out, tensors, ctx.ints, ctx.token, ctx.spec_id,
                                                             mode_code)
-    index = {name: value for section, name, kind, value in _specs[ctx.spec_id] if section == "call" and kind == _TENSOR}
+    index = _call_tensor_index(ctx.spec_id)
     grads: List[Any] = [None] * len(tensors)
     grads[index["query"]], grads[index["key"]], grads[index["value"]] = dq, dk, dv
     return grads, None, None, None

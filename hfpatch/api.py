@@ -83,6 +83,12 @@ class Patch:
         """Counter mode -> calls ("ring", "original", "reference") since apply or ``reset_calls``."""
         return self._dispatcher.mode_calls if self._dispatcher is not None else Counter()
 
+    @property
+    def recomputed_calls(self) -> Counter:
+        """Counter layer -> calls made while autograd ran a backward (activation checkpointing recomputing a
+        layer); kept out of ``calls``, ``mode_calls`` and the per-forward record."""
+        return self._dispatcher.recomputed if self._dispatcher is not None else Counter()
+
     def reset_calls(self) -> None:
         """Clear ``calls``, ``mode_calls`` and the per-forward record."""
         if self._dispatcher is not None:

@@ -8,8 +8,9 @@ around the decoder layers, and ``torch.compile``.
    token-weighted mean over cp (``patch.reduce_loss``: each rank's gradient flows only into its own tokens, so the
    gradient SUMMED over cp is the replica's gradient) and mean over dp (FSDP2's reduce-scatter averages over dp;
    an all-reduce hook then sums the shards over cp, the ranks holding the same dp shard).
-2. Checkpointing: the recomputation in backward runs the ring again (counted apart: ``recomputed``), and the
-   per-forward counters still show exactly one ring call per layer per forward.
+2. Checkpointing: the recomputation in backward runs the ring again (counted apart: ``recomputed_calls``) and
+   reproduces every attention output bit for bit; the per-forward counters still show exactly one ring call per
+   layer per forward.
 3. torch.compile(model, fullgraph=True): the attention call is one opaque operator (``hfpatch/_opaque.py``), so
    Dynamo traces the whole model without a graph break; loss and gradients equal the eager run on batch and packed
    inputs. Backend ``aot_eager`` (the full Dynamo + AOTAutograd pipeline with the real custom-op fake kernels and
@@ -163,9 +164,16 @@ def _fsdp_cp_matches_reference(rank, world, mesh, reference):
     try:
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         layers = model.config.num_hidden_layers
+        outputs = _record_attention_outputs(model)
         for step, (ref_loss, ref_params) in enumerate(reference):
             patch.reset_calls()
+            outputs.clear()
             loss = _cp_step(model, patch, opt, mesh, step)
+            # The recomputation ran the ring again and reproduced every layer's attention output bit for bit.
+            assert len(outputs) == 2 * layers, len(outputs)
+            for name in {n for n, _ in outputs}:
+                first, again = [out for n, out in outputs if n == name]
+                assert torch.equal(first, again), f"step {step}: recomputed attention of {name} differs"
             kind = "packed" if step % 2 else "batch"
             worst_loss = max(worst_loss, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
             assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), \
@@ -178,8 +186,8 @@ def _fsdp_cp_matches_reference(rank, world, mesh, reference):
                 assert err <= PARAM_ATOL, f"step {step} ({kind}): parameter {name} differs by {err:.3e}"
             # Checkpointing: one ring call per layer in the forward, one more per layer in the recomputation.
             assert dict(patch.calls) == {i: 1 for i in range(layers)}, f"step {step}: calls {patch.calls}"
-            assert dict(patch._dispatcher.recomputed) == {i: 1 for i in range(layers)}, \
-                f"step {step}: recomputed {patch._dispatcher.recomputed}"
+            assert dict(patch.recomputed_calls) == {i: 1 for i in range(layers)}, \
+                f"step {step}: recomputed {patch.recomputed_calls}"
             assert patch.layers_seen() == list(range(layers)), patch.layers_seen()
             assert patch.unpatched_layers(model) == [], patch.unpatched_layers(model)
             expected = "llama3" if kind == "packed" else "zigzag"
@@ -189,6 +197,17 @@ def _fsdp_cp_matches_reference(rank, world, mesh, reference):
     if rank == 0:  # shown with pytest -s: the margin under the tolerances
         print(f"FSDP2+CP vs single process over {len(reference)} steps: loss rel err {worst_loss:.2e}, "
               f"parameter abs err {worst_param:.2e}")
+
+
+def _record_attention_outputs(model) -> list:
+    """[(module name, attention output)] of every attention call, the recomputations included."""
+    from hfpatch.model_switch import attention_modules
+
+    outputs: list = []
+    for name, module in attention_modules(model):
+        module.register_forward_hook(
+            lambda mod, args, out, name=name: outputs.append((name, out[0].detach().clone())))
+    return outputs
 
 
 def _missing_cp_reduction_is_detected(rank, world, mesh, reference):
@@ -212,7 +231,6 @@ def _missing_cp_reduction_is_detected(rank, world, mesh, reference):
 def _compile_matches_eager(rank, world, mesh, backends):
     """Within one cp group: eager vs torch.compile(fullgraph=True) on a batch step and a packed step."""
     import hfpatch
-    from hfpatch import _opaque
     from hfpatch._models import build_model
     from hfpatch.inputs import token_loss_sum
 
@@ -228,9 +246,11 @@ def _compile_matches_eager(rank, world, mesh, backends):
 
         inputs = [_global_batch(0)[0][:2], _global_batch(1)[0][:2]]   # a batch step, a packed step
         eager = [step(model, ids, pos) for ids, pos in inputs]
+        layers = model.config.num_hidden_layers
         for backend in backends:
             torch._dynamo.reset()
-            compiled = torch.compile(model, backend=backend, fullgraph=True)
+            graphs = []
+            compiled = torch.compile(model, backend=_recording(backend, graphs), fullgraph=True)
             for (ids, pos), (ref_loss, ref_grads) in zip(inputs, eager):
                 patch.reset_calls()
                 loss, grads = step(compiled, ids, pos)
@@ -240,9 +260,26 @@ def _compile_matches_eager(rank, world, mesh, backends):
                 for name, ref in ref_grads.items():
                     err = (grads[name] - ref).abs().max().item()
                     assert err <= COMPILE_GRAD_RTOL * ref.abs().max().item() + 1e-9, f"{label}: grad {name} {err:.3e}"
-                # The compiled graph called the opaque operator, which ran the ring once per layer.
-                assert dict(patch.calls) == {i: 1 for i in range(model.config.num_hidden_layers)}, patch.calls
-        assert all(token in _opaque._dispatchers for token in [patch._dispatcher.opaque_token])
+                # The operator ran the ring once per layer (counted by layer_idx in compiled code).
+                assert patch.mode_calls == {"ring": layers}, f"{label}: {patch.mode_calls}"
+            # One graph per input shape (fullgraph: no breaks), each with one opaque operator per layer.
+            assert graphs and all(_opaque_ops(g) == layers for g in graphs), [_opaque_ops(g) for g in graphs]
+
+
+def _recording(backend: str, graphs: list):
+    """A Dynamo backend that keeps the traced FX graph and compiles it with ``backend``."""
+    compile_with = torch._dynamo.lookup_backend(backend)
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return compile_with(gm, example_inputs)
+    return record
+
+
+def _opaque_ops(gm) -> int:
+    """Calls of hfpatch's opaque attention operator in a Dynamo graph (recorded as the packet or its overload)."""
+    op = torch.ops.hfpatch.flash_attention
+    return sum(1 for node in gm.graph.nodes if node.op == "call_function" and node.target in (op, op.default))
 
 
 # ------------------------------------------------------------------------------------------------ world
