@@ -13,6 +13,12 @@ all-gather is in flight; only *remote* blocks (documents that cross a rank bound
 
 Backward, per head slice: half of the local blocks while the K/V all-gather is in flight, then the remote
 blocks into fp32 full-sequence dK/dV, whose reduce-scatter back to the owners overlaps the other half.
+
+Varlen fast path (CUDA, ``backends.torch_cuda_varlen``): the local blocks are aligned squares, one per local
+document, tiling our rows in order, so all of them are ONE call of torch's packed-document flash op per head
+slice (``cu_seqlens`` = our local document boundaries, for q and k alike) instead of one call per document;
+the backward splits them at a document boundary into two such calls around the remote blocks. Only the
+(at most two) documents that cross a rank boundary still have per-block remote calls.
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ import torch.distributed as dist
 
 from . import _validate
 from .backends import EMPTY, FULL, get_backend
-from .backends.base import BlockBackend, BlockMask
+from .backends.base import CAUSAL, BlockBackend, BlockMask
+from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_rows, varlen_kernel_for
 from .merge import merge_block_, new_accumulators, set_block_
 from .varlen import _classify, _documents_overlapping, _StepBuilder, _VarlenCall
 
@@ -96,10 +103,49 @@ def _llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: bo
     return _Llama3Plan(local_blocks, remote_blocks, builder.kind, world > 1)
 
 
+@dataclass(frozen=True)
+class _VarlenLocal:
+    """The local blocks as packed-document calls of ``kernel``: ``whole`` (forward), ``before``/``after``
+    (backward, split at a document boundary around the remote blocks; either may be None when empty)."""
+
+    kernel: VarlenKernel
+    whole: VarlenSegments
+    before: Optional[VarlenSegments]
+    after: Optional[VarlenSegments]
+
+
+def _local_segments(blocks: List[_Llama3Block], device) -> Optional[VarlenSegments]:
+    """One varlen call for ``blocks`` when they are aligned squares of one kind (all CAUSAL or all FULL) that
+    follow each other without gaps; else None (kept as per-block calls)."""
+    # A 1 x 1 block is FULL and CAUSAL at once (its mask says FULL): it does not decide the kind.
+    kinds = {b.mask.kind(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start) for b in blocks
+             if b.q_rows.stop - b.q_rows.start > 1} or {FULL}
+    if len(kinds) != 1 or any(b.q_rows != b.kv_rows or not b.local for b in blocks):
+        return None
+    # An aligned square is the same for bottom-right and top-left causal alignment.
+    return segments_from_rows([b.q_rows for b in blocks], [b.kv_rows for b in blocks], kinds == {CAUSAL}, device)
+
+
+def _varlen_local(plan: _Llama3Plan, kernel: Optional[VarlenKernel], device) -> Optional[_VarlenLocal]:
+    """The varlen fast path for ``plan``'s local blocks, or None (no kernel, or blocks it cannot batch)."""
+    if kernel is None or not plan.local_blocks:
+        return None
+    whole = _local_segments(plan.local_blocks, device)
+    if whole is None:
+        return None
+    before, after = _halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
+    split = [_local_segments(part, device) if part else None for part in (before, after)]
+    if any(part and seg is None for part, seg in zip((before, after), split)):
+        return None
+    return _VarlenLocal(kernel, whole, split[0], split[1])
+
+
 class _Llama3Config:
-    def __init__(self, plan: _Llama3Plan, backend: BlockBackend, scale, softcap, group, world, heads_k_stride):
+    def __init__(self, plan: _Llama3Plan, backend: BlockBackend, scale, softcap, group, world, heads_k_stride,
+                 fast: Optional[_VarlenLocal] = None):
         self.plan, self.backend, self.scale, self.softcap = plan, backend, scale, softcap
         self.group, self.world, self.stride = group, world, heads_k_stride
+        self.fast = fast
 
 
 class _SliceGather:
@@ -149,6 +195,17 @@ def _forward_blocks(blocks, q4, k_rows, v_rows, hq, out_acc, lse_acc, cfg: _Llam
             merge_block_(out_acc[:, blk.q_rows, hq], lse_acc[:, hq, blk.q_rows], out, lse)
 
 
+def _forward_local(q4, k, v, hk, hq, out_acc, lse_acc, cfg: _Llama3Config) -> None:
+    """The local blocks of head slice (hk, hq): one varlen call on the fast path, else one call per block."""
+    if cfg.fast is None:
+        _forward_blocks(cfg.plan.local_blocks, q4, k[:, hk], v[:, hk], hq, out_acc, lse_acc, cfg)
+        return
+    seg = cfg.fast.whole                              # covers every local row: initialises them by a copy
+    out, lse = cfg.fast.kernel.forward(q4[0, seg.q_rows, hq], k[seg.k_rows, hk], v[seg.k_rows, hk], seg,
+                                       scale=cfg.scale)
+    set_block_(out_acc[0, seg.q_rows, hq], lse_acc[0, hq, seg.q_rows], out, lse)
+
+
 def _forward(q, k, v, cfg: _Llama3Config):
     """q (L, H, D), k/v (L, Hk, D) -> out_acc (1, L, H, D) fp32, lse (1, H, L) fp32."""
     q4, plan = q.unsqueeze(0), cfg.plan
@@ -161,7 +218,7 @@ def _forward(q, k, v, cfg: _Llama3Config):
         if gather and j + 1 < slices:
             gather.start(j + 1)                       # the next slice travels while this one computes
         hk, hq = _heads(j, cfg, group_size)
-        _forward_blocks(plan.local_blocks, q4, k[:, hk], v[:, hk], hq, out_acc, lse_acc, cfg)
+        _forward_local(q4, k, v, hk, hq, out_acc, lse_acc, cfg)
         if gather:
             k_all, v_all = gather.get(j)              # in flight while the local blocks computed
             _forward_blocks(plan.remote_blocks, q4, k_all, v_all, hq, out_acc, lse_acc, cfg)
@@ -227,6 +284,21 @@ def _backward_blocks(blocks, dout4, q4, out4, lse, k_rows, v_rows, hq, dq_acc, d
         dv_acc[blk.kv_rows] += dv.squeeze(0)
 
 
+def _backward_segments(seg: Optional[VarlenSegments], dout4, q4, out4, lse, k, v, hk, hq, dq_acc, dk_acc, dv_acc,
+                       cfg: _Llama3Config) -> None:
+    """Backward of one varlen call of local documents: dq into ``dq_acc`` (1, L, H, D), dk/dv into the
+    local fp32 accumulators (L, Hk, D) at heads ``hk``."""
+    if seg is None:
+        return
+    rows, kv = seg.q_rows, seg.k_rows
+    dq, dk, dv = cfg.fast.kernel.backward(
+        dout4[0, rows, hq], q4[0, rows, hq], k[kv, hk], v[kv, hk], out4[0, rows, hq], lse[0, hq, rows], seg,
+        scale=cfg.scale)
+    dq_acc[0, rows, hq] += dq
+    dk_acc[kv, hk] += dk
+    dv_acc[kv, hk] += dv
+
+
 def _halves(blocks: List[_Llama3Block]) -> Tuple[List[_Llama3Block], List[_Llama3Block]]:
     """Split blocks into two parts of about equal work (query rows x key rows)."""
     work = [(b.q_rows.stop - b.q_rows.start) * (b.kv_rows.stop - b.kv_rows.start) for b in blocks]
@@ -259,14 +331,21 @@ def _backward(dout, q, k, v, out, lse, cfg: _Llama3Config):
             gather.start(j + 1)
         hk, hq = _heads(j, cfg, group_size)
         local_grads = (dout4, q4, out4, lse, k[:, hk], v[:, hk], hq, dq_acc, dk_acc[:, hk], dv_acc[:, hk], cfg)
-        _backward_blocks(before, *local_grads)
+        segment_grads = (dout4, q4, out4, lse, k, v, hk, hq, dq_acc, dk_acc, dv_acc, cfg)
+        if cfg.fast is None:
+            _backward_blocks(before, *local_grads)
+        else:
+            _backward_segments(cfg.fast.before, *segment_grads)
         if gather:
             k_all, v_all = gather.get(j)
             dk_all, dv_all = scatter.buffers(j)
             _backward_blocks(plan.remote_blocks, dout4, q4, out4, lse, k_all, v_all, hq, dq_acc, dk_all, dv_all,
                              cfg)
             scatter.start(j)                          # back to their owners while the rest computes
-        _backward_blocks(after, *local_grads)
+        if cfg.fast is None:
+            _backward_blocks(after, *local_grads)
+        else:
+            _backward_segments(cfg.fast.after, *segment_grads)
     if scatter:
         scatter.finish_all()
     return dq_acc.squeeze(0), dk_acc, dv_acc
@@ -319,5 +398,9 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     plan = _llama3_plan(call.cu, call.rank, call.world, call.local, call.causal, call.window)
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                          mask_kind=FULL if plan.kind == EMPTY else plan.kind, softcap=call.softcap)
-    cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.world, stride)
+    local_sizes = [(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start) for b in plan.local_blocks]
+    kernel = varlen_kernel_for(backend, chosen.name, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                               softcap=call.softcap, document_lengths=local_sizes)
+    cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.world, stride,
+                        _varlen_local(plan, kernel, q.device))
     return _Llama3Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)

@@ -42,6 +42,63 @@ def _reference(q, k, v, cu, *, causal, window=(-1, -1), softcap=0.0, scale=None)
     return torch.einsum("hqk,khd->qhd", probs, v_rep)
 
 
+class _PlainVarlenKernel:
+    """CPU stand-in for ``torch_cuda_varlen.TorchFlashVarlen`` with the same contract: packed documents
+    (``seg.cu_q``/``seg.cu_k``), GQA, BOTTOM-RIGHT causal (query i of a document of Sq queries and Sk keys sees
+    keys j <= i + Sk - Sq), lse (H, Tq) fp32, and a backward from the merged out/lse (flash's dS = P (dP - D)).
+    Plain per-document math in float64; counts its calls so a test can prove the path ran."""
+
+    name = "plain_varlen"
+
+    def __init__(self):
+        self.forward_calls = self.backward_calls = 0
+
+    @staticmethod
+    def _documents(seg):
+        cq, ck = seg.cu_q.tolist(), seg.cu_k.tolist()
+        return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+
+    @staticmethod
+    def _probs(q, k, seg, scale, lse=None):
+        """Scores (H, Sq, Sk) float64 masked bottom-right causally, and lse (H, Sq) (given or computed)."""
+        group = q.shape[1] // k.shape[1]
+        s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(group, dim=1)) * scale
+        if seg.causal:
+            sq, sk = q.shape[0], k.shape[0]
+            visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+            s = s.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1) if lse is None else lse.double()
+        return torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None]), lse
+
+    def forward(self, q, k, v, seg, *, scale):
+        self.forward_calls += 1
+        out = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+        group = q.shape[1] // k.shape[1]
+        for rows, keys in self._documents(seg):
+            p, lse[:, rows] = self._probs(q[rows], k[keys], seg, scale)
+            out[rows] = torch.einsum("hqk,khd->qhd", p, v[keys].double().repeat_interleave(group, dim=1))
+        return out.to(q.dtype), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, seg, *, scale):
+        self.backward_calls += 1
+        dq = torch.zeros(q.shape, dtype=torch.float64)
+        dk, dv = (torch.zeros(x.shape, dtype=torch.float64) for x in (k, v))
+        hk, group = k.shape[1], q.shape[1] // k.shape[1]
+        for rows, keys in self._documents(seg):
+            p, _ = self._probs(q[rows], k[keys], seg, scale, lse[:, rows])
+            do, o = dout[rows].double(), out[rows].double()
+            vr = v[keys].double().repeat_interleave(group, dim=1)
+            kr = k[keys].double().repeat_interleave(group, dim=1)
+            dp = torch.einsum("qhd,khd->hqk", do, vr)
+            ds = p * (dp - (do * o).sum(-1).transpose(0, 1)[..., None])
+            dq[rows] = torch.einsum("hqk,khd->qhd", ds, kr) * scale
+            fold = lambda x: x.reshape(x.shape[0], hk, group, x.shape[-1]).sum(2)  # noqa: E731
+            dk[keys] = fold(torch.einsum("hqk,qhd->khd", ds, q[rows].double()) * scale)
+            dv[keys] = fold(torch.einsum("hqk,qhd->khd", p, do))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def _cu(lengths):
     return torch.tensor([0] + torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
 
@@ -86,6 +143,12 @@ def _cases():
     for stride in (1, 2):
         cases.append(_case("llama3", "torch_cpu", True, h=8, hk=4, stride=stride))
     cases.append(_case("llama3", "reference", False, h=8, hk=4, stride=1, dtype=torch.bfloat16))
+    # The varlen fast path's bookkeeping (cu_seqlens of the local documents, the backward's split, the merge
+    # with the remote blocks) through a CPU stand-in for torch's packed flash op.
+    for causal, stride, dtype in ((True, None, torch.float32), (False, 1, torch.float32), (True, 2, torch.bfloat16)):
+        extra = {} if stride is None else {"stride": stride}
+        cases.append(_case("llama3", "torch_cpu", causal, h=8, hk=4, d=64, dtype=dtype, varlen_standin=True,
+                           **extra))
     return cases
 
 
@@ -125,8 +188,12 @@ def _run_case(group, rank, n, index, case):
                   softcap=options["softcap"])
     if "stride" in case:
         kwargs["heads_k_stride"] = case["stride"]
-    out = _fn(case["variant"])(*local, cu.to(device), **kwargs)
-    out.backward(part(dout).to(device))
+    standin = _PlainVarlenKernel() if case.get("varlen_standin") else None
+    with _varlen_kernel(standin):
+        out = _fn(case["variant"])(*local, cu.to(device), **kwargs)
+        out.backward(part(dout).to(device))
+    if standin is not None:
+        _check_varlen_calls(standin, cu, rank, n, local[0].shape[0], case)
     assert out.dtype == dtype and out.shape == local[0].shape, case
     pairs = [("out", out, ref_out), ("dq", local[0].grad, ref_in[0].grad), ("dk", local[1].grad, ref_in[1].grad),
              ("dv", local[2].grad, ref_in[2].grad)]
@@ -135,6 +202,38 @@ def _run_case(group, rank, n, index, case):
         err, limit = _errors(got.cpu(), part(want), dtype)
         limit = limit or (1e-2 if name == "out" else 5e-2)
         assert err < limit, f"rank {rank}/{n} {name}: error {err:.3g} >= {limit} in {case}"
+
+
+def _check_varlen_calls(standin, cu, rank, n, local_tokens, case):
+    """One forward call per head slice; one backward call per slice and non-empty half of the local documents
+    (the halves around the remote blocks, when there are other ranks)."""
+    from ring_kernels.llama3 import _halves, _llama3_plan
+
+    plan = _llama3_plan(cu.long(), rank, n, local_tokens, case["causal"], (-1, -1))
+    parts = sum(1 for part in (_halves(plan.local_blocks) if n > 1 else (plan.local_blocks,)) if part)
+    slices = case["hk"] // case.get("stride", case["hk"])
+    assert standin.forward_calls == slices, (standin.forward_calls, slices, case)
+    assert standin.backward_calls == slices * parts, (standin.backward_calls, slices, parts, case)
+
+
+class _varlen_kernel:
+    """Within the block, llama3 uses ``kernel`` (a stand-in) as its varlen kernel; None changes nothing."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __enter__(self):
+        import ring_kernels.llama3 as llama3
+
+        self.saved = llama3.varlen_kernel_for
+        if self.kernel is not None:
+            llama3.varlen_kernel_for = lambda *args, **kwargs: self.kernel
+        return self
+
+    def __exit__(self, *exc):
+        import ring_kernels.llama3 as llama3
+
+        llama3.varlen_kernel_for = self.saved
 
 
 def _group_cases(group, rank, n, cases):
