@@ -15,18 +15,25 @@ every block is FULL or aligned CAUSAL, so fast backends never see a dense (S x S
   local cu_seqlens = cu_seqlens // N): per document, the same three cases as the batch zigzag ring.
 
 With a sliding window the blocks are classified from their global positions (FULL, aligned CAUSAL, skipped,
-or GENERAL with the window in the mask). A later fast path can hand all blocks of one step to a backend's
-cu_seqlens (varlen) kernel at once; today each block is one backend call.
+or GENERAL with the window in the mask).
+
+Varlen fast path (CUDA, ``backends.torch_cuda_varlen``): the blocks of one step belong to different documents
+(disjoint query rows, disjoint key rows) and are all FULL or all aligned CAUSAL, so a step becomes ONE call of
+torch's packed-document flash op: one block over the step's row range whose mask carries the documents'
+cumulative lengths (``_StepMask``), served by ``_VarlenStepBackend``. Rows of that range that no document of
+the step uses (zigzag's half-steps) are gathered out before the call and come back as out 0 / lse -inf.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _validate
 from .backends import CAUSAL, EMPTY, FULL, GENERAL, get_backend
-from .backends.base import BlockMask
+from .backends.base import BlockBackend, BlockMask
+from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_lengths, varlen_kernel_for
 from .comm import group_rank_and_size
 from .ring import _Block, _RingAttention, _RingConfig
 
@@ -223,6 +230,106 @@ def _check_zigzag_documents(fn: str, cu: torch.Tensor, world: int) -> None:
             f"to a multiple of {2 * world}, or use ring_attn_varlen_func / llama3_attn_varlen_func")
 
 
+# --------------------------------------------------------------------------------- varlen fast path
+
+
+@dataclass(frozen=True)
+class _StepMask(BlockMask):
+    """All documents of one step as one block: ``segments`` over the packed rows ``q_index``/``k_index``
+    (int64 row numbers within the block's row range, in document order; None = every row, in order)."""
+
+    segments: Optional[VarlenSegments] = None
+    q_index: Optional[torch.Tensor] = None
+    k_index: Optional[torch.Tensor] = None
+
+
+def _rows_index(rows: List[slice], base: int, device) -> Optional[torch.Tensor]:
+    """Row numbers (relative to ``base``) of ``rows`` in order; None when they tile [base, end) in order."""
+    if all(a.stop == b.start for a, b in zip(rows, rows[1:])) and rows[0].start == base:
+        return None
+    return torch.cat([torch.arange(r.start - base, r.stop - base) for r in rows]).to(device)
+
+
+def _one_block_per_step(blocks: List[_Block], device) -> Optional[_Block]:
+    """The step's blocks as one varlen block, or None when they are not all FULL or all aligned CAUSAL
+    (a window), or share rows."""
+    sizes = [(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start) for b in blocks]
+    # A 1 x 1 block is FULL and CAUSAL at once: it does not decide the kind.
+    kinds = {b.mask.kind(*size) for b, size in zip(blocks, sizes) if size != (1, 1)} or {FULL}
+    if len(kinds) != 1 or not kinds <= {FULL, CAUSAL}:
+        return None
+    if CAUSAL in kinds and any(sq != sk for sq, sk in sizes):
+        return None
+    q_rows = sorted((b.q_rows for b in blocks), key=lambda r: r.start)
+    k_rows = sorted((b.kv_rows for b in blocks), key=lambda r: r.start)
+    if any(a.stop > b.start for rows in (q_rows, k_rows) for a, b in zip(rows, rows[1:])):
+        return None                                   # overlapping rows would need a merge inside the step
+    q0, q1 = q_rows[0].start, q_rows[-1].stop
+    k0, k1 = k_rows[0].start, k_rows[-1].stop
+    mask = _StepMask(segments=segments_from_lengths([sq for sq, _ in sizes], [sk for _, sk in sizes],
+                                                    kinds == {CAUSAL}, device),
+                     q_index=_rows_index([b.q_rows for b in blocks], q0, device),
+                     k_index=_rows_index([b.kv_rows for b in blocks], k0, device))
+    return _Block(slice(q0, q1), slice(k0, k1), mask)
+
+
+def _batched_steps(steps: List[List[_Block]], device) -> Optional[List[List[_Block]]]:
+    """Every non-empty step as one varlen block, or None when some step cannot be batched."""
+    batched = []
+    for blocks in steps:
+        one = _one_block_per_step(blocks, device) if blocks else None
+        if blocks and one is None:
+            return None
+        batched.append([one] if one is not None else [])
+    return batched
+
+
+class _VarlenStepBackend:
+    """A block backend that computes ``_StepMask`` blocks with a varlen kernel (other blocks: ``inner``).
+
+    Shapes as every block backend: q (1, Sq, H, D), k/v (1, Sk, Hk, D), out (1, Sq, H, D), lse (1, H, Sq).
+    """
+
+    def __init__(self, kernel: VarlenKernel, inner: BlockBackend):
+        self.kernel, self.inner = kernel, inner
+        self.name = f"{inner.name}+{kernel.name}"
+
+    def unsupported_reason(self, **query):
+        return self.inner.unsupported_reason(**query)
+
+    @staticmethod
+    def _rows(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
+        return x[0] if index is None else x[0].index_select(0, index)
+
+    @staticmethod
+    def _unpack(x: torch.Tensor, index: Optional[torch.Tensor], like: torch.Tensor, fill: float = 0.0,
+                dim: int = 0) -> torch.Tensor:
+        """Packed rows ``x`` back at their rows of a (1, ...) tensor shaped like ``like``; other rows ``fill``."""
+        if index is None:
+            return x.unsqueeze(0)
+        full = torch.full(like.shape[1:], fill, dtype=x.dtype, device=x.device)
+        return full.index_copy_(dim, index, x).unsqueeze(0)
+
+    def forward(self, q, k, v, *, scale, mask, softcap=0.0):
+        if not isinstance(mask, _StepMask):
+            return self.inner.forward(q, k, v, scale=scale, mask=mask, softcap=softcap)
+        out, lse = self.kernel.forward(self._rows(q, mask.q_index), self._rows(k, mask.k_index),
+                                       self._rows(v, mask.k_index), mask.segments, scale=scale)
+        lse_like = torch.empty((1, q.shape[2], q.shape[1]), device=q.device)
+        return (self._unpack(out, mask.q_index, q),
+                self._unpack(lse, mask.q_index, lse_like, float("-inf"), dim=1))   # unused rows: no key seen
+
+    def backward(self, dout, q, k, v, out, lse, *, scale, mask, softcap=0.0):
+        if not isinstance(mask, _StepMask):
+            return self.inner.backward(dout, q, k, v, out, lse, scale=scale, mask=mask, softcap=softcap)
+        qi, ki = mask.q_index, mask.k_index
+        lse_rows = lse[0] if qi is None else lse[0].index_select(1, qi)
+        dq, dk, dv = self.kernel.backward(self._rows(dout, qi), self._rows(q, qi), self._rows(k, ki),
+                                          self._rows(v, ki), self._rows(out, qi), lse_rows, mask.segments,
+                                          scale=scale)
+        return self._unpack(dq, qi, q), self._unpack(dk, ki, k), self._unpack(dv, ki, v)
+
+
 # -------------------------------------------------------------------------------------------- running
 
 
@@ -230,6 +337,12 @@ def _run_ring_varlen(q, k, v, call: _VarlenCall, steps: List[List[_Block]], kind
     """Pick the backend for the most general block kind and run the ring engine on batch 1."""
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                          mask_kind=FULL if kind == EMPTY else kind, softcap=call.softcap)
+    sizes = [(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start) for step in steps for b in step]
+    kernel = varlen_kernel_for(backend, chosen.name, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                               softcap=call.softcap, document_lengths=sizes)
+    batched = _batched_steps(steps, q.device) if kernel is not None else None
+    if batched is not None:
+        steps, chosen = batched, _VarlenStepBackend(kernel, chosen)
     cfg = _RingConfig(steps, chosen, call.scale, call.softcap, group, call.rank, call.world)
     out = _RingAttention.apply(q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0),
                                v.contiguous().unsqueeze(0), cfg)

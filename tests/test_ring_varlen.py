@@ -144,11 +144,15 @@ def _cases():
         cases.append(_case("llama3", "torch_cpu", True, h=8, hk=4, stride=stride))
     cases.append(_case("llama3", "reference", False, h=8, hk=4, stride=1, dtype=torch.bfloat16))
     # The varlen fast path's bookkeeping (cu_seqlens of the local documents, the backward's split, the merge
-    # with the remote blocks) through a CPU stand-in for torch's packed flash op.
+    # with the remote blocks; one call per ring step, zigzag's gathered half-steps) through a CPU stand-in for
+    # torch's packed flash op.
     for causal, stride, dtype in ((True, None, torch.float32), (False, 1, torch.float32), (True, 2, torch.bfloat16)):
         extra = {} if stride is None else {"stride": stride}
         cases.append(_case("llama3", "torch_cpu", causal, h=8, hk=4, d=64, dtype=dtype, varlen_standin=True,
                            **extra))
+    for variant, causal, dtype in (("ring", True, torch.float32), ("ring", False, torch.bfloat16),
+                                   ("zigzag", True, torch.float32), ("zigzag", True, torch.bfloat16)):
+        cases.append(_case(variant, "torch_cpu", causal, h=8, hk=2, d=64, dtype=dtype, varlen_standin=True))
     return cases
 
 
@@ -205,10 +209,18 @@ def _run_case(group, rank, n, index, case):
 
 
 def _check_varlen_calls(standin, cu, rank, n, local_tokens, case):
-    """One forward call per head slice; one backward call per slice and non-empty half of the local documents
-    (the halves around the remote blocks, when there are other ranks)."""
+    """llama3: one forward call per head slice; one backward call per slice and non-empty half of the local
+    documents (the halves around the remote blocks, when there are other ranks). ring/zigzag: one call per
+    ring step that has any block, forward and backward."""
     from ring_kernels.llama3 import _halves, _llama3_plan
+    from ring_kernels.varlen import _ring_varlen_steps, _zigzag_varlen_steps
 
+    if case["variant"] != "llama3":
+        steps, _ = (_zigzag_varlen_steps(cu.long(), rank, n, True, (-1, -1)) if case["variant"] == "zigzag"
+                    else _ring_varlen_steps(cu.long(), rank, n, local_tokens, case["causal"], (-1, -1)))
+        busy = sum(1 for step in steps if step)
+        assert standin.forward_calls == standin.backward_calls == busy, (standin.forward_calls, busy, case)
+        return
     plan = _llama3_plan(cu.long(), rank, n, local_tokens, case["causal"], (-1, -1))
     parts = sum(1 for part in (_halves(plan.local_blocks) if n > 1 else (plan.local_blocks,)) if part)
     slices = case["hk"] // case.get("stride", case["hk"])
@@ -224,16 +236,18 @@ class _varlen_kernel:
 
     def __enter__(self):
         import ring_kernels.llama3 as llama3
+        import ring_kernels.varlen as varlen
 
-        self.saved = llama3.varlen_kernel_for
+        self.modules = (llama3, varlen)
+        self.saved = [m.varlen_kernel_for for m in self.modules]
         if self.kernel is not None:
-            llama3.varlen_kernel_for = lambda *args, **kwargs: self.kernel
+            for module in self.modules:
+                module.varlen_kernel_for = lambda *args, **kwargs: self.kernel
         return self
 
     def __exit__(self, *exc):
-        import ring_kernels.llama3 as llama3
-
-        llama3.varlen_kernel_for = self.saved
+        for module, saved in zip(self.modules, self.saved):
+            module.varlen_kernel_for = saved
 
 
 def _group_cases(group, rank, n, cases):
@@ -417,6 +431,17 @@ def _cuda_cases():
     return cases
 
 
+def _check_flash_varlen_ran():
+    """The torch_flash cases went through torch's packed-document flash op (the varlen fast path), not only
+    per-block calls: its call counter moved."""
+    from ring_kernels.backends import available_backends
+    from ring_kernels.backends import torch_cuda_varlen
+
+    if "torch_flash" in available_backends("cuda") and torch_cuda_varlen._op_available("cuda"):
+        kernel = torch_cuda_varlen._FLASH_VARLEN
+        assert kernel is not None and kernel.calls > 0, "the torch_flash varlen cases never used the varlen op"
+
+
 def _cuda_rank(rank, world, port, errors):
     import os
     import traceback
@@ -437,6 +462,7 @@ def _cuda_rank(rank, world, port, errors):
                     if case["backend"] == "auto":     # 'auto' must always find a backend
                         raise
                     # a pinned backend may refuse a case it cannot compute (never a wrong result)
+            _check_flash_varlen_ran()
         finally:
             dist.destroy_process_group()
     except BaseException:

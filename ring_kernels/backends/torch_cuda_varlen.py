@@ -25,7 +25,8 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-__all__ = ["VarlenSegments", "VarlenKernel", "TorchFlashVarlen", "varlen_kernel_for", "segments_from_rows"]
+__all__ = ["VarlenSegments", "VarlenKernel", "TorchFlashVarlen", "varlen_kernel_for", "segments_from_rows",
+           "segments_from_lengths"]
 
 _HALF = (torch.float16, torch.bfloat16)
 # Measured on H200 (shared/reference/gpu-measurements.md), causal fwd+bwd, 32 heads x 128: torch flash
@@ -66,6 +67,14 @@ def _cumulative(lengths: Sequence[int], device) -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int64), 0).to(torch.int32)
     return cu.to(device, non_blocking=True)
+
+
+def segments_from_lengths(lengths_q: Sequence[int], lengths_k: Sequence[int], causal: bool,
+                          device) -> VarlenSegments:
+    """Segments of documents packed back to back (rows 0.. of already packed q and k/v)."""
+    lq, lk = tuple(int(x) for x in lengths_q), tuple(int(x) for x in lengths_k)
+    return VarlenSegments(slice(0, sum(lq)), slice(0, sum(lk)), _cumulative(lq, device), _cumulative(lk, device),
+                          lq, lk, causal)
 
 
 def segments_from_rows(q_rows: Sequence[slice], k_rows: Sequence[slice], causal: bool,
