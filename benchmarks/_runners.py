@@ -173,12 +173,42 @@ def make_backend_step(backend_name: str, local: Inputs, *, causal: bool) -> Call
     return step
 
 
+def _flash_varlen_single_step(local: Inputs, *, causal: bool) -> Optional[Callable[[str], object]]:
+    """torch's packed-document flash op called directly on the local documents (one call, no merge, no
+    autograd wrapper), or None where it does not exist: the fastest honest single-GPU varlen attention with the
+    kernel the ring's ``torch_flash`` varlen path uses."""
+    from ring_kernels.backends.torch_cuda_varlen import segments_from_lengths, varlen_kernel_for
+
+    q, k, v, dout = local.q, local.k, local.v, local.dout
+    kernel = varlen_kernel_for("torch_flash", "torch_flash", device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                               softcap=0.0, document_lengths=[])
+    if kernel is None:
+        return None
+    seg = segments_from_lengths(local.doc_lengths, local.doc_lengths, causal, q.device)
+    scale = q.shape[-1] ** -0.5
+
+    def step(mode: str):
+        with torch.no_grad():
+            out, lse = kernel.forward(q, k, v, seg, scale=scale)
+            if mode == "fwd":
+                return out
+            return kernel.backward(dout, q, k, v, out, lse, seg, scale=scale)
+
+    return step
+
+
 def make_varlen_single_step(local: Inputs, *, causal: bool, backend: str, solo_group) -> Callable[[str], object]:
     """Single-GPU baseline for varlen: the library's varlen attention on a process group of one rank.
 
     ``local.doc_lengths`` is this GPU's own document mix (summing to its token count); a group of size one is
-    plain attention (issue 2), so this is the same code path and backend with no communication.
+    plain attention (issue 2), so this is the same code path and backend with no communication. For
+    ``torch_flash`` on CUDA it is torch's packed-document flash op called directly (the kernel the ring's
+    varlen path uses for all documents of a step at once), the faster and stricter denominator.
     """
+    if backend == "torch_flash":
+        direct = _flash_varlen_single_step(local, causal=causal)
+        if direct is not None:
+            return direct
     fn = ring_function("ring_varlen")
     cu = cu_seqlens_of(local.doc_lengths, local.q.device)
     return _stepper(lambda q, k, v: fn(q, k, v, cu, group=solo_group, causal=causal, backend=backend), local)
