@@ -493,3 +493,22 @@ def test_varlen_on_cuda_matches_plain_attention():
         failures.append(errors.get())
     assert not failures, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_flash_varlen_kernel_calls_match_the_op_schemas_on_meta():
+    """The calls ``TorchFlashVarlen`` makes to ``aten._flash_attention_forward``/``_backward`` fit the installed
+    torch's schemas (positional rng outputs passed back, ``scale`` by keyword) and give the shapes the fast
+    paths assume: out (Tq, H, D), lse (H, Tq) float32, dk/dv with the K/V heads (GQA, nothing repeated)."""
+    from ring_kernels.backends.torch_cuda_varlen import TorchFlashVarlen, segments_from_lengths
+
+    kernel = TorchFlashVarlen()
+    meta = torch.device("meta")
+    seg = segments_from_lengths([5, 1, 7], [9, 1, 7], True, meta)
+    q, k = torch.empty(13, 8, 64, dtype=torch.bfloat16, device=meta), torch.empty(17, 2, 64, dtype=torch.bfloat16,
+                                                                                   device=meta)
+    out, lse = kernel.forward(q, k, k, seg, scale=0.125)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (8, 13) and lse.dtype == torch.float32
+    dq, dk, dv = kernel.backward(q, q, k, k, out, lse, seg, scale=0.125)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    assert kernel.calls == 2 and (seg.max_q, seg.max_k) == (7, 9) and seg.cu_k.dtype == torch.int32
