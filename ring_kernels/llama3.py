@@ -126,12 +126,16 @@ def _local_segments(blocks: List[_Llama3Block], device) -> Optional[VarlenSegmen
     return segments_from_rows([b.q_rows for b in blocks], [b.kv_rows for b in blocks], kinds == {CAUSAL}, device)
 
 
-def _varlen_local(plan: _Llama3Plan, kernel: Optional[VarlenKernel], device) -> Optional[_VarlenLocal]:
-    """The varlen fast path for ``plan``'s local blocks, or None (no kernel, or blocks it cannot batch)."""
+def _varlen_local(plan: _Llama3Plan, kernel: Optional[VarlenKernel], local: int,
+                  device) -> Optional[_VarlenLocal]:
+    """The varlen fast path for ``plan``'s local blocks, or None (no kernel, or blocks it cannot batch).
+
+    The forward initialises the accumulators with this call, so its documents must cover all ``local`` rows.
+    """
     if kernel is None or not plan.local_blocks:
         return None
     whole = _local_segments(plan.local_blocks, device)
-    if whole is None:
+    if whole is None or (whole.q_rows.start, whole.q_rows.stop) != (0, local):
         return None
     before, after = _halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
     split = [_local_segments(part, device) if part else None for part in (before, after)]
@@ -402,5 +406,5 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     kernel = varlen_kernel_for(backend, chosen.name, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                                softcap=call.softcap, document_lengths=local_sizes)
     cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.world, stride,
-                        _varlen_local(plan, kernel, q.device))
+                        _varlen_local(plan, kernel, call.local, q.device))
     return _Llama3Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
