@@ -302,12 +302,12 @@ class _VarlenStepBackend:
         return x[0] if index is None else x[0].index_select(0, index)
 
     @staticmethod
-    def _unpack(x: torch.Tensor, index: Optional[torch.Tensor], like: torch.Tensor, fill: float = 0.0,
+    def _unpack(x: torch.Tensor, index: Optional[torch.Tensor], shape: Tuple[int, ...], fill: float = 0.0,
                 dim: int = 0) -> torch.Tensor:
-        """Packed rows ``x`` back at their rows of a (1, ...) tensor shaped like ``like``; other rows ``fill``."""
+        """Packed rows ``x`` back at their rows of a (1, *shape) tensor; the rows no document uses get ``fill``."""
         if index is None:
             return x.unsqueeze(0)
-        full = torch.full(like.shape[1:], fill, dtype=x.dtype, device=x.device)
+        full = torch.full(shape, fill, dtype=x.dtype, device=x.device)
         return full.index_copy_(dim, index, x).unsqueeze(0)
 
     def forward(self, q, k, v, *, scale, mask, softcap=0.0):
@@ -315,9 +315,8 @@ class _VarlenStepBackend:
             return self.inner.forward(q, k, v, scale=scale, mask=mask, softcap=softcap)
         out, lse = self.kernel.forward(self._rows(q, mask.q_index), self._rows(k, mask.k_index),
                                        self._rows(v, mask.k_index), mask.segments, scale=scale)
-        lse_like = torch.empty((1, q.shape[2], q.shape[1]), device=q.device)
-        return (self._unpack(out, mask.q_index, q),
-                self._unpack(lse, mask.q_index, lse_like, float("-inf"), dim=1))   # unused rows: no key seen
+        return (self._unpack(out, mask.q_index, q.shape[1:]),
+                self._unpack(lse, mask.q_index, (q.shape[2], q.shape[1]), float("-inf"), dim=1))  # no key seen
 
     def backward(self, dout, q, k, v, out, lse, *, scale, mask, softcap=0.0):
         if not isinstance(mask, _StepMask):
@@ -327,7 +326,7 @@ class _VarlenStepBackend:
         dq, dk, dv = self.kernel.backward(self._rows(dout, qi), self._rows(q, qi), self._rows(k, ki),
                                           self._rows(v, ki), self._rows(out, qi), lse_rows, mask.segments,
                                           scale=scale)
-        return self._unpack(dq, qi, q), self._unpack(dk, ki, k), self._unpack(dv, ki, v)
+        return self._unpack(dq, qi, q.shape[1:]), self._unpack(dk, ki, k.shape[1:]), self._unpack(dv, ki, v.shape[1:])
 
 
 # -------------------------------------------------------------------------------------------- running
