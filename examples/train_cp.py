@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--kernel", default="auto", help="hfpatch ring variant, e.g. auto, llama3, zigzag:reference")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing around every layer")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="torch.compile the FSDP2 model (backend: inductor, or e.g. aot_eager)")
     parser.add_argument("--no-cp", action="store_true", help="baseline: the same mesh and batch without CP")
     parser.add_argument("--attn", default="sdpa",
                         help="the model's own attention, used by --no-cp (default sdpa; e.g. flash_attention_2 on "
@@ -198,6 +200,9 @@ def train(args) -> list:
     n_params = sum(p.numel() for p in model.parameters())
     patch = parallelize(model, mesh, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # The attention call is one opaque operator for the compiler (hfpatch/_opaque.py); FSDP2's hooks may break
+    # the graph between layers, so no fullgraph here.
+    forward = torch.compile(model, backend=args.compile) if args.compile else model
     dp_group, dp_index = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -214,7 +219,7 @@ def train(args) -> list:
         start = time.perf_counter()
         batch = patch.shard_inputs(ids.to(device), labels=labels.to(device),
                                    position_ids=None if pos is None else pos.to(device))
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        logits = forward(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         loss_sum, count = token_loss_sum(logits, batch["labels"])
         loss = patch.reduce_loss(loss_sum, count)       # token-weighted over cp (identity without CP)
         loss.backward()                                 # FSDP2: mean over dp; the hook sums over cp

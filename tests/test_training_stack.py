@@ -11,11 +11,12 @@ around the decoder layers, and ``torch.compile``.
 2. Checkpointing: the recomputation in backward runs the ring again (counted apart: ``recomputed_calls``) and
    reproduces every attention output bit for bit; the per-forward counters still show exactly one ring call per
    layer per forward.
-3. torch.compile(model, fullgraph=True): the attention call is one opaque operator (``hfpatch/_opaque.py``), so
-   Dynamo traces the whole model without a graph break; loss and gradients equal the eager run on batch and packed
-   inputs. Backend ``aot_eager`` (the full Dynamo + AOTAutograd pipeline with the real custom-op fake kernels and
-   autograd, without inductor's C++ code generation, which takes minutes on 2 cores);
-   ``HFPATCH_TEST_INDUCTOR=1`` adds the inductor backend.
+3. torch.compile: the attention call is one opaque operator (``hfpatch/_opaque.py``). The whole stack compiled
+   (FSDP2 + CP + checkpointing + ``torch.compile(model)``) equals the single-process run on a batch step; and
+   ``torch.compile(model, fullgraph=True)`` (CP only) traces the model without a graph break, one operator per
+   layer, with loss and gradients equal to eager on a packed step. Backend ``aot_eager``: the full Dynamo +
+   AOTAutograd pipeline with the operator's fake kernels and autograd, without inductor's C++ code generation,
+   which takes minutes on 2 cores; ``HFPATCH_TEST_INDUCTOR=1`` runs the fullgraph check with inductor too.
 
 Tolerances (fp32). Loss: relative 1e-5. Parameters after step k: max |p_cp - p_ref| <= 2e-6 (weights of scale
 0.2-1, updates ~1e-2 per step). The ring merges blocks through an fp32 log-sum-exp and the gradients are summed
@@ -131,14 +132,16 @@ def _parallel_model(mesh, *, checkpointing: bool, cp_reduction: bool = True):
     return model, patch
 
 
-def _cp_step(model, patch, opt, mesh, step: int) -> torch.Tensor:
-    """One training step on this rank's dp replica; returns the global loss (mean over dp)."""
+def _cp_step(model, patch, opt, mesh, step: int, forward=None) -> torch.Tensor:
+    """One training step on this rank's dp replica (``forward``: a compiled model); returns the global loss (mean
+    over dp)."""
     from hfpatch.inputs import token_loss_sum
 
     ids, pos, _ = _global_batch(step)[mesh["dp"].get_local_rank()]
     opt.zero_grad(set_to_none=True)
     batch = patch.shard_inputs(ids, labels=ids, position_ids=pos)
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    logits = (model if forward is None else forward)(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                use_cache=False).logits
     loss_sum, count = token_loss_sum(logits, batch["labels"])
     loss = patch.reduce_loss(loss_sum, count)    # token-weighted mean over cp
     loss.backward()                              # FSDP2: mean over dp, then the hook sums over cp
@@ -199,6 +202,30 @@ def _fsdp_cp_matches_reference(rank, world, mesh, reference):
               f"parameter abs err {worst_param:.2e}")
 
 
+def _compiled_fsdp_cp_matches_reference(rank, world, mesh, reference, backend: str):
+    """The whole stack compiled: FSDP2 + CP + checkpointing + torch.compile (FSDP2's hooks may break the graph
+    between layers: no fullgraph here) equals the single-process run (the batch step; the packed path through the
+    compiled operator is checked with fullgraph below)."""
+    model, patch = _parallel_model(mesh, checkpointing=True)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        for step, (ref_loss, ref_params) in enumerate(reference[:1]):   # one compilation: CPU time is scarce
+            patch.reset_calls()
+            loss = _cp_step(model, patch, opt, mesh, step, forward=compiled)
+            label = f"compiled[{backend}] FSDP2+CP step {step} ({'packed' if step % 2 else 'batch'})"
+            assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), \
+                f"{label}: loss {loss.item():.8f} != single-process {ref_loss.item():.8f}"
+            params = {_clean_name(n): p for n, p in _full_parameters(model).items()}
+            for name, ref in ref_params.items():
+                err = (params[name] - ref).abs().max().item()
+                assert err <= PARAM_ATOL, f"{label}: parameter {name} differs by {err:.3e}"
+            assert patch.mode_calls == {"ring": model.config.num_hidden_layers}, f"{label}: {patch.mode_calls}"
+    finally:
+        patch.remove()
+
+
 def _record_attention_outputs(model) -> list:
     """[(module name, attention output)] of every attention call, the recomputations included."""
     from hfpatch.model_switch import attention_modules
@@ -229,7 +256,7 @@ def _missing_cp_reduction_is_detected(rank, world, mesh, reference):
 
 
 def _compile_matches_eager(rank, world, mesh, backends):
-    """Within one cp group: eager vs torch.compile(fullgraph=True) on a batch step and a packed step."""
+    """Within one cp group: eager vs torch.compile(fullgraph=True) on a packed step (one compilation)."""
     import hfpatch
     from hfpatch._models import build_model
     from hfpatch.inputs import token_loss_sum
@@ -244,7 +271,7 @@ def _compile_matches_eager(rank, world, mesh, backends):
             loss.backward()
             return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-        inputs = [_global_batch(0)[0][:2], _global_batch(1)[0][:2]]   # a batch step, a packed step
+        inputs = [_global_batch(1)[0][:2]]   # a packed step (llama3 varlen inside the operator)
         eager = [step(model, ids, pos) for ids, pos in inputs]
         layers = model.config.num_hidden_layers
         for backend in backends:
@@ -296,6 +323,7 @@ def _stack_world(rank, world, backends):
     reference = holder[0]
     _fsdp_cp_matches_reference(rank, world, mesh, reference)
     _missing_cp_reduction_is_detected(rank, world, mesh, reference)
+    _compiled_fsdp_cp_matches_reference(rank, world, mesh, reference, backends[0])
     # Compiling costs CPU time: one cp group (dp index 0) compiles; the other waits at the barrier.
     if mesh["dp"].get_local_rank() == 0:
         _compile_matches_eager(rank, world, mesh, backends)
