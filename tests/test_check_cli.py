@@ -33,7 +33,7 @@ def _run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple
 
 
 def test_installed_release_is_supported_and_verified_in_a_gloo_world():
-    code, report = _run_cli("--json")
+    code, report = _run_cli("--json", "--timeout", "600", timeout=900)
     assert code == 0, report
     assert report["exit_code"] == 0 and report["supported"] is True and report["problems"] == []
     from hfpatch._compat import installed_transformers_version
@@ -125,7 +125,7 @@ def _ranks(*oks, error="VerificationError: probe differs", kind="hfpatch"):
     ],
 )
 def test_dry_run_outcome_decides_the_exit_code(monkeypatch, ranks, code):
-    monkeypatch.setattr(check_cli, "_spawn_world", lambda world_size, kernel: ranks)
+    monkeypatch.setattr(check_cli, "_spawn_world", lambda world_size, kernel, timeout: ranks)
     report = check_cli.run_check()
     assert report["exit_code"] == code
     assert report["dry_run"]["ok"] is (code == 0)
@@ -135,7 +135,7 @@ def test_dry_run_outcome_decides_the_exit_code(monkeypatch, ranks, code):
 
 
 def test_a_world_that_cannot_run_is_an_environment_error(monkeypatch):
-    def broken(world_size, kernel):
+    def broken(world_size, kernel, timeout):
         raise check_cli._WorldError("ranks [1] did not finish within 180s (deadlock?)")
 
     monkeypatch.setattr(check_cli, "_spawn_world", broken)

@@ -39,7 +39,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-_DRY_RUN_TIMEOUT_S = 180.0
+_DRY_RUN_TIMEOUT_S = 300.0  # spawning 2 processes that import torch + transformers: ~10-20 s on an idle 2-core box
 _MFAU = "transformers.modeling_flash_attention_utils"
 _TARGET = "_flash_attention_forward"
 _INTEGRATION = "transformers.integrations.flash_attention"
@@ -66,6 +66,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="ring variant for the dry run, as for hfpatch.apply(kernel=...) (default: auto)",
     )
     parser.add_argument(
+        "--timeout", type=float, default=_DRY_RUN_TIMEOUT_S, metavar="S",
+        help="seconds the dry-run world may take before it counts as hung (default %(default)s)",
+    )
+    parser.add_argument(
         "--transformers", metavar="X.Y.Z", default=None,
         help="give the static verdict for this release instead of the installed one (reads its wheel; no install)",
     )
@@ -74,7 +78,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _main(args: argparse.Namespace) -> int:
-    report = run_check(transformers=args.transformers, world_size=args.world_size, kernel=args.kernel)
+    report = run_check(transformers=args.transformers, world_size=args.world_size, kernel=args.kernel,
+                       timeout=args.timeout)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
@@ -82,13 +87,14 @@ def _main(args: argparse.Namespace) -> int:
     return report["exit_code"]
 
 
-def run_check(*, transformers: str | None = None, world_size: int = 2, kernel: str = "auto") -> dict:
+def run_check(*, transformers: str | None = None, world_size: int = 2, kernel: str = "auto",
+              timeout: float = _DRY_RUN_TIMEOUT_S) -> dict:
     """The check as a dict (what ``--json`` prints); ``report["exit_code"]`` is the command's exit code."""
     started = time.perf_counter()
     if transformers is not None:
         report = check_release(transformers)
     else:
-        report = check_installed(world_size=world_size, kernel=kernel)
+        report = check_installed(world_size=world_size, kernel=kernel, timeout=timeout)
     report["seconds"] = round(time.perf_counter() - started, 2)
     return report
 
@@ -119,7 +125,7 @@ def _fail(report: dict, code: int, problem: str) -> dict:
     return report
 
 
-def check_installed(*, world_size: int = 2, kernel: str = "auto") -> dict:
+def check_installed(*, world_size: int = 2, kernel: str = "auto", timeout: float = _DRY_RUN_TIMEOUT_S) -> dict:
     """Registry verdict for the installed release, then a dry-run apply + verify + remove on ``world_size``
     spawned gloo processes."""
     from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED, installed_transformers_version, is_supported_release
@@ -158,7 +164,7 @@ def check_installed(*, world_size: int = 2, kernel: str = "auto") -> dict:
         ))
     if not _registry_verdict(report, version):
         return report
-    _dry_run(report, world_size=world_size, kernel=kernel)
+    _dry_run(report, world_size=world_size, kernel=kernel, timeout=timeout)
     return report
 
 
@@ -193,11 +199,11 @@ def _registry_verdict(report: dict, version) -> bool:
     return True
 
 
-def _dry_run(report: dict, *, world_size: int, kernel: str) -> None:
+def _dry_run(report: dict, *, world_size: int, kernel: str, timeout: float) -> None:
     """Spawn the world, collect every rank's facts, and decide the exit code."""
     started = time.perf_counter()
     try:
-        ranks = _spawn_world(world_size, kernel)
+        ranks = _spawn_world(world_size, kernel, timeout)
     except _WorldError as exc:
         report["dry_run"] = {"world_size": world_size, "kernel": kernel, "ok": False, "error": str(exc)}
         _fail(report, EXIT_USAGE, f"the dry-run world could not run: {exc}")
@@ -232,7 +238,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_world(world_size: int, kernel: str) -> list[dict]:
+def _spawn_world(world_size: int, kernel: str, timeout: float = _DRY_RUN_TIMEOUT_S) -> list[dict]:
     """Run ``_dry_run_rank`` on ``world_size`` spawned processes; return their fact dicts, by rank."""
     import torch.multiprocessing as mp
 
@@ -242,7 +248,7 @@ def _spawn_world(world_size: int, kernel: str) -> list[dict]:
     procs = [ctx.Process(target=_dry_run_rank, args=(r, world_size, port, kernel, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + _DRY_RUN_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -255,7 +261,8 @@ def _spawn_world(world_size: int, kernel: str) -> list[dict]:
         facts = queue.get()
         results[facts["rank"]] = facts
     if hung:
-        raise _WorldError(f"ranks {hung} did not finish within {_DRY_RUN_TIMEOUT_S:.0f}s (deadlock?)")
+        raise _WorldError(f"ranks {hung} did not finish within {timeout:.0f}s (deadlock, or a loaded machine: "
+                          "--timeout S allows more)")
     missing = [r for r in range(world_size) if r not in results]
     if missing:
         codes = {r: procs[r].exitcode for r in missing}

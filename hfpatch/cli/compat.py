@@ -232,7 +232,7 @@ def record(env: str, command: list[str], results_dir: Path) -> int:
 
     test_code, summary = _run_streaming(command)
     check_proc = subprocess.run(
-        [sys.executable, "-m", "hfpatch", "check", "--json"], capture_output=True, text=True,
+        [sys.executable, "-m", "hfpatch", "check", "--json", "--timeout", "600"], capture_output=True, text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     try:
