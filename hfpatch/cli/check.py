@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import platform
 import socket
 import sys

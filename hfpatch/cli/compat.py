@@ -117,7 +117,7 @@ def check(output: Path, results_dir: Path, static_path: Path, fresh_dir: Path | 
     if unrecorded:
         print(f"note: the matrix ran {', '.join(unrecorded)} without a committed record in {results_dir}; "
               "copy those records there and run `hfpatch compat` to show them in COMPAT.md")
-    extra = f" and agrees with the fresh matrix records" if fresh else ""
+    extra = " and agrees with the fresh matrix records" if fresh else ""
     print(f"{output} is current with the registry and its inputs{extra}")
     return 0
 
