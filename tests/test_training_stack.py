@@ -271,6 +271,7 @@ def _compile_matches_eager(rank, world, mesh, backends):
             loss.backward()
             return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
+        _ignore_transformers_warning_once()
         inputs = [_global_batch(1)[0][:2]]   # a packed step (llama3 varlen inside the operator)
         eager = [step(model, ids, pos) for ids, pos in inputs]
         layers = model.config.num_hidden_layers
@@ -291,6 +292,20 @@ def _compile_matches_eager(rank, world, mesh, backends):
                 assert patch.mode_calls == {"ring": layers}, f"{label}: {patch.mode_calls}"
             # One graph per input shape (fullgraph: no breaks), each with one opaque operator per layer.
             assert graphs and all(_opaque_ops(g) == layers for g in graphs), [_opaque_ops(g) for g in graphs]
+
+
+def _ignore_transformers_warning_once() -> None:
+    """transformers < 4.48: the flash attention class (the model's attention under ``model=``) logs a warning for
+    fp32 inputs inside its forward (``logger.warning_once``), a graph break in transformers' own code, not in
+    hfpatch's. Dynamo skips logging calls listed in ``ignore_logging_functions``; a user compiling an fp32 model
+    on those releases with ``fullgraph=True`` does the same (bf16 training never logs it)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging  # installs Logger.warning_once
+
+    warning_once = getattr(logging.Logger, "warning_once", None) or getattr(hf_logging, "warning_once", None)
+    if warning_once is not None:
+        torch._dynamo.config.ignore_logging_functions.add(warning_once)
 
 
 def _recording(backend: str, graphs: list):
