@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="model size preset (default tiny)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameter dtype (default: float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="AdamW learning rate (default 3e-3 for the tiny model, 3e-4 for the larger ones)")
     parser.add_argument("--kernel", default="auto", help="hfpatch ring variant, e.g. auto, llama3, zigzag:reference")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing around every layer")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
@@ -71,7 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the model's own attention, used by --no-cp (default sdpa; e.g. flash_attention_2 on "
                              "GPUs with flash-attn for packed rows, which sdpa can only run with a dense mask)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.lr is None:   # bf16 models of 100M+ parameters diverge at the tiny model's rate
+        args.lr = 3e-3 if args.model == "tiny" else 3e-4
+    return args
 
 
 # ------------------------------------------------------------------------------------------------ setup
