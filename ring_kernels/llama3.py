@@ -155,7 +155,8 @@ class _Llama3Config:
 class _SliceGather:
     """All-gathers of K/V head slices into two alternating buffers, one in flight while the other is used.
 
-    k, v: (L, Hk, D) local; a gathered slice is (N*L, stride, D) in global token order.
+    k, v: (L, Hk, D) local; a gathered slice is (N*L, stride, D) in global token order. Every started slice
+    must be taken with ``get`` (which waits for it) before the slice two later reuses its buffer.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, cfg: _Llama3Config):
@@ -163,20 +164,23 @@ class _SliceGather:
         n_bufs = min(2, k.shape[1] // cfg.stride)
         shape = (k.shape[0] * cfg.world, cfg.stride, k.shape[2])
         self.buffers = [(k.new_empty(shape), v.new_empty(shape)) for _ in range(n_bufs)]
-        self.pending = {}
+        self.pending = {}   # j -> (works, the inputs they read): both live until ``get(j)`` has waited
 
     def start(self, j: int) -> None:
         heads = slice(j * self.cfg.stride, (j + 1) * self.cfg.stride)
+        assert j - len(self.buffers) not in self.pending, f"K/V slice {j}: its buffer is still being gathered"
         kbuf, vbuf = self.buffers[j % len(self.buffers)]
+        # The (L, stride, D) copies are held with the works, not left to the backend to keep alive, until waited.
+        inputs = (self.k[:, heads].contiguous(), self.v[:, heads].contiguous())
         # The tensor all-gather concatenates along dim 0 = the global token order of the contiguous layout.
-        self.pending[j] = [
-            _all_gather_tensor(kbuf, self.k[:, heads].contiguous(), group=self.cfg.group, async_op=True),
-            _all_gather_tensor(vbuf, self.v[:, heads].contiguous(), group=self.cfg.group, async_op=True),
-        ]
+        works = [_all_gather_tensor(buf, part, group=self.cfg.group, async_op=True)
+                 for buf, part in zip((kbuf, vbuf), inputs)]
+        self.pending[j] = (works, inputs)
 
     def get(self, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Wait for slice j; gathered (N*L, stride, D) K and V."""
-        for work in self.pending.pop(j):
+        works, _inputs = self.pending.pop(j)
+        for work in works:
             work.wait()
         return self.buffers[j % len(self.buffers)]
 
@@ -233,6 +237,8 @@ class _SliceReduceScatter:
     """Reduce-scatters of full-sequence fp32 dK/dV slices back to their owners, one in flight per buffer.
 
     The scattered parts are added into ``dk``/``dv`` (L, Hk, D) fp32, which already hold the local blocks' part.
+    A slot's full-sequence buffer is zeroed again, and its part read, only after its reduce-scatter was waited
+    for (``_finish``); ``finish_all`` must run before ``dk``/``dv`` are read.
     """
 
     def __init__(self, dk: torch.Tensor, dv: torch.Tensor, cfg: _Llama3Config):
@@ -243,7 +249,7 @@ class _SliceReduceScatter:
         new = lambda shape: torch.empty(shape, dtype=torch.float32, device=dk.device)  # noqa: E731
         self.full = [(new(full), new(full)) for _ in range(n_bufs)]
         self.part = [(new(part), new(part)) for _ in range(n_bufs)]
-        self.pending = {}
+        self.pending = {}   # j -> (works, the buffers they read and write): held until ``_finish(j)`` has waited
 
     def buffers(self, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Zeroed full-sequence accumulators for slice j (waiting for the slice that used them before)."""
@@ -256,14 +262,15 @@ class _SliceReduceScatter:
 
     def start(self, j: int) -> None:
         slot = j % len(self.full)
+        assert j - len(self.full) not in self.pending, f"dK/dV slice {j}: its buffers are still in flight"
         (dk_all, dv_all), (dk_part, dv_part) = self.full[slot], self.part[slot]
-        self.pending[j] = [
-            _reduce_scatter_tensor(dk_part, dk_all, group=self.cfg.group, async_op=True),
-            _reduce_scatter_tensor(dv_part, dv_all, group=self.cfg.group, async_op=True),
-        ]
+        works = [_reduce_scatter_tensor(dk_part, dk_all, group=self.cfg.group, async_op=True),
+                 _reduce_scatter_tensor(dv_part, dv_all, group=self.cfg.group, async_op=True)]
+        self.pending[j] = (works, (dk_all, dv_all, dk_part, dv_part))
 
     def _finish(self, j: int) -> None:
-        for work in self.pending.pop(j):
+        works, _buffers = self.pending.pop(j)
+        for work in works:
             work.wait()
         heads = slice(j * self.cfg.stride, (j + 1) * self.cfg.stride)
         dk_part, dv_part = self.part[j % len(self.part)]
@@ -273,6 +280,7 @@ class _SliceReduceScatter:
     def finish_all(self) -> None:
         for j in sorted(self.pending):
             self._finish(j)
+        assert not self.pending
 
 
 def _backward_blocks(blocks, dout4, q4, out4, lse, k_rows, v_rows, hq, dq_acc, dk_acc, dv_acc, cfg) -> None:

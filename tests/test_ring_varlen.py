@@ -140,9 +140,9 @@ def _cases():
         cases.append(_case(variant, "reference", True, softcap=7.0, h=4, hk=1, d=32))      # softcap, MQA
         if variant != "zigzag":
             cases.append(_case(variant, "reference", False, window=(3, 4)))                 # two-sided window
-    for stride in (1, 2):
-        cases.append(_case("llama3", "torch_cpu", True, h=8, hk=4, stride=stride))
-    cases.append(_case("llama3", "reference", False, h=8, hk=4, stride=1, dtype=torch.bfloat16))
+    for stride in (1, 2):       # strict_comm: the async collectives are checked against their contract
+        cases.append(_case("llama3", "torch_cpu", True, h=8, hk=4, stride=stride, strict_comm=True))
+    cases.append(_case("llama3", "reference", False, h=8, hk=4, stride=1, dtype=torch.bfloat16, strict_comm=True))
     # The varlen fast path's bookkeeping (cu_seqlens of the local documents, the backward's split, the merge
     # with the remote blocks; one call per ring step, zigzag's gathered half-steps) through a CPU stand-in for
     # torch's packed flash op.
@@ -193,11 +193,13 @@ def _run_case(group, rank, n, index, case):
     if "stride" in case:
         kwargs["heads_k_stride"] = case["stride"]
     standin = _PlainVarlenKernel() if case.get("varlen_standin") else None
-    with _varlen_kernel(standin):
+    with _varlen_kernel(standin), _StrictCollectives(case.get("strict_comm", False)) as strict:
         out = _fn(case["variant"])(*local, cu.to(device), **kwargs)
         out.backward(part(dout).to(device))
     if standin is not None:
         _check_varlen_calls(standin, cu, rank, n, local[0].shape[0], case)
+    if strict.enabled:
+        strict.check_counts(n, slices=case["hk"] // case.get("stride", case["hk"]))
     assert out.dtype == dtype and out.shape == local[0].shape, case
     pairs = [("out", out, ref_out), ("dq", local[0].grad, ref_in[0].grad), ("dk", local[1].grad, ref_in[1].grad),
              ("dv", local[2].grad, ref_in[2].grad)]
@@ -250,6 +252,63 @@ class _varlen_kernel:
             module.varlen_kernel_for = saved
 
 
+class _CheckedWork:
+    """An async collective's work, checked at ``wait``: its input is what it was when the op started."""
+
+    def __init__(self, name, work, tensor_in, snapshot, in_flight):
+        self.name, self.work, self.tensor_in, self.snapshot = name, work, tensor_in, snapshot
+        self.in_flight = in_flight
+        in_flight.add(self)
+
+    def wait(self):
+        self.work.wait()
+        assert torch.equal(self.tensor_in, self.snapshot), f"the input of an in-flight {self.name} was written"
+        self.in_flight.discard(self)
+        return True
+
+
+class _StrictCollectives:
+    """Within the block, llama3's async collectives are held to the contract that NCCL needs (and gloo mostly
+    forgives, so a breach shows only rarely, under load): nothing writes an op's input or reads its output
+    before ``wait``, and every op started is waited for before the call returns. Each output is filled with
+    NaN when its op starts (gloo's reduce-scatter writes it only in ``wait``: an early read sees NaN), each
+    input is compared at ``wait`` with a snapshot taken at the start, and the ops are counted."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.started, self.in_flight = enabled, {"all_gather": 0, "reduce_scatter": 0}, set()
+
+    def _strict(self, name, collective):
+        def issue(output, tensor_in, group=None, async_op=False):
+            assert async_op, f"llama3 issued a blocking {name}"
+            snapshot = tensor_in.clone()
+            output.fill_(float("nan"))
+            self.started[name] += 1
+            return _CheckedWork(name, collective(output, tensor_in, group=group, async_op=True), tensor_in,
+                                snapshot, self.in_flight)
+        return issue
+
+    def __enter__(self):
+        import ring_kernels.llama3 as llama3
+
+        self.saved = llama3._all_gather_tensor, llama3._reduce_scatter_tensor
+        if self.enabled:
+            llama3._all_gather_tensor = self._strict("all_gather", self.saved[0])
+            llama3._reduce_scatter_tensor = self._strict("reduce_scatter", self.saved[1])
+        return self
+
+    def __exit__(self, *exc):
+        import ring_kernels.llama3 as llama3
+
+        llama3._all_gather_tensor, llama3._reduce_scatter_tensor = self.saved
+
+    def check_counts(self, n, slices):
+        """Forward and backward each all-gather K and V per head slice; the backward reduce-scatters dK and dV."""
+        assert not self.in_flight, f"{len(self.in_flight)} collective(s) never waited for"
+        slices = slices if n > 1 else 0                 # a group of one gathers nothing
+        want = {"all_gather": 4 * slices, "reduce_scatter": 2 * slices}
+        assert self.started == want, (self.started, want)
+
+
 def _group_cases(group, rank, n, cases):
     for index, case in enumerate(cases):
         _run_case(group, rank, n, index, case)
@@ -268,8 +327,11 @@ def test_varlen_matches_plain_attention_single_process():
 
 
 def test_varlen_matches_plain_attention_in_groups_of_1_to_4():
-    """Groups of 1, 2, 3 and 4 ranks (one world of 4, see ``test_layout.subgroup_phases``)."""
-    run_world(4, _cases_ranks, _cases())
+    """Groups of 1, 2, 3 and 4 ranks (one world of 4, see ``test_layout.subgroup_phases``).
+
+    glibc's MALLOC_PERTURB_ fills every allocation with a byte pattern (~1.5e16 as fp32), so a result that reads
+    memory nothing wrote (a buffer used before its collective finished) fails every run instead of rarely."""
+    run_world(4, _cases_ranks, _cases(), env={"MALLOC_PERTURB_": "165"})
 
 
 # -------------------------------------------------------------------------------------------- bad input
