@@ -66,14 +66,18 @@ def test_tox_shares_torch_and_records_results():
     assert "python -m pytest -q" in testenv["commands"]
 
 
-def test_ci_runs_the_readme_command_then_the_matrix_and_the_compat_check():
+def test_ci_runs_the_readme_command_then_the_compat_check():
+    """.ci/run installs the CPU torch, runs exactly the README's test command, then the offline COMPAT.md check.
+    The release matrix is not a CI step until every env has been proven green (issue 4); the file says how to run it."""
     ci = (ROOT / ".ci" / "run").read_text()
     lines = [line.strip() for line in ci.splitlines() if line.strip() and not line.strip().startswith("#")]
     assert "python -m pip install -q torch==2.13.0" in lines
-    order = [lines.index("python -m pytest -q")]
-    order.append(next(i for i, line in enumerate(lines) if line.startswith("tox ")))
-    order.append(next(i for i, line in enumerate(lines) if line.startswith("hfpatch compat --check")))
+    readme = (ROOT / "README.md").read_text()
+    assert "python -m pytest -q" in readme
+    order = [lines.index("python -m pytest -q"), lines.index("hfpatch compat --check")]
     assert order == sorted(order)
+    assert not any(line.startswith("tox ") for line in lines)
+    assert "tox run-parallel" in ci and "hfpatch compat --check --fresh-results" in ci   # documented, not run
 
 
 def test_share_torch_links_torch_behind_the_envs_own_packages(tmp_path):
