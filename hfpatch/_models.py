@@ -99,3 +99,18 @@ def eager_reference_overrides(name: str) -> dict:
         if not is_flash_attn_greater_or_equal("2.6.0"):
             overrides["attn_logit_softcapping"] = None
     return overrides
+
+
+def reference_logits(model, ids, docs=None):
+    """Non-CP logits of ``ids`` (1 or B, S): the whole row at once, or, for a packed row (``docs`` = document
+    lengths), each document run on its own with positions from 0 — independent documents on every release."""
+    import torch
+
+    if docs is None:
+        return model(input_ids=ids, use_cache=False).logits
+    pieces, start = [], 0
+    for n in docs:
+        pieces.append(model(input_ids=ids[:, start:start + n], position_ids=torch.arange(n)[None],
+                            use_cache=False).logits)
+        start += n
+    return torch.cat(pieces, dim=1)

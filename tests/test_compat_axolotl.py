@@ -55,15 +55,9 @@ def _baseline(model_name, ids, docs, proj):
     from hfpatch._models import build_model, eager_reference_overrides
 
     model = build_model(model_name, **eager_reference_overrides(model_name))
-    if docs is None:
-        logits = model(input_ids=ids, use_cache=False).logits
-    else:
-        pieces, start = [], 0
-        for n in docs:
-            pieces.append(model(input_ids=ids[:, start:start + n], position_ids=torch.arange(n)[None],
-                                use_cache=False).logits)
-            start += n
-        logits = torch.cat(pieces, dim=1)
+    from hfpatch._models import reference_logits
+
+    logits = reference_logits(model, ids, docs)
     (logits * proj).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -52,15 +52,9 @@ def _baseline(model, ids, docs):
     from hfpatch.inputs import shift_labels, token_loss_sum
 
     model.zero_grad(set_to_none=True)
-    if docs is None:
-        logits = model(input_ids=ids, use_cache=False).logits
-    else:
-        pieces, start = [], 0
-        for n in docs:
-            pieces.append(model(input_ids=ids[:, start:start + n], position_ids=torch.arange(n)[None],
-                                use_cache=False).logits)
-            start += n
-        logits = torch.cat(pieces, dim=1)
+    from hfpatch._models import reference_logits
+
+    logits = reference_logits(model, ids, docs)
     loss_sum, count = token_loss_sum(logits, shift_labels(ids))
     loss = loss_sum / count
     loss.backward()
