@@ -1,16 +1,32 @@
-"""Run a function on N CPU processes joined in a gloo process group.
+"""Run a function on N processes joined in a process group: gloo on CPU, or NCCL with one GPU per rank.
 
 Spawning costs a few seconds per process (importing torch), so tests batch many cases into one
 world: ``run_world(4, _cases_fn, cases)`` where ``_cases_fn(rank, world_size, cases)`` loops.
 The function must be defined at module level (it is pickled by name into the children).
+
+``backend="nccl"`` pins rank r to ``cuda:r`` (``torch.cuda.set_device`` and ``device_id`` at
+``init_process_group``, so the communicator is created eagerly on that device). Either way a rank that
+raises sends its traceback to the parent, which re-raises it as ``DistributedFailure`` once every rank
+has exited, or ``_FAILURE_GRACE_S`` seconds after the first failure (a peer blocked in a collective on
+the failed rank never returns by itself: NCCL waits 10 minutes, gloo 30), or at ``timeout``.
 """
 from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
+from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
+
+_BACKENDS = ("gloo", "nccl")
+# Seconds the other ranks get to finish (or report their own failure) after one rank failed.
+_FAILURE_GRACE_S = 10.0
+
+
+class DistributedFailure(AssertionError):
+    pass
 
 
 def _free_port() -> int:
@@ -19,66 +35,113 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world_size, port, fn, args, kwargs, errors):
+def _child(rank, world_size, port, backend, fn, args, kwargs, results):
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ["RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
-    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    initialised = False
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            fn(rank, world_size, *args, **kwargs)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # reported to the parent, which re-raises it
-        errors.put((rank, traceback.format_exc()))
+        if backend == "nccl":
+            # CPU work in a GPU test is small (inputs, references on the host): share the cores, no oversubscription.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+        else:
+            torch.set_num_threads(1)   # many ranks on few cores: one thread each
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        initialised = True
+        value = fn(rank, world_size, *args, **kwargs)
+        results.put(("ok", rank, value))
+    except BaseException:  # reported first: tearing the group down may block on a peer that waits for us
+        results.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1)
+    finally:
+        if initialised:
+            dist.destroy_process_group()
 
 
-class DistributedFailure(AssertionError):
-    pass
+def _check_arguments(world_size, backend, timeout) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_world: world_size must be an int >= 1, got {world_size!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"run_world: backend={backend!r} is not supported; use one of {_BACKENDS}")
+    if not timeout > 0:
+        raise ValueError(f"run_world: timeout must be > 0 seconds, got {timeout!r}")
+    if backend == "nccl":
+        import torch
+
+        found = torch.cuda.device_count()
+        if found < world_size:
+            raise ValueError(f"run_world: backend='nccl' needs one CUDA device per rank ({world_size}), found "
+                             f"{found}; skip the test with fewer GPUs (pytest.mark.skipif) or use backend='gloo'")
 
 
-def run_world(world_size: int, fn, *args, timeout: float = 300.0, env: dict | None = None, **kwargs) -> None:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes; re-raise failures."""
+def _supervise(procs, results, timeout: float):
+    """Wait for the ranks; stop the rest ``_FAILURE_GRACE_S`` after a failure, or all at ``timeout``.
+
+    Returns (messages from the ranks, ranks stopped after a failure, ranks stopped at the timeout). The queue
+    is drained while waiting, so a rank never blocks on a full pipe while writing a long traceback."""
+    messages, deadline, failed_at = [], time.monotonic() + timeout, None
+    while True:
+        while not results.empty():
+            messages.append(results.get())
+        alive = [p for p in procs if p.is_alive()]
+        now = time.monotonic()
+        if failed_at is None and (any(kind == "error" for kind, _, _ in messages)
+                                  or any(p.exitcode not in (None, 0) for p in procs)):
+            failed_at = now
+        if not alive or now >= deadline or (failed_at is not None and now - failed_at >= _FAILURE_GRACE_S):
+            break
+        wait([p.sentinel for p in alive], timeout=0.2)
+    stopped = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in stopped:
+        procs[r].kill()
+    for p in procs:
+        p.join()
+    while not results.empty():
+        messages.append(results.get())
+    after_failure = stopped if failed_at is not None else []
+    return messages, after_failure, [] if failed_at is not None else stopped
+
+
+def run_world(world_size: int, fn, *args, backend: str = "gloo", timeout: float = 300.0,
+              env: dict | None = None, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; re-raise failures.
+
+    backend: "gloo" (CPU) or "nccl" (rank r on cuda:r; needs ``world_size`` GPUs). timeout: seconds for the
+    whole world, start-up included. env: variables set for the children only. Returns the ranks' return values
+    (index = rank; they must pickle). Raises ``DistributedFailure`` with every failed rank's traceback."""
+    _check_arguments(world_size, backend, timeout)
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    results = ctx.SimpleQueue()
     port = _free_port()
     saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
+    os.environ.update(env or {})   # spawn copies the parent's environment when the child starts
     try:
-        procs = [
-            ctx.Process(target=_child, args=(r, world_size, port, fn, args, kwargs, errors), daemon=False)
-            for r in range(world_size)
-        ]
+        procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, kwargs, results))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
+    messages, stopped_after_failure, hung = _supervise(procs, results, timeout)
+    failures = sorted((rank, text) for kind, rank, text in messages if kind == "error")
     if failures:
-        failures.sort()
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures)
-        raise DistributedFailure(f"{len(failures)} of {world_size} ranks failed:\n{msg}")
+        note = (f"\n(ranks {stopped_after_failure} were stopped {_FAILURE_GRACE_S:g}s after the first failure)"
+                if stopped_after_failure else "")
+        raise DistributedFailure(f"{len(failures)} of {world_size} ranks failed ({backend}):\n{msg}{note}")
     if hung:
-        raise DistributedFailure(f"ranks {hung} did not finish within {timeout}s (deadlock?)")
+        raise DistributedFailure(f"ranks {hung} did not finish within {timeout}s ({backend}; deadlock?)")
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
-        raise DistributedFailure(f"ranks exited with non-zero codes: {bad}")
+        raise DistributedFailure(f"ranks exited with non-zero codes and no traceback ({backend}): {bad}")
+    values = {rank: value for kind, rank, value in messages if kind == "ok"}
+    return [values[r] for r in range(world_size)]

@@ -470,56 +470,29 @@ def test_model_without_a_flash_path_is_refused_unchanged():
 # ------------------------------------------------------------------------------- GPU: NCCL, bf16 probe
 
 
-def _cuda_apply_rank(rank, world, port, errors):
-    import traceback
-
+def _cuda_apply_rank(rank, world):
+    """One NCCL rank (``run_world(..., backend="nccl")`` put it on cuda:rank): the bf16 probe and a ring forward
+    of a bf16 Llama on the GPUs, every layer through the ring, logits equal to the model's own."""
     import torch.distributed as dist
 
     import hfpatch
 
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        try:
-            model = _tiny_llama().to(device="cuda", dtype=torch.bfloat16)
-            ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(5)).cuda()
-            with torch.no_grad():
-                expected = model(ids, use_cache=False).logits.float()
-            with hfpatch.apply(dist.group.WORLD, model=model) as patch:  # the probe runs in bf16 on the GPUs
-                with torch.no_grad():
-                    logits, positions = _ring_forward(patch, model, ids)
-                assert patch.calls == {0: 1, 1: 1} and patch.unpatched_layers(model) == []
-            scale = expected.abs().max().item()
-            error = (logits.float() - expected[:, positions]).abs().max().item()
-            assert error <= 3e-2 * scale, (error, scale)  # bf16 rounding of every layer's activations
-            assert model.config._attn_implementation == "eager"
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
+    model = _tiny_llama().to(device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(5)).cuda()
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits.float()
+    with hfpatch.apply(dist.group.WORLD, model=model) as patch:  # the probe runs in bf16 on the GPUs
+        with torch.no_grad():
+            logits, positions = _ring_forward(patch, model, ids)
+        assert patch.calls == {0: 1, 1: 1} and patch.unpatched_layers(model) == []
+    scale = expected.abs().max().item()
+    error = (logits.float() - expected[:, positions]).abs().max().item()
+    assert error <= 3e-2 * scale, (error, scale)  # bf16 rounding of every layer's activations
+    assert model.config._attn_implementation == "eager"
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(240)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_apply_on_two_gpus_nccl_bf16():
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_cuda_apply_rank, args=(r, 2, port, errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_world(2, _cuda_apply_rank, backend="nccl", timeout=180)

@@ -1,14 +1,22 @@
+"""The test harness ``_dist.run_world``: gloo worlds on CPU, NCCL worlds on 2 GPUs (skipped without them)."""
+import os
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
+import _dist
 from _dist import DistributedFailure, run_world
 
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
-def _allreduce(rank, world_size):
-    t = torch.tensor([float(rank + 1)])
+
+def _allreduce(rank, world_size, device="cpu"):
+    t = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(t)
     assert t.item() == world_size * (world_size + 1) / 2
+    return {"rank": rank, "backend": dist.get_backend(), "env_rank": int(os.environ["RANK"])}
 
 
 def _fail_on_rank_1(rank, world_size):
@@ -16,10 +24,74 @@ def _fail_on_rank_1(rank, world_size):
         raise ValueError("boom from rank 1")
 
 
-def test_world_runs_collectives():
-    run_world(3, _allreduce)
+def _rank_0_hangs_rank_1_fails(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    time.sleep(600)              # stands for a rank blocked in a collective its failed peer never joins
+
+
+def _sleep(rank, world_size):
+    time.sleep(600)
+
+
+def test_world_runs_collectives_and_returns_each_ranks_value():
+    values = run_world(3, _allreduce)
+    assert values == [{"rank": r, "backend": "gloo", "env_rank": r} for r in range(3)]
 
 
 def test_world_reports_the_failing_rank():
-    with pytest.raises(DistributedFailure, match="boom from rank 1"):
+    with pytest.raises(DistributedFailure, match="(?s)1 of 2 ranks failed.*rank 1.*boom from rank 1"):
         run_world(2, _fail_on_rank_1, timeout=60)
+
+
+def test_a_failure_stops_a_hung_peer_after_the_grace_period(monkeypatch):
+    """Without the grace period the parent would wait for the whole timeout (here 120 s)."""
+    monkeypatch.setattr(_dist, "_FAILURE_GRACE_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(DistributedFailure, match=r"(?s)boom from rank 1.*ranks \[0\] were stopped 1s after"):
+        run_world(2, _rank_0_hangs_rank_1_fails, timeout=120)
+    assert time.monotonic() - start < 60
+
+
+def test_a_hung_world_fails_at_the_timeout():
+    with pytest.raises(DistributedFailure, match=r"ranks \[0\] did not finish within 3s \(gloo; deadlock\?\)"):
+        run_world(1, _sleep, timeout=3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=0), r"world_size must be an int >= 1, got 0"),
+    (dict(world_size=2, backend="mpi"), r"backend='mpi' is not supported; use one of \('gloo', 'nccl'\)"),
+    (dict(world_size=2, timeout=0), r"timeout must be > 0 seconds, got 0"),
+    (dict(world_size=torch.cuda.device_count() + 1, backend="nccl"),
+     r"backend='nccl' needs one CUDA device per rank \(\d+\), found \d+; skip the test"),
+])
+def test_bad_arguments_are_refused_before_spawning(kwargs, match):
+    world_size = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=match):
+        run_world(world_size, _allreduce, **kwargs)
+
+
+def _nccl_rank(rank, world_size):
+    assert torch.cuda.current_device() == rank
+    values = _allreduce(rank, world_size, device="cuda")
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)   # set by device_id= (torch >= 2.3)
+    return {**values, "bound": None if bound is None else str(bound)}
+
+
+def _nccl_rank_1_fails(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom from rank 1 on cuda:1")
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t)          # rank 1 never joins: NCCL blocks here until the harness stops this rank
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_nccl_world_runs_one_gpu_per_rank_and_reports_failures(monkeypatch):
+    values = run_world(2, _nccl_rank, backend="nccl", timeout=120)
+    assert [v["backend"] for v in values] == ["nccl", "nccl"]
+    assert [v["bound"] for v in values] in ([None, None], ["cuda:0", "cuda:1"]), values
+    monkeypatch.setattr(_dist, "_FAILURE_GRACE_S", 3.0)
+    with pytest.raises(DistributedFailure, match=r"(?s)rank 1.*boom from rank 1 on cuda:1"):
+        run_world(2, _nccl_rank_1_fails, backend="nccl", timeout=120)

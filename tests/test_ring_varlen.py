@@ -24,8 +24,8 @@ _VARIANTS = ("ring", "zigzag", "llama3")
 def _reference(q, k, v, cu, *, causal, window=(-1, -1), softcap=0.0, scale=None):
     """Plain attention of packed documents: q (T, H, D), k/v (T, Hk, D) float64 -> (T, H, D)."""
     t, h, d = q.shape
-    pos = torch.arange(t)
-    doc = torch.searchsorted(cu.long(), pos, right=True) - 1
+    pos = torch.arange(t, device=q.device)
+    doc = torch.searchsorted(cu.long().to(q.device), pos, right=True) - 1
     visible = doc[:, None] == doc[None, :]
     if causal:
         visible &= pos[None, :] <= pos[:, None]
@@ -171,19 +171,39 @@ def _errors(got, want, dtype):
     return float((got - want).norm() / want.norm()), None
 
 
-def _run_case(group, rank, n, index, case):
-    torch.manual_seed(1000 + index)                     # the same global tensors on every rank
+def _plain_attention(q, k, v, dout, cu, device, options, cache, key):
+    """(out, dq, dk, dv) on the host, of the float64 reference computed on ``device``; memoised in ``cache``
+    under ``key`` (the inputs are a function of it: cases that differ only in backend share one reference)."""
+    if cache is not None and key in cache:
+        return cache[key]
+    ref_in = [x.to(device).double().requires_grad_(True) for x in (q, k, v)]
+    ref_out = _reference(*ref_in, cu, **options)
+    ref_out.backward(dout.to(device).double())
+    result = tuple(x.cpu() for x in (ref_out.detach(), *(x.grad for x in ref_in)))   # compared on the host
+    if cache is not None:
+        cache[key] = result
+    return result
+
+
+def _run_case(group, rank, n, index, case, ref_cache=None):
+    """One case on this rank: shard the global inputs, run the variant, compare out/dq/dk/dv with the reference.
+
+    A case may fix its documents (``lengths``) and its ``seed``; by default the seed is the case's index and the
+    documents are the table's (``_zigzag_docs`` / ``_contiguous_docs``, scaled by ``scale``). ``ref_cache``
+    (a dict) shares references between cases with the same seed, documents, shapes and options."""
+    seed = case.get("seed", 1000 + index)
+    torch.manual_seed(seed)                             # the same global tensors on every rank
     scale = case.get("scale", 1)                        # larger documents for the GPU cases
-    lengths = _zigzag_docs(n, scale) if case["variant"] == "zigzag" else _contiguous_docs(n, 11 * scale)
+    lengths = case.get("lengths") or (
+        _zigzag_docs(n, scale) if case["variant"] == "zigzag" else _contiguous_docs(n, 11 * scale))
     cu = _cu(lengths)
     t, h, hk, d, dtype = int(cu[-1]), case["h"], case["hk"], case["d"], case["dtype"]
     q, k, v = (torch.randn(t, heads, d, dtype=torch.float64).to(dtype) for heads in (h, hk, hk))
     dout = torch.randn(t, h, d, dtype=torch.float64).to(dtype)
     device = torch.device(case.get("device", "cpu"))
     options = dict(causal=case["causal"], window=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0))
-    ref_in = [x.double().requires_grad_(True) for x in (q, k, v)]
-    ref_out = _reference(*ref_in, cu, **options)
-    ref_out.backward(dout.double())
+    key = (seed, tuple(lengths), h, hk, d, dtype, tuple(sorted(options.items())))
+    ref_out, *ref_grads = _plain_attention(q, k, v, dout, cu, device, options, ref_cache, key)
 
     layout = "zigzag" if case["variant"] == "zigzag" else "contiguous"
     part = lambda x: shard(x, group, layout=layout, dim=0, cu_seqlens=cu)  # noqa: E731
@@ -201,8 +221,7 @@ def _run_case(group, rank, n, index, case):
     if strict.enabled:
         strict.check_counts(n, slices=case["hk"] // case.get("stride", case["hk"]))
     assert out.dtype == dtype and out.shape == local[0].shape, case
-    pairs = [("out", out, ref_out), ("dq", local[0].grad, ref_in[0].grad), ("dk", local[1].grad, ref_in[1].grad),
-             ("dv", local[2].grad, ref_in[2].grad)]
+    pairs = [("out", out, ref_out), *zip(("dq", "dk", "dv"), (x.grad for x in local), ref_grads)]
     for name, got, want in pairs:
         assert torch.isfinite(got).all(), f"{name} has NaN/Inf: {case}"
         err, limit = _errors(got.cpu(), part(want), dtype)
@@ -470,27 +489,49 @@ def test_llama3_plan_local_blocks_first_remote_blocks_only_for_crossing_document
 
 
 # ------------------------------------------------------------------------------------ CUDA (2 GPUs, NCCL)
+# Few distinct block shapes: a cuDNN plan or a Triton compile is paid once per shape class, dtype and mask kind,
+# and both cost seconds (a table of ~60 cases over three head dims and many document lengths did not finish in
+# 140 s on 2xH200). Here every piece of a document on a rank is 1 or 128 tokens long.
+_CUDA_RING_DOCS = [1, 128, 256, 128, 1]      # 257 tokens per rank; [129, 385) crosses the rank boundary
+_CUDA_ZIGZAG_DOCS = [4, 512, 0, 512]         # multiples of 2N = 4: chunks of 1 and 128 tokens, an empty document
+# Correctness, not speed: one launch configuration per Triton kernel (autotuning would compile and time every
+# configuration of each kernel; see triton_attn._tune_bucket). 64 x 64 tiles split the 128-token pieces.
+_CUDA_TRITON_BLOCKS = {"fwd": (64, 64), "dkdv": (64, 64), "dq": (64, 64)}
 
 
-def _cuda_cases():
-    """Every CUDA backend (and 'auto') x variant x causal, bf16/fp16, MHA/GQA, head dims 64/128/96; documents
-    of up to a few hundred tokens, many of length 1, crossing the rank boundary; plus windows via 'auto'."""
+def _cuda_templates():
+    """One backend's cases: every variant causal and not (zigzag causal only: its non-causal call is refused,
+    checked once), bf16 GQA (8 heads over 2) with head dim 128, llama3 also in head slices of one K/V head, and
+    fp16 once (MHA, head dim 64)."""
+    bf16 = dict(dtype=torch.bfloat16, h=8, hk=2, d=128)
+    return [dict(variant="ring", causal=True, **bf16), dict(variant="ring", causal=False, **bf16),
+            dict(variant="zigzag", causal=True, **bf16),
+            dict(variant="llama3", causal=True, stride=1, **bf16), dict(variant="llama3", causal=False, **bf16),
+            dict(variant="ring", causal=False, dtype=torch.float16, h=8, hk=8, d=64)]
+
+
+def _cuda_case(template, backend, seed):
+    extra = dict(template)
+    variant, causal = extra.pop("variant"), extra.pop("causal")
+    lengths = _CUDA_ZIGZAG_DOCS if variant == "zigzag" else _CUDA_RING_DOCS
+    return _case(variant, backend, causal, device="cuda", lengths=lengths, seed=seed, **extra)
+
+
+def _cuda_plan():
+    """[(backend, cases)] for every CUDA backend and 'auto'; 'auto' also runs each variant with a sliding window
+    (blocks with a general mask). The same template has the same seed under every backend (one reference)."""
     from ring_kernels.backends import available_backends
 
-    backends = [b for b in available_backends("cuda") if b != "reference"] + ["auto"]
-    cases, dims = [], [64, 128, 96]
-    for backend in backends:
-        for variant in _VARIANTS:
-            for causal in ((True,) if variant == "zigzag" else (True, False)):
-                for dtype, (h, hk) in ((torch.bfloat16, (8, 2)), (torch.float16, (8, 8))):
-                    cases.append(_case(variant, backend, causal, h=h, hk=hk, d=dims[len(cases) % 3], dtype=dtype,
-                                       device="cuda", scale=24))
-        cases.append(_case("llama3", backend, True, h=8, hk=4, d=128, dtype=torch.bfloat16, device="cuda",
-                           scale=24, stride=2))
-    for variant in _VARIANTS:
-        cases.append(_case(variant, "auto", True, h=8, hk=2, d=128, dtype=torch.bfloat16, device="cuda", scale=24,
-                           window=(40, 0)))
-    return cases
+    templates = _cuda_templates()
+    windowed = [dict(variant=v, causal=True, window=(40, 0), dtype=torch.bfloat16, h=8, hk=2, d=128)
+                for v in _VARIANTS]
+    plan = []
+    for backend in [b for b in available_backends("cuda") if b != "reference"] + ["auto"]:
+        cases = [_cuda_case(t, backend, seed=3000 + i) for i, t in enumerate(templates)]
+        if backend == "auto":
+            cases += [_cuda_case(t, backend, seed=3100 + i) for i, t in enumerate(windowed)]
+        plan.append((backend, cases))
+    return plan
 
 
 def _check_flash_varlen_ran():
@@ -504,62 +545,52 @@ def _check_flash_varlen_ran():
         assert kernel is not None and kernel.calls > 0, "the torch_flash varlen cases never used the varlen op"
 
 
-def _cuda_rank(rank, world, port, errors):
-    import os
-    import traceback
+def _cuda_rank(rank, world):
+    """Every backend's cases on this rank (NCCL, cuda:rank); returns {backend: (cases, seconds)}.
 
-    import torch.distributed as dist
+    No case may be refused: every backend supports bf16/fp16, head dims 64/128 and full/causal blocks (only
+    'auto' gets the windows). The first backend's seconds include the float64 references (shared by all)."""
+    import time
 
-    from ring_kernels.backends import UnsupportedBackendError
+    import ring_kernels as rk
 
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(rank)
-        try:   # correctness only: autotuning each document length's (Sq, Sk) would compile for minutes
-            from ring_kernels.backends import triton_attn
-            triton_attn._set_fixed_blocks({"fwd": (64, 64), "dkdv": (64, 64), "dq": (64, 64)})
-        except ImportError:
-            pass
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        try:
-            for index, case in enumerate(_cuda_cases()):
-                try:
-                    _run_case(None, rank, world, index, case)
-                except UnsupportedBackendError:
-                    if case["backend"] == "auto":     # 'auto' must always find a backend
-                        raise
-                    # a pinned backend may refuse a case it cannot compute (never a wrong result)
-            _check_flash_varlen_ran()
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
+        from ring_kernels.backends import triton_attn
+        triton_attn._set_fixed_blocks(_CUDA_TRITON_BLOCKS)
+    except ImportError:
+        pass
+    timings, references = {}, {}
+    for backend, cases in _cuda_plan():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for case in cases:
+            _run_case(None, rank, world, 0, case, ref_cache=references)
+        torch.cuda.synchronize()
+        timings[backend] = (len(cases), time.perf_counter() - start)
+        print(f"[rank {rank}] varlen on cuda, {backend}: {len(cases)} cases in {timings[backend][1]:.1f} s",
+              flush=True)   # shown with the failure if a later backend hangs
+    _check_flash_varlen_ran()
+    q = torch.randn(8, 4, 64, device="cuda", dtype=torch.bfloat16)
+    _expect(r"causal=False .*use ring_attn_varlen_func", rk.zigzag_ring_attn_varlen_func, q, q, q,
+            _cu([8, 8]).cuda(), causal=False)
+    return timings
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(150)   # a hang fails here, not at the suite's 600 s
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_varlen_on_cuda_matches_plain_attention():
-    """The CPU cases' runner on 2 GPUs over NCCL, for every CUDA backend."""
-    import socket
+def test_varlen_on_cuda_nccl_matches_plain_attention(capsys):
+    """The CPU cases' runner on 2 GPUs over NCCL, for every CUDA backend; prints each backend's seconds."""
+    import time
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_cuda_rank, args=(r, 2, port, errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(600)
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    start = time.perf_counter()
+    timings = run_world(2, _cuda_rank, backend="nccl", timeout=120)
+    with capsys.disabled():
+        print(f"\nvarlen on cuda: {time.perf_counter() - start:.1f} s in all (start-up included); per backend, "
+              f"slowest rank:")
+        for backend in timings[0]:
+            cases, seconds = timings[0][backend][0], max(t[backend][1] for t in timings)
+            print(f"  {backend:16s} {cases:2d} cases {seconds:6.1f} s")
 
 
 def test_flash_varlen_kernel_calls_match_the_op_schemas_on_meta():
