@@ -242,7 +242,16 @@ def test_gemma2_flash_path_of_4_47_needs_a_mask(monkeypatch):
         pytest.skip("only transformers 4.47.x: Gemma2's flash path there crashes without an attention mask")
     from hfpatch._models import build_model
 
-    model = build_model("gemma2")
+    # 4.47.1's GenerationConfig warns about use_cache=False with a malformed log call; pytest's log handler raises
+    # on it in this (main) process. Silence transformers' warnings for the build only.
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = build_model("gemma2")
+    finally:
+        hf_logging.set_verbosity(verbosity)
     modeling = sys.modules[type(model).__module__]
     # What flash-attn's presence would bind; never reached: the crash comes first, in transformers' own code.
     monkeypatch.setattr(modeling, "_flash_attention_forward", lambda *a, **k: None, raising=False)
