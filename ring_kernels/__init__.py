@@ -5,6 +5,7 @@ Shard a global sequence with ``shard(x, layout=...)`` (``"contiguous"`` for ring
 call the matching attention function on every rank of the group, and ``unshard`` the result if needed.
 """
 
+from ring_kernels._validate import rank_check_scope
 from ring_kernels.layout import LAYOUTS, LocalVarlen, local_positions, local_varlen, shard, unshard
 from ring_kernels.ring import ring_attn_func
 from ring_kernels.stripe import stripe_attn_func
@@ -15,5 +16,5 @@ from ring_kernels.llama3 import llama3_attn_varlen_func
 __all__ = [
     "ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func",
     "ring_attn_varlen_func", "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func",
-    "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard",
+    "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard", "rank_check_scope",
 ]

@@ -1,0 +1,67 @@
+"""The cross-rank metadata check: per call by default, once per distinct call inside ``rank_check_scope``.
+
+Counts the all_gathers the check issues (dist.all_gather wrapped inside each rank) and proves that a scope
+skips only repeats of a signature already checked, while a disagreement on a new signature still raises on
+every rank with the per-rank values.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ring_kernels as rk
+from _dist import run_world
+
+
+def _counting_all_gather():
+    calls = []
+    original = dist.all_gather
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather = counted
+    return calls, lambda: setattr(dist, "all_gather", original)
+
+
+def _scoped_world(rank, world):
+    torch.manual_seed(rank)
+    q, k = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16)
+    calls, restore = _counting_all_gather()
+    try:
+        for _ in range(3):                                   # no scope: every call checks
+            rk.zigzag_ring_attn_func(q, k, k, causal=True, backend="reference")
+        assert len(calls) == 3, calls
+        step_one: set = set()
+        with rk.rank_check_scope(step_one):
+            for _ in range(3):                               # one check for three identical calls
+                rk.zigzag_ring_attn_func(q, k, k, causal=True, backend="reference")
+            assert len(calls) == 4, calls
+            rk.ring_attn_func(q, k, k, causal=True, backend="reference")    # another function: checked
+            rk.zigzag_ring_attn_func(q[:, :6], k[:, :6], k[:, :6], causal=True, backend="reference")  # new shape
+            assert len(calls) == 6, calls
+            assert len(step_one) == 3
+        with rk.rank_check_scope(set()):                     # a new step checks again
+            rk.zigzag_ring_attn_func(q, k, k, causal=True, backend="reference")
+        assert len(calls) == 7, calls
+        # A disagreement on a signature not yet checked is still caught, on every rank, inside a scope.
+        local = 8 if rank == 0 else 6
+        with rk.rank_check_scope(step_one), pytest.raises(ValueError, match=r"ranks disagree on seqlen_local "
+                                                                            r"\(rank 0: 8, rank 1: 6\)"):
+            rk.ring_attn_func(q[:, :local], k[:, :local], k[:, :local], causal=False, backend="reference")
+    finally:
+        restore()
+
+
+def test_rank_check_scope_checks_each_signature_once():
+    run_world(2, _scoped_world)
+
+
+def test_rank_check_scope_restores_per_call_checking_on_exit():
+    from ring_kernels import _validate
+
+    with rk.rank_check_scope(set()) as seen:
+        assert _validate._CHECKED.get() is seen
+    assert _validate._CHECKED.get() is None
