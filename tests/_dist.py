@@ -79,6 +79,21 @@ def _check_arguments(world_size, backend, timeout) -> None:
                              f"{found}; skip the test with fewer GPUs (pytest.mark.skipif) or use backend='gloo'")
 
 
+def _start(procs, env: dict) -> None:
+    """Start the ranks with ``env`` added to their environment (spawn copies the parent's at start)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _supervise(procs, results, timeout: float):
     """Wait for the ranks; stop the rest ``_FAILURE_GRACE_S`` after a failure, or all at ``timeout``.
 
@@ -118,20 +133,16 @@ def run_world(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})   # spawn copies the parent's environment when the child starts
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, kwargs, results))
+             for r in range(world_size)]
     try:
-        procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, kwargs, results))
-                 for r in range(world_size)]
+        _start(procs, env or {})
+        messages, stopped_after_failure, hung = _supervise(procs, results, timeout)
+    except BaseException:   # pytest-timeout or Ctrl-C interrupted the parent: leave no orphaned rank behind
         for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    messages, stopped_after_failure, hung = _supervise(procs, results, timeout)
+            if p.is_alive():
+                p.kill()
+        raise
     failures = sorted((rank, text) for kind, rank, text in messages if kind == "error")
     if failures:
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures)
