@@ -25,6 +25,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from hfpatch import _opaque
+from hfpatch import semantics as _semantics
 from hfpatch import switch as _switch
 
 __all__ = ["Dispatcher", "LayerRecord"]
@@ -32,6 +33,21 @@ __all__ = ["Dispatcher", "LayerRecord"]
 # How far up the stack to look for the attention module that made the call: wrapper -> INTEG's
 # flash_attention_forward(module, ...) (4.48+) or the *FlashAttention2.forward(self, ...) method (4.43-4.47).
 _MAX_FRAMES = 6
+_HOLDER_NAMES = ("module", "self")  # the local that holds the calling attention module, in order of preference
+
+# Bound once: these run on every attention call. Dynamo recognises ``torch.compiler.is_compiling`` by identity, so
+# the bound name still reads True while it traces.
+_is_compiling = torch.compiler.is_compiling
+# The autograd engine's current graph task (-1: no backward running on this thread); see _opaque.is_recomputing.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_current_mode = _switch.current_mode
+_RECOMPUTED = "<recomputed>"  # the kind under which a recomputed call is counted (never a switch mode)
+
+# id(code) -> (code, names): which of _HOLDER_NAMES a frame of that code can hold. Reading ``frame.f_locals`` builds
+# a dict of every local of the frame (Python 3.11), so it is read only for frames that can hold the module; the code
+# object is kept in the entry, so its id cannot be reused while cached (code objects hash slowly, hence the id).
+_holders: dict = {}
+_MAX_HOLDERS = 4096
 
 
 @dataclass(frozen=True)
@@ -44,30 +60,54 @@ class LayerRecord:
     mode: str
 
 
-def _calling_module() -> torch.nn.Module | None:
+def _holder_names(code) -> tuple:
+    names = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+    found = tuple(name for name in _HOLDER_NAMES if name in names)
+    if len(_holders) >= _MAX_HOLDERS:
+        _holders.clear()
+    _holders[id(code)] = (code, found)
+    return found
+
+
+def _calling_module(depth: int = 2) -> torch.nn.Module | None:
     """The ``nn.Module`` whose code called the wrapper: the ``module`` argument of transformers'
-    ``flash_attention_forward`` or the ``self`` of an attention ``forward``. ``_flash_attention_forward`` is
-    never given the module itself on any release, and ``layer_idx`` only from 4.54 on, so the stack is the
-    one release-independent source."""
-    frame = sys._getframe(3)  # skip this function, Dispatcher._record, Dispatcher.__call__
+    ``flash_attention_forward`` or the ``self`` of an attention ``forward``, found within ``_MAX_FRAMES`` frames
+    from ``depth`` (2: skip this function and ``Dispatcher.__call__``; the first frame is the wrapper's).
+    ``_flash_attention_forward`` is never given the module itself on any release, and ``layer_idx`` only from 4.54
+    on, so the stack is the one release-independent source."""
+    frame = sys._getframe(depth)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return None
-        local = frame.f_locals
-        for name in ("module", "self"):
-            candidate = local.get(name)
-            if isinstance(candidate, torch.nn.Module):
-                return candidate
+        code = frame.f_code
+        entry = _holders.get(id(code))
+        names = entry[1] if entry is not None and entry[0] is code else _holder_names(code)
+        if names:
+            local = frame.f_locals
+            for name in names:
+                candidate = local.get(name)
+                if isinstance(candidate, torch.nn.Module):
+                    return candidate
         frame = frame.f_back
     return None
+
+
+class _ThreadCounts(threading.local):
+    """This thread's call counts: ``counts[(kind, (key, module_id))] -> calls``, kind a switch mode or
+    ``_RECOMPUTED``. Only its own thread writes a dict, so counting takes no lock; readers sum every thread's."""
+
+    def __init__(self, every_thread: list) -> None:
+        self.counts: dict = {}
+        every_thread.append(self.counts)  # list.append is atomic; a thread's dict outlives the thread
 
 
 class Dispatcher:
     """Callable ``(call, extra_kwargs) -> Tensor`` given to ``codegen.render``.
 
     ``original``: the transformers function the wrapper replaces; ``match``: the registry match (for
-    ``codegen.original_kwargs``); ``ctx``: the ``semantics.RingContext``. Counters: ``calls`` (layer key ->
-    calls that ran the ring, over the patch's life), ``mode_calls`` (mode -> calls).
+    ``codegen.original_kwargs``); ``ctx``: the ``semantics.RingContext``. Counters (each a fresh ``Counter``
+    summed over threads): ``calls`` (layer key -> calls that ran the ring, over the patch's life), ``mode_calls``
+    (mode -> calls), ``recomputed`` (layer key -> calls made while autograd ran a backward).
     """
 
     def __init__(self, *, original: Callable, match: Any, ctx: Any) -> None:
@@ -75,25 +115,35 @@ class Dispatcher:
         self.match = match
         self.ctx = ctx
         self.removed = False
-        self.calls: Counter = Counter()
-        self.mode_calls: Counter = Counter()
-        # Layer key -> calls made while autograd ran a backward (activation checkpointing recomputing a layer):
-        # kept out of ``calls`` and the per-forward record, which count forwards of the model.
-        self.recomputed: Counter = Counter()
+        self._every_thread: list = []
+        self._counts = _ThreadCounts(self._every_thread)
         self.opaque_token = _opaque.register_dispatcher(self)  # how torch.compile's opaque operator finds us
-        self._forward: dict[Hashable, LayerRecord] = {}
-        self._lock = threading.Lock()
+        # (key, module_id) -> the mode of its last call in the current forward (one item store per call: atomic).
+        self._forward: dict[tuple, str] = {}
+        self._lock = threading.Lock()  # for the readers and reset, never taken per call
 
     # ------------------------------------------------------------------------------------- the call
     def __call__(self, call: dict, extra: dict) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             # Dynamo cannot trace the ring (P2P, data-dependent checks): one opaque operator that runs the rest
             # of this method at run time (hfpatch/_opaque.py).
             return _opaque.compiled_call(self, call, extra)
         if self.removed:
             return self.call_original(call, extra)
-        mode = _switch.current_mode()
-        self._record(mode, extra)
+        mode = _current_mode()
+        module = _calling_module()
+        layer_idx = extra.get("layer_idx") if type(extra) is dict else None
+        if layer_idx is None and module is not None:
+            layer_idx = getattr(module, "layer_idx", None)
+        if isinstance(layer_idx, int):
+            key: Hashable = layer_idx
+        elif module is not None:
+            key = f"{type(module).__name__}@{id(module):x}"
+        else:
+            key = "<unknown caller>"
+        self._count(mode, key, None if module is None else id(module))
+        if mode == "ring":
+            return _semantics.ring_attention(call, extra, self.ctx)
         return self.run_mode(mode, call, extra)
 
     def compiled_forward(self, call: dict, extra: dict) -> str:
@@ -109,13 +159,9 @@ class Dispatcher:
     def run_mode(self, mode: str, call: dict, extra: dict) -> torch.Tensor:
         """Route one call: ``"ring"``, ``"reference"`` or ``"original"`` (no counting)."""
         if mode == "ring":
-            from hfpatch import semantics
-
-            return semantics.ring_attention(call, extra, self.ctx)
+            return _semantics.ring_attention(call, extra, self.ctx)
         if mode == "reference":
-            from hfpatch import semantics
-
-            return semantics.reference_attention(call, extra, self.ctx)
+            return _semantics.reference_attention(call, extra, self.ctx)
         return self.call_original(call, extra)
 
     def call_original(self, call: dict, extra: dict) -> torch.Tensor:
@@ -125,30 +171,51 @@ class Dispatcher:
         return self.original(**codegen.original_kwargs(self.match, call, extra))
 
     # ------------------------------------------------------------------------------------- counting
-    def _record(self, mode: str, extra: dict) -> None:
-        module = _calling_module()
-        layer_idx = extra.get("layer_idx") if isinstance(extra, dict) else None
-        if layer_idx is None and module is not None:
-            layer_idx = getattr(module, "layer_idx", None)
-        if isinstance(layer_idx, int):
-            key: Hashable = layer_idx
-        elif module is not None:
-            key = f"{type(module).__name__}@{id(module):x}"
-        else:
-            key = "<unknown caller>"
-        self._count(mode, key, id(module) if module is not None else None)
-
     def _count(self, mode: str, key: Hashable, module_id: int | None) -> None:
         # Two modules with the same layer index (an encoder and a decoder) stay apart by module identity.
         slot = (key, module_id)
+        counts = self._counts.counts
+        if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
+            tally = (_RECOMPUTED, slot)
+            counts[tally] = counts.get(tally, 0) + 1
+            return
+        tally = (mode, slot)
+        counts[tally] = counts.get(tally, 0) + 1
+        self._forward[slot] = mode
+
+    def _tally(self, want: Callable[[str], bool]) -> Counter:
+        """layer key (or mode, for ``want=None``) -> calls, summed over every thread's counts."""
         with self._lock:
-            if _opaque.is_recomputing():  # checkpointing re-runs a layer in backward: not a new forward
-                self.recomputed[key] += 1
-                return
-            self.mode_calls[mode] += 1
-            if mode == "ring":
-                self.calls[key] += 1
-            self._forward[slot] = LayerRecord(key, slot[1], mode)
+            snapshots = [dict(counts) for counts in self._every_thread]  # dict() copies in C: no torn reads
+        out: Counter = Counter()
+        for counts in snapshots:
+            for (kind, (key, _module_id)), n in counts.items():
+                if want(kind):
+                    out[key] += n
+        return out
+
+    @property
+    def calls(self) -> Counter:
+        """Layer key -> calls that ran the ring (over the patch's life, recomputations excluded)."""
+        return self._tally(lambda kind: kind == "ring")
+
+    @property
+    def recomputed(self) -> Counter:
+        """Layer key -> calls made while autograd ran a backward (activation checkpointing recomputing a layer):
+        kept out of ``calls``, ``mode_calls`` and the per-forward record, which count forwards of the model."""
+        return self._tally(lambda kind: kind == _RECOMPUTED)
+
+    @property
+    def mode_calls(self) -> Counter:
+        """Mode -> calls (recomputations excluded)."""
+        with self._lock:
+            snapshots = [dict(counts) for counts in self._every_thread]
+        out: Counter = Counter()
+        for counts in snapshots:
+            for (kind, _slot), n in counts.items():
+                if kind != _RECOMPUTED:
+                    out[kind] += n
+        return out
 
     def begin_forward(self) -> None:
         """Start a new per-forward record (a forward pre-hook of a tracked model calls this)."""
@@ -160,12 +227,12 @@ class Dispatcher:
     def reset(self) -> None:
         """Clear every counter and the per-forward record."""
         with self._lock:
-            self.calls.clear()
-            self.mode_calls.clear()
-            self.recomputed.clear()
+            for counts in self._every_thread:
+                counts.clear()
             self._forward = {}
 
     def forward_records(self) -> list[LayerRecord]:
         """The calls of the current forward (since the last ``begin_forward``/``reset``), one per layer."""
         with self._lock:
-            return list(self._forward.values())
+            forward = dict(self._forward)
+        return [LayerRecord(key, module_id, mode) for (key, module_id), mode in forward.items()]

@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+import ring_kernels
 from hfpatch import _compat
 from hfpatch.errors import UnsupportedArgument
 
@@ -65,6 +66,12 @@ _AUTO = "auto"
 
 # Kwargs that HF's own function would act on; every other kwarg is ignored by it and by us.
 _PAGED_KWARGS = ("cache", "cache_seqlens")
+
+# RingContext fields that a cached _Plan depends on: assigning any of them invalidates the plans.
+_PLAN_INPUTS = frozenset({"group", "rank", "world_size", "variant", "backend", "heads_k_stride", "step"})
+_NO_PLANS = object()  # a _plan_step no step is: the next call builds a new plan table
+_MAX_PLANS = 64  # distinct call configurations per step (a model has a handful); beyond this the table restarts
+_EMPTY: Mapping[str, Any] = {}
 
 
 # ----------------------------------------------------------------------------------------------- context
@@ -123,6 +130,21 @@ class RingContext:
     call_original: Optional[Callable[[dict, dict], torch.Tensor]] = None
     # role -> (tensor, tensor._version, result): per-step derivations keyed on the tensor HF passes to every layer.
     _seen: dict = field(default_factory=dict, repr=False)
+    # source -> the StepState last derived from HF's arguments (no shard_inputs): one object per step, so that its
+    # identity can key the plans below.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # The plans of ``_plan_step`` (the StepState they were built for): (causal, scale, window, softcap) -> _Plan.
+    # A call whose step is another object starts a new table; assigning a field a plan bakes in drops it.
+    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _plan_step: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _PLAN_INPUTS:  # the group, variant, backend, stride or step a plan was built from changed
+            object.__setattr__(self, "_plan_step", _NO_PLANS)
+            derived = self.__dict__.get("_derived")
+            if derived:  # derived states bake in the variant and the world size
+                derived.clear()
 
     def __post_init__(self) -> None:
         if self.variant != _AUTO and self.variant not in VARIANTS:
@@ -144,7 +166,7 @@ class RingContext:
 
     def set_step(self, step: Optional[StepState]) -> None:
         """Install the state of a new step (None: derive it from each call's arguments again)."""
-        self.step = step
+        self.step = step  # drops the plans and the derived states too (__setattr__)
         self._seen.clear()
 
 
@@ -194,47 +216,57 @@ def plan_step(variant: str, *, packed: bool, source: str = "shard_inputs") -> Tu
 def _refuse_unsupported(call: Mapping[str, Any], extra: Mapping[str, Any], q: torch.Tensor, k: torch.Tensor,
                         ctx: RingContext) -> None:
     """Raise ``UnsupportedArgument`` for anything ring attention cannot honour (see the module docstring)."""
-    for role in ("block_table", "k_cache", "v_cache"):
-        if call.get(role) is not None:
-            raise UnsupportedArgument(
-                role, call[role],
-                "a paged KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
-                "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for training/prefill.",
-            )
-    for name in _PAGED_KWARGS:
-        if extra.get(name) is not None:
-            raise UnsupportedArgument(
-                name, extra[name],
-                "a KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
-                "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for training/prefill.",
-            )
-    if k.shape[1] != q.shape[1]:
+    _refuse(call, extra, q.shape, k, ctx, call.get("sliding_window"), call.get("softcap"))
+
+
+def _refuse(call: Mapping[str, Any], extra: Mapping[str, Any], q_shape: torch.Size, k: torch.Tensor,
+            ctx: RingContext, window: Any, softcap: Any) -> None:
+    """``_refuse_unsupported`` on the hot path: every check runs on every call (a refusal is never cached), but
+    the common case -- nothing to refuse -- costs one ``is None`` per role. ``window``/``softcap``: the call's."""
+    get = call.get
+    if get("block_table") is not None or get("k_cache") is not None or get("v_cache") is not None:
+        role = next(r for r in ("block_table", "k_cache", "v_cache") if get(r) is not None)
+        raise UnsupportedArgument(
+            role, call[role],
+            "a paged KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
+            "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for training/prefill.",
+        )
+    if extra:
+        for name in _PAGED_KWARGS:
+            if extra.get(name) is not None:
+                raise UnsupportedArgument(
+                    name, extra[name],
+                    "a KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
+                    "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for "
+                    "training/prefill.",
+                )
+    if k.shape[1] != q_shape[1]:
         raise UnsupportedArgument(
             "key", k,
-            f"keys cover {k.shape[1]} tokens but queries {q.shape[1]}: a KV cache (generation) cannot be used with "
+            f"keys cover {k.shape[1]} tokens but queries {q_shape[1]}: a KV cache (generation) cannot be used with "
             f"context parallelism, where every rank holds an equal slice of one sequence.",
             "call the model with use_cache=False under CP, or generate without hfpatch (RING_ATTN_SWITCH=0).",
         )
-    _refuse_padding_mask(call.get("attention_mask"), ctx)
-    dropout = call.get("dropout") or 0.0
-    if float(dropout) > 0.0:
+    mask = get("attention_mask")
+    if mask is not None:
+        _refuse_padding_mask(mask, ctx)
+    dropout = get("dropout")
+    if dropout and float(dropout) > 0.0:
         raise UnsupportedArgument(
             "dropout", dropout,
             "attention dropout cannot be applied by the ring kernels; HF passes a non-zero dropout only when the "
             "attention module is in training mode.",
             "set the model's attention_dropout to 0.0 for CP training (config.attention_dropout = 0.0).",
         )
-    if extra.get("s_aux") is not None:
+    if extra and extra.get("s_aux") is not None:
         raise UnsupportedArgument(
             "s_aux", extra["s_aux"],
             "attention sinks need the log-sum-exp of every row, which the ring kernels do not return.",
             "train this model without context parallelism (hfpatch.apply(..., on_unsupported='fallback') or "
             "RING_ATTN_SWITCH=0).",
         )
-    softcap = call.get("softcap")
     if softcap is not None and float(softcap) < 0:
         raise UnsupportedArgument("softcap", softcap, "softcap must be >= 0 (0 or None: no capping).")
-    window = call.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise UnsupportedArgument(
             "sliding_window", window, "sliding_window must be None or a positive int (the window in tokens).",
@@ -248,7 +280,7 @@ def _refuse_padding_mask(mask: Optional[torch.Tensor], ctx: RingContext) -> None
         return
     if not isinstance(mask, torch.Tensor):
         raise UnsupportedArgument("attention_mask", mask, "expected a padding mask tensor or None.")
-    if _cached(ctx, "attention_mask", mask, lambda m: bool(m.bool().all())):
+    if _cached(ctx, "attention_mask", mask, _all_ones):
         return  # all ones: there is no padding to honour (HF >= 4.53 drops such a mask itself)
     raise UnsupportedArgument(
         "attention_mask", mask,
@@ -260,13 +292,17 @@ def _refuse_padding_mask(mask: Optional[torch.Tensor], ctx: RingContext) -> None
     )
 
 
-def _cached(ctx: RingContext, key: str, tensor: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
-    """``compute(tensor)``, cached while the same tensor object (unmodified) comes back: once per step, not per
-    layer. The entry keeps a reference to the tensor, so its id cannot be reused while cached."""
+def _all_ones(mask: torch.Tensor) -> bool:
+    return bool(mask.bool().all())
+
+
+def _cached(ctx: RingContext, key: str, tensor: torch.Tensor, compute: Callable[..., Any], *args: Any) -> Any:
+    """``compute(tensor, *args)``, cached while the same tensor object (unmodified) comes back: once per step, not
+    per layer. The entry keeps a reference to the tensor, so its id cannot be reused while cached."""
     hit = ctx._seen.get(key)
     if hit is not None and hit[0] is tensor and hit[1] == tensor._version:
         return hit[2]
-    result = compute(tensor)
+    result = compute(tensor, *args)
     ctx._seen[key] = (tensor, tensor._version, result)
     return result
 
@@ -293,29 +329,18 @@ def _window_is_inclusive() -> bool:
     return version is None or version >= _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE
 
 
-def _kernel_kwargs(call: Mapping[str, Any], step: StepState, ctx: RingContext) -> dict:
-    """Keyword arguments every ring_kernels function takes, from the call's roles."""
-    scale = call.get("softmax_scale")
-    softcap = call.get("softcap")
-    return dict(
-        group=ctx.group,
-        causal=bool(call.get("is_causal", True)),
-        softmax_scale=None if scale is None else float(scale),
-        backend=ctx.backend,
-        window_size=_window_size(call.get("sliding_window"), step.seq_len_global),
-        softcap=float(softcap or 0.0),
-    )
-
-
 # -------------------------------------------------------------------------------------------- the step
 
 
-def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext) -> StepState:
-    """The step's layout: from ``shard_inputs`` (checked against the call), else derived once per step."""
-    batch, seq_local = q.shape[0], q.shape[1]
+def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext,
+                   q_shape: Optional[torch.Size] = None) -> StepState:
+    """The step's layout: from ``shard_inputs`` (checked against the call), else derived once per step.
+    ``q_shape``: ``q.shape`` when the caller has it already (the hot path reads it once)."""
+    shape = q.shape if q_shape is None else q_shape
+    batch, seq_local = shape[0], shape[1]
     step = ctx.step
     if step is not None:
-        if (step.batch_size, step.seq_len_local) != (batch, seq_local):
+        if step.batch_size != batch or step.seq_len_local != seq_local:
             if step.source != "shard_inputs":  # a step set from outside (hfpatch.compat: update_*_params)
                 raise UnsupportedArgument(
                     "query", q,
@@ -339,14 +364,7 @@ def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext) -
 def _check_step_position_ids(position_ids, step: StepState, ctx: RingContext) -> None:
     if position_ids is None or step.position_ids is None or position_ids is step.position_ids:
         return
-    expected = step.position_ids
-
-    def same(p: torch.Tensor) -> bool:
-        if p.dim() != expected.dim() or p.shape[-1] != expected.shape[-1] or p.shape[0] not in (1, expected.shape[0]):
-            return False
-        return bool(torch.equal(p.expand_as(expected).to(expected.device), expected))
-
-    if not _cached(ctx, "step_position_ids", position_ids, same):
+    if not _cached(ctx, "step_position_ids", position_ids, _same_positions, step.position_ids):
         raise UnsupportedArgument(
             "position_ids", position_ids,
             "the model received position ids other than those shard_inputs returned for this step (the ring "
@@ -360,14 +378,9 @@ def _check_step_cu_seq_lens(call: Mapping[str, Any], step: StepState, ctx: RingC
     cu = call.get("cu_seq_lens_q")
     if cu is None and call.get("cu_seq_lens_k") is None:
         return
-    expected = step.cu_seqlens
-
-    def same(t: torch.Tensor) -> bool:
-        return expected is not None and torch.equal(t.to("cpu", torch.int64), expected.to("cpu", torch.int64))
-
     for role in ("cu_seq_lens_q", "cu_seq_lens_k"):
         value = call.get(role)
-        if value is None or not _cached(ctx, "step_" + role, value, same):
+        if value is None or not _cached(ctx, "step_" + role, value, _same_cu, step.cu_seqlens):
             raise UnsupportedArgument(
                 role, value,
                 "these cu_seq_lens differ from the document boundaries shard_inputs computed for this step.",
@@ -375,28 +388,43 @@ def _check_step_cu_seq_lens(call: Mapping[str, Any], step: StepState, ctx: RingC
             )
 
 
+def _same_positions(p: torch.Tensor, expected: torch.Tensor) -> bool:
+    if p.dim() != expected.dim() or p.shape[-1] != expected.shape[-1] or p.shape[0] not in (1, expected.shape[0]):
+        return False
+    return bool(torch.equal(p.expand_as(expected).to(expected.device), expected))
+
+
+def _same_cu(t: torch.Tensor, expected: Optional[torch.Tensor]) -> bool:
+    return expected is not None and torch.equal(t.to("cpu", torch.int64), expected.to("cpu", torch.int64))
+
+
 def _derived_step(call: Mapping[str, Any], batch: int, seq_local: int, ctx: RingContext) -> StepState:
     """No ``shard_inputs``: the user split each row contiguously; packing comes from HF's own arguments."""
-    seq_global = seq_local * ctx.world_size
     cu_q, cu_k = call.get("cu_seq_lens_q"), call.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         cu = _cached(ctx, "cu_seq_lens_q", cu_q if cu_q is not None else cu_k,
-                     lambda t: _global_cu_from_cu_seq_lens(t, cu_k, batch, seq_local, ctx))
-        kernel, layout = plan_step(ctx.variant, packed=True, source="cu_seq_lens")
-        return _new_state(ctx, kernel, layout, True, batch, seq_global, cu, "cu_seq_lens")
+                     _global_cu_from_cu_seq_lens, cu_k, batch, seq_local, ctx)
+        return _derived_state(ctx, "cu_seq_lens", batch, seq_local, cu)
     position_ids = call.get("position_ids")
     if position_ids is not None and batch == 1 and seq_local > 1:
-        cu = _cached(ctx, "position_ids", position_ids, lambda p: _global_cu_from_position_ids(p, seq_local, ctx))
+        cu = _cached(ctx, "position_ids", position_ids, _global_cu_from_position_ids, seq_local, ctx)
         if cu is not None:
-            kernel, layout = plan_step(ctx.variant, packed=True, source="position_ids")
-            return _new_state(ctx, kernel, layout, True, batch, seq_global, cu, "position_ids")
-    kernel, layout = plan_step(ctx.variant, packed=False, source="shape")
-    return _new_state(ctx, kernel, layout, False, batch, seq_global, None, "shape")
+            return _derived_state(ctx, "position_ids", batch, seq_local, cu)
+    return _derived_state(ctx, "shape", batch, seq_local, None)
 
 
-def _new_state(ctx, kernel, layout, packed, batch, seq_global, cu, source) -> StepState:
-    return StepState(kernel=kernel, layout=layout, packed=packed, batch_size=batch, seq_len_global=seq_global,
-                     seq_len_local=seq_global // ctx.world_size, cu_seqlens=cu, source=source)
+def _derived_state(ctx: RingContext, source: str, batch: int, seq_local: int,
+                   cu: Optional[torch.Tensor]) -> StepState:
+    """The StepState for a derived step: the same object for every layer of the step (built once per step; a
+    state holds its ``cu`` alive, so ``is`` tells the step's own boundaries from a new step's)."""
+    state = ctx._derived.get(source)
+    if state is None or state.cu_seqlens is not cu or state.seq_len_local != seq_local or state.batch_size != batch:
+        packed = cu is not None
+        kernel, layout = plan_step(ctx.variant, packed=packed, source=source)
+        state = ctx._derived[source] = StepState(
+            kernel=kernel, layout=layout, packed=packed, batch_size=batch, seq_len_global=seq_local * ctx.world_size,
+            seq_len_local=seq_local, cu_seqlens=cu, source=source)
+    return state
 
 
 def _global_cu_from_position_ids(position_ids: torch.Tensor, seq_local: int, ctx: RingContext):
@@ -462,8 +490,6 @@ def _global_cu_from_cu_seq_lens(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor]
 
 
 def _kernel(name: str) -> Callable:
-    import ring_kernels
-
     fn = getattr(ring_kernels, name, None)
     if fn is None:
         raise RuntimeError(f"ring_kernels.{name} is not available in this installation of ring_kernels")
@@ -476,31 +502,87 @@ _VARLEN_KERNELS = {"zigzag": "zigzag_ring_attn_varlen_func", "ring": "ring_attn_
                    "llama3": "llama3_attn_varlen_func"}
 
 
-def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> torch.Tensor:
-    """Attention of this rank's queries over the whole sequence, by ring attention over ``ctx.group``.
+class _Plan:
+    """What every call of one configuration in one step runs: the ring_kernels function (by name: looked up per
+    call, so a replaced ``ring_kernels`` attribute takes effect) and its keyword arguments. Built once per
+    (step, causal, softmax_scale, sliding_window, softcap); the kernel receives ``**kwargs``, its own copy.
 
-    ``call``: role -> value (``query`` (B, S_local, H, D), ``key``/``value`` (B, S_local, Hk, D), ...);
-    ``extra``: the caller's other keyword arguments. Returns (B, S_local, H, D) in the query's dtype.
-    No collective outside the kernels' own, no Python loop over tokens; the step state is cached.
+    cu_seqlens: packed steps only, the step's GLOBAL int32 cu_seqlens, one copy per device it was needed on.
     """
-    q, k, v = call["query"], call["key"], call["value"]
-    extra = extra or {}
-    _refuse_unsupported(call, extra, q, k, ctx)
-    step = _step_for_call(call, q, ctx)
-    kwargs = _kernel_kwargs(call, step, ctx)
+
+    __slots__ = ("kernel", "kwargs", "packed", "cu_seqlens")
+
+    def __init__(self, kernel: str, kwargs: dict, packed: bool, cu_seqlens: Optional[torch.Tensor]) -> None:
+        self.kernel = kernel
+        self.kwargs = kwargs
+        self.packed = packed
+        self.cu_seqlens = {} if cu_seqlens is None else {cu_seqlens.device: cu_seqlens}
+
+    def cu_on(self, device: torch.device) -> torch.Tensor:
+        cu = self.cu_seqlens.get(device)
+        if cu is None:
+            cu = self.cu_seqlens[device] = next(iter(self.cu_seqlens.values())).to(device)
+        return cu
+
+
+def _plan_for(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext) -> _Plan:
+    """The cached ``_Plan`` of this step and call configuration (built on the first call that needs it)."""
+    if ctx._plan_step is not step:  # a new step (or a changed context): the old plans are stale
+        ctx._plans = {}
+        ctx._plan_step = step
+    key = (causal, scale, window, softcap)
+    plan = ctx._plans.get(key)
+    if plan is None:
+        if len(ctx._plans) >= _MAX_PLANS:
+            ctx._plans.clear()
+        plan = ctx._plans[key] = _build_plan(step, causal, scale, window, softcap, ctx)
+    return plan
+
+
+def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext) -> _Plan:
+    kwargs = dict(
+        group=ctx.group,
+        causal=bool(causal),
+        softmax_scale=None if scale is None else float(scale),
+        backend=ctx.backend,
+        window_size=_window_size(window, step.seq_len_global),
+        softcap=float(softcap or 0.0),
+    )
     if step.packed:
-        kernel = _VARLEN_KERNELS[step.kernel]
         if step.kernel == "llama3":
             kwargs["heads_k_stride"] = ctx.heads_k_stride
-        cu = step.cu_seqlens.to(q.device)
-        out = _kernel(kernel)(q[0], k[0], v[0], cu, **kwargs)
-        return out.unsqueeze(0)
+        name = _VARLEN_KERNELS[step.kernel]
+        _kernel(name)  # fails now, with the name, if this ring_kernels lacks it
+        return _Plan(name, kwargs, True, step.cu_seqlens)
     kernel = step.kernel
     if not kwargs["causal"] and kwargs["window_size"] == (-1, -1):
         # Full attention does not depend on where the keys sit, so the contiguous ring computes it for any layout
         # (zigzag and stripe are causal-only kernels).
         kernel = "ring"
-    return _kernel(_BATCH_KERNELS[kernel])(q, k, v, **kwargs)
+    name = _BATCH_KERNELS[kernel]
+    _kernel(name)
+    return _Plan(name, kwargs, False, None)
+
+
+def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, by ring attention over ``ctx.group``.
+
+    ``call``: role -> value (``query`` (B, S_local, H, D), ``key``/``value`` (B, S_local, Hk, D), ...);
+    ``extra``: the caller's other keyword arguments. Returns (B, S_local, H, D) in the query's dtype.
+    No collective outside the kernels' own, no Python loop over tokens; the step state is derived once per step
+    and the kernel's arguments once per step and configuration (``_Plan``); every refusal runs on every call.
+    """
+    q, k, v = call["query"], call["key"], call["value"]
+    get = call.get
+    window, softcap = get("sliding_window"), get("softcap")
+    q_shape = q.shape
+    _refuse(call, extra or _EMPTY, q_shape, k, ctx, window, softcap)
+    step = _step_for_call(call, q, ctx, q_shape)
+    plan = _plan_for(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx)
+    kernel = _kernel(plan.kernel)
+    if plan.packed:  # HF's packed row (1, T, H, D) -> the varlen kernels' (T, H, D)
+        return kernel(q[0], k[0], v[0], plan.cu_on(q.device), **plan.kwargs).unsqueeze(0)
+    return kernel(q, k, v, **plan.kwargs)
 
 
 # ------------------------------------------------------------------------------------ reference attention
