@@ -54,6 +54,8 @@ CASES = {
     "empty_block": (1, 16, 16, 2, 1, 16, True, 0.0, "float32", "empty", _B16),
     # The CUDA launch path: autotuner (fake timer) -> heuristics (EVEN_*) -> kernel, grid from the chosen config.
     "autotuned_launch_causal_mqa": (1, 70, 70, 2, 1, 16, True, 0.0, "float32", "contiguous", "autotune"),
+    # Then another length in the same autotune bucket (70 and 100 -> 128): the tuners' choice is reused, not re-timed.
+    "autotuned_same_bucket_causal_mqa": (1, 100, 100, 2, 1, 16, True, 0.0, "float32", "contiguous", "autotune_again"),
 }
 
 # Max error allowed relative to the reference's largest magnitude (lse: absolute, it is O(log Sk)).
@@ -158,6 +160,12 @@ def _autotune_with_fake_timer(triton_attn) -> None:
     triton_attn._fixed_blocks = None
 
 
+def _tuning_state(tuners) -> dict:
+    """How many timings the fake timer took, and each tuner's cache keys (the key's first four entries are the
+    names in ``_TUNE_KEY``: tune_sq, tune_sk, HEAD_DIM, IS_CAUSAL; then the tensors' dtypes)."""
+    return {"bench_calls": tuners[0].do_bench.calls, "keys": [[tuple(k[:4]) for k in t.cache] for t in tuners]}
+
+
 def _child_main(in_path: str, out_path: str) -> None:
     """Run every case under the interpreter; a failing case records its traceback, the others still run."""
     import traceback
@@ -167,21 +175,26 @@ def _child_main(in_path: str, out_path: str) -> None:
     from ring_kernels.backends.base import BlockMask
 
     backend = triton_attn.TritonBackend()
+    tuners = (triton_attn._attn_fwd_tuned, triton_attn._attn_bwd_dkdv_tuned, triton_attn._attn_bwd_dq_tuned)
     results = {}
     for case_id, inp in torch.load(in_path).items():
         start = time.process_time()   # CPU seconds: the work itself, not how busy the machine is
+        blocks, before = CASES[case_id][-1], None
         try:
-            if CASES[case_id][-1] == "autotune":
+            if blocks == "autotune":
                 _autotune_with_fake_timer(triton_attn)
+            elif blocks == "autotune_again":   # the tuners as the previous case left them (cache, fake timer)
+                before = _tuning_state(tuners)
             else:
-                triton_attn._set_fixed_blocks(CASES[case_id][-1])
+                triton_attn._set_fixed_blocks(blocks)
             results[case_id] = {"tensors": _run_case(backend, BlockMask, case_id, inp)}
         except Exception:  # reported by that case's test, with the child's traceback
             results[case_id] = {"error": traceback.format_exc()}
         results[case_id]["seconds"] = time.process_time() - start
-        if CASES[case_id][-1] == "autotune" and "tensors" in results[case_id]:
-            results[case_id]["best_configs"] = [str(t.best_config) for t in (
-                triton_attn._attn_fwd_tuned, triton_attn._attn_bwd_dkdv_tuned, triton_attn._attn_bwd_dq_tuned)]
+        if blocks in ("autotune", "autotune_again"):
+            if "tensors" in results[case_id]:
+                results[case_id]["best_configs"] = [str(t.best_config) for t in tuners]
+            results[case_id]["tuning"] = (before, _tuning_state(tuners))
     torch.save(results, out_path)
 
 
@@ -331,6 +344,26 @@ def test_matches_float64_reference(interpreter_results, case_id):
         assert all(bool((got[n] == 0).all()) for n in ("out", "dq", "dk", "dv")), "empty block must give zeros"
     if CASES[case_id][10] == "autotune":
         assert len(result["best_configs"]) == 3 and "None" not in result["best_configs"], result["best_configs"]
+
+
+def test_autotune_is_keyed_by_length_bucket(interpreter_results):
+    """Sq = Sk = 70 tunes each kernel once, under the key (128, 128, head dim 16, causal); Sq = Sk = 100, in the
+    same bucket, reuses those choices: no new key, no new timing (a packed batch does not tune per document)."""
+    tuned = interpreter_results["autotuned_launch_causal_mqa"]["tuning"][1]
+    before, after = interpreter_results["autotuned_same_bucket_causal_mqa"]["tuning"]
+    assert tuned["keys"] == [[(128, 128, 16, True)]] * 3, tuned
+    assert tuned["bench_calls"] == 3 * 2, tuned          # three kernels, two configurations each
+    assert before == tuned and after == tuned, (before, after)
+
+
+def test_tune_bucket_table(triton_attn):
+    """Lengths share a key with every length up to the same power of two, within [16, 16384]."""
+    table = {0: 16, 1: 16, 16: 16, 17: 32, 70: 128, 100: 128, 128: 128, 129: 256, 4097: 8192, 8192: 8192,
+             8193: 16384, 16384: 16384, 100_000: 16384}
+    assert {n: triton_attn._tune_bucket(n) for n in table} == table
+    assert triton_attn._TUNE_KEY == ["tune_sq", "tune_sk", "HEAD_DIM", "IS_CAUSAL"]
+    for tuner in (triton_attn._attn_fwd_tuned, triton_attn._attn_bwd_dkdv_tuned, triton_attn._attn_bwd_dq_tuned):
+        assert tuner.keys == triton_attn._TUNE_KEY and {"tune_sq", "tune_sk"} <= set(tuner.arg_names)
 
 
 def test_interpreter_budget(interpreter_results):

@@ -17,8 +17,10 @@ Kernels (all private, compile-time parameters in upper case):
 
 Mask kinds: FULL, CAUSAL (aligned: q and k cover the same positions, Sq == Sk) and EMPTY (no kernel runs).
 Softcap (score -> c * tanh(score / c), flash-attn semantics) is applied in the kernels, forward and backward.
-On CUDA the launch configurations are autotuned per (Sq, Sk, head dim, causal); under Triton's interpreter
-(``TRITON_INTERPRET=1``, set before triton is imported) the kernels run on CPU tensors with small fixed blocks.
+On CUDA the launch configurations are autotuned per (bucket of Sq, bucket of Sk, head dim, causal), buckets being
+powers of two (``_tune_bucket``: packed documents of many lengths share a few tunings); under Triton's
+interpreter (``TRITON_INTERPRET=1``, set before triton is imported) the kernels run on CPU tensors with small
+fixed blocks.
 """
 from __future__ import annotations
 
@@ -113,12 +115,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, o
 def _attn_fwd(Q, K, V, Out, Lse,
               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-              H, GROUP, Sq, Sk, cap_in, score_scale2,
+              H, GROUP, Sq, Sk, cap_in, score_scale2, tune_sq, tune_sk,
               HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """One (query block, batch*head): out (BM, D) and lse (BM,). Needs BLOCK_M % BLOCK_N == 0 when causal.
 
     EVEN_N (Sk % BLOCK_N == 0, set by the heuristic) drops the ragged-tail loop from the compiled kernel.
+    tune_sq/tune_sk are unused here: they are the autotuner's key (``_tune_bucket`` of Sq and Sk).
     """
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
@@ -239,7 +242,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
                    stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                    stride_lb, stride_lh, stride_ls, stride_dkb, stride_dks, stride_dkh,
                    stride_dvb, stride_dvs, stride_dvh,
-                   H, HK, GROUP, Sq, Sk, scale, cap_in, score_scale2,
+                   H, HK, GROUP, Sq, Sk, scale, cap_in, score_scale2, tune_sq, tune_sk,
                    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    EVEN_M: tl.constexpr):
@@ -334,7 +337,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                  stride_lb, stride_lh, stride_ls, stride_dqb, stride_dqs, stride_dqh,
-                 H, GROUP, Sq, Sk, scale, cap_in, score_scale2,
+                 H, GROUP, Sq, Sk, scale, cap_in, score_scale2, tune_sq, tune_sk,
                  HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """dQ of one (query block, batch*head). Needs BLOCK_M % BLOCK_N == 0 when causal; EVEN_N as in _attn_fwd."""
@@ -399,7 +402,21 @@ _DKDV_CONFIGS = [
 _DQ_CONFIGS = [
     _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
 ]
-_TUNE_KEY = ["Sq", "Sk", "HEAD_DIM", "IS_CAUSAL"]
+# The autotuner's key: bucketed lengths, not Sq and Sk themselves. Packed documents of many lengths would each
+# tune (compile and time every configuration: seconds per new length); lengths in one bucket share the chosen
+# configuration instead. Results do not depend on it: a configuration only picks tile sizes, and the kernels
+# mask ragged tails whatever the tile (EVEN_* are still decided per launch from the exact lengths).
+_TUNE_KEY = ["tune_sq", "tune_sk", "HEAD_DIM", "IS_CAUSAL"]
+_TUNE_MIN = 16       # the smallest tile: shorter lengths all run one tile; a multiple of 16 keeps one
+                     # integer specialisation of tune_sq/tune_sk (no extra compile per bucket)
+_TUNE_CAP = 16384    # past this the best tiles are the largest ones whatever the length
+
+
+def _tune_bucket(length: int) -> int:
+    """Autotune key of a sequence length: the next power of two, clamped to [16, 16384] (1..16 -> 16,
+    17..32 -> 32, ..., > 8192 -> 16384)."""
+    return min(_TUNE_CAP, max(_TUNE_MIN, triton.next_power_of_2(max(int(length), 1))))
+
 
 _attn_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY)(_attn_fwd)
 _attn_bwd_dkdv_tuned = triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY)(_attn_bwd_dkdv)
@@ -539,7 +556,8 @@ class TritonBackend:
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         cap_in, score_scale2 = _score_params(float(scale), float(softcap))
         args = (q, k, v, out, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
-                lse.stride(0), lse.stride(1), h, h // hk, sq, sk, cap_in, score_scale2)
+                lse.stride(0), lse.stride(1), h, h // hk, sq, sk, cap_in, score_scale2,
+                _tune_bucket(sq), _tune_bucket(sk))
         meta = dict(HEAD_DIM=d, IS_CAUSAL=kind == CAUSAL, SOFTCAP=softcap > 0.0,
                     DOT_PRECISION=_dot_precision(q.dtype))
         with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
@@ -574,6 +592,7 @@ class TritonBackend:
         meta = dict(HEAD_DIM=d, IS_CAUSAL=kind == CAUSAL, SOFTCAP=softcap > 0.0,
                     DOT_PRECISION=_dot_precision(q.dtype))
         delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        tune = (_tune_bucket(sq), _tune_bucket(sk))
         with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
             block_delta = (_fixed_blocks or {}).get("delta", (64, 0))[0]
             _attn_bwd_delta[(triton.cdiv(sq, block_delta), b * h)](
@@ -581,9 +600,9 @@ class TritonBackend:
             common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *lse.stride())
             _launch(_attn_bwd_dkdv_tuned, _attn_bwd_dkdv, "dkdv", sk, b * hk,
                     (q, k, v, dout, lse, delta, dk, dv, *common, *_strides3(dk), *_strides3(dv),
-                     h, hk, h // hk, sq, sk, float(scale), cap_in, score_scale2), meta)
+                     h, hk, h // hk, sq, sk, float(scale), cap_in, score_scale2, *tune), meta)
             _launch(_attn_bwd_dq_tuned, _attn_bwd_dq, "dq", sq, b * h,
                     (q, k, v, dout, lse, delta, dq, *common, *_strides3(dq),
-                     h, h // hk, sq, sk, float(scale), cap_in, score_scale2), meta)
+                     h, h // hk, sq, sk, float(scale), cap_in, score_scale2, *tune), meta)
         return dq, dk, dv
 
