@@ -159,6 +159,22 @@ def test_binding_sites_by_from_import_only(tmp_path):
     assert result.class_methods == ()
 
 
+def test_a_module_that_binds_twice_is_two_sites_and_one_module(tmp_path):
+    """transformers 4.46.3's models/glm/modeling_glm.py binds the function twice: under
+    ``if is_flash_attn_2_available():`` (line 52) and again unconditionally (line 54). Both are sites; the module
+    counts once: 4.46.3 has 56 sites in 55 modules (the census's "56 modules" counted import statements)."""
+    importer = "from ...modeling_flash_attention_utils import _flash_attention_forward\n"
+    glm = f"if is_flash_attn_2_available():\n    {importer}\n{importer}"
+    extra = {"transformers/models/glm/__init__.py": "", "transformers/models/glm/modeling_glm.py": glm}
+    result = scan_wheel(make_wheel(tmp_path, "4.46.3", release_files("4.46.3", def_source("S2-4.44.2"), extra=extra)))
+    module = "transformers.models.glm.modeling_glm"
+    assert [(s.scope, s.line) for s in result.binding_sites if s.module == module] == [
+        ("module (conditional)", 2), ("module", 4)]
+    assert result.binding_modules.count(module) == 1
+    assert len(result.binding_sites) == len(EXPECTED_SITES) + 2
+    assert len(result.binding_modules) == len({m for m, _, _ in EXPECTED_SITES}) + 1
+
+
 @pytest.mark.parametrize("interface", list(INTERFACES))
 def test_attention_interface_kind_and_keys(tmp_path, interface):
     _, kind, keys, flash = INTERFACES[interface]
