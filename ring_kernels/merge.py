@@ -1,4 +1,4 @@
-"""Merging blocks of attention through their log-sum-exp, in fp32, in place.
+"""Combining partial results of attention: the LSE merge of outputs and the sum of gradients, fp32 math.
 
 A ring computes the attention of this rank's queries against one key/value block at a time. Each block
 gives a partial output ``o_b`` (normalised over the block's keys only) and its log-sum-exp ``lse_b``.
@@ -8,24 +8,34 @@ Two partial results over disjoint key sets combine exactly:
     o   = o_1 * exp(lse_1 - lse) + o_2 * exp(lse_2 - lse)
 
 Shapes (batch layout; varlen uses B = 1):
-    out_acc: (B, S, H, D) float32        lse_acc: (B, H, S) float32
-    block_out: (B, S, H, D) any dtype    block_lse: (B, H, S) float32
+    outputs a, b, dst: (B, S, H, D), each fp32, bf16 or fp16      lse: (B, H, S) float32
+
+``merge_(dst, a, lse_a, b, lse_b)`` writes ``dst = merge(a, b)`` and the merged LSE into ``lse_a``, in place;
+``dst`` may be ``a`` itself. The arithmetic is fp32 whatever the dtypes, and the result is rounded once, to
+``dst``'s dtype: a ring merges straight into its bf16 output when a row receives its last block, and keeps an
+fp32 accumulator only for rows with >= 3 blocks (``ring_kernels.ring``). ``add_(dst, a, b)`` is the same for
+gradients: ``dst = a + b`` in fp32, rounded once to ``dst``'s dtype (``torch.add`` would round bf16 + bf16 to
+bf16 first when ``dst`` is fp32).
 
 A row that has seen no key yet has ``lse = -inf`` and ``out = 0``; merging two such rows keeps them so,
 without NaN (``exp(-inf - -inf)`` is what a naive merge would compute).
 
-On CUDA with triton installed, ``merge_block_`` runs one fused kernel (read acc, read block, write acc: the
-fp32 accumulator crosses memory once instead of about four times in eager PyTorch); elsewhere, or when
-``RING_KERNELS_FUSED_MERGE=0``, it runs the eager version. Both compute the same formula.
+On CUDA with triton installed, ``merge_`` (and ``add_`` when it widens) runs one fused kernel: read a and b,
+write dst, each crossing memory once (eager PyTorch crosses them about four times). Elsewhere, when
+``RING_KERNELS_FUSED_MERGE=0``, or when the kernel fails to compile (a warning says why, once), they run the
+eager version, which computes the same formula.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["new_accumulators", "set_block_", "merge_block_", "finalize", "safe_lse"]
+__all__ = ["new_accumulators", "set_block_", "merge_", "merge_block_", "add_", "finalize", "safe_lse"]
+
+_LOW = (torch.bfloat16, torch.float16)
 
 
 def new_accumulators(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -42,30 +52,38 @@ def set_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Te
     lse_acc.copy_(block_lse)
 
 
-def _row_weight(lse: torch.Tensor, new_lse_safe: torch.Tensor) -> torch.Tensor:
-    """exp(lse - new_lse) as (B, S, H, 1), ready to broadcast over an output (B, S, H, D)."""
-    return torch.exp(lse - new_lse_safe).transpose(1, 2).unsqueeze(-1)
+def merge_(dst: torch.Tensor, a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """``dst = merge(a, b)`` and ``lse_a = logaddexp(lse_a, lse_b)``, fp32 math, one rounding to ``dst.dtype``.
 
-
-def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Merge one block into the accumulators, in place (both may be views, e.g. half of the rows).
-
-    ``out_acc`` (B, S, H, D) fp32 and ``lse_acc`` (B, H, S) fp32 are updated; ``block_out`` (B, S, H, D) may be
-    bf16/fp16 (it is promoted inside the multiply-add, never materialised in fp32).
+    dst, a, b: (B, S, H, D), any of fp32/bf16/fp16 (views allowed; ``dst`` may be ``a``, never partly overlap
+    it, never overlap ``b``); lse_a, lse_b: (B, H, S) fp32.
     """
-    if out_acc.is_cuda and _use_fused():
-        _merge_fused_(out_acc, lse_acc, block_out, block_lse)
-    else:
-        _merge_eager_(out_acc, lse_acc, block_out, block_lse)
+    if dst.is_cuda and _use_fused() and _rows_contiguous(dst, a, b):
+        if _launch(_merge_into_fused_, dst, a, lse_a, b, lse_b):
+            return
+    _merge_into_eager_(dst, a, lse_a, b, lse_b)
 
 
-def _merge_eager_(out_acc, lse_acc, block_out, block_lse) -> None:
-    new_lse = torch.logaddexp(lse_acc, block_lse)
-    # Rows that still see no key: new_lse = -inf. Subtract 0 there instead, so both weights are exp(-inf) = 0.
-    new_safe = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
-    out_acc.mul_(_row_weight(lse_acc, new_safe))
-    out_acc.addcmul_(block_out, _row_weight(block_lse, new_safe))
-    lse_acc.copy_(new_lse)
+def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
+                 block_lse: torch.Tensor) -> None:
+    """Merge one block into accumulators in place: ``merge_(out_acc, out_acc, lse_acc, block_out, block_lse)``."""
+    merge_(out_acc, out_acc, lse_acc, block_out, block_lse)
+
+
+def add_(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``dst = a + b`` computed in fp32 (for fp32/bf16/fp16 operands), rounded once to ``dst.dtype``.
+
+    Shapes (B, S, H, D) alike; ``dst`` may be ``a``, never ``b``. ``torch.add`` already does this unless both
+    operands are half precision and ``dst`` is wider (it would round the sum to half precision first): that
+    case is one fused pass on CUDA, a copy and an fp32 add elsewhere.
+    """
+    if not (a.dtype in _LOW and b.dtype in _LOW and dst.dtype == torch.float32):
+        torch.add(a, b, out=dst)
+        return
+    if dst.is_cuda and _use_fused() and _rows_contiguous(dst, a, b):
+        if _launch(_add_fused_, dst, a, b):
+            return
+    _add_eager_(dst, a, b)
 
 
 def finalize(out_acc: torch.Tensor, lse_acc: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +100,42 @@ def safe_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
+# ------------------------------------------------------------------------------------------------ eager
+
+def _row_weight(lse: torch.Tensor, new_lse_safe: torch.Tensor) -> torch.Tensor:
+    """exp(lse - new_lse) as (B, S, H, 1), ready to broadcast over an output (B, S, H, D)."""
+    return torch.exp(lse - new_lse_safe).transpose(1, 2).unsqueeze(-1)
+
+
+def _merge_into_eager_(dst, a, lse_a, b, lse_b) -> None:
+    new_lse = torch.logaddexp(lse_a, lse_b)
+    # Rows that still see no key: new_lse = -inf. Subtract 0 there instead, so both weights are exp(-inf) = 0.
+    new_safe = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
+    wa, wb = _row_weight(lse_a, new_safe), _row_weight(lse_b, new_safe)
+    if dst.dtype == torch.float32 and dst.data_ptr() == a.data_ptr() and dst.stride() == a.stride():
+        dst.mul_(wa)                               # in place on an fp32 accumulator: no temporary
+        dst.addcmul_(b, wb)
+    else:
+        merged = a * wa                            # fp32 (the weights are fp32), then one rounding into dst
+        merged.addcmul_(b, wb)
+        dst.copy_(merged)
+    lse_a.copy_(new_lse)
+
+
+def _merge_eager_(out_acc, lse_acc, block_out, block_lse) -> None:
+    """The eager merge in place into an accumulator (``merge_block_``'s eager path)."""
+    _merge_into_eager_(out_acc, out_acc, lse_acc, block_out, block_lse)
+
+
+def _add_eager_(dst, a, b) -> None:
+    dst.copy_(a)                                   # exact: half precision widens to fp32 without rounding
+    dst.add_(b)                                    # fp32 + half: computed in fp32, one rounding
+
+
 # ------------------------------------------------------------------------------------------ fused (triton)
 
 _FUSED_ENV = "RING_KERNELS_FUSED_MERGE"
-_fused_kernel = None
+_kernels = None
 _fused_available: Optional[bool] = None
 
 
@@ -95,68 +145,115 @@ def _use_fused() -> bool:
         return False
     if _fused_available is None:
         try:
-            _build_fused_kernel()
+            _build_fused_kernels()
             _fused_available = True
         except ImportError:
             _fused_available = False
     return _fused_available
 
 
-def _build_fused_kernel():
-    """Compile-on-first-use Triton kernel; defined lazily so importing ring_kernels never imports triton."""
-    global _fused_kernel
-    if _fused_kernel is not None:
-        return _fused_kernel
+def _rows_contiguous(*tensors: torch.Tensor) -> bool:
+    """The kernels address rows (b, s, h) by strides and need each row's head dim contiguous."""
+    return all(t.dim() == 4 and (t.stride(-1) == 1 or t.shape[-1] == 1) for t in tensors)
+
+
+def _launch(fused, *args) -> bool:
+    """Run a fused kernel; on a compile or launch failure turn the fused path off (warning once) and say so."""
+    global _fused_available
+    try:
+        fused(*args)
+        return True
+    except Exception as exc:  # noqa: BLE001 - a Triton build/launch failure of any kind: the eager path is exact
+        _fused_available = False
+        warnings.warn(f"ring_kernels.merge: the fused Triton kernel failed ({type(exc).__name__}: {exc}); "
+                      f"using the eager merge from now on (set {_FUSED_ENV}=0 to skip the attempt)",
+                      RuntimeWarning, stacklevel=3)
+        return False
+
+
+def _build_fused_kernels():
+    """Compile-on-first-use Triton kernels; defined lazily so importing ring_kernels never imports triton."""
+    global _kernels
+    if _kernels is not None:
+        return _kernels
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _merge_rows(out_ptr, lse_ptr, blk_ptr, blk_lse_ptr,
-                    S, H, D,
-                    o_sb, o_ss, o_sh, l_sb, l_sh, l_ss, bo_sb, bo_ss, bo_sh, bl_sb, bl_sh, bl_ss,
+    def _merge_rows(dst_ptr, a_ptr, lse_ptr, b_ptr, blse_ptr, S, H, D,
+                    d_sb, d_ss, d_sh, a_sb, a_ss, a_sh, l_sb, l_sh, l_ss, b_sb, b_ss, b_sh, bl_sb, bl_sh, bl_ss,
                     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, N_ROWS):
-        # One program merges BLOCK_ROWS rows (b, s, h) of BLOCK_D >= D columns. Head dim is contiguous.
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_ok = rows < N_ROWS
-        h = rows % H
-        s = (rows // H) % S
-        b = rows // (H * S)
-        a = tl.load(lse_ptr + b * l_sb + h * l_sh + s * l_ss, mask=row_ok, other=float("-inf"))
-        c = tl.load(blk_lse_ptr + b * bl_sb + h * bl_sh + s * bl_ss, mask=row_ok, other=float("-inf"))
-        m = tl.maximum(a, c)
+        # One program merges BLOCK_ROWS rows of BLOCK_D >= D columns: reads a and b, writes dst (may be a).
+        # Rows are (b, s, h) triples, h fastest; int64 so that offsets of large tensors cannot overflow.
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_ok, b, s, h = rows < N_ROWS, rows // (H * S), (rows // H) % S, rows % H
+        la = tl.load(lse_ptr + b * l_sb + h * l_sh + s * l_ss, mask=row_ok, other=float("-inf"))
+        lb = tl.load(blse_ptr + b * bl_sb + h * bl_sh + s * bl_ss, mask=row_ok, other=float("-inf"))
+        m = tl.maximum(la, lb)
         dead = m == float("-inf")                 # no key seen in either: keep out 0, lse -inf, no NaN
         m_safe = tl.where(dead, 0.0, m)
-        sum_exp = tl.exp(a - m_safe) + tl.exp(c - m_safe)
+        sum_exp = tl.exp(la - m_safe) + tl.exp(lb - m_safe)
         new = tl.where(dead, float("-inf"), m_safe + tl.log(tl.where(dead, 1.0, sum_exp)))
         new_safe = tl.where(dead, 0.0, new)
-        wa = tl.exp(a - new_safe)
-        wc = tl.exp(c - new_safe)
+        wa = tl.exp(la - new_safe)
+        wb = tl.exp(lb - new_safe)
         cols = tl.arange(0, BLOCK_D)
         ok = row_ok[:, None] & (cols[None, :] < D)
-        o_off = (b * o_sb + s * o_ss + h * o_sh)[:, None] + cols[None, :]
-        bo_off = (b * bo_sb + s * bo_ss + h * bo_sh)[:, None] + cols[None, :]
-        acc = tl.load(out_ptr + o_off, mask=ok, other=0.0)
-        blk = tl.load(blk_ptr + bo_off, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + o_off, acc * wa[:, None] + blk * wc[:, None], mask=ok)
+        x = tl.load(a_ptr + (b * a_sb + s * a_ss + h * a_sh)[:, None] + cols[None, :], mask=ok, other=0.0)
+        y = tl.load(b_ptr + (b * b_sb + s * b_ss + h * b_sh)[:, None] + cols[None, :], mask=ok, other=0.0)
+        merged = x.to(tl.float32) * wa[:, None] + y.to(tl.float32) * wb[:, None]
+        tl.store(dst_ptr + (b * d_sb + s * d_ss + h * d_sh)[:, None] + cols[None, :],
+                 merged.to(dst_ptr.dtype.element_ty), mask=ok)
         tl.store(lse_ptr + b * l_sb + h * l_sh + s * l_ss, new, mask=row_ok)
 
-    _fused_kernel = (triton, _merge_rows)
-    return _fused_kernel
+    @triton.jit
+    def _add_rows(dst_ptr, a_ptr, b_ptr, S, H, D, d_sb, d_ss, d_sh, a_sb, a_ss, a_sh, b_sb, b_ss, b_sh,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, N_ROWS):
+        # Rows are (b, s, h) triples, h fastest; int64 so that offsets of large tensors cannot overflow.
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_ok, b, s, h = rows < N_ROWS, rows // (H * S), (rows // H) % S, rows % H
+        cols = tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (cols[None, :] < D)
+        x = tl.load(a_ptr + (b * a_sb + s * a_ss + h * a_sh)[:, None] + cols[None, :], mask=ok, other=0.0)
+        y = tl.load(b_ptr + (b * b_sb + s * b_ss + h * b_sh)[:, None] + cols[None, :], mask=ok, other=0.0)
+        total = x.to(tl.float32) + y.to(tl.float32)
+        tl.store(dst_ptr + (b * d_sb + s * d_ss + h * d_sh)[:, None] + cols[None, :],
+                 total.to(dst_ptr.dtype.element_ty), mask=ok)
+
+    _kernels = (triton, _merge_rows, _add_rows)
+    return _kernels
 
 
-def _merge_fused_(out_acc, lse_acc, block_out, block_lse) -> None:
-    """The fused merge: one pass over (B*S*H) rows; any strides except a contiguous head dim."""
-    triton, kernel = _build_fused_kernel()
-    if out_acc.stride(-1) != 1 or block_out.stride(-1) != 1:
-        return _merge_eager_(out_acc, lse_acc, block_out, block_lse)
-    b, s, h, d = out_acc.shape
+def _grid(triton, dst: torch.Tensor) -> Tuple[tuple, dict]:
+    """Launch grid and block sizes for (B, S, H, D) rows: ~4096 elements per program."""
+    b, s, h, d = dst.shape
     n_rows = b * s * h
     block_d = triton.next_power_of_2(d)
     block_rows = max(1, min(64, 4096 // block_d))
-    grid = (triton.cdiv(n_rows, block_rows),)
-    kernel[grid](out_acc, lse_acc, block_out, block_lse, s, h, d,
-                 out_acc.stride(0), out_acc.stride(1), out_acc.stride(2),
-                 lse_acc.stride(0), lse_acc.stride(1), lse_acc.stride(2),
-                 block_out.stride(0), block_out.stride(1), block_out.stride(2),
-                 block_lse.stride(0), block_lse.stride(1), block_lse.stride(2),
-                 BLOCK_ROWS=block_rows, BLOCK_D=block_d, N_ROWS=n_rows)
+    return (triton.cdiv(n_rows, block_rows),), dict(BLOCK_ROWS=block_rows, BLOCK_D=block_d, N_ROWS=n_rows)
+
+
+def _merge_fused_(out_acc, lse_acc, block_out, block_lse) -> None:
+    """The fused merge in place into an accumulator (``merge_block_``'s fused path)."""
+    _merge_into_fused_(out_acc, out_acc, lse_acc, block_out, block_lse)
+
+
+def _merge_into_fused_(dst, a, lse_a, b, lse_b) -> None:
+    """The fused merge: one pass over (B*S*H) rows; any strides except a contiguous head dim."""
+    triton, merge_rows, _ = _build_fused_kernels()
+    if dst.numel() == 0:
+        return
+    grid, sizes = _grid(triton, dst)
+    _, s, h, d = dst.shape
+    merge_rows[grid](dst, a, lse_a, b, lse_b, s, h, d, *dst.stride()[:3], *a.stride()[:3], *lse_a.stride(),
+                     *b.stride()[:3], *lse_b.stride(), **sizes)
+
+
+def _add_fused_(dst, a, b) -> None:
+    """The fused widening add: dst (fp32) = a + b (half precision) in one pass."""
+    triton, _, add_rows = _build_fused_kernels()
+    if dst.numel() == 0:
+        return
+    grid, sizes = _grid(triton, dst)
+    _, s, h, d = dst.shape
+    add_rows[grid](dst, a, b, s, h, d, *dst.stride()[:3], *a.stride()[:3], *b.stride()[:3], **sizes)

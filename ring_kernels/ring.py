@@ -2,17 +2,31 @@
 
 Rank r of N holds a contiguous slice of the sequence: q, k, v of shape (B, S, H|Hk, D), global positions
 [r*S, (r+1)*S). At step s it computes its queries against the K/V block of rank (r - s) mod N while the next
-block is already in flight (``comm.RingExchange``), merging each block's (out, lse) into fp32 accumulators
-(``merge``). The backward sends K/V around again and passes fp32 dK/dV accumulators one step behind them, so
-that after N steps each rank holds the gradients of its own K/V summed over every rank's queries.
+block is already in flight (``comm.RingExchange``) and merges each block's (out, lse) by their log-sum-exp
+(``merge``). The backward sends K/V around again and passes dK/dV partial sums one step behind them, so that
+after N steps each rank holds the gradients of its own K/V summed over every rank's queries.
 
 A *layout* only decides which (query rows, key rows, mask) blocks one step computes: ``_Block`` lists below.
 Standard (no window) blocks are FULL or aligned CAUSAL, so fast backends never need a dense mask.
+
+Rounding: every value is rounded to its output dtype exactly once, and fp32 intermediates exist only where a
+value receives >= 3 contributions. ``_plan`` counts, from the blocks alone, how many contributions each row
+range gets; the first block's out/dq stays in the buffer the backend returned (which becomes the result: a
+world of one returns the block's own tensors, no copy); a row's last contribution merges (or adds) straight
+into that buffer with fp32 math; only rows with >= 3 contributions go through an fp32 accumulator, opened by
+their second contribution and closed by the last one with the cast fused. With 2 ranks every row of every
+layout gets <= 2, so there is no fp32 output or gradient buffer at all, and the dK/dV partial sums travel in
+k's dtype (each K/V row: its own rank's contribution, then the other rank's, rounded once). With more ranks
+the partial sums travel in fp32 and the last hop adds and casts in one pass.
+
+Memory: no allocation inside the ring loops that can be hoisted: receive buffers, accumulators and the dK/dV
+partial buffers are allocated before the loop (the final dK/dV of N >= 3 rings land in the K/V receive
+buffers, free by then); inside the loop only the backends allocate their block results.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,7 +34,7 @@ from . import _validate
 from .backends import CAUSAL, FULL, GENERAL, get_backend
 from .backends.base import BlockBackend, BlockMask
 from .comm import RingExchange, group_rank_and_size
-from .merge import merge_block_, new_accumulators, set_block_
+from .merge import add_, merge_
 
 __all__ = ["ring_attn_func"]
 
@@ -38,7 +52,8 @@ class _Block:
 
 @dataclass
 class _RingConfig:
-    """Everything one call needs besides the tensors; ``steps[s]`` = blocks of step s (K/V from rank - s)."""
+    """Everything one call needs besides the tensors; ``steps[s]`` = blocks of step s (K/V from rank - s).
+    ``plan`` (the contribution counts of ``steps``) is derived on first use and shared by forward and backward."""
 
     steps: List[List[_Block]]
     backend: BlockBackend
@@ -47,30 +62,174 @@ class _RingConfig:
     group: object
     rank: int
     world: int
+    plan: Optional["_Plan"] = None
 
 
-# ----------------------------------------------------------------------------------------------- engine
+# ------------------------------------------------------------------------------------ contribution plan
 
-def _first_block_covers_all(cfg: _RingConfig) -> bool:
-    """Whether step 0 starts with a block over every query and key row: it can then initialise the fp32
-    accumulators by a copy (no zero fill, no read of zeros)."""
-    first = cfg.steps[0] if cfg.steps else []
-    return bool(first) and first[0].q_rows == _ALL and first[0].kv_rows == _ALL
+# What one contribution (a block's rows) does, given how many the rows got before it (i) and get in all (n).
+FIRST = "first"              # i = 1: becomes the holder (the result buffer), or is it (adopted, no copy)
+LAST_OF_TWO = "last_of_two"  # i = 2 = n: result = holder (+) block, one rounding, no fp32 buffer
+OPEN = "open"                # i = 2 < n: fp32 accumulator = holder (+) block
+MIDDLE = "middle"            # 2 < i < n: accumulator (+)= block
+CLOSE = "close"              # i = n > 2: result = accumulator (+) block, cast fused
+
+
+def _action(i: int, n: int) -> str:
+    if i == 1:
+        return FIRST
+    if n == 2:
+        return LAST_OF_TWO
+    return OPEN if i == 2 else (MIDDLE if i < n else CLOSE)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Rows ``rows`` of the local tensor receive rows ``block_rows`` of one block's result, by ``action``."""
+
+    rows: slice
+    block_rows: slice
+    action: str
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    """How the contributions of a sequence of row ranges combine over n rows.
+
+    ``parts[i]``: the parts of contributor i, in order. ``untouched``: row ranges no contributor reaches (zero
+    them, or pass the holder through). ``adopt``: the first contributor covers every row and is the first of
+    all, so its tensor can be the result. ``accumulates``: some rows get >= 3 contributions (an fp32 buffer).
+    """
+
+    parts: Tuple[Tuple[_Part, ...], ...]
+    untouched: Tuple[slice, ...]
+    adopt: bool
+    accumulates: bool
+
+
+def _bounds(rows: slice, n: int) -> Tuple[int, int]:
+    start, stop, step = rows.indices(n)
+    assert step == 1, f"block rows {rows} must be a unit-step slice"
+    return start, max(start, stop)
+
+
+def _plan_rows(ranges: Sequence[Tuple[int, int]], n: int, initial: int = 0) -> _RowPlan:
+    """Plan contributions over rows [0, n): ``ranges`` are the contributors' (start, stop) in order; every row
+    already holds ``initial`` contributions (0, or 1 for a dK/dV partial sum received from the previous rank).
+    Pure Python over range ends: O(contributors x elementary segments they cover), no tensor is inspected."""
+    cuts = sorted({0, n, *(a for a, _ in ranges), *(b for _, b in ranges)})
+    where = {c: i for i, c in enumerate(cuts)}
+    total = [initial] * (len(cuts) - 1)
+    for a, b in ranges:
+        for seg in range(where[a], where[b]):
+            total[seg] += 1
+    seen = list([initial] * len(total))
+    parts = []
+    for a, b in ranges:
+        mine: List[_Part] = []
+        for seg in range(where[a], where[b]):
+            seen[seg] += 1
+            lo, hi, act = cuts[seg], cuts[seg + 1], _action(seen[seg], total[seg])
+            if mine and mine[-1].action == act and mine[-1].rows.stop == lo:
+                prev = mine[-1]
+                mine[-1] = _Part(slice(prev.rows.start, hi), slice(prev.block_rows.start, hi - a), act)
+            else:
+                mine.append(_Part(slice(lo, hi), slice(lo - a, hi - a), act))
+        parts.append(tuple(mine))
+    untouched: List[slice] = []
+    for seg, count in enumerate(total):
+        if count == initial and cuts[seg + 1] > cuts[seg]:
+            if untouched and untouched[-1].stop == cuts[seg]:
+                untouched[-1] = slice(untouched[-1].start, cuts[seg + 1])
+            else:
+                untouched.append(slice(cuts[seg], cuts[seg + 1]))
+    adopt = initial == 0 and bool(ranges) and ranges[0] == (0, n)
+    return _RowPlan(tuple(parts), tuple(untouched), adopt, any(t >= 3 for t in total))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Query rows: one plan over every block of every step in order (forward outputs and dq alike).
+    K/V rows: one plan per step (hop) over that step's blocks; a hop after the first starts from the partial
+    sum received from the previous rank (initial = 1)."""
+
+    q: _RowPlan
+    kv: Tuple[_RowPlan, ...]
+
+
+def _plan(steps: List[List[_Block]], seqlen_q: int, seqlen_k: int) -> _Plan:
+    q_ranges = [_bounds(b.q_rows, seqlen_q) for blocks in steps for b in blocks]
+    kv = tuple(_plan_rows([_bounds(b.kv_rows, seqlen_k) for b in blocks], seqlen_k, initial=min(step, 1))
+               for step, blocks in enumerate(steps))
+    return _Plan(_plan_rows(q_ranges, seqlen_q), kv)
+
+
+def _plan_of(cfg: _RingConfig, q: torch.Tensor, k: torch.Tensor) -> _Plan:
+    if cfg.plan is None:
+        cfg.plan = _plan(cfg.steps, q.shape[1], k.shape[1])
+    return cfg.plan
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+def _adoptable(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A backend's result can become ours (returned, sent, merged into in place) without a copy."""
+    return x.dtype == dtype and x.is_contiguous()
+
+
+class _Outputs:
+    """The forward's result buffers: out (B, S, H, D) in q's dtype, lse (B, H, S) fp32, and the fp32
+    accumulator of rows with >= 3 blocks (out itself when q is fp32)."""
+
+    def __init__(self, q: torch.Tensor, plan: _RowPlan):
+        b, s, h, _ = q.shape
+        self.out = self.lse = None
+        if not plan.adopt:
+            self.out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self.lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+            for rows in plan.untouched:                  # rows that see no key at all: out 0, lse -inf
+                self.out[:, rows] = 0
+                self.lse[:, :, rows] = float("-inf")
+        wide = plan.accumulates and q.dtype != torch.float32
+        self._acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if wide else None
+
+    @property
+    def acc(self) -> torch.Tensor:
+        return self._acc if self._acc is not None else self.out
+
+    def take(self, parts: Sequence[_Part], out: torch.Tensor, lse: torch.Tensor, first: bool, dtype) -> None:
+        """Fold one block's (out, lse) into the result, part by part (``first``: the adoptable block)."""
+        if first and self.out is None:
+            if _adoptable(out, dtype) and lse.dtype == torch.float32:
+                self.out, self.lse = out, lse            # the block's own buffers become the result
+                return
+            self.out = torch.empty(out.shape, dtype=dtype, device=out.device)
+            self.lse = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+        for part in parts:
+            r, g, gl = part.rows, out[:, part.block_rows], lse[:, :, part.block_rows]
+            held, held_lse = self.out[:, r], self.lse[:, :, r]
+            if part.action == FIRST:
+                held.copy_(g)
+                held_lse.copy_(gl)
+            elif part.action == LAST_OF_TWO:
+                merge_(held, held, held_lse, g, gl)
+            elif part.action == OPEN:
+                merge_(self.acc[:, r], held, held_lse, g, gl)
+            elif part.action == MIDDLE:
+                merge_(self.acc[:, r], self.acc[:, r], held_lse, g, gl)
+            else:
+                merge_(held, self.acc[:, r], held_lse, g, gl)
 
 
 def _forward(q, k, v, cfg: _RingConfig) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Ring forward: q (B, S, H, D), k/v (B, S, Hk, D) -> out_acc (B, S, H, D) fp32, lse (B, H, S) fp32."""
-    if _first_block_covers_all(cfg):
-        b, s, h, _ = q.shape
-        out_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        lse_acc = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
-    else:
-        out_acc, lse_acc = new_accumulators(q)
+    """Ring forward: q (B, S, H, D), k/v (B, S, Hk, D) -> out (B, S, H, D) in q's dtype, lse (B, H, S) fp32."""
+    plan = _plan_of(cfg, q, k).q
+    result = _Outputs(q, plan)
     exchange = RingExchange(cfg.group, tag=0)
     # Two receive buffers alternate (the one just computed on may still be read by the send in flight).
     buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, cfg.world - 1))]
     current = (k, v)
-    accumulators_empty = True
+    contributor = 0
     for step, blocks in enumerate(cfg.steps):
         incoming = buffers[step % 2] if step + 1 < cfg.world else None
         if incoming is not None:
@@ -79,79 +238,151 @@ def _forward(q, k, v, cfg: _RingConfig) -> Tuple[torch.Tensor, torch.Tensor]:
             out, lse = cfg.backend.forward(
                 q[:, block.q_rows], current[0][:, block.kv_rows], current[1][:, block.kv_rows],
                 scale=cfg.scale, mask=block.mask, softcap=cfg.softcap)
-            if accumulators_empty and block.q_rows == _ALL:
-                set_block_(out_acc, lse_acc, out, lse)   # a copy instead of a merge into -inf
-            else:
-                merge_block_(out_acc[:, block.q_rows], lse_acc[:, :, block.q_rows], out, lse)
-            accumulators_empty = False
+            result.take(plan.parts[contributor], out, lse, plan.adopt and contributor == 0, q.dtype)
+            contributor += 1
         if incoming is not None:
             exchange.wait()
             current = incoming
-    return out_acc, lse_acc
+    return result.out, result.lse
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+def _fold_grads(parts: Sequence[_Part], grad: torch.Tensor, holder: torch.Tensor, result: torch.Tensor,
+                acc: torch.Tensor) -> None:
+    """Fold one block's gradient (B, Sb, H, D) into ``result`` (the rows' first contribution lives in
+    ``holder``; ``acc`` is fp32 for rows with >= 3). Each row is rounded to ``result``'s dtype once."""
+    for part in parts:
+        r, g = part.rows, grad[:, part.block_rows]
+        if part.action == FIRST:
+            result[:, r].copy_(g)
+        elif part.action == LAST_OF_TWO:
+            add_(result[:, r], holder[:, r], g)
+        elif part.action == OPEN:
+            assert acc is not None, "rows with >= 3 contributions but no fp32 accumulator was planned"
+            add_(acc[:, r], holder[:, r], g)
+        elif part.action == MIDDLE:
+            add_(acc[:, r], acc[:, r], g)
+        else:
+            add_(result[:, r], acc[:, r], g)
+
+
+def _accumulator(result: torch.Tensor, holder: torch.Tensor,
+                 spare: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The fp32 buffer of rows with >= 3 contributions: the result or the holder when fp32, else ``spare``."""
+    if result.dtype == torch.float32:
+        return result
+    if holder.dtype == torch.float32:
+        return holder                                 # a received fp32 partial sum: ours to overwrite
+    return spare                                      # None when no row needs one (checked where used)
+
+
+class _QueryGrads:
+    """dq (B, S, H, D) in q's dtype: the first block's own dq when it covers every row, else a buffer."""
+
+    def __init__(self, q: torch.Tensor, plan: _RowPlan):
+        self.plan, self.dtype = plan, q.dtype
+        self.dq = None if plan.adopt else torch.zeros_like(q) if plan.untouched else torch.empty_like(q)
+        wide = plan.accumulates and q.dtype != torch.float32
+        self.spare = torch.empty(q.shape, dtype=torch.float32, device=q.device) if wide else None
+
+    def take(self, index: int, dq: torch.Tensor) -> None:
+        if index == 0 and self.dq is None:
+            if _adoptable(dq, self.dtype):
+                self.dq = dq
+                return
+            self.dq = torch.empty(dq.shape, dtype=self.dtype, device=dq.device)
+        _fold_grads(self.plan.parts[index], dq, self.dq, self.dq, _accumulator(self.dq, self.dq, self.spare))
+
+
+def _travel_dtypes(world: int, dtype: torch.dtype) -> List[torch.dtype]:
+    """dtype of the dK/dV partial sum each hop sends on: ``dtype`` when the next add is the last one
+    (every hop of a 2-rank ring, the last hop of longer rings), fp32 on the middle hops of N >= 3."""
+    return [dtype if (world <= 2 or hop == world - 1) else torch.float32 for hop in range(world)]
+
+
+def _fold_hop(hop: _RowPlan, grads, holder, result, spare, skip_first: bool = False) -> None:
+    """One hop of the dK/dV partial sums: ``result = holder + this rank's blocks``, per K/V tensor (dk, dv).
+    ``holder`` is None on hop 0 (nothing received: rows no block reaches are zeroed); ``skip_first``: the
+    first block's gradients are ``result`` itself (adopted)."""
+    for i in range(2):
+        held, res = holder[i] if holder is not None else None, result[i]
+        acc = _accumulator(res, held if held is not None else res, spare[i] if spare is not None else None)
+        for rows in hop.untouched:
+            if held is None:
+                res[:, rows] = 0                      # our own K/V rows that no query of ours sees
+            elif held is not res:
+                res[:, rows] = held[:, rows]          # passed on (cast on the last hop)
+        for index, (parts, g) in enumerate(zip(hop.parts, grads)):
+            if not (skip_first and index == 0):
+                _fold_grads(parts, g[i], held if held is not None else res, res, acc)
 
 
 def _backward(dout, q, k, v, out, lse, cfg: _RingConfig):
-    """Ring backward from the merged ``out``/``lse``: (dq fp32, dk, dv) shaped like q, k, v (dk/dv in k's dtype
-    when they crossed the ring, fp32 in a world of one; the caller casts)."""
-    # fp32 accumulators: the first block initialises them by a copy when it covers every row, else zeros.
-    dq_fresh = dkv_fresh = _first_block_covers_all(cfg)
-    new = torch.empty if dq_fresh else torch.zeros
-    dq_acc = new(q.shape, dtype=torch.float32, device=q.device)
-    # dK/dV accumulators travel with a one-step lag; [0] starts empty/zero, [1] only ever receives.
-    dkv = [(new(k.shape, dtype=torch.float32, device=k.device), new(v.shape, dtype=torch.float32, device=v.device))]
-    if cfg.world > 1:
-        dkv.append((torch.empty_like(dkv[0][0]), torch.empty_like(dkv[0][1])))
+    """Ring backward from the merged ``out`` (q's dtype) and ``lse`` (fp32): (dq, dk, dv) like q, k, v."""
+    plan, world = _plan_of(cfg, q, k), cfg.world
+    dq = _QueryGrads(q, plan.q)
+    travel = _travel_dtypes(world, k.dtype)
+    adopt_own = plan.kv[0].adopt and travel[0] == k.dtype
+
+    def kv_like(dtype, zero=False):
+        new = torch.zeros if zero else torch.empty
+        return (new(k.shape, dtype=dtype, device=k.device), new(v.shape, dtype=dtype, device=v.device))
+
+    # partial[0]: our own K/V's partial sum (hop 0; adopted from the first block when it covers every row),
+    # partial[1]: what the previous rank sends. They alternate as holders; the last hop of N >= 3 writes its
+    # k-dtype result into the K/V receive buffer it just computed on, and the finished sums come home into
+    # the other one (both free by then); with N = 2 they come home into partial[0].
+    partial = [None if adopt_own else kv_like(travel[0]), kv_like(travel[0]) if world > 1 else None]
+    lean = k.dtype != torch.float32 and world <= 2 and any(h.accumulates for h in plan.kv)
+    spare = kv_like(torch.float32) if lean else None
     kv_exchange, dkv_exchange = RingExchange(cfg.group, tag=0), RingExchange(cfg.group, tag=1)
-    buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, cfg.world - 1))]
-    current = (k, v)
+    buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, world - 1))]
+    current, contributor, home = (k, v), 0, None
     for step, blocks in enumerate(cfg.steps):
-        incoming = buffers[step % 2] if step + 1 < cfg.world else None
+        incoming = buffers[step % 2] if step + 1 < world else None
         if incoming is not None:
             kv_exchange.start(current, incoming)
         grads = []
         for block in blocks:
             rows = block.q_rows
-            dq, dk, dv = cfg.backend.backward(
+            dq_b, dk_b, dv_b = cfg.backend.backward(
                 dout[:, rows], q[:, rows], current[0][:, block.kv_rows], current[1][:, block.kv_rows],
                 out[:, rows], lse[:, :, rows], scale=cfg.scale, mask=block.mask, softcap=cfg.softcap)
-            if dq_fresh:
-                dq_acc.copy_(dq)
-                dq_fresh = False
-            else:
-                dq_acc[:, rows] += dq
-            grads.append((block.kv_rows, dk, dv))
+            dq.take(contributor, dq_b)
+            contributor += 1
+            grads.append((dk_b, dv_b))
         if dkv_exchange.in_flight:
             dkv_exchange.wait()                      # the previous rank's partial sums for this K/V block
-        dk_acc, dv_acc = dkv[step % 2]
-        for kv_rows, dk, dv in grads:
-            if dkv_fresh:
-                dk_acc.copy_(dk)
-                dv_acc.copy_(dv)
-                dkv_fresh = False
-            else:
-                dk_acc[:, kv_rows] += dk
-                dv_acc[:, kv_rows] += dv
-        if step + 1 < cfg.world:
-            dkv_exchange.start((dk_acc, dv_acc), dkv[(step + 1) % 2])
-        elif cfg.world > 1:
-            # The last hop carries finished sums: casting before sending gives the same result as after,
-            # with half the bytes (bf16) on the one transfer that nothing overlaps.
-            home = (torch.empty_like(k), torch.empty_like(v))
-            dkv_exchange.start((dk_acc.to(k.dtype), dv_acc.to(v.dtype)), home)
+        if step == 0:
+            adopted = False
+            if partial[0] is None:                   # the first block covers every K/V row: keep its grads
+                adopted = all(_adoptable(g, k.dtype) for g in grads[0])
+                partial[0] = grads[0] if adopted else kv_like(k.dtype)
+            result = partial[0]
+            _fold_hop(plan.kv[0], grads, None, result, spare, skip_first=adopted)
+        else:
+            holder = partial[step % 2]
+            result = holder if travel[step] == holder[0].dtype else current
+            _fold_hop(plan.kv[step], grads, holder, result, spare)
+        if step + 1 < world:
+            dkv_exchange.start(result, partial[(step + 1) % 2])
+        elif world > 1:
+            home = partial[0] if world == 2 else buffers[step % 2]
+            dkv_exchange.start(result, home)
         if incoming is not None:
             kv_exchange.wait()
             current = incoming
-    if cfg.world == 1:
-        return dq_acc, dkv[0][0], dkv[0][1]
+    if world == 1:
+        return dq.dq, partial[0][0], partial[0][1]
     dkv_exchange.wait()                              # after N hops our own K/V's gradients came home
-    return dq_acc, home[0], home[1]
+    return dq.dq, home[0], home[1]
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: _RingConfig):
-        out_acc, lse = _forward(q, k, v, cfg)
-        out = out_acc.to(q.dtype)                    # accumulated in fp32, cast once
+        out, lse = _forward(q, k, v, cfg)            # out already in q's dtype, each row rounded once
         ctx.cfg = cfg
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -160,7 +391,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq, dk, dv, None
 
 
 # ------------------------------------------------------------------------------------ shared front end

@@ -137,6 +137,7 @@ def _world_cases(rank: int, world: int, cases) -> None:
         run_case(rank, world, case)
     if world == 2:
         _ranks_that_disagree_fail_together(rank)
+        _bf16_rounded_once(rank, world)
     if world in (2, 3):
         _count_ring_traffic(rank, world)
         _count_blocks(rank, world)
@@ -155,8 +156,62 @@ def _ranks_that_disagree_fail_together(rank: int) -> None:
         rk.ring_attn_func(q, q, q, causal=bool(rank))
 
 
+def _bf16_rounded_once(rank: int, world: int) -> None:
+    """With 2 ranks every row gets <= 2 contributions, and the ring rounds each value to bf16 exactly once: out,
+    dq, dk, dv equal an fp32-accumulated reference written here (the same blocks from the same backend, merged
+    and summed in fp32, cast once). Grads bit for bit; out to the bf16 rounding (fp32 operation order may move
+    a handful of ties by one ulp), whereas a bf16 intermediate would change a large fraction of the values."""
+    from ring_kernels.backends import get_backend
+    from ring_kernels.ring import _ring_steps
+    from ring_kernels.stripe import _stripe_steps
+    from ring_kernels.zigzag import _zigzag_steps
+
+    steps_of = {"ring": _ring_steps, "zigzag": _zigzag_steps, "stripe": _stripe_steps}
+    impl = get_backend("torch_cpu", device="cpu", dtype=torch.bfloat16, head_dim=64, mask_kind="causal")
+    b, s, h, hk, d, scale = 2, 10, 8, 2, 64, 0.125
+    for variant, causal in (("ring", False), ("ring", True), ("zigzag", True), ("stripe", True)):
+        gen = torch.Generator().manual_seed(77)
+        q, k, v, dout = (torch.randn(b, s * world, n, d, generator=gen).bfloat16() for n in (h, hk, hk, h))
+        pos = [local_positions(variant, r, world, s * world) for r in range(world)]
+        ql, kl, vl = (x[:, pos[rank]].clone().requires_grad_() for x in (q, k, v))
+        out = VARIANTS[variant][0](ql, kl, vl, causal=causal, softmax_scale=scale, backend="torch_cpu")
+        grads = torch.autograd.grad(out, (ql, kl, vl), dout[:, pos[rank]])
+        assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+
+        blocks = [((rank - step) % world, blk) for step, blk_list in
+                  enumerate(steps_of[variant](rank, world, s, causal, (-1, -1))) for blk in blk_list]
+        kv_of = lambda owner, blk: (k[:, pos[owner]][:, blk.kv_rows], v[:, pos[owner]][:, blk.kv_rows])  # noqa: E731
+        acc = torch.zeros(b, s, h, d)
+        lse = torch.full((b, h, s), float("-inf"))
+        for owner, blk in blocks:                         # forward: fp32 accumulator, plain LSE merge
+            o, l = impl.forward(ql.detach()[:, blk.q_rows], *kv_of(owner, blk), scale=scale, mask=blk.mask)
+            new = torch.logaddexp(lse[:, :, blk.q_rows], l)
+            weight = lambda x: torch.exp(x - new).transpose(1, 2).unsqueeze(-1)   # noqa: E731
+            acc[:, blk.q_rows] = acc[:, blk.q_rows] * weight(lse[:, :, blk.q_rows]) + o.float() * weight(l)
+            lse[:, :, blk.q_rows] = new
+        want = acc.bfloat16()
+        ulp = torch.finfo(torch.bfloat16).eps * want.float().abs()
+        assert bool(((out.float() - want.float()).abs() <= ulp).all()), (variant, causal)
+        assert (out != want).float().mean() < 1e-3, (variant, causal, float((out != want).float().mean()))
+
+        dq = torch.zeros(b, s, h, d)
+        dkv = torch.zeros(2, world, b, s, hk, d)          # [dk|dv, owner]: every rank's contributions, fp32
+        for owner, blk in blocks:                         # backward of each block from the merged out/lse
+            gq, gk, gv = impl.backward(dout[:, pos[rank]][:, blk.q_rows], ql.detach()[:, blk.q_rows],
+                                       *kv_of(owner, blk), out.detach()[:, blk.q_rows], lse[:, :, blk.q_rows],
+                                       scale=scale, mask=blk.mask)
+            dq[:, blk.q_rows] += gq.float()
+            dkv[0, owner][:, blk.kv_rows] += gk.float()
+            dkv[1, owner][:, blk.kv_rows] += gv.float()
+        dist.all_reduce(dkv)
+        for name, got, ref in (("dq", grads[0], dq), ("dk", grads[1], dkv[0, rank]), ("dv", grads[2], dkv[1, rank])):
+            mismatch = float((got != ref.bfloat16()).float().mean())
+            assert mismatch == 0.0, (variant, causal, name, mismatch)
+
+
 def _count_ring_traffic(rank: int, world: int) -> None:
-    """Exactly N-1 K/V exchanges forward; N-1 K/V + N dK/dV exchanges backward; only the Hk K/V heads travel."""
+    """Exactly N-1 K/V exchanges forward; N-1 K/V + N dK/dV exchanges backward; only the Hk K/V heads travel,
+    and dK/dV partial sums travel in fp32 only on the middle hops of rings of >= 3 ranks."""
     import ring_kernels.comm as comm
 
     sent = []
@@ -179,9 +234,11 @@ def _count_ring_traffic(rank: int, world: int) -> None:
     def exchange(dtype):
         return [("isend", (b, s, hk, d), dtype), ("irecv", (b, s, hk, d), dtype)] * 2
 
-    kv, partial_sums = exchange(torch.bfloat16), exchange(torch.float32)
+    # dK/dV partial sums: bf16 with 2 ranks (each K/V row gets 2 contributions: the next add is the last, one
+    # rounding), fp32 on the middle hops of longer rings
+    kv, partial_sums = exchange(torch.bfloat16), exchange(torch.bfloat16 if world == 2 else torch.float32)
     assert forward == [kv] * (world - 1), forward
-    # backward: K/V again (N-1), dK/dV partial sums in fp32 (N-1), then the finished sums home in bf16 (1)
+    # backward: K/V again (N-1), dK/dV partial sums (N-1), then the finished sums home in bf16 (1)
     backward = sent[len(forward):]
     expected = [kv] * (world - 1) + [partial_sums] * (world - 1) + [kv]
     assert sorted(map(str, backward)) == sorted(map(str, expected)), backward

@@ -21,7 +21,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..merge import safe_lse
 from .base import CAUSAL, EMPTY, FULL, GENERAL, BlockMask
 
 __all__ = ["TorchFlashBackend", "TorchCudnnBackend", "TorchEfficientBackend"]
@@ -107,7 +106,10 @@ class _TorchCudaBackend:
         kind = mask.kind(sq, sk)
         if kind == EMPTY:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        lse = safe_lse(lse).float()
+        # No safe_lse pass per block: in a FULL or aligned CAUSAL block every query row sees >= 1 key, so its
+        # merged lse is finite; only GENERAL blocks (efficient backend) can hold rows with lse = -inf, and the
+        # efficient backward zeroes those in the padded copy it makes anyway.
+        lse = lse.float()
         (dq, dk, dv), expanded = self._with_gqa(
             lambda kk, vv: self._bwd(dout, q, kk, vv, out, lse, scale, kind, mask), q, k, v)
         if expanded or dk.shape[2] != k.shape[2]:
@@ -208,6 +210,8 @@ class TorchEfficientBackend(_TorchCudaBackend):
         sq = q.shape[1]
         padded = torch.zeros(lse.shape[0], lse.shape[1], (sq + 31) // 32 * 32, dtype=torch.float32, device=lse.device)
         padded[:, :, :sq] = lse
+        if kind == GENERAL:                # rows that see no key: lse 0, so p = exp(-inf - 0) = 0, not NaN
+            padded.masked_fill_(padded == float("-inf"), 0.0)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), bias, _bhsd(out), padded, seed, offset, 0.0,
             [True, True, True, False], kind == CAUSAL, scale=scale)

@@ -172,6 +172,50 @@ def test_fused_merge_on_cuda_matches_eager():
         torch.testing.assert_close(fused[1][finite], eager[1][finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_generalised_merge_and_widening_add_on_cuda_match_eager():
+    """The Triton ``dst = merge(a, b)`` (dst/a/b of any of fp32/bf16/fp16, dst aliasing a, row views, rows
+    without keys) and the widening ``dst (fp32) = a + b (bf16/fp16)`` against the eager formula, on real
+    shapes; a compile failure would fall back with a RuntimeWarning, which fails this test."""
+    import warnings
+
+    from ring_kernels import merge
+
+    if not merge._use_fused():
+        pytest.skip("triton is not installed (or RING_KERNELS_FUSED_MERGE=0): the eager merge is used")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    combos = [(bf16, bf16, bf16, True), (bf16, bf16, fp32, False), (fp32, bf16, bf16, False), (fp32, bf16, fp32, True),
+              (fp16, fp16, fp16, True), (fp32, fp16, fp16, False)]              # (a, b, dst, dst is a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for (da, db, dd, alias), (b, s, h, d, rows) in itertools.product(
+                combos, [(1, 8192, 32, 128, slice(None)), (2, 1000, 8, 96, slice(500, 1000))]):
+            a = torch.randn(b, s, h, d, device="cuda", generator=gen).to(da)
+            blk = torch.randn(b, s, h, d, device="cuda", generator=gen).to(db)
+            lse, blk_lse = (torch.randn(b, h, s, device="cuda", generator=gen) for _ in range(2))
+            lse[:, :, :7], blk_lse[:, :, 3:11] = float("-inf"), float("-inf")
+            a[:, :7] = 0
+            results = []
+            for run in (merge._merge_into_eager_, merge._merge_into_fused_):
+                dst = a.clone() if alias else torch.zeros(b, s, h, d, device="cuda", dtype=dd)
+                src, l = (dst if alias else a), lse.clone()
+                run(dst[:, rows], src[:, rows], l[:, :, rows], blk[:, rows], blk_lse[:, :, rows])
+                results.append((dst, l))
+            (eager, eager_lse), (fused, fused_lse) = results
+            assert not fused.isnan().any() and not fused_lse.isnan().any()
+            tol = 1e-5 if dd == torch.float32 else torch.finfo(dd).eps
+            torch.testing.assert_close(fused.float(), eager.float(), rtol=tol, atol=tol)
+            assert torch.equal(torch.isinf(fused_lse), torch.isinf(eager_lse))
+            finite = torch.isfinite(eager_lse)
+            torch.testing.assert_close(fused_lse[finite], eager_lse[finite], rtol=1e-5, atol=1e-5)
+        for low in (torch.bfloat16, torch.float16):
+            x, y = (torch.randn(2, 4096, 8, 128, device="cuda", generator=gen).to(low) for _ in range(2))
+            widened = torch.empty(x.shape, device="cuda")
+            merge.add_(widened[:, 1:], x[:, 1:], y[:, 1:])                # the fused path on CUDA
+            assert torch.equal(widened[:, 1:], x[:, 1:].float() + y[:, 1:].float())
+
+
 @needs_two_gpus
 def test_ring_variants_on_cuda_match_reference():
     if "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == WORLD:   # under torchrun
