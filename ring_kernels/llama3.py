@@ -14,6 +14,11 @@ all-gather is in flight; only *remote* blocks (documents that cross a rank bound
 Backward, per head slice: half of the local blocks while the K/V all-gather is in flight, then the remote
 blocks into fp32 full-sequence dK/dV, whose reduce-scatter back to the owners overlaps the other half.
 
+Rounding (``ring``'s rule): out and dq are written in q's dtype, each row rounded once: a row with one block
+(most rows: only documents that cross a rank boundary have remote blocks) gets a copy of it, a second block
+merges (adds) into it with fp32 math, and only rows with >= 3 blocks use an fp32 accumulator. dK/dV stay fp32
+(summed over ranks by the reduce-scatter) and are cast once at the end.
+
 Varlen fast path (CUDA, ``backends.torch_cuda_varlen``): the local blocks are aligned squares, one per local
 document, tiling our rows in order, so all of them are ONE call of torch's packed-document flash op per head
 slice (``cu_seqlens`` = our local document boundaries, for q and k alike) instead of one call per document;
@@ -32,7 +37,7 @@ from . import _validate
 from .backends import EMPTY, FULL, get_backend
 from .backends.base import CAUSAL, BlockBackend, BlockMask
 from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_rows, varlen_kernel_for
-from .merge import merge_block_, new_accumulators, set_block_
+from .ring import _RowPlan, _fold_grads, _fold_outputs, _plan_rows
 from .varlen import _classify, _documents_overlapping, _StepBuilder, _VarlenCall
 
 __all__ = ["llama3_attn_varlen_func"]
@@ -46,8 +51,9 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 class _Llama3Block:
     """One backend call: local query rows x key rows, of the local K/V (``local``) or of the gathered sequence.
 
-    ``first``: the first block over these query rows; it initialises the accumulators by a copy instead of a
-    merge (local blocks run first, and every query row has one: its own position is always visible).
+    ``first``: the first block over these query rows (local blocks run first, and every query row has one: its
+    own position is always visible); the engine's rounding plan (``ring._plan_rows``) derives the same from the
+    blocks' rows, and more: which rows get a second or a third contribution.
     """
 
     q_rows: slice
@@ -191,33 +197,63 @@ def _heads(j: int, cfg: _Llama3Config, group_size: int) -> Tuple[slice, slice]:
             slice(j * cfg.stride * group_size, (j + 1) * cfg.stride * group_size))
 
 
-def _forward_blocks(blocks, q4, k_rows, v_rows, hq, out_acc, lse_acc, cfg: _Llama3Config) -> None:
-    """Forward of ``blocks`` for query heads ``hq`` against K/V rows (T, stride, D), merged into the accumulators."""
-    for blk in blocks:
+def _rows_plan(ranges: List[slice], local: int) -> _RowPlan:
+    """The rounding plan (``ring._plan_rows``) of contributions over ``local`` query rows, in call order."""
+    return _plan_rows([(r.start, r.stop) for r in ranges], local)
+
+
+class _Result:
+    """Out (1, L, H, D) in q's dtype and lse (1, H, L) fp32 filled head slice by head slice, each row rounded
+    once (``ring``'s rule): rows with one block get a copy, two blocks merge into out, >= 3 use ``acc`` (fp32)."""
+
+    def __init__(self, q4: torch.Tensor, plan: _RowPlan):
+        self.plan = plan
+        self.out = torch.empty(q4.shape, dtype=q4.dtype, device=q4.device)
+        self.lse = torch.empty((1, q4.shape[2], q4.shape[1]), dtype=torch.float32, device=q4.device)
+        for rows in plan.untouched:                       # rows that see no key: out 0, lse -inf
+            self.out[:, rows] = 0
+            self.lse[:, :, rows] = float("-inf")
+        wide = plan.accumulates and q4.dtype != torch.float32
+        self.acc = torch.empty(q4.shape, dtype=torch.float32, device=q4.device) if wide else self.out
+
+    def fold(self, index: int, hq: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Contribution ``index`` of head slice ``hq``: out (1, Sb, h, D), lse (1, h, Sb)."""
+        _fold_outputs(self.plan.parts[index], out, lse, self.out[:, :, hq], self.lse[:, hq], self.acc[:, :, hq])
+
+
+def _forward_blocks(blocks, first: int, q4, k_rows, v_rows, hq, result: _Result, cfg: _Llama3Config) -> None:
+    """Forward of ``blocks`` (contributions ``first``, ``first`` + 1, ...) for query heads ``hq`` against K/V
+    rows (T, stride, D)."""
+    for i, blk in enumerate(blocks):
         out, lse = cfg.backend.forward(
             q4[:, blk.q_rows, hq], k_rows[blk.kv_rows].unsqueeze(0), v_rows[blk.kv_rows].unsqueeze(0),
             scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
-        if blk.first:
-            set_block_(out_acc[:, blk.q_rows, hq], lse_acc[:, hq, blk.q_rows], out, lse)
-        else:
-            merge_block_(out_acc[:, blk.q_rows, hq], lse_acc[:, hq, blk.q_rows], out, lse)
+        result.fold(first + i, hq, out, lse)
 
 
-def _forward_local(q4, k, v, hk, hq, out_acc, lse_acc, cfg: _Llama3Config) -> None:
-    """The local blocks of head slice (hk, hq): one varlen call on the fast path, else one call per block."""
+def _forward_local(q4, k, v, hk, hq, result: _Result, cfg: _Llama3Config) -> int:
+    """The local blocks of head slice (hk, hq): one varlen call on the fast path, else one call per block.
+    Returns how many contributions they were."""
     if cfg.fast is None:
-        _forward_blocks(cfg.plan.local_blocks, q4, k[:, hk], v[:, hk], hq, out_acc, lse_acc, cfg)
-        return
-    seg = cfg.fast.whole                              # covers every local row: initialises them by a copy
+        _forward_blocks(cfg.plan.local_blocks, 0, q4, k[:, hk], v[:, hk], hq, result, cfg)
+        return len(cfg.plan.local_blocks)
+    seg = cfg.fast.whole                              # covers every local row
     out, lse = cfg.fast.kernel.forward(q4[0, seg.q_rows, hq], k[seg.k_rows, hk], v[seg.k_rows, hk], seg,
                                        scale=cfg.scale)
-    set_block_(out_acc[0, seg.q_rows, hq], lse_acc[0, hq, seg.q_rows], out, lse)
+    result.fold(0, hq, out.unsqueeze(0), lse.unsqueeze(0))
+    return 1
+
+
+def _forward_ranges(cfg: _Llama3Config) -> List[slice]:
+    """Query rows of the forward's contributions in call order: the local call(s), then the remote blocks."""
+    local = [cfg.fast.whole.q_rows] if cfg.fast is not None else [b.q_rows for b in cfg.plan.local_blocks]
+    return local + ([b.q_rows for b in cfg.plan.remote_blocks] if cfg.plan.gather else [])
 
 
 def _forward(q, k, v, cfg: _Llama3Config):
-    """q (L, H, D), k/v (L, Hk, D) -> out_acc (1, L, H, D) fp32, lse (1, H, L) fp32."""
+    """q (L, H, D), k/v (L, Hk, D) -> out (1, L, H, D) in q's dtype, lse (1, H, L) fp32."""
     q4, plan = q.unsqueeze(0), cfg.plan
-    out_acc, lse_acc = new_accumulators(q4)
+    result = _Result(q4, _rows_plan(_forward_ranges(cfg), q.shape[0]))
     slices, group_size = k.shape[1] // cfg.stride, q.shape[1] // k.shape[1]
     gather = _SliceGather(k, v, cfg) if plan.gather else None
     if gather:
@@ -226,11 +262,11 @@ def _forward(q, k, v, cfg: _Llama3Config):
         if gather and j + 1 < slices:
             gather.start(j + 1)                       # the next slice travels while this one computes
         hk, hq = _heads(j, cfg, group_size)
-        _forward_local(q4, k, v, hk, hq, out_acc, lse_acc, cfg)
+        done = _forward_local(q4, k, v, hk, hq, result, cfg)
         if gather:
             k_all, v_all = gather.get(j)              # in flight while the local blocks computed
-            _forward_blocks(plan.remote_blocks, q4, k_all, v_all, hq, out_acc, lse_acc, cfg)
-    return out_acc, lse_acc
+            _forward_blocks(plan.remote_blocks, done, q4, k_all, v_all, hq, result, cfg)
+    return result.out, result.lse
 
 
 class _SliceReduceScatter:
@@ -283,32 +319,60 @@ class _SliceReduceScatter:
         assert not self.pending
 
 
-def _backward_blocks(blocks, dout4, q4, out4, lse, k_rows, v_rows, hq, dq_acc, dk_acc, dv_acc, cfg) -> None:
-    """Backward of ``blocks``: dq into ``dq_acc`` (1, L, H, D), dk/dv into accumulators over ``k_rows``' rows."""
-    for blk in blocks:
+class _QueryGrads:
+    """dq (1, L, H, D) in q's dtype, filled head slice by head slice with ring's rounding rule."""
+
+    def __init__(self, q4: torch.Tensor, plan: _RowPlan):
+        self.plan = plan
+        self.dq = torch.zeros_like(q4) if plan.untouched else torch.empty_like(q4)
+        wide = plan.accumulates and q4.dtype != torch.float32
+        self.acc = torch.empty(q4.shape, dtype=torch.float32, device=q4.device) if wide else self.dq
+
+    def fold(self, index: int, hq: slice, dq: torch.Tensor) -> None:
+        held = self.dq[:, :, hq]
+        _fold_grads(self.plan.parts[index], dq, held, held, self.acc[:, :, hq])
+
+
+def _backward_blocks(blocks, first: int, dout4, q4, out4, lse, k_rows, v_rows, hq, dq: _QueryGrads, dk_acc, dv_acc,
+                     cfg) -> int:
+    """Backward of ``blocks`` (dq contributions ``first``, ...): dk/dv into accumulators over ``k_rows``' rows.
+    Returns the next contribution index."""
+    for i, blk in enumerate(blocks):
         rows = blk.q_rows
-        dq, dk, dv = cfg.backend.backward(
+        dq_b, dk, dv = cfg.backend.backward(
             dout4[:, rows, hq], q4[:, rows, hq], k_rows[blk.kv_rows].unsqueeze(0),
             v_rows[blk.kv_rows].unsqueeze(0), out4[:, rows, hq], lse[:, hq, rows],
             scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
-        dq_acc[:, rows, hq] += dq
+        dq.fold(first + i, hq, dq_b)
         dk_acc[blk.kv_rows] += dk.squeeze(0)
         dv_acc[blk.kv_rows] += dv.squeeze(0)
+    return first + len(blocks)
 
 
-def _backward_segments(seg: Optional[VarlenSegments], dout4, q4, out4, lse, k, v, hk, hq, dq_acc, dk_acc, dv_acc,
-                       cfg: _Llama3Config) -> None:
-    """Backward of one varlen call of local documents: dq into ``dq_acc`` (1, L, H, D), dk/dv into the
-    local fp32 accumulators (L, Hk, D) at heads ``hk``."""
+def _backward_segments(seg: Optional[VarlenSegments], first: int, dout4, q4, out4, lse, k, v, hk, hq,
+                       dq: _QueryGrads, dk_acc, dv_acc, cfg: _Llama3Config) -> int:
+    """Backward of one varlen call of local documents (dq contribution ``first``): dk/dv into the local fp32
+    accumulators (L, Hk, D) at heads ``hk``. Returns the next contribution index."""
     if seg is None:
-        return
+        return first
     rows, kv = seg.q_rows, seg.k_rows
-    dq, dk, dv = cfg.fast.kernel.backward(
+    dq_b, dk, dv = cfg.fast.kernel.backward(
         dout4[0, rows, hq], q4[0, rows, hq], k[kv, hk], v[kv, hk], out4[0, rows, hq], lse[0, hq, rows], seg,
         scale=cfg.scale)
-    dq_acc[0, rows, hq] += dq
+    dq.fold(first, hq, dq_b.unsqueeze(0))
     dk_acc[kv, hk] += dk
     dv_acc[kv, hk] += dv
+    return first + 1
+
+
+def _backward_ranges(cfg: _Llama3Config, before, after) -> List[slice]:
+    """Query rows of the backward's dq contributions in call order: local (first part), remote, local (rest)."""
+    if cfg.fast is None:
+        local = ([b.q_rows for b in before], [b.q_rows for b in after])
+    else:
+        local = tuple([seg.q_rows] if seg is not None else [] for seg in (cfg.fast.before, cfg.fast.after))
+    remote = [b.q_rows for b in cfg.plan.remote_blocks] if cfg.plan.gather else []
+    return local[0] + remote + local[1]
 
 
 def _halves(blocks: List[_Llama3Block]) -> Tuple[List[_Llama3Block], List[_Llama3Block]]:
@@ -329,11 +393,11 @@ def _backward(dout, q, k, v, out, lse, cfg: _Llama3Config):
     full-sequence dK/dV, their reduce-scatter started, then the other half of the local blocks meanwhile.
     """
     q4, dout4, out4, plan = q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0), cfg.plan
-    dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device)
     dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     slices, group_size = k.shape[1] // cfg.stride, q.shape[1] // k.shape[1]
     before, after = _halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
+    dq = _QueryGrads(q4, _rows_plan(_backward_ranges(cfg, before, after), q.shape[0]))
     gather = _SliceGather(k, v, cfg) if plan.gather else None
     scatter = _SliceReduceScatter(dk_acc, dv_acc, cfg) if plan.gather else None
     if gather:
@@ -342,32 +406,32 @@ def _backward(dout, q, k, v, out, lse, cfg: _Llama3Config):
         if gather and j + 1 < slices:
             gather.start(j + 1)
         hk, hq = _heads(j, cfg, group_size)
-        local_grads = (dout4, q4, out4, lse, k[:, hk], v[:, hk], hq, dq_acc, dk_acc[:, hk], dv_acc[:, hk], cfg)
-        segment_grads = (dout4, q4, out4, lse, k, v, hk, hq, dq_acc, dk_acc, dv_acc, cfg)
+        local_grads = (dout4, q4, out4, lse, k[:, hk], v[:, hk], hq, dq, dk_acc[:, hk], dv_acc[:, hk], cfg)
+        segment_grads = (dout4, q4, out4, lse, k, v, hk, hq, dq, dk_acc, dv_acc, cfg)
         if cfg.fast is None:
-            _backward_blocks(before, *local_grads)
+            done = _backward_blocks(before, 0, *local_grads)
         else:
-            _backward_segments(cfg.fast.before, *segment_grads)
+            done = _backward_segments(cfg.fast.before, 0, *segment_grads)
         if gather:
             k_all, v_all = gather.get(j)
             dk_all, dv_all = scatter.buffers(j)
-            _backward_blocks(plan.remote_blocks, dout4, q4, out4, lse, k_all, v_all, hq, dq_acc, dk_all, dv_all,
-                             cfg)
+            done = _backward_blocks(plan.remote_blocks, done, dout4, q4, out4, lse, k_all, v_all, hq, dq, dk_all,
+                                    dv_all, cfg)
             scatter.start(j)                          # back to their owners while the rest computes
         if cfg.fast is None:
-            _backward_blocks(after, *local_grads)
+            _backward_blocks(after, done, *local_grads)
         else:
-            _backward_segments(cfg.fast.after, *segment_grads)
+            _backward_segments(cfg.fast.after, done, *segment_grads)
     if scatter:
         scatter.finish_all()
-    return dq_acc.squeeze(0), dk_acc, dv_acc
+    return dq.dq.squeeze(0), dk_acc, dv_acc
 
 
 class _Llama3Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: _Llama3Config):
-        out_acc, lse = _forward(q, k, v, cfg)
-        out = out_acc.squeeze(0).to(q.dtype)          # accumulated in fp32, cast once
+        out, lse = _forward(q, k, v, cfg)
+        out = out.squeeze(0)                          # in q's dtype, each row rounded once
         ctx.cfg = cfg
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -376,7 +440,7 @@ class _Llama3Attention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def _check_stride(fn: str, heads_k_stride, nheads_k: int) -> int:

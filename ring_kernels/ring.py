@@ -205,20 +205,29 @@ class _Outputs:
                 return
             self.out = torch.empty(out.shape, dtype=dtype, device=out.device)
             self.lse = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
-        for part in parts:
-            r, g, gl = part.rows, out[:, part.block_rows], lse[:, :, part.block_rows]
-            held, held_lse = self.out[:, r], self.lse[:, :, r]
-            if part.action == FIRST:
-                held.copy_(g)
-                held_lse.copy_(gl)
-            elif part.action == LAST_OF_TWO:
-                merge_(held, held, held_lse, g, gl)
-            elif part.action == OPEN:
-                merge_(self.acc[:, r], held, held_lse, g, gl)
-            elif part.action == MIDDLE:
-                merge_(self.acc[:, r], self.acc[:, r], held_lse, g, gl)
-            else:
-                merge_(held, self.acc[:, r], held_lse, g, gl)
+        _fold_outputs(parts, out, lse, self.out, self.lse, self.acc)
+
+
+def _fold_outputs(parts: Sequence[_Part], out: torch.Tensor, lse: torch.Tensor, result: torch.Tensor,
+                  result_lse: torch.Tensor, acc: Optional[torch.Tensor]) -> None:
+    """Fold one block's out (B, Sb, H, D) and lse (B, H, Sb) into ``result`` (B, S, H, D) / ``result_lse``
+    (B, H, S), which hold the rows' first contribution; ``acc`` (fp32, like result) for rows with >= 3.
+    Views are fine (llama3 passes head slices)."""
+    for part in parts:
+        r, g, gl = part.rows, out[:, part.block_rows], lse[:, :, part.block_rows]
+        held, held_lse = result[:, r], result_lse[:, :, r]
+        if part.action == FIRST:
+            held.copy_(g)
+            held_lse.copy_(gl)
+        elif part.action == LAST_OF_TWO:
+            merge_(held, held, held_lse, g, gl)
+        elif part.action == OPEN:
+            assert acc is not None, "rows with >= 3 contributions but no fp32 accumulator was planned"
+            merge_(acc[:, r], held, held_lse, g, gl)
+        elif part.action == MIDDLE:
+            merge_(acc[:, r], acc[:, r], held_lse, g, gl)
+        else:
+            merge_(held, acc[:, r], held_lse, g, gl)
 
 
 def _forward(q, k, v, cfg: _RingConfig) -> Tuple[torch.Tensor, torch.Tensor]:
