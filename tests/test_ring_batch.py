@@ -140,6 +140,7 @@ def _world_cases(rank: int, world: int, cases) -> None:
         _bf16_rounded_once(rank, world)
     if world in (2, 3):
         _count_ring_traffic(rank, world)
+        _fp32_buffers(rank, world)
         _count_blocks(rank, world)
     if world == 4:
         _subgroups(rank)
@@ -207,6 +208,41 @@ def _bf16_rounded_once(rank: int, world: int) -> None:
         for name, got, ref in (("dq", grads[0], dq), ("dk", grads[1], dkv[0, rank]), ("dv", grads[2], dkv[1, rank])):
             mismatch = float((got != ref.bfloat16()).float().mean())
             assert mismatch == 0.0, (variant, causal, name, mismatch)
+
+
+def _fp32_buffers(rank: int, world: int) -> None:
+    """Count the fp32 buffers the engine allocates (factory ops of at least one K/V tensor's size) in a bf16
+    forward + backward: none with 2 ranks (every row gets <= 2 contributions), and some with 3 (the dK/dV
+    partial sums of the middle hop, and the output/dq accumulators of rows with 3 contributions)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    factories = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                 torch.ops.aten.zeros.default, torch.ops.aten.full.default, torch.ops.aten.empty_like.default,
+                 torch.ops.aten.zeros_like.default, torch.ops.aten.new_empty.default, torch.ops.aten.new_zeros.default}
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fp32 = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in factories and out.dtype == torch.float32 and out.numel() >= k.numel():
+                self.fp32.append((str(func), tuple(out.shape)))
+            return out
+
+    b, s, h, hk, d = 1, 6, 8, 2, 64
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(b, s, h, d, generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(b, s, hk, d, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    for variant, causal in (("ring", False), ("zigzag", True), ("stripe", True)):
+        with Allocations() as seen:
+            out = VARIANTS[variant][0](q, k, v, causal=causal, backend="torch_cpu")
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        if world == 2:
+            assert seen.fp32 == [], (variant, rank, seen.fp32)
+        elif variant == "ring":                      # N = 3: the middle hop's dK/dV partial sums are fp32
+            assert ("aten.empty.memory_format", (b, s, hk, d)) in seen.fp32, (variant, rank, seen.fp32)
 
 
 def _count_ring_traffic(rank: int, world: int) -> None:
