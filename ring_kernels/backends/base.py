@@ -97,7 +97,12 @@ class BlockMask:
 
 
 class BlockBackend(Protocol):
-    """One way of computing a block. Implementations live in ``ring_kernels/backends/<name>.py``."""
+    """One way of computing a block. Implementations live in ``ring_kernels/backends/<name>.py``.
+
+    Ownership: ``forward``/``backward`` return fresh tensors that the caller owns (never a view of an input,
+    never a buffer the backend reuses): the ring engine adopts them as its results (the first block's out,
+    lse, dq, dk, dv become the returned tensors, are sent to other ranks and merged into in place).
+    """
 
     name: str
 
