@@ -185,6 +185,26 @@ def test_cuda_backends_call_the_aten_ops_correctly_on_meta(name, heads_k, causal
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
 
+def test_cudnn_one_query_one_key_backward_is_plain_math():
+    """cuDNN's backward refuses s_q = s_kv = 1 (a one-token document piece in a packed batch); the backend routes
+    that block to exact plain math. Checked here on CPU tensors (the routing happens before any aten call)
+    against autograd of softmax(qk^T)v for one key, i.e. out = v."""
+    from ring_kernels.backends import torch_cuda
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 1, h, 16, dtype=torch.float32, requires_grad=True) for h in (4, 2, 2))
+    dout = torch.randn(2, 1, 4, 16)
+    out_ref = v.repeat_interleave(2, dim=2)                       # one visible key: weight 1, out = v
+    lse = (torch.einsum("bqhd,bkhd->bhq", q, k.repeat_interleave(2, dim=2)) * 0.25).detach()
+    dq, dk, dv = torch_cuda.TorchCudnnBackend().backward(
+        dout, q.detach(), k.detach(), v.detach(), out_ref.detach(), lse, scale=0.25, mask=BlockMask(causal=True))
+    want_dq, want_dk, want_dv = torch.autograd.grad(out_ref, (q, k, v), dout, allow_unused=True)
+    assert want_dq is None and want_dk is None                    # out does not depend on q, k with one key
+    # zero up to fp32 rounding of p = exp(s - lse) = 1 and rowsum(dO * V) - rowsum(dO * O) = 0
+    assert dq.abs().max() < 1e-5 and dk.abs().max() < 1e-5, (dq.abs().max(), dk.abs().max())
+    assert torch.allclose(dv, want_dv, atol=1e-6)
+
+
 def fused_merge_matches_eager() -> None:
     """Run in a child with TRITON_INTERPRET=1: the Triton merge kernel on CPU tensors equals the eager merge,
     on full and half-row views, with rows that have no key in the accumulator, the block, or both."""

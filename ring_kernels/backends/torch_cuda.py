@@ -22,6 +22,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .base import CAUSAL, EMPTY, FULL, GENERAL, BlockMask
+from .reference import ReferenceBackend
 
 __all__ = ["TorchFlashBackend", "TorchCudnnBackend", "TorchEfficientBackend"]
 
@@ -155,6 +156,13 @@ class TorchCudnnBackend(_TorchCudaBackend):
         self._philox[q.device] = (seed, offset)
         return out.transpose(1, 2), lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])
 
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, mask: BlockMask, softcap: float = 0.0):
+        if q.shape[1] == 1 and k.shape[1] == 1:
+            # cuDNN's backward refuses one query against one key ("s_q = s_kv = 1 is not supported"): a block of
+            # a one-token document piece. It is one score per head: plain math, exact, negligible cost.
+            return _ONE_TOKEN.backward(dout, q, k, v, out, lse, scale=scale, mask=mask, softcap=softcap)
+        return super().backward(dout, q, k, v, out, lse, scale=scale, mask=mask, softcap=softcap)
+
     def _bwd(self, dout, q, k, v, out, lse, scale, kind, mask):
         seed, offset = self._philox_for(q)
         # cuDNN wants dout strided exactly like out (both are (B, S, H, D) rows here; make sure of it).
@@ -164,6 +172,9 @@ class TorchCudnnBackend(_TorchCudaBackend):
             _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.unsqueeze(-1).contiguous(), seed, offset,
             None, None, None, q.shape[1], k.shape[1], 0.0, kind == CAUSAL, scale=scale)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+_ONE_TOKEN = ReferenceBackend()
 
 
 def _additive_bias(mask: BlockMask, sq: int, sk: int, dtype, device) -> Tuple[torch.Tensor, torch.Tensor]:
