@@ -231,15 +231,13 @@ def _refuse(call: Mapping[str, Any], extra: Mapping[str, Any], q_shape: torch.Si
             "a paged KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
             "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for training/prefill.",
         )
-    if extra:
-        for name in _PAGED_KWARGS:
-            if extra.get(name) is not None:
-                raise UnsupportedArgument(
-                    name, extra[name],
-                    "a KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
-                    "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for "
-                    "training/prefill.",
-                )
+    if extra and (extra.get("cache") is not None or extra.get("cache_seqlens") is not None):
+        name = next(n for n in _PAGED_KWARGS if extra.get(n) is not None)
+        raise UnsupportedArgument(
+            name, extra[name],
+            "a KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
+            "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for training/prefill.",
+        )
     if k.shape[1] != q_shape[1]:
         raise UnsupportedArgument(
             "key", k,
@@ -400,23 +398,20 @@ def _same_cu(t: torch.Tensor, expected: Optional[torch.Tensor]) -> bool:
 
 def _derived_step(call: Mapping[str, Any], batch: int, seq_local: int, ctx: RingContext) -> StepState:
     """No ``shard_inputs``: the user split each row contiguously; packing comes from HF's own arguments."""
-    cu_q, cu_k = call.get("cu_seq_lens_q"), call.get("cu_seq_lens_k")
+    get = call.get
+    cu_q, cu_k = get("cu_seq_lens_q"), get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
+        source = "cu_seq_lens"
         cu = _cached(ctx, "cu_seq_lens_q", cu_q if cu_q is not None else cu_k,
                      _global_cu_from_cu_seq_lens, cu_k, batch, seq_local, ctx)
-        return _derived_state(ctx, "cu_seq_lens", batch, seq_local, cu)
-    position_ids = call.get("position_ids")
-    if position_ids is not None and batch == 1 and seq_local > 1:
-        cu = _cached(ctx, "position_ids", position_ids, _global_cu_from_position_ids, seq_local, ctx)
-        if cu is not None:
-            return _derived_state(ctx, "position_ids", batch, seq_local, cu)
-    return _derived_state(ctx, "shape", batch, seq_local, None)
-
-
-def _derived_state(ctx: RingContext, source: str, batch: int, seq_local: int,
-                   cu: Optional[torch.Tensor]) -> StepState:
-    """The StepState for a derived step: the same object for every layer of the step (built once per step; a
-    state holds its ``cu`` alive, so ``is`` tells the step's own boundaries from a new step's)."""
+    else:
+        position_ids = get("position_ids")
+        cu = None
+        if position_ids is not None and batch == 1 and seq_local > 1:
+            cu = _cached(ctx, "position_ids", position_ids, _global_cu_from_position_ids, seq_local, ctx)
+        source = "shape" if cu is None else "position_ids"
+    # The same StepState object for every layer of the step (its identity keys the plans). It holds its ``cu``
+    # alive, so ``is`` tells the step's own boundaries from a new step's.
     state = ctx._derived.get(source)
     if state is None or state.cu_seqlens is not cu or state.seq_len_local != seq_local or state.batch_size != batch:
         packed = cu is not None
@@ -580,8 +575,8 @@ def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingC
     step = _step_for_call(call, q, ctx, q_shape)
     plan = _plan_for(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx)
     kernel = _kernel(plan.kernel)
-    if plan.packed:  # HF's packed row (1, T, H, D) -> the varlen kernels' (T, H, D)
-        return kernel(q[0], k[0], v[0], plan.cu_on(q.device), **plan.kwargs).unsqueeze(0)
+    if plan.packed:  # HF's packed row (1, T, H, D) -> the varlen kernels' (T, H, D); [None] is the cheapest view
+        return kernel(q[0], k[0], v[0], plan.cu_on(q.device), **plan.kwargs)[None]
     return kernel(q, k, v, **plan.kwargs)
 
 

@@ -1,0 +1,338 @@
+"""The per-call fast path of ``Dispatcher`` -> ``semantics.ring_attention`` (issue 8, item 5) keeps every behaviour.
+
+What the hot path caches, and what each test proves it never reuses stale:
+
+- ``_Plan`` (kernel name + kwargs) per (step object, is_causal, softmax_scale, sliding_window, softcap): a new step,
+  a changed keyword, a changed context field (backend, heads_k_stride) and a changed shape (a derived step has the
+  global length in it) each give the kernel the arguments of a fresh, uncached run.
+- derived ``StepState`` per step: a modified position_ids tensor (same object, new version) is derived again.
+- every refusal still runs on every call after a plan is cached; the switch is read on every call.
+- counting without a lock: exact over threads (tests/test_switch.py), recomputations kept apart, one record per
+  module even when two modules share a layer index, ``_calling_module`` skips frames whose code cannot hold it.
+
+The benchmark ``benchmarks/patched_call_overhead.py`` runs once at tiny counts so that it cannot rot.
+Kernels are replaced by recorders: single process, no collectives, well under a second.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import hfpatch
+from hfpatch import dispatch, semantics
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.semantics import RingContext, StepState, ring_attention
+from test_semantics import _call
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+_KERNELS = ("ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func", "ring_attn_varlen_func",
+            "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func")
+
+
+class _Kernels:
+    """``ring_kernels``' functions replaced by recorders of (name, args, kwargs); each returns its query."""
+
+    def __init__(self, monkeypatch):
+        import ring_kernels
+
+        self.seen = []
+        for name in _KERNELS:
+            monkeypatch.setattr(ring_kernels, name, self._recorder(name))
+
+    def _recorder(self, name):
+        def kernel(q, *args, **kwargs):
+            self.seen.append((name, (q,) + args, kwargs))
+            return q * 1.0  # a new tensor, differentiable like the real kernels' outputs
+        return kernel
+
+    def last(self):
+        return self.seen[-1]
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    return _Kernels(monkeypatch)
+
+
+def _qkv(batch=1, seq=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(batch, seq, 4, 8, generator=g).to(dtype) for _ in range(3))
+
+
+def _world_of_one_cu(monkeypatch):
+    """Derive packing without a collective (world of one): the all-gather of one rank is the identity."""
+    monkeypatch.setattr(semantics, "_global_cu_from_position_ids",
+                        lambda p, seq_local, ctx: semantics.packed_cu_seqlens(p.reshape(-1)))
+
+
+# ------------------------------------------------------------------------------------------- the plan cache
+
+
+def test_a_new_step_never_reuses_the_previous_steps_plan(kernels):
+    ctx = RingContext(rank=0, world_size=2)
+    q, k, v = _qkv(seq=8)
+    ctx.set_step(StepState(kernel="zigzag", layout="zigzag", packed=False, batch_size=1, seq_len_global=16,
+                           seq_len_local=8))
+    ring_attention(_call(q, k, v), {}, ctx)
+    assert kernels.last()[0] == "zigzag_ring_attn_func"
+    # Same shapes, new step objects: each one's own kernel and document boundaries, never the cached ones.
+    for cu in ([0, 5, 16], [0, 9, 12, 16]):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        ctx.set_step(StepState(kernel="llama3", layout="contiguous", packed=True, batch_size=1, seq_len_global=16,
+                               seq_len_local=8, cu_seqlens=cu))
+        out = ring_attention(_call(q, k, v), {}, ctx)
+        name, args, kwargs = kernels.last()
+        assert name == "llama3_attn_varlen_func" and torch.equal(args[3], cu) and args[0].shape == (8, 4, 8)
+        assert out.shape == q.shape
+    ctx.set_step(StepState(kernel="stripe", layout="stripe", packed=False, batch_size=1, seq_len_global=16,
+                           seq_len_local=8))
+    ring_attention(_call(q, k, v), {}, ctx)
+    assert kernels.last()[0] == "stripe_attn_func"
+
+
+def test_each_call_configuration_gets_its_own_kwargs(kernels):
+    """Alternating layer configurations (e.g. sliding and global layers) in one step: each call's kwargs are
+    those of an uncached run with its own arguments."""
+    ctx = RingContext(rank=0, world_size=1)
+    q, k, v = _qkv(seq=16)
+    configs = [
+        dict(causal=True, scale=None, window=None, softcap=None),
+        dict(causal=True, scale=0.5, window=None, softcap=None),
+        dict(causal=True, scale=0.5, window=4, softcap=None),
+        dict(causal=True, scale=0.5, window=4, softcap=30.0),
+        dict(causal=False, scale=None, window=None, softcap=None),
+    ]
+    seen = {}
+    for _round in range(2):  # the second round hits the cached plans
+        for i, cfg in enumerate(configs):
+            ring_attention(_call(q, k, v, **cfg), {}, ctx)
+            name, _args, kwargs = kernels.last()
+            want_window = (-1, -1) if cfg["window"] is None else semantics._window_size(cfg["window"], 16)
+            assert kwargs["causal"] is cfg["causal"] and kwargs["softmax_scale"] == cfg["scale"]
+            assert kwargs["window_size"] == want_window and kwargs["softcap"] == (cfg["softcap"] or 0.0)
+            assert name == "ring_attn_func"  # derived batch step: contiguous ring
+            seen.setdefault(i, []).append(kwargs)
+    assert all(first == again for first, again in seen.values())
+    assert len({repr(kw[0]) for kw in seen.values()}) == len(configs)
+
+
+def test_a_changed_context_field_drops_the_plans(kernels):
+    ctx = RingContext(rank=0, world_size=2)
+    q, k, v = _qkv(seq=8)
+    step = StepState(kernel="llama3", layout="contiguous", packed=True, batch_size=1, seq_len_global=16,
+                     seq_len_local=8, cu_seqlens=torch.tensor([0, 7, 16], dtype=torch.int32))
+    ctx.set_step(step)
+    ring_attention(_call(q, k, v), {}, ctx)
+    assert kernels.last()[2]["backend"] == "auto" and kernels.last()[2]["heads_k_stride"] is None
+    ctx.heads_k_stride = 1  # what hfpatch.compat sets after apply
+    ring_attention(_call(q, k, v), {}, ctx)
+    assert kernels.last()[2]["heads_k_stride"] == 1
+    ctx.backend = "reference"
+    ring_attention(_call(q, k, v), {}, ctx)
+    assert kernels.last()[2]["backend"] == "reference"
+    assert ctx.step is step  # the step itself was not replaced: the field change alone invalidated the plans
+
+
+def test_a_changed_shape_or_dtype_is_derived_again(kernels):
+    ctx = RingContext(rank=0, world_size=2)
+    for seq, dtype in ((8, torch.float32), (8, torch.bfloat16), (2, torch.bfloat16), (8, torch.float32)):
+        q, k, v = _qkv(seq=seq, dtype=dtype)
+        # sliding_window 10: no window on a 4-token global sequence, a window on a 16-token one.
+        out = ring_attention(_call(q, k, v, window=10), {}, ctx)
+        _name, args, kwargs = kernels.last()
+        assert args[0] is q and out.dtype == dtype and out.shape == q.shape
+        assert kwargs["window_size"] == semantics._window_size(10, 2 * seq)
+        assert (kwargs["window_size"] == (-1, -1)) == (2 * seq <= 10)
+
+
+def test_a_shard_inputs_step_refuses_other_shapes_after_a_cached_call(kernels):
+    ctx = RingContext(rank=0, world_size=2)
+    ctx.set_step(StepState(kernel="zigzag", layout="zigzag", packed=False, batch_size=1, seq_len_global=16,
+                           seq_len_local=8))
+    ring_attention(_call(*_qkv(seq=8)), {}, ctx)
+    for _ in range(2):
+        with pytest.raises(UnsupportedArgument, match="shard_inputs prepared this step"):
+            ring_attention(_call(*_qkv(seq=4)), {}, ctx)
+
+
+def test_position_ids_modified_in_place_are_derived_again(kernels, monkeypatch):
+    _world_of_one_cu(monkeypatch)
+    ctx = RingContext(rank=0, world_size=1)
+    q, k, v = _qkv(seq=8)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    for _layer in range(2):
+        ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
+        assert kernels.last()[0] == "llama3_attn_varlen_func"
+        assert kernels.last()[1][3].tolist() == [0, 3, 8]
+    pos.copy_(torch.arange(8)[None])  # same object, new contents: one sequence now
+    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
+    assert kernels.last()[0] == "ring_attn_func"
+    pos.copy_(torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5]]))
+    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
+    assert kernels.last()[1][3].tolist() == [0, 2, 8]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(dropout=0.1), "dropout"),
+    (dict(attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])), "padding mask"),
+    (dict(block_table=torch.zeros(1, 1)), "paged KV cache"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(sliding_window=True), "sliding_window"),
+    (dict(window=True), "sliding_window"),
+])
+def test_refusals_still_run_after_a_cached_plan(kernels, bad, match):
+    ctx = RingContext(rank=0, world_size=1)
+    q, k, v = _qkv(seq=8)
+    ring_attention(_call(q, k, v, window=1), {}, ctx)  # plans cached for window=1 (True == 1 as a dict key)
+    ring_attention(_call(q, k, v), {}, ctx)
+    with pytest.raises(UnsupportedArgument, match=match):
+        ring_attention(_call(q, k, v, **bad), {}, ctx)
+
+
+def test_extra_kwargs_and_kv_cache_refused_after_a_cached_plan(kernels):
+    ctx = RingContext(rank=0, world_size=1)
+    q, k, v = _qkv(seq=8)
+    ring_attention(_call(q, k, v), {"layer_idx": 0, "s_aux": None}, ctx)
+    for extra, match in (({"s_aux": torch.zeros(4)}, "sinks"), ({"cache": object()}, "KV cache"),
+                         ({"cache_seqlens": torch.zeros(1)}, "KV cache")):
+        with pytest.raises(UnsupportedArgument, match=match):
+            ring_attention(_call(q, k, v), extra, ctx)
+    longer_k = torch.randn(1, 12, 4, 8)
+    with pytest.raises(UnsupportedArgument, match="KV cache"):
+        ring_attention(_call(q, longer_k, longer_k), {}, ctx)
+    ones = torch.ones(1, 8, dtype=torch.long)
+    ring_attention(_call(q, k, v, attention_mask=ones), {}, ctx)  # all ones: accepted, as before
+
+
+# ---------------------------------------------------------------------------------------- the dispatcher
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, layer_idx=None):
+        super().__init__()
+        if layer_idx is not None:
+            self.layer_idx = layer_idx
+
+
+def _integration(module, dispatcher, call, extra):
+    """Stands in for transformers' flash_attention_forward(module, ...): ``module`` is a local of this frame."""
+    return _wrapper(dispatcher, call, extra)
+
+
+def _wrapper(dispatcher, call, extra):  # the generated wrapper's frame (holds no module)
+    return dispatcher(call, extra)
+
+
+def _dispatcher(ctx):
+    from hfpatch.signatures import registry
+    import inspect
+    import transformers.modeling_flash_attention_utils as mfau
+
+    match = registry.require(inspect.signature(mfau._flash_attention_forward))
+    originals = []
+    d = dispatch.Dispatcher(original=lambda **kw: originals.append(kw) or kw["query_states"] * 3.0, match=match,
+                            ctx=ctx)
+    return d, originals
+
+
+def test_the_switch_is_read_on_every_call_of_a_cached_plan(kernels):
+    ctx = RingContext(rank=0, world_size=1)
+    d, originals = _dispatcher(ctx)
+    module = _Attention(layer_idx=0)
+    q, k, v = _qkv(seq=8)
+    call = _call(q, k, v)
+    _integration(module, d, call, {})
+    with hfpatch.switch("original"):
+        assert torch.equal(_integration(module, d, call, {}), q * 3.0)
+    _integration(module, d, call, {})
+    assert len(kernels.seen) == 2 and len(originals) == 1
+    assert d.mode_calls == {"ring": 2, "original": 1} and d.calls == {0: 2}
+    assert [(r.key, r.module_id, r.mode) for r in d.forward_records()] == [(0, id(module), "ring")]
+
+
+def test_two_modules_with_one_layer_index_are_recorded_apart(kernels):
+    d, _ = _dispatcher(RingContext(rank=0, world_size=1))
+    encoder, decoder, unnamed = _Attention(layer_idx=0), _Attention(layer_idx=0), _Attention()
+    call = _call(*_qkv(seq=8))
+    for module in (encoder, decoder, unnamed):
+        _integration(module, d, call, {})
+    records = {(r.key, r.module_id) for r in d.forward_records()}
+    assert records == {(0, id(encoder)), (0, id(decoder)), (f"_Attention@{id(unnamed):x}", id(unnamed))}
+    assert d.calls[0] == 2
+    d.begin_forward()
+    assert d.forward_records() == [] and d.calls[0] == 2  # a new forward keeps the patch's life counts
+    _integration(decoder, d, call, {"layer_idx": 5})  # layer_idx passed by transformers wins
+    assert [(r.key, r.module_id) for r in d.forward_records()] == [(5, id(decoder))]
+    d.reset()
+    assert d.calls == {} and d.mode_calls == {} and d.forward_records() == []
+
+
+def test_calling_module_reads_only_frames_that_can_hold_it():
+    attention = _Attention(layer_idx=3)  # not called `module`: this frame must not hold one
+
+    def inner():  # depth 0 is _calling_module itself: start at this frame
+        return dispatch._calling_module(depth=1)
+
+    def not_a_module_local(module):  # a local named `module` that is not an nn.Module is skipped
+        return inner()
+
+    def holder(self):
+        return not_a_module_local("a string called module")
+
+    def closure_holder(module):
+        def nested():  # `module` is a free variable of this frame: found too
+            return module, inner()
+        return nested()[1]
+
+    assert holder(attention) is attention
+    assert closure_holder(attention) is attention
+    assert dispatch._calling_module(depth=1) is None  # nothing on this test's stack holds a module
+
+
+def test_recomputation_is_counted_apart(monkeypatch):
+    """Activation checkpointing re-runs a layer in backward: counted under ``recomputed``, not as a forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    # q * q saves q for backward: the checkpoint recomputes the layer to get it back.
+    monkeypatch.setattr(semantics, "ring_attention", lambda call, extra, ctx: call["query"] * call["query"])
+    d, _ = _dispatcher(RingContext(rank=0, world_size=1))
+    module = _Attention(layer_idx=7)
+    q, k, v = _qkv(seq=8)
+    q.requires_grad_(True)
+
+    def layer(q):
+        return _integration(module, d, _call(q, k, v), {})
+
+    checkpoint(layer, q, use_reentrant=False).sum().backward()
+    assert d.calls == {7: 1} and d.recomputed == {7: 1} and d.mode_calls == {"ring": 1}
+    assert torch.equal(q.grad, 2 * q.detach())
+
+
+# ----------------------------------------------------------------------------------------- the benchmark
+
+
+def test_benchmark_runs_at_tiny_counts():
+    sys.path.insert(0, _BENCH)
+    import patched_call_overhead as bench
+
+    result = bench.measure(number=3, repeat=1)
+    rows = {(r["entry"], r["step"], r["path"]): r for r in result["rows"]}
+    installed = result["rows"][0]["entry"]
+    for step, kernel in (("batch", "ring_attn_func"), ("packed", "llama3_attn_varlen_func")):
+        assert (installed, step, f"kernel={kernel}") in rows and (installed, step, "kernel=trivial") in rows
+    from hfpatch.signatures.registry import load_registry
+
+    for entry in load_registry():
+        assert {(entry.id, "batch", "rendered: wrapper only"), (entry.id, "batch", "rendered: kernel=trivial")} <= set(rows)
+    for r in rows.values():
+        assert r["direct_us"] > 0 and r["patched_us"] > 0 and r["ratio"] == pytest.approx(
+            r["patched_us"] / r["direct_us"])
+    text = bench.render(result)
+    assert "added us" in text and result["stamp"]["torch"] in text and len(text.splitlines()) == 5 + len(rows)
+    assert hfpatch.active_patch() is None  # the benchmark removed its patch
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # and its world of one
