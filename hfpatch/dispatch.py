@@ -132,7 +132,7 @@ class Dispatcher:
             return self.call_original(call, extra)
         mode = _current_mode()
         module = _calling_module()
-        layer_idx = extra.get("layer_idx") if type(extra) is dict else None
+        layer_idx = extra.get("layer_idx") if isinstance(extra, dict) else None
         if layer_idx is None and module is not None:
             layer_idx = getattr(module, "layer_idx", None)
         if isinstance(layer_idx, int):
