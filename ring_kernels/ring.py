@@ -334,9 +334,8 @@ def _backward(dout, q, k, v, out, lse, cfg: _RingConfig):
     travel = _travel_dtypes(world, k.dtype)
     adopt_own = plan.kv[0].adopt and travel[0] == k.dtype
 
-    def kv_like(dtype, zero=False):
-        new = torch.zeros if zero else torch.empty
-        return (new(k.shape, dtype=dtype, device=k.device), new(v.shape, dtype=dtype, device=v.device))
+    def kv_like(dtype):
+        return (torch.empty(k.shape, dtype=dtype, device=k.device), torch.empty(v.shape, dtype=dtype, device=v.device))
 
     # partial[0]: our own K/V's partial sum (hop 0; adopted from the first block when it covers every row),
     # partial[1]: what the previous rank sends. They alternate as holders; the last hop of N >= 3 writes its
