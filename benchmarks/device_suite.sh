@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The 2-GPU device run behind benchmarks/results/ (session 2): profiles, then the ring benchmark at 8k tokens per
+# GPU (every batch variant x cuDNN/flash/Triton, native CP peers), 32k tokens, the MHA config and the varlen variants.
+# Run from the repository root on a 2-GPU machine: OUT=<dir> bash benchmarks/device_suite.sh
+# Each step has its own time limit so that one slow step cannot take the others' time; results are written as
+# each case group finishes. The per-call cross-rank shape check is off while timing (--skip-rank-check): hfpatch
+# runs it once per step (ring_kernels.rank_check_scope) and PyTorch's native CP has none; its cost is measured
+# separately in profile_2xH200_rank_check_and_nccl_knobs.log.
+set -u
+OUT=${OUT:-benchmarks/results}
+export PYTHONPATH=$PWD
+mkdir -p "$OUT"
+log() { echo "## $(date -u +%H:%M:%S) $*"; }
+profile() { timeout 45 torchrun --nproc-per-node 2 benchmarks/profile_ring.py --backend torch_cudnn --variant zigzag \
+  --causal --iters 10 --top 0 2>&1 | grep -E "^--- rank 0|attention \(cudnn|nccl  "; }
+
+log "zigzag x cuDNN profile, default NCCL stream priority"; profile | tee "$OUT/hp0.txt"
+log "zigzag x cuDNN profile, TORCH_NCCL_HIGH_PRIORITY=1"; TORCH_NCCL_HIGH_PRIORITY=1 profile | tee "$OUT/hp1.txt"
+step() { grep -o "step [0-9.]*" "$1" | head -1 | cut -d' ' -f2; }
+if python - "$(step "$OUT/hp0.txt")" "$(step "$OUT/hp1.txt")" <<'PY'
+import sys
+a, b = (float(x) if x else float("inf") for x in sys.argv[1:3])
+sys.exit(0 if b < 0.99 * a else 1)
+PY
+then export TORCH_NCCL_HIGH_PRIORITY=1; log "benchmarks run with TORCH_NCCL_HIGH_PRIORITY=1 (faster above)"
+else log "benchmarks run with the default NCCL stream priority"; fi
+
+B="torchrun --nproc-per-node 2 benchmarks/ring_bench.py --skip-rank-check --out $OUT"
+log "8k batch, llama3-8b"
+timeout 250 $B --tokens 8192 --layouts batch --configs llama3-8b --variants ring,zigzag,stripe \
+  --backends torch_cudnn,torch_flash,triton --native cudnn,flash --max-minutes 3.2 --tag ring_bench_2xH200_8k_batch_s2
+log "32k batch, llama3-8b, fwd+bwd"
+timeout 90 $B --tokens 32768 --layouts batch --configs llama3-8b --variants ring,zigzag --backends torch_cudnn \
+  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 1 --tag ring_bench_2xH200_32k_batch_s2
+log "8k batch, MHA, fwd+bwd"
+timeout 70 $B --tokens 8192 --layouts batch --configs mha --variants ring,zigzag --backends torch_cudnn \
+  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 0.8 --tag ring_bench_2xH200_8k_mha_s2
+log "8k varlen, llama3-8b"
+timeout 90 $B --tokens 8192 --layouts varlen --configs llama3-8b --variants llama3,ring_varlen,zigzag_varlen \
+  --backends torch_flash,torch_cudnn --native '' --no-nocomm --max-minutes 1 --tag ring_bench_2xH200_8k_varlen_s2
+log "done"
