@@ -11,6 +11,11 @@
 3. counts the call under its layer, so that ``Patch`` can say which attention layers ran the ring in the last
    forward and which did not.
 
+This runs once per attention layer per step, so it is kept cheap (benchmarks/patched_call_overhead.py): no lock
+per call (each thread counts into its own dict; readers sum them), and the calling module is read from the one
+frame whose code can hold it (``frame.f_locals`` copies every local of a frame, so other frames are skipped by
+their code object).
+
 After ``Patch.remove()`` a wrapper may still be referenced somewhere (a user variable): it then calls the
 original function, exactly what the restored binding sites call.
 """
