@@ -138,8 +138,18 @@ def _hf_kwargs(sig: inspect.Signature, q: torch.Tensor, position_ids: torch.Tens
 # in both paths). Only the line that calls the attention differs.
 
 
+_INTEGRATION_KEYWORDS = ("query_length", "is_causal", "dropout", "softmax_scale", "sliding_window", "softcap",
+                         "use_top_left_mask", "target_dtype", "attn_implementation", "layer_idx", "s_aux")
+
+
 def _integration_like(fa: Callable, query_length: int) -> Callable:
-    """A caller of the patched function ``fa`` exactly as the 5.23 integration calls ``_flash_attention_forward``."""
+    """A caller of the patched function ``fa`` exactly as the 5.23 integration calls ``_flash_attention_forward``.
+    Where the installed release's signature does not take all of those keywords (before 5.x; the tox matrix runs
+    this benchmark's test on every release), the caller passes the ones it takes, as that release's code does."""
+    params = inspect.signature(fa).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not takes_any or not all(name in params for name in _INTEGRATION_KEYWORDS):
+        return _older_integration_like(fa, query_length, params, takes_any)
 
     def flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                 sliding_window=None, softcap=None, is_causal=None, s_aux=None, cache=None, **kwargs):
@@ -153,6 +163,18 @@ def _integration_like(fa: Callable, query_length: int) -> Callable:
             s_aux=s_aux, **kwargs,
         )
         return attn_output, head_dim, v_head_dim
+
+    return flash_attention_forward
+
+
+def _older_integration_like(fa: Callable, query_length: int, params, takes_any: bool) -> Callable:
+    def flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                sliding_window=None, softcap=None, is_causal=None, s_aux=None, cache=None, **kwargs):
+        offered = dict(query_length=query_length, is_causal=is_causal, dropout=dropout, softmax_scale=scaling,
+                       sliding_window=sliding_window, softcap=softcap, use_top_left_mask=False, target_dtype=None,
+                       attn_implementation="flash_attention_2", layer_idx=module.layer_idx, s_aux=s_aux, **kwargs)
+        taken = {name: value for name, value in offered.items() if name in params or takes_any}
+        return fa(query, key, value, attention_mask, **taken), None, None
 
     return flash_attention_forward
 
