@@ -2,11 +2,10 @@
 (a ``ValueError``) naming the argument, the value given, the requirement and the fix."""
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import math
 import os
-from typing import Iterator, Optional, Sequence, Set, Tuple
+from typing import Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -108,8 +107,7 @@ _CHECKED: contextvars.ContextVar[Optional[Set[tuple]]] = contextvars.ContextVar(
                                                                                   default=None)
 
 
-@contextlib.contextmanager
-def rank_check_scope(checked: Set[tuple]) -> Iterator[Set[tuple]]:
+class rank_check_scope:  # noqa: N801 -- used like a function: ``with rank_check_scope(seen):``
     """Within this scope a call whose metadata this rank already checked (recorded in ``checked``) is trusted.
 
     The cross-rank check is one all_gather plus a host synchronisation per call: ~0.8 ms of idle GPU per call on
@@ -118,12 +116,21 @@ def rank_check_scope(checked: Set[tuple]) -> Iterator[Set[tuple]]:
     All ranks make the same calls in the same order, so they skip together; what a per-call check would still
     catch inside the scope is a rank whose shapes change while the others' do not, which then meets the next
     collective out of step (a hang, not a wrong result). hfpatch scopes each training step this way.
+    (A class, not a generator context manager: it sits on hfpatch's per-layer hot path.)
     """
-    token = _CHECKED.set(checked)
-    try:
-        yield checked
-    finally:
-        _CHECKED.reset(token)
+
+    __slots__ = ("checked", "_token")
+
+    def __init__(self, checked: Set[tuple]):
+        self.checked = checked
+        self._token = None
+
+    def __enter__(self) -> Set[tuple]:
+        self._token = _CHECKED.set(self.checked)
+        return self.checked
+
+    def __exit__(self, *exc) -> None:
+        _CHECKED.reset(self._token)
 
 
 def check_ranks_agree(fn: str, group, fields: Sequence[Tuple[str, float]], device: torch.device) -> None:

@@ -65,3 +65,26 @@ def test_rank_check_scope_restores_per_call_checking_on_exit():
     with rk.rank_check_scope(set()) as seen:
         assert _validate._CHECKED.get() is seen
     assert _validate._CHECKED.get() is None
+
+
+def _hfpatch_world(rank, world):
+    """Through hfpatch: one cross-rank check per step (the first layer), none for the other layers."""
+    import hfpatch
+    from hfpatch._models import build_model
+
+    model = build_model("llama", num_hidden_layers=3)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    with hfpatch.apply(dist.group.WORLD, model=model, verify=False) as patch:
+        for step in range(2):
+            batch = patch.shard_inputs(ids)
+            calls, restore = _counting_all_gather()
+            try:
+                model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            finally:
+                restore()
+            assert patch.mode_calls.get("ring") == 3 * (step + 1), patch.mode_calls
+            assert len(calls) == 1, f"step {step}: {len(calls)} cross-rank checks for 3 layers"
+
+
+def test_hfpatch_checks_ranks_once_per_step():
+    run_world(2, _hfpatch_world)
