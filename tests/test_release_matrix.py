@@ -66,18 +66,20 @@ def test_tox_shares_torch_and_records_results():
     assert "python -m pytest -q" in testenv["commands"]
 
 
-def test_ci_runs_the_readme_command_then_the_compat_check():
-    """.ci/run installs the CPU torch, runs exactly the README's test command, then the offline COMPAT.md check.
-    The release matrix is not a CI step until every env has been proven green (issue 4); the file says how to run it."""
+def test_ci_runs_the_readme_command_then_the_compat_check_then_the_matrix():
+    """.ci/run installs the CPU torch, runs exactly the README's test command, the offline COMPAT.md check, then the
+    release matrix (every tox env, records written to .tox/results) and the check of its fresh records."""
     ci = (ROOT / ".ci" / "run").read_text()
     lines = [line.strip() for line in ci.splitlines() if line.strip() and not line.strip().startswith("#")]
     assert "python -m pip install -q torch==2.13.0" in lines
     readme = (ROOT / "README.md").read_text()
     assert "python -m pytest -q" in readme
-    order = [lines.index("python -m pytest -q"), lines.index("hfpatch compat --check")]
+    matrix = next(i for i, line in enumerate(lines) if "tox run-parallel" in line)
+    assert "HFPATCH_RESULTS_DIR=$PWD/.tox/results" in lines[matrix]
+    order = [lines.index("python -m pytest -q"), lines.index("hfpatch compat --check"), matrix,
+             lines.index("hfpatch compat --check --fresh-results .tox/results")]
     assert order == sorted(order)
-    assert not any(line.startswith("tox ") for line in lines)
-    assert "tox run-parallel" in ci and "hfpatch compat --check --fresh-results" in ci   # documented, not run
+    assert "set -euo pipefail" in lines      # a failing env fails CI
 
 
 def test_share_torch_links_torch_behind_the_envs_own_packages(tmp_path):
