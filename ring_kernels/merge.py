@@ -33,23 +33,9 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["new_accumulators", "set_block_", "merge_", "merge_block_", "add_", "finalize", "safe_lse"]
+__all__ = ["merge_", "add_", "safe_lse"]
 
 _LOW = (torch.bfloat16, torch.float16)
-
-
-def new_accumulators(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Empty fp32 accumulators for queries ``q`` (B, S, H, D): ``out_acc`` zeros, ``lse_acc`` (B, H, S) = -inf."""
-    b, s, h, d = q.shape
-    out_acc = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-    lse_acc = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-    return out_acc, lse_acc
-
-
-def set_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """First block of a row set: copy instead of merging (cheaper; same result as merging into empty)."""
-    out_acc.copy_(block_out)
-    lse_acc.copy_(block_lse)
 
 
 def merge_(dst: torch.Tensor, a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor) -> None:
@@ -62,12 +48,6 @@ def merge_(dst: torch.Tensor, a: torch.Tensor, lse_a: torch.Tensor, b: torch.Ten
         if _launch(_merge_into_fused_, dst, a, lse_a, b, lse_b):
             return
     _merge_into_eager_(dst, a, lse_a, b, lse_b)
-
-
-def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
-                 block_lse: torch.Tensor) -> None:
-    """Merge one block into accumulators in place: ``merge_(out_acc, out_acc, lse_acc, block_out, block_lse)``."""
-    merge_(out_acc, out_acc, lse_acc, block_out, block_lse)
 
 
 def add_(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -84,11 +64,6 @@ def add_(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         if _launch(_add_fused_, dst, a, b):
             return
     _add_eager_(dst, a, b)
-
-
-def finalize(out_acc: torch.Tensor, lse_acc: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Cast the accumulated output once to ``dtype``; the LSE stays fp32 (it is saved for the backward)."""
-    return out_acc.to(dtype), lse_acc
 
 
 def safe_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -120,11 +95,6 @@ def _merge_into_eager_(dst, a, lse_a, b, lse_b) -> None:
         merged.addcmul_(b, wb)
         dst.copy_(merged)
     lse_a.copy_(new_lse)
-
-
-def _merge_eager_(out_acc, lse_acc, block_out, block_lse) -> None:
-    """The eager merge in place into an accumulator (``merge_block_``'s eager path)."""
-    _merge_into_eager_(out_acc, out_acc, lse_acc, block_out, block_lse)
 
 
 def _add_eager_(dst, a, b) -> None:
@@ -231,11 +201,6 @@ def _grid(triton, dst: torch.Tensor) -> Tuple[tuple, dict]:
     block_d = triton.next_power_of_2(d)
     block_rows = max(1, min(64, 4096 // block_d))
     return (triton.cdiv(n_rows, block_rows),), dict(BLOCK_ROWS=block_rows, BLOCK_D=block_d, N_ROWS=n_rows)
-
-
-def _merge_fused_(out_acc, lse_acc, block_out, block_lse) -> None:
-    """The fused merge in place into an accumulator (``merge_block_``'s fused path)."""
-    _merge_into_fused_(out_acc, out_acc, lse_acc, block_out, block_lse)
 
 
 def _merge_into_fused_(dst, a, lse_a, b, lse_b) -> None:

@@ -257,6 +257,30 @@ def fused_kernels_match_eager() -> None:
         merge._add_eager_(eager[:, 1:], a[:, 1:], b[:, 1:])
         merge._add_fused_(fused[:, 1:], a[:, 1:], b[:, 1:])
         assert torch.equal(fused[:, 1:], eager[:, 1:]), low
+    _fused_in_place_accumulator_merge_matches_eager()
+
+
+def _fused_in_place_accumulator_merge_matches_eager() -> None:
+    """The in-place form a ring uses on an fp32 accumulator (dst = a): full and half-row views, rows that have
+    no key in the accumulator, the block, or both."""
+    torch.manual_seed(0)
+    for b, s, h, d, rows in [(2, 6, 4, 80, slice(None)), (1, 10, 3, 64, slice(5, 10)), (1, 3, 2, 16, slice(None))]:
+        acc, lse = torch.randn(b, s, h, d), torch.randn(b, h, s)
+        lse[0, 0, 0], acc[0, 0, 0] = float("-inf"), 0.0
+        blk, blk_lse = torch.randn(b, s, h, d).bfloat16(), torch.randn(b, h, s)
+        blk_lse[0, 0, 0] = float("-inf")
+        blk_lse[:, 1, 1] = float("-inf")
+        eager = (acc.clone(), lse.clone())
+        fused = (acc.clone(), lse.clone())
+        merge._merge_into_eager_(eager[0][:, rows], eager[0][:, rows], eager[1][:, :, rows], blk[:, rows],
+                                 blk_lse[:, :, rows])
+        merge._merge_into_fused_(fused[0][:, rows], fused[0][:, rows], fused[1][:, :, rows], blk[:, rows],
+                                 blk_lse[:, :, rows])
+        assert not fused[0].isnan().any() and not fused[1].isnan().any()
+        assert torch.allclose(fused[0], eager[0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(torch.isinf(fused[1]), torch.isinf(eager[1]))
+        finite = torch.isfinite(eager[1])
+        assert torch.allclose(fused[1][finite], eager[1][finite], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (optional)")

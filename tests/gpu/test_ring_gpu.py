@@ -163,8 +163,9 @@ def test_fused_merge_on_cuda_matches_eager():
         blk, blk_lse = torch.randn(b, s, h, d, device="cuda").bfloat16(), torch.randn(b, h, s, device="cuda")
         blk_lse[:, :, 3:11] = float("-inf")
         eager, fused = (acc.clone(), lse.clone()), (acc.clone(), lse.clone())
-        merge._merge_eager_(eager[0][:, rows], eager[1][:, :, rows], blk[:, rows], blk_lse[:, :, rows])
-        merge.merge_block_(fused[0][:, rows], fused[1][:, :, rows], blk[:, rows], blk_lse[:, :, rows])
+        merge._merge_into_eager_(eager[0][:, rows], eager[0][:, rows], eager[1][:, :, rows], blk[:, rows],
+                                 blk_lse[:, :, rows])
+        merge.merge_(fused[0][:, rows], fused[0][:, rows], fused[1][:, :, rows], blk[:, rows], blk_lse[:, :, rows])
         assert not fused[0].isnan().any() and not fused[1].isnan().any()
         torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(torch.isinf(fused[1]), torch.isinf(eager[1]))
