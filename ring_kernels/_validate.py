@@ -32,9 +32,10 @@ class RingInputError(ValueError):
 
 
 def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool = False) -> None:
-    """q (B, S, H, D) and k, v (B, S, Hk, D) — or (T, H, D)/(T, Hk, D) when ``varlen`` — consistent, H % Hk == 0."""
+    """q (B, S, H, D) and k, v (B, S, Hk, D) consistent, H % Hk == 0. With ``varlen``: (T, H, D)/(T, Hk, D), or
+    all three as one packed row (1, T, H, D)/(1, T, Hk, D) (HF's packed layout, see ``_check_varlen_rank``)."""
     layout = "(local_tokens, nheads, headdim)" if varlen else "(batch, seqlen_local, nheads, headdim)"
-    ndim = 3 if varlen else 4
+    ndim = _check_varlen_rank(fn, q, k, v) if varlen else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -60,6 +61,28 @@ def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, var
         raise RingInputError(f"{fn}: dtypes differ (q {q.dtype}, k {k.dtype}, v {v.dtype}); cast them to one dtype")
     if not (q.device == k.device == v.device):
         raise RingInputError(f"{fn}: devices differ (q {q.device}, k {k.device}, v {v.device})")
+
+
+def _check_varlen_rank(fn: str, q, k, v) -> int:
+    """3 when q, k, v are all (T, H|Hk, D); 4 when all are one packed row (1, T, H|Hk, D); else an error."""
+    tensors = (("q", q), ("k", k), ("v", v))
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    dims = {q.dim(), k.dim(), v.dim()}
+    if dims == {3} or (dims == {4} and q.shape[0] == k.shape[0] == v.shape[0] == 1):
+        return dims.pop()
+    shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
+    if dims == {4}:
+        fix = ("a packed sequence is one row: concatenate the documents into batch 1 and describe them with "
+               "cu_seqlens, or use the batch functions (ring_attn_func, ...) for a batch of separate sequences")
+    elif dims <= {3, 4}:
+        fix = "pass all three with the same number of dims (x[0] drops the batch dim of 1, x[None] adds it)"
+    else:
+        fix = "reshape them to (local_tokens, nheads, headdim)"
+    raise RingInputError(
+        f"{fn}: {shapes}; expected q, k, v all 3-D (local_tokens, nheads, headdim) or all 4-D with batch 1 "
+        f"(1, local_tokens, nheads, headdim); {fix}", argument="q", value=tuple(q.shape))
 
 
 def check_options(fn: str, *, window_size, softcap, dropout_p) -> Tuple[int, int]:

@@ -161,15 +161,17 @@ class _Llama3Config:
 class _SliceGather:
     """All-gathers of K/V head slices into two alternating buffers, one in flight while the other is used.
 
-    k, v: (L, Hk, D) local; a gathered slice is (N*L, stride, D) in global token order. Every started slice
-    must be taken with ``get`` (which waits for it) before the slice two later reuses its buffer.
+    k, v: (1, L, Hk, D) local; a gathered slice is (1, N*L, stride, D) in global token order (the collective
+    writes its (N*L, stride, D) storage: gloo gathers along dim 0). Every started slice must be taken with
+    ``get`` (which waits for it) before the slice two later reuses its buffer.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, cfg: _Llama3Config):
         self.k, self.v, self.cfg = k, v, cfg
-        n_bufs = min(2, k.shape[1] // cfg.stride)
-        shape = (k.shape[0] * cfg.world, cfg.stride, k.shape[2])
+        n_bufs = min(2, k.shape[2] // cfg.stride)
+        shape = (k.shape[1] * cfg.world, cfg.stride, k.shape[3])
         self.buffers = [(k.new_empty(shape), v.new_empty(shape)) for _ in range(n_bufs)]
+        self.blocks = [(kb.unsqueeze(0), vb.unsqueeze(0)) for kb, vb in self.buffers]   # the same, as (1, T, .)
         self.pending = {}   # j -> (works, the inputs they read): both live until ``get(j)`` has waited
 
     def start(self, j: int) -> None:
@@ -177,18 +179,18 @@ class _SliceGather:
         assert j - len(self.buffers) not in self.pending, f"K/V slice {j}: its buffer is still being gathered"
         kbuf, vbuf = self.buffers[j % len(self.buffers)]
         # The (L, stride, D) copies are held with the works, not left to the backend to keep alive, until waited.
-        inputs = (self.k[:, heads].contiguous(), self.v[:, heads].contiguous())
+        inputs = (self.k[0, :, heads].contiguous(), self.v[0, :, heads].contiguous())
         # The tensor all-gather concatenates along dim 0 = the global token order of the contiguous layout.
         works = [_all_gather_tensor(buf, part, group=self.cfg.group, async_op=True)
                  for buf, part in zip((kbuf, vbuf), inputs)]
         self.pending[j] = (works, inputs)
 
     def get(self, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Wait for slice j; gathered (N*L, stride, D) K and V."""
+        """Wait for slice j; gathered (1, N*L, stride, D) K and V."""
         works, _inputs = self.pending.pop(j)
         for work in works:
             work.wait()
-        return self.buffers[j % len(self.buffers)]
+        return self.blocks[j % len(self.blocks)]
 
 
 def _heads(j: int, cfg: _Llama3Config, group_size: int) -> Tuple[slice, slice]:
@@ -223,22 +225,22 @@ class _Result:
 
 def _forward_blocks(blocks, first: int, q4, k_rows, v_rows, hq, result: _Result, cfg: _Llama3Config) -> None:
     """Forward of ``blocks`` (contributions ``first``, ``first`` + 1, ...) for query heads ``hq`` against K/V
-    rows (T, stride, D)."""
+    rows (1, T, stride, D)."""
     for i, blk in enumerate(blocks):
         out, lse = cfg.backend.forward(
-            q4[:, blk.q_rows, hq], k_rows[blk.kv_rows].unsqueeze(0), v_rows[blk.kv_rows].unsqueeze(0),
+            q4[:, blk.q_rows, hq], k_rows[:, blk.kv_rows], v_rows[:, blk.kv_rows],
             scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
         result.fold(first + i, hq, out, lse)
 
 
-def _forward_local(q4, k, v, hk, hq, result: _Result, cfg: _Llama3Config) -> int:
+def _forward_local(q4, k4, v4, hk, hq, result: _Result, cfg: _Llama3Config) -> int:
     """The local blocks of head slice (hk, hq): one varlen call on the fast path, else one call per block.
     Returns how many contributions they were."""
     if cfg.fast is None:
-        _forward_blocks(cfg.plan.local_blocks, 0, q4, k[:, hk], v[:, hk], hq, result, cfg)
+        _forward_blocks(cfg.plan.local_blocks, 0, q4, k4[:, :, hk], v4[:, :, hk], hq, result, cfg)
         return len(cfg.plan.local_blocks)
     seg = cfg.fast.whole                              # covers every local row
-    out, lse = cfg.fast.kernel.forward(q4[0, seg.q_rows, hq], k[seg.k_rows, hk], v[seg.k_rows, hk], seg,
+    out, lse = cfg.fast.kernel.forward(q4[0, seg.q_rows, hq], k4[0, seg.k_rows, hk], v4[0, seg.k_rows, hk], seg,
                                        scale=cfg.scale)
     result.fold(0, hq, out.unsqueeze(0), lse.unsqueeze(0))
     return 1
@@ -250,19 +252,19 @@ def _forward_ranges(cfg: _Llama3Config) -> List[slice]:
     return local + ([b.q_rows for b in cfg.plan.remote_blocks] if cfg.plan.gather else [])
 
 
-def _forward(q, k, v, cfg: _Llama3Config):
-    """q (L, H, D), k/v (L, Hk, D) -> out (1, L, H, D) in q's dtype, lse (1, H, L) fp32."""
-    q4, plan = q.unsqueeze(0), cfg.plan
-    result = _Result(q4, _rows_plan(_forward_ranges(cfg), q.shape[0]))
-    slices, group_size = k.shape[1] // cfg.stride, q.shape[1] // k.shape[1]
-    gather = _SliceGather(k, v, cfg) if plan.gather else None
+def _forward(q4, k4, v4, cfg: _Llama3Config):
+    """q4 (1, L, H, D), k4/v4 (1, L, Hk, D) -> out (1, L, H, D) in q's dtype, lse (1, H, L) fp32."""
+    plan = cfg.plan
+    result = _Result(q4, _rows_plan(_forward_ranges(cfg), q4.shape[1]))
+    slices, group_size = k4.shape[2] // cfg.stride, q4.shape[2] // k4.shape[2]
+    gather = _SliceGather(k4, v4, cfg) if plan.gather else None
     if gather:
         gather.start(0)
     for j in range(slices):
         if gather and j + 1 < slices:
             gather.start(j + 1)                       # the next slice travels while this one computes
         hk, hq = _heads(j, cfg, group_size)
-        done = _forward_local(q4, k, v, hk, hq, result, cfg)
+        done = _forward_local(q4, k4, v4, hk, hq, result, cfg)
         if gather:
             k_all, v_all = gather.get(j)              # in flight while the local blocks computed
             _forward_blocks(plan.remote_blocks, done, q4, k_all, v_all, hq, result, cfg)
@@ -272,29 +274,30 @@ def _forward(q, k, v, cfg: _Llama3Config):
 class _SliceReduceScatter:
     """Reduce-scatters of full-sequence fp32 dK/dV slices back to their owners, one in flight per buffer.
 
-    The scattered parts are added into ``dk``/``dv`` (L, Hk, D) fp32, which already hold the local blocks' part.
+    The scattered parts are added into ``dk``/``dv`` (1, L, Hk, D) fp32, which already hold the local blocks' part.
     A slot's full-sequence buffer is zeroed again, and its part read, only after its reduce-scatter was waited
     for (``_finish``); ``finish_all`` must run before ``dk``/``dv`` are read.
     """
 
     def __init__(self, dk: torch.Tensor, dv: torch.Tensor, cfg: _Llama3Config):
         self.cfg, self.dk, self.dv = cfg, dk, dv
-        n_bufs = min(2, dk.shape[1] // cfg.stride)
-        full = (dk.shape[0] * cfg.world, cfg.stride, dk.shape[2])
-        part = (dk.shape[0], cfg.stride, dk.shape[2])
+        n_bufs = min(2, dk.shape[2] // cfg.stride)
+        full = (dk.shape[1] * cfg.world, cfg.stride, dk.shape[3])
+        part = (dk.shape[1], cfg.stride, dk.shape[3])
         new = lambda shape: torch.empty(shape, dtype=torch.float32, device=dk.device)  # noqa: E731
         self.full = [(new(full), new(full)) for _ in range(n_bufs)]
         self.part = [(new(part), new(part)) for _ in range(n_bufs)]
         self.pending = {}   # j -> (works, the buffers they read and write): held until ``_finish(j)`` has waited
 
     def buffers(self, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed full-sequence accumulators for slice j (waiting for the slice that used them before)."""
+        """Zeroed full-sequence accumulators (1, N*L, stride, D) for slice j (waiting for the slice that used
+        them before)."""
         if j - len(self.full) in self.pending:
             self._finish(j - len(self.full))
         dk_all, dv_all = self.full[j % len(self.full)]
         dk_all.zero_()
         dv_all.zero_()
-        return dk_all, dv_all
+        return dk_all.unsqueeze(0), dv_all.unsqueeze(0)
 
     def start(self, j: int) -> None:
         slot = j % len(self.full)
@@ -310,8 +313,8 @@ class _SliceReduceScatter:
             work.wait()
         heads = slice(j * self.cfg.stride, (j + 1) * self.cfg.stride)
         dk_part, dv_part = self.part[j % len(self.part)]
-        self.dk[:, heads] += dk_part
-        self.dv[:, heads] += dv_part
+        self.dk[0, :, heads] += dk_part
+        self.dv[0, :, heads] += dv_part
 
     def finish_all(self) -> None:
         for j in sorted(self.pending):
@@ -335,33 +338,32 @@ class _QueryGrads:
 
 def _backward_blocks(blocks, first: int, dout4, q4, out4, lse, k_rows, v_rows, hq, dq: _QueryGrads, dk_acc, dv_acc,
                      cfg) -> int:
-    """Backward of ``blocks`` (dq contributions ``first``, ...): dk/dv into accumulators over ``k_rows``' rows.
-    Returns the next contribution index."""
+    """Backward of ``blocks`` (dq contributions ``first``, ...) against K/V rows (1, T, stride, D): dk/dv into
+    accumulators (1, T, stride, D) over the same rows. Returns the next contribution index."""
     for i, blk in enumerate(blocks):
         rows = blk.q_rows
         dq_b, dk, dv = cfg.backend.backward(
-            dout4[:, rows, hq], q4[:, rows, hq], k_rows[blk.kv_rows].unsqueeze(0),
-            v_rows[blk.kv_rows].unsqueeze(0), out4[:, rows, hq], lse[:, hq, rows],
-            scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
+            dout4[:, rows, hq], q4[:, rows, hq], k_rows[:, blk.kv_rows], v_rows[:, blk.kv_rows],
+            out4[:, rows, hq], lse[:, hq, rows], scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
         dq.fold(first + i, hq, dq_b)
-        dk_acc[blk.kv_rows] += dk.squeeze(0)
-        dv_acc[blk.kv_rows] += dv.squeeze(0)
+        dk_acc[:, blk.kv_rows] += dk
+        dv_acc[:, blk.kv_rows] += dv
     return first + len(blocks)
 
 
-def _backward_segments(seg: Optional[VarlenSegments], first: int, dout4, q4, out4, lse, k, v, hk, hq,
+def _backward_segments(seg: Optional[VarlenSegments], first: int, dout4, q4, out4, lse, k4, v4, hk, hq,
                        dq: _QueryGrads, dk_acc, dv_acc, cfg: _Llama3Config) -> int:
-    """Backward of one varlen call of local documents (dq contribution ``first``): dk/dv into the local fp32
-    accumulators (L, Hk, D) at heads ``hk``. Returns the next contribution index."""
+    """Backward of one varlen call of local documents (dq contribution ``first``): dk/dv into the local
+    accumulators (1, L, Hk, D) at heads ``hk``. Returns the next contribution index."""
     if seg is None:
         return first
     rows, kv = seg.q_rows, seg.k_rows
     dq_b, dk, dv = cfg.fast.kernel.backward(
-        dout4[0, rows, hq], q4[0, rows, hq], k[kv, hk], v[kv, hk], out4[0, rows, hq], lse[0, hq, rows], seg,
-        scale=cfg.scale)
+        dout4[0, rows, hq], q4[0, rows, hq], k4[0, kv, hk], v4[0, kv, hk], out4[0, rows, hq], lse[0, hq, rows],
+        seg, scale=cfg.scale)
     dq.fold(first, hq, dq_b.unsqueeze(0))
-    dk_acc[kv, hk] += dk
-    dv_acc[kv, hk] += dv
+    dk_acc[0, kv, hk] += dk
+    dv_acc[0, kv, hk] += dv
     return first + 1
 
 
@@ -386,19 +388,20 @@ def _halves(blocks: List[_Llama3Block]) -> Tuple[List[_Llama3Block], List[_Llama
     return blocks, []
 
 
-def _backward(dout, q, k, v, out, lse, cfg: _Llama3Config):
-    """Gradients (fp32) dq (L, H, D), dk, dv (L, Hk, D) from the merged out (L, H, D) and lse (1, H, L).
+def _backward(dout4, q4, k4, v4, out4, lse, cfg: _Llama3Config):
+    """Gradients dq (1, L, H, D) in q's dtype, dk, dv (1, L, Hk, D) fp32 from the merged out4 (1, L, H, D) and
+    lse (1, H, L).
 
     Per head slice: half of the local blocks while its K/V all-gather is in flight, the remote blocks into
     full-sequence dK/dV, their reduce-scatter started, then the other half of the local blocks meanwhile.
     """
-    q4, dout4, out4, plan = q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0), cfg.plan
-    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    slices, group_size = k.shape[1] // cfg.stride, q.shape[1] // k.shape[1]
+    plan = cfg.plan
+    dk_acc = torch.zeros(k4.shape, dtype=torch.float32, device=k4.device)
+    dv_acc = torch.zeros(v4.shape, dtype=torch.float32, device=v4.device)
+    slices, group_size = k4.shape[2] // cfg.stride, q4.shape[2] // k4.shape[2]
     before, after = _halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
-    dq = _QueryGrads(q4, _rows_plan(_backward_ranges(cfg, before, after), q.shape[0]))
-    gather = _SliceGather(k, v, cfg) if plan.gather else None
+    dq = _QueryGrads(q4, _rows_plan(_backward_ranges(cfg, before, after), q4.shape[1]))
+    gather = _SliceGather(k4, v4, cfg) if plan.gather else None
     scatter = _SliceReduceScatter(dk_acc, dv_acc, cfg) if plan.gather else None
     if gather:
         gather.start(0)
@@ -406,8 +409,9 @@ def _backward(dout, q, k, v, out, lse, cfg: _Llama3Config):
         if gather and j + 1 < slices:
             gather.start(j + 1)
         hk, hq = _heads(j, cfg, group_size)
-        local_grads = (dout4, q4, out4, lse, k[:, hk], v[:, hk], hq, dq, dk_acc[:, hk], dv_acc[:, hk], cfg)
-        segment_grads = (dout4, q4, out4, lse, k, v, hk, hq, dq, dk_acc, dv_acc, cfg)
+        local_grads = (dout4, q4, out4, lse, k4[:, :, hk], v4[:, :, hk], hq, dq, dk_acc[:, :, hk],
+                       dv_acc[:, :, hk], cfg)
+        segment_grads = (dout4, q4, out4, lse, k4, v4, hk, hq, dq, dk_acc, dv_acc, cfg)
         if cfg.fast is None:
             done = _backward_blocks(before, 0, *local_grads)
         else:
@@ -424,14 +428,15 @@ def _backward(dout, q, k, v, out, lse, cfg: _Llama3Config):
             _backward_segments(cfg.fast.after, done, *segment_grads)
     if scatter:
         scatter.finish_all()
-    return dq.dq.squeeze(0), dk_acc, dv_acc
+    return dq.dq, dk_acc, dv_acc
 
 
 class _Llama3Attention(torch.autograd.Function):
+    """q (1, L, H, D), k, v (1, L, Hk, D) -> out (1, L, H, D); the entry point adds/drops the batch dim."""
+
     @staticmethod
     def forward(ctx, q, k, v, cfg: _Llama3Config):
-        out, lse = _forward(q, k, v, cfg)
-        out = out.squeeze(0)                          # in q's dtype, each row rounded once
+        out, lse = _forward(q, k, v, cfg)             # in q's dtype, each row rounded once
         ctx.cfg = cfg
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -461,13 +466,14 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
                             heads_k_stride: Optional[int] = None):
     """Attention over packed documents sharded contiguously, by all-gathering K/V (Llama 3 style).
 
-    q: (T_local, H, D); k, v: (T_local, Hk, D), H % Hk == 0; rank r holds packed tokens [r*T_local,
-    (r+1)*T_local) of the global sequence described by ``cu_seqlens`` (int32 (num_docs + 1,), identical on
-    every rank). ``heads_k_stride`` K/V heads are gathered at a time (None = all; it must divide Hk): peak
-    extra memory is 2 x 2 x (N*T_local, heads_k_stride, D). Returns out (T_local, H, D); differentiable.
+    q: (T_local, H, D); k, v: (T_local, Hk, D), H % Hk == 0 — or all three as HF's packed row (1, T_local,
+    H|Hk, D), used as is (no view); rank r holds packed tokens [r*T_local, (r+1)*T_local) of the global sequence
+    described by ``cu_seqlens`` (int32 (num_docs + 1,), identical on every rank). ``heads_k_stride`` K/V heads
+    are gathered at a time (None = all; it must divide Hk): peak extra memory is 2 x 2 x (N*T_local,
+    heads_k_stride, D). Returns out (T_local, H, D), or (1, T_local, H, D) for 4-D q; differentiable.
     """
     fn = "llama3_attn_varlen_func"
-    stride = _check_stride(fn, heads_k_stride, k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 3 else 1)
+    stride = _check_stride(fn, heads_k_stride, k.shape[-2] if isinstance(k, torch.Tensor) and k.dim() >= 3 else 1)
     call = _VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=12,
                        extra_fields=[("heads_k_stride", stride)])
@@ -479,4 +485,8 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
                                softcap=call.softcap, document_lengths=local_sizes)
     cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.world, stride,
                         _varlen_local(plan, kernel, call.local, q.device))
-    return _Llama3Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
+    if q.dim() == 4:                                  # HF's packed row (1, T, H, D): the kernel's own layout
+        return _Llama3Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
+    out = _Llama3Attention.apply(q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0),
+                                 v.contiguous().unsqueeze(0), cfg)
+    return out.squeeze(0)

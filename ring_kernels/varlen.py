@@ -2,7 +2,9 @@
 
 A packed sequence holds documents back to back; ``cu_seqlens`` (int, (num_docs + 1,)) are the cumulative
 lengths of the *global* packed sequence, identical on every rank. Documents are independent: a token attends
-only to tokens of its own document (causally when ``causal=True``). Tensors are (local_tokens, nheads, headdim).
+only to tokens of its own document (causally when ``causal=True``). Tensors are (local_tokens, nheads, headdim),
+or all of q, k, v one packed row (1, local_tokens, nheads, headdim) as HF passes them: that is the engine's own
+batch-1 layout, so the 4-D form runs without a view and returns out of q's rank (3-D inputs get one unsqueeze).
 
 The ring engine of ``ring.py`` runs unchanged on batch 1: a varlen layout only decides which blocks one ring
 step computes. Each block is one document's (query rows x key rows) of the visiting K/V, and with no window
@@ -195,9 +197,9 @@ class _VarlenCall:
         self.causal = bool(causal)
         self.cu = _check_cu_seqlens(fn, cu_seqlens)
         self.rank, self.world = group_rank_and_size(group)
-        self.local = q.shape[0]
-        t, h, d = q.shape
-        fields = [("layout", layout_code), ("local_tokens", t), ("nheads", h), ("nheads_k", k.shape[1]),
+        t, h, d = q.shape[-3:]                        # (T, H, D) or HF's packed row (1, T, H, D)
+        self.local = t
+        fields = [("layout", layout_code), ("local_tokens", t), ("nheads", h), ("nheads_k", k.shape[-2]),
                   ("headdim", d), ("dtype", _validate.dtype_code(q.dtype)), ("causal", int(self.causal)),
                   ("softmax_scale", self.scale), ("softcap", self.softcap), ("window_left", self.window[0]),
                   ("window_right", self.window[1]), ("cu_seqlens length", self.cu.numel()),
@@ -343,6 +345,8 @@ def _run_ring_varlen(q, k, v, call: _VarlenCall, steps: List[List[_Block]], kind
     if batched is not None:
         steps, chosen = batched, _VarlenStepBackend(kernel, chosen)
     cfg = _RingConfig(steps, chosen, call.scale, call.softcap, group, call.rank, call.world)
+    if q.dim() == 4:                                  # a packed row (1, T, H, D) is the engine's own layout
+        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
     out = _RingAttention.apply(q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0),
                                v.contiguous().unsqueeze(0), cfg)
     return out.squeeze(0)
@@ -352,9 +356,10 @@ def ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, soft
                           window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
     """Ring attention over packed documents sharded contiguously (layout ``"contiguous"``).
 
-    q: (T_local, H, D); k, v: (T_local, Hk, D), H % Hk == 0; rank r holds packed tokens [r*T_local,
-    (r+1)*T_local) of the global sequence described by ``cu_seqlens`` (int32 (num_docs + 1,), identical on
-    every rank; documents may cross rank boundaries). Returns out (T_local, H, D) in q's dtype; differentiable.
+    q: (T_local, H, D); k, v: (T_local, Hk, D), H % Hk == 0 — or all three as HF's packed row (1, T_local, H|Hk,
+    D), used as is (no view); rank r holds packed tokens [r*T_local, (r+1)*T_local) of the global sequence
+    described by ``cu_seqlens`` (int32 (num_docs + 1,), identical on every rank; documents may cross rank
+    boundaries). Returns out (T_local, H, D), or (1, T_local, H, D) for 4-D q, in q's dtype; differentiable.
     ``window_size`` (left, right) and ``softcap`` follow flash-attn; ``dropout_p`` must be 0.
     """
     fn = "ring_attn_varlen_func"
@@ -370,7 +375,8 @@ def zigzag_ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=True
 
     Every document of the global ``cu_seqlens`` is cut into 2N chunks; rank r holds chunk r then chunk 2N-1-r
     of each document, documents in order (``ring_kernels.shard(x, layout="zigzag", dim=0, cu_seqlens=...)``).
-    q: (T_local, H, D); k, v: (T_local, Hk, D). Each document length must be divisible by 2N.
+    q: (T_local, H, D); k, v: (T_local, Hk, D) — or all three 4-D with batch 1 (HF's packed row, no view);
+    out has q's shape. Each document length must be divisible by 2N.
     ``causal=False`` raises (use ``ring_attn_varlen_func``).
     """
     fn = "zigzag_ring_attn_varlen_func"

@@ -153,6 +153,12 @@ def _cases():
     for variant, causal, dtype in (("ring", True, torch.float32), ("ring", False, torch.bfloat16),
                                    ("zigzag", True, torch.float32), ("zigzag", True, torch.bfloat16)):
         cases.append(_case(variant, "torch_cpu", causal, h=8, hk=2, d=64, dtype=dtype, varlen_standin=True))
+    # HF's packed row: q/k/v (1, T_local, H, D) in, out (1, T_local, H, D) back, gradients of the 4-D leaves.
+    cases.append(_case("ring", "torch_cpu", True, dtype=torch.bfloat16, packed_row=True))
+    cases.append(_case("zigzag", "reference", True, h=4, hk=4, d=32, packed_row=True))
+    cases.append(_case("llama3", "torch_cpu", False, h=8, hk=4, stride=2, packed_row=True))
+    cases.append(_case("llama3", "torch_cpu", True, h=8, hk=4, d=64, stride=1, dtype=torch.bfloat16,
+                       varlen_standin=True, packed_row=True))
     return cases
 
 
@@ -207,7 +213,8 @@ def _run_case(group, rank, n, index, case, ref_cache=None):
 
     layout = "zigzag" if case["variant"] == "zigzag" else "contiguous"
     part = lambda x: shard(x, group, layout=layout, dim=0, cu_seqlens=cu)  # noqa: E731
-    local = [part(x).to(device).detach().requires_grad_(True) for x in (q, k, v)]
+    row = (lambda x: x[None]) if case.get("packed_row") else (lambda x: x)  # noqa: E731
+    local = [row(part(x)).to(device).detach().requires_grad_(True) for x in (q, k, v)]
     kwargs = dict(group=group, causal=case["causal"], backend=case["backend"], window_size=options["window"],
                   softcap=options["softcap"])
     if "stride" in case:
@@ -215,16 +222,17 @@ def _run_case(group, rank, n, index, case, ref_cache=None):
     standin = _PlainVarlenKernel() if case.get("varlen_standin") else None
     with _varlen_kernel(standin), _StrictCollectives(case.get("strict_comm", False)) as strict:
         out = _fn(case["variant"])(*local, cu.to(device), **kwargs)
-        out.backward(part(dout).to(device))
+        out.backward(row(part(dout)).to(device))
     if standin is not None:
-        _check_varlen_calls(standin, cu, rank, n, local[0].shape[0], case)
+        _check_varlen_calls(standin, cu, rank, n, local[0].shape[-3], case)
     if strict.enabled:
         strict.check_counts(n, slices=case["hk"] // case.get("stride", case["hk"]))
     assert out.dtype == dtype and out.shape == local[0].shape, case
     pairs = [("out", out, ref_out), *zip(("dq", "dk", "dv"), (x.grad for x in local), ref_grads)]
     for name, got, want in pairs:
         assert torch.isfinite(got).all(), f"{name} has NaN/Inf: {case}"
-        err, limit = _errors(got.cpu(), part(want), dtype)
+        assert got.shape == local[0 if name in ("out", "dq") else 1].shape, (name, case)
+        err, limit = _errors(got.cpu(), row(part(want)), dtype)
         limit = limit or (1e-2 if name == "out" else 5e-2)
         assert err < limit, f"rank {rank}/{n} {name}: error {err:.3g} >= {limit} in {case}"
 
@@ -408,9 +416,65 @@ def test_bad_input_single_process():
     _expect(r"heads_k_stride=0 must divide", rk.llama3_attn_varlen_func, q, k, k, cu, heads_k_stride=0)
     _expect(r"backend='nope' is not a known backend", rk.ring_attn_varlen_func, q, k, k, cu, backend="nope")
     _expect(r"softcap", rk.ring_attn_varlen_func, q, k, k, cu, softcap=5.0, backend="torch_cpu")
+    # HF's packed row (1, T, H, D) is accepted for all three or none; a batch of rows is not a packed sequence.
+    for fn in (rk.ring_attn_varlen_func, rk.zigzag_ring_attn_varlen_func, rk.llama3_attn_varlen_func):
+        _expect(r"q \(1, 8, 4, 16\), k \(8, 2, 16\), v \(8, 2, 16\); expected q, k, v all 3-D .* or all 4-D "
+                r"with batch 1 .*same number of dims", fn, q[None], k, k, cu)
+        _expect(r"q \(2, 8, 4, 16\), k \(2, 8, 2, 16\), v \(2, 8, 2, 16\); .*packed sequence is one row",
+                fn, q[None].expand(2, -1, -1, -1), k[None].expand(2, -1, -1, -1), k[None].expand(2, -1, -1, -1), cu)
+        _expect(r"q \(8, 4, 16\), k \(8, 2, 16\), v \(1, 1, 8, 2, 16\)", fn, q, k, k[None, None], cu)
+        _expect(r"local token count \(1, 8\) but k/v have \(1, 7\)", fn, q[None], k[None, :7], k[None, :7], cu)
 
 
 # ------------------------------------------------------------------------------------------- structure
+
+
+class _Recorded:
+    """Stands in for an autograd Function (``module.<name>``) within the block: records what ``apply`` got and
+    returned."""
+
+    def __init__(self, module, name):
+        self.module, self.name, self.calls = module, name, []
+
+    def __enter__(self):
+        self.original = getattr(self.module, self.name)
+        recorder = self
+
+        class Recording:
+            @staticmethod
+            def apply(*args):
+                out = recorder.original.apply(*args)
+                recorder.calls.append((args, out))
+                return out
+
+        setattr(self.module, self.name, Recording)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.original)
+
+
+def test_packed_row_reaches_the_engine_without_a_view():
+    """4-D q/k/v (HF's packed row) are handed to the engine's autograd Function as the very same tensors and its
+    output is returned as is; 3-D inputs get one unsqueeze each (the engine runs on batch 1) and out one squeeze."""
+    import ring_kernels as rk
+    import ring_kernels.llama3 as llama3
+    import ring_kernels.varlen as varlen
+
+    q, k = torch.randn(1, 12, 4, 16), torch.randn(1, 12, 2, 16)
+    cu = _cu([4, 8])
+    for fn, module, name in ((rk.ring_attn_varlen_func, varlen, "_RingAttention"),
+                             (rk.zigzag_ring_attn_varlen_func, varlen, "_RingAttention"),
+                             (rk.llama3_attn_varlen_func, llama3, "_Llama3Attention")):
+        with _Recorded(module, name) as packed:
+            out = fn(q, k, k, cu, causal=True, backend="torch_cpu")
+        (args, engine_out), = packed.calls
+        assert args[0] is q and args[1] is k and args[2] is k and out is engine_out, fn.__name__
+        with _Recorded(module, name) as flat:
+            out3 = fn(q[0], k[0], k[0], cu, causal=True, backend="torch_cpu")
+        (args, engine_out), = flat.calls
+        assert args[0].shape == q.shape and out3.shape == q.shape[1:] and out3._base is engine_out, fn.__name__
+        assert torch.equal(out3, out[0]), fn.__name__
 
 
 def test_standard_blocks_need_no_dense_mask():
