@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The 2-GPU device run behind benchmarks/results/ (session 2): profiles, then the ring benchmark at 8k tokens per
-# GPU (every batch variant x cuDNN/flash/Triton, native CP peers), 32k tokens, the MHA config and the varlen variants.
-# Run from the repository root on a 2-GPU machine: OUT=<dir> bash benchmarks/device_suite.sh
+# The 2-GPU device run behind benchmarks/results/: profiles, then the ring benchmark at 8k tokens per GPU (every
+# batch variant x cuDNN/flash/Triton, native CP peers), 32k tokens, the MHA config and the varlen variants.
+# Run from the repository root on a 2-GPU machine: OUT=<dir> [TAG=s3] bash benchmarks/device_suite.sh
+# (TAG suffixes the result files: s2 = session 2's run, s3 = session 3's).
 # Each step has its own time limit so that one slow step cannot take the others' time; results are written as
 # each case group finishes. The per-call cross-rank shape check is off while timing (--skip-rank-check): hfpatch
 # runs it once per step (ring_kernels.rank_check_scope) and PyTorch's native CP has none; its cost is measured
 # separately in profile_2xH200_rank_check_and_nccl_knobs.log.
 set -u
 OUT=${OUT:-benchmarks/results}
+TAG=${TAG:-s3}
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 log() { echo "## $(date -u +%H:%M:%S) $*"; }
@@ -28,14 +30,14 @@ else log "benchmarks run with the default NCCL stream priority"; fi
 B="torchrun --nproc-per-node 2 benchmarks/ring_bench.py --skip-rank-check --out $OUT"
 log "8k batch, llama3-8b"
 timeout 250 $B --tokens 8192 --layouts batch --configs llama3-8b --variants ring,zigzag,stripe \
-  --backends torch_cudnn,torch_flash,triton --native cudnn,flash --max-minutes 3.2 --tag ring_bench_2xH200_8k_batch_s2
+  --backends torch_cudnn,torch_flash,triton --native cudnn,flash --max-minutes 3.2 --tag ring_bench_2xH200_8k_batch_$TAG
 log "32k batch, llama3-8b, fwd+bwd"
 timeout 90 $B --tokens 32768 --layouts batch --configs llama3-8b --variants ring,zigzag --backends torch_cudnn \
-  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 1 --tag ring_bench_2xH200_32k_batch_s2
+  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 1 --tag ring_bench_2xH200_32k_batch_$TAG
 log "8k batch, MHA, fwd+bwd"
 timeout 70 $B --tokens 8192 --layouts batch --configs mha --variants ring,zigzag --backends torch_cudnn \
-  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 0.8 --tag ring_bench_2xH200_8k_mha_s2
+  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 0.8 --tag ring_bench_2xH200_8k_mha_$TAG
 log "8k varlen, llama3-8b"
 timeout 90 $B --tokens 8192 --layouts varlen --configs llama3-8b --variants llama3,ring_varlen,zigzag_varlen \
-  --backends torch_flash,torch_cudnn --native '' --no-nocomm --max-minutes 1 --tag ring_bench_2xH200_8k_varlen_s2
+  --backends torch_flash,torch_cudnn --native '' --no-nocomm --max-minutes 1 --tag ring_bench_2xH200_8k_varlen_$TAG
 log "done"
