@@ -1,0 +1,446 @@
+"""Ring exchange over the GPU's copy engines (torch symmetric memory), and the choice between it and NCCL.
+
+Why: NCCL's SendRecv kernels need SMs. Launched next to an attention kernel that fills every SM (cuDNN), the
+32 MB K/V transfer of a ring step only starts at that kernel's tail and leaves the compute stream idle for
+~90-260 us per step on 2xH200. A peer-to-peer ``tensor.copy_`` between symmetric-memory buffers is a
+copy-engine (CE) transfer over NVLink: no SMs. The only kernels here are the one-block barriers that say
+"my staging is filled" and "I have read yours".
+
+One exchange (``CopyEngineExchange.start``), all on a high-priority side stream per (group, tag, device):
+
+    side waits for the current stream            # send is ready
+    my staging[offsets] <- send                  # local copy into symmetric memory
+    barrier(READY)                               # every rank's staging is filled
+    recv <- staging of the source rank           # CE pull over NVLink        -> event ``done``
+    barrier(DONE)                                # every rank has read: stagings may be refilled
+
+``wait()`` makes the current stream wait for ``done`` (recv filled, send already copied out), so the DONE
+barrier never delays the caller; the next exchange of the same tag is queued behind it on the side stream.
+Two tags in flight at once (K/V tag 0, dK/dV tag 1) have separate stagings, streams and barrier channels.
+
+Allocator safety: ``send``/``recv`` belong to the caller's stream. Instead of ``record_stream`` the exchange
+keeps Python references to them until ``wait()``, and ``wait()`` orders the stream they were handed over on
+after the last side-stream use (``done``); so the caching allocator can only hand their memory out again
+after the side stream is finished with it.
+
+Collective requirements (as for NCCL): every rank of the group starts the same exchanges, with the same byte
+sizes, in the same order. Growing a staging (the first exchange of a tag, or a larger one) allocates and
+rendezvouses symmetric memory: a collective that blocks the host once; every other ``start`` never blocks it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._validate import RingInputError
+from .comm import RingExchange, group_rank_and_size
+
+__all__ = ["CopyEngineExchange", "CopyEngineUnavailableError", "copy_engine_unavailable_reason",
+           "make_exchange", "TRANSPORT_ENV", "TRANSPORTS"]
+
+TRANSPORT_ENV = "RING_KERNELS_TRANSPORT"
+TRANSPORTS = ("nccl", "copy_engine")
+_MAX_TENSORS = 4
+_ALIGN = 256                    # byte alignment of each tensor in a staging (any dtype can view it)
+_GROW_GRANULE = 2 << 20         # stagings grow in 2 MiB steps: ring shapes are fixed, so little is wasted
+_READY, _DONE = 0, 1            # barrier channels (each staging has its own signal pad, so tags never collide)
+_PROBE_TIMEOUT_MS = 60_000
+DEFAULT_TIMEOUT_MS = 600_000    # like NCCL's default: a rank that never arrives traps the barrier kernel
+
+
+class CopyEngineUnavailableError(RuntimeError):
+    """``copy_engine`` transport requested where it cannot run; ``reason`` says why."""
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch symmetric memory: the few entry points used, checked once
+
+_SYMM_API = ("get_buffer", "barrier", "rank", "world_size")
+
+
+def _symmetric_memory():
+    """(module, None) when torch has the symmetric-memory API used here, else (None, why)."""
+    try:
+        from torch.distributed import _symmetric_memory as symm
+        from torch._C._distributed_c10d import _SymmetricMemory
+    except ImportError as exc:
+        return None, f"this torch build has no symmetric memory ({exc}); torch >= 2.6 with CUDA has it"
+    missing = [n for n in ("empty", "rendezvous") if not hasattr(symm, n)]
+    missing += [f"_SymmetricMemory.{n}" for n in _SYMM_API if not hasattr(_SymmetricMemory, n)]
+    if missing:
+        return None, f"torch {torch.__version__} lacks symmetric-memory API {missing}"
+    return symm, None
+
+
+def _group_name(group: Optional[dist.ProcessGroup]) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _rendezvous(symm, tensor: torch.Tensor, group_name: str):
+    """Collective: exchange ``tensor``'s (symmetric) allocation with the group. Torch releases before
+    rendezvous resolved groups by name needed ``enable_symm_mem_for_group`` first; newer ones deprecate it."""
+    try:
+        return symm.rendezvous(tensor, group_name)
+    except RuntimeError as exc:
+        enable = getattr(symm, "enable_symm_mem_for_group", None)
+        if enable is None or "group" not in str(exc).lower():
+            raise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable(group_name)
+    return symm.rendezvous(tensor, group_name)
+
+
+def _aligned(nbytes: int, align: int = _ALIGN) -> int:
+    return -(-nbytes // align) * align
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> Tuple[List[int], int]:
+    """Byte offsets of ``tensors`` packed one after another in a staging (each _ALIGN-aligned), and the total."""
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end = _aligned(end + t.numel() * t.element_size())
+    return offsets, end
+
+
+def _view(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``raw`` (uint8) at ``offset`` seen as a tensor of ``like``'s dtype and shape."""
+    nbytes = like.numel() * like.element_size()
+    return raw[offset:offset + nbytes].view(like.dtype).view(like.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# availability: collective, once per (group, device)
+
+_reasons: Dict[Tuple[str, int], Optional[str]] = {}
+
+
+def _local_reason(device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return (f"device {device} is not a CUDA device (the copy-engine transport moves data between GPUs over "
+                f"NVLink/PCIe peer access)")
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this process"
+    return _symmetric_memory()[1]
+
+
+def _peer_reason(me: int, infos: List[dict]) -> Optional[str]:
+    """Why the ranks (``infos``: host, device index, local reason) cannot reach each other, or None."""
+    for r, info in enumerate(infos):
+        if info["reason"]:
+            return f"rank {r} of the group: {info['reason']}"
+    hosts = sorted({info["host"] for info in infos})
+    if len(hosts) > 1:
+        return f"the group spans several hosts {hosts}; copy-engine transfers need every rank on one host"
+    devices = [info["device"] for info in infos]
+    if len(set(devices)) == len(devices):   # indices name distinct GPUs here (not hidden by CUDA_VISIBLE_DEVICES)
+        for r, d in enumerate(devices):
+            if r != me and not torch.cuda.can_device_access_peer(devices[me], d):
+                return f"cuda:{devices[me]} (rank {me}) has no peer access to cuda:{d} (rank {r})"
+    return None
+
+
+def _probe(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
+    """Collective: one tiny exchange through symmetric memory; None when every value arrived."""
+    symm, _ = _symmetric_memory()
+    rank, world = group_rank_and_size(group)
+    try:
+        buf = symm.empty(_ALIGN, dtype=torch.uint8, device=device)
+        handle = _rendezvous(symm, buf, _group_name(group))
+        mine = torch.full((4,), rank + 1, dtype=torch.int32, device=device)
+        _view(buf, 0, mine).copy_(mine)
+        handle.barrier(_READY, _PROBE_TIMEOUT_MS)
+        got = [_view(handle.get_buffer(r, (_ALIGN,), torch.uint8), 0, mine).clone() for r in range(world)]
+        handle.barrier(_DONE, _PROBE_TIMEOUT_MS)
+        torch.cuda.synchronize(device)
+        seen = [int(g[0]) for g in got]
+    except Exception as exc:   # any failure of the probe is the reason, reported to every rank
+        return f"symmetric-memory probe failed on rank {rank}: {type(exc).__name__}: {exc}"
+    if seen != list(range(1, world + 1)):
+        return f"symmetric-memory probe on rank {rank} read {seen} from ranks 0..{world - 1}, expected 1..{world}"
+    return None
+
+
+def _all_ranks(group, value) -> list:
+    out = [None] * group_rank_and_size(group)[1]
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def copy_engine_unavailable_reason(group: Optional[dist.ProcessGroup] = None,
+                                   device: Optional[torch.device] = None) -> Optional[str]:
+    """None when ``CopyEngineExchange`` can run on ``group`` from ``device`` (default: the current CUDA
+    device), else a sentence saying why. Checks: a CUDA device, torch with symmetric memory, every rank of
+    the group on this host with peer access, and a real exchange through a rendezvoused buffer.
+
+    Collective on the group the first time (every rank must call it; all ranks get the same answer, so none
+    picks a transport its peers did not); cached per (group, device) after that. Without CUDA or an
+    initialised process group it returns the reason at once, without communicating.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not (dist.is_available() and dist.is_initialized()):
+        return "torch.distributed is not initialised (the copy-engine transport exchanges between ranks)"
+    local = _local_reason(device)
+    if device.type != "cuda":
+        return local
+    key = (_group_name(group), device.index)
+    if key not in _reasons:
+        with torch.cuda.device(device):
+            rank = group_rank_and_size(group)[0]
+            infos = _all_ranks(group, {"host": socket.gethostname(), "device": device.index, "reason": local})
+            # Peer access is seen from each rank's side: agree, so that no rank picks a transport alone.
+            reason = _agreed(group, _peer_reason(rank, infos))
+            if reason is None:
+                reason = _agreed(group, _probe(group, device))
+        _reasons[key] = reason
+    return _reasons[key]
+
+
+def _agreed(group, reason: Optional[str]) -> Optional[str]:
+    """The lowest rank's reason if any rank has one (so all ranks decide alike), else None. Each reason
+    names the rank it was found on."""
+    return next((why for why in _all_ranks(group, reason) if why), None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# staging: one symmetric buffer, side stream and event per (group, tag, device)
+
+class _Staging:
+    """The symmetric byte buffer a tag's exchanges stage through, with its side stream and ``done`` event.
+
+    ``owner`` is the exchange in flight (one at a time per tag: they share the buffer)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], tag: int, device: torch.device):
+        self.group, self.tag, self.device = group, tag, device
+        self.stream = torch.cuda.Stream(device=device, priority=-1)   # high priority: barriers get an SM soon
+        self.done = torch.cuda.Event()
+        self.buffer: Optional[torch.Tensor] = None      # (capacity,) uint8 in symmetric memory
+        self.handle = None
+        self.remote: Dict[int, torch.Tensor] = {}       # group rank -> (capacity,) uint8 view of its buffer
+        self.owner = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def ensure(self, nbytes: int) -> None:
+        """Grow to at least ``nbytes`` (the max over ranks). Collective: every rank grows at the same call
+        because every rank passes the same sizes; the all-reduce makes the new size agree regardless."""
+        if nbytes <= self.capacity:
+            return
+        need = torch.tensor([nbytes], dtype=torch.int64, device=self.device)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
+        capacity = _aligned(int(need.item()), _GROW_GRANULE)
+        # The old buffer may still be read by a peer: our side stream passes DONE only after every peer read it.
+        self.stream.synchronize()
+        symm, why = _symmetric_memory()
+        if symm is None:
+            raise CopyEngineUnavailableError(f"CopyEngineExchange: {why}", reason=why)
+        self.buffer = symm.empty(capacity, dtype=torch.uint8, device=self.device)
+        self.handle = _rendezvous(symm, self.buffer, _group_name(self.group))
+        self.remote = {r: self.handle.get_buffer(r, (capacity,), torch.uint8)
+                       for r in range(self.handle.world_size)}
+
+
+_stagings: Dict[Tuple[str, int, int], _Staging] = {}
+
+
+def _staging_for(group, tag: int, device: torch.device) -> _Staging:
+    key = (_group_name(group), tag, device.index)
+    if key not in _stagings:
+        _stagings[key] = _Staging(group, tag, device)
+    return _stagings[key]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the exchange
+
+def _check_tensors(fn: str, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor],
+                   device: Optional[torch.device]) -> None:
+    """send/recv: equal-length lists of 1.._MAX_TENSORS contiguous tensors (on ``device`` when given)."""
+    if len(send) != len(recv):
+        raise RingInputError(f"{fn}: {len(send)} tensors to send but {len(recv)} receive buffers; pass one "
+                             f"receive buffer per sent tensor", argument="recv", value=len(recv))
+    if not 1 <= len(send) <= _MAX_TENSORS:
+        raise RingInputError(f"{fn}: send has {len(send)} tensors; between 1 and {_MAX_TENSORS} are supported "
+                             f"(exchange more in several calls or in a concatenated tensor)",
+                             argument="send", value=len(send))
+    for name, tensors in (("send", send), ("recv", recv)):
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{fn}: {name}[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+            if not t.is_contiguous():
+                raise RingInputError(f"{fn}: tensors must be contiguous; {name}[{i}] (shape {tuple(t.shape)}, "
+                                     f"stride {t.stride()}) is not; pass {name}[{i}].contiguous()",
+                                     argument=f"{name}[{i}]", value=tuple(t.stride()))
+            if device is not None and t.device != device:
+                raise RingInputError(f"{fn}: {name}[{i}] is on {t.device}, the exchange runs on {device}; move "
+                                     f"it there (one GPU per rank)", argument=f"{name}[{i}]", value=str(t.device))
+
+
+class CopyEngineExchange:
+    """``RingExchange``'s interface and semantics on CUDA, moving data with copy engines instead of NCCL kernels.
+
+    ``start(send, recv)`` begins sending ``send[i]`` to the next rank of ``group`` and receiving into
+    ``recv[i]`` from the previous one (``reverse=True``: to the previous, from the next); it never blocks the
+    host (except the first exchange of a tag or a larger one: a collective allocation). ``wait()`` orders the
+    current stream after the transfer: ``recv`` is filled and ``send`` may be overwritten. ``tag`` selects the
+    staging, side stream and signals: exchanges with different tags may be in flight together; two with the
+    same tag may not (RuntimeError). ``timeout_ms``: how long a barrier waits for a peer before the kernel
+    traps (the process fails instead of hanging); 0 waits forever.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0, reverse: bool = False,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS):
+        if not isinstance(reverse, bool):
+            raise TypeError(f"CopyEngineExchange: reverse={reverse!r} must be a bool (True: send to the previous "
+                            f"rank and receive from the next; False, the default: the other way)")
+        for name, value in (("tag", tag), ("timeout_ms", timeout_ms)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise RingInputError(f"CopyEngineExchange: {name}={value!r} must be an int >= 0",
+                                     argument=name, value=value)
+        self.group, self.tag, self.reverse, self.timeout_ms = group, tag, reverse, timeout_ms
+        self.rank, self.world_size = group_rank_and_size(group)
+        self._peer_next, self._peer_prev = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        self.next_rank, self.prev_rank = self._global(self._peer_next), self._global(self._peer_prev)
+        self.send_rank, self.recv_rank = ((self.prev_rank, self.next_rank) if reverse
+                                          else (self.next_rank, self.prev_rank))
+        self._source = self._peer_next if reverse else self._peer_prev     # group rank whose staging we read
+        if not torch.cuda.is_available():
+            why = "CUDA is not available in this process (copy engines move data between GPUs)"
+            raise CopyEngineUnavailableError(f"CopyEngineExchange: {why}; use ring_kernels.comm.RingExchange or "
+                                             f"make_exchange(), which picks it on CPU", reason=why)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.world_size > 1:
+            reason = copy_engine_unavailable_reason(group, self.device)
+            if reason:
+                raise CopyEngineUnavailableError(
+                    f"CopyEngineExchange: the copy-engine transport cannot run here: {reason}. Use the NCCL "
+                    f"transport (ring_kernels.comm.RingExchange, or {TRANSPORT_ENV}=nccl)", reason=reason)
+        self._staging = _staging_for(group, tag, self.device) if self.world_size > 1 else None
+        self._pending = None     # (send, recv, stream they were handed over on) until wait()
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def start(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> None:
+        """Begin the exchange; ``recv[i]`` must have the shape/dtype of the source rank's ``send[i]``.
+        Neither may be touched until ``wait()`` returns."""
+        fn = "CopyEngineExchange.start"
+        if self._pending is not None:
+            raise RuntimeError(f"{fn}: the previous exchange was not waited for; call wait() first")
+        _check_tensors(fn, send, recv, self.device)
+        if self.world_size == 1:
+            for s, r in zip(send, recv):   # a ring of one: what we send comes straight back
+                r.copy_(s)
+            return
+        staging = self._staging
+        if staging.owner is not None:
+            raise RuntimeError(f"{fn}: another CopyEngineExchange with tag={self.tag} on this group is in flight "
+                               f"(they share one staging buffer); wait() for it first or use a different tag")
+        send_at, send_bytes = _layout(send)
+        recv_at, recv_bytes = _layout(recv)
+        staging.ensure(max(send_bytes, recv_bytes))
+        current = torch.cuda.current_stream(self.device)
+        side = staging.stream
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for t, at in zip(send, send_at):
+                _view(staging.buffer, at, t).copy_(t)
+            staging.handle.barrier(_READY, self.timeout_ms)
+            source = staging.remote[self._source]
+            for t, at in zip(recv, recv_at):
+                t.copy_(_view(source, at, t))
+            staging.done.record(side)
+            staging.handle.barrier(_DONE, self.timeout_ms)
+        staging.owner = self
+        self._pending = (list(send), list(recv), current)
+
+    def wait(self) -> None:
+        """Order the current stream (and the one ``start`` ran on) after the transfer; a no-op when idle."""
+        if self._pending is None:
+            return
+        _, _, started_on = self._pending
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(self._staging.done)
+        if started_on != current:
+            started_on.wait_event(self._staging.done)
+        self._pending = None          # the references kept send/recv alive until both streams are ordered
+        self._staging.owner = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# choosing a transport
+
+def _transport_choice(transport: Optional[str]) -> str:
+    if transport is not None:
+        if transport not in TRANSPORTS:
+            raise RingInputError(f"make_exchange: transport={transport!r} is not one of {TRANSPORTS}; pass one "
+                                 f"of them or None (reads {TRANSPORT_ENV})", argument="transport", value=transport)
+        return transport
+    value = os.environ.get(TRANSPORT_ENV, "").strip()
+    if not value:
+        return "nccl"
+    if value not in TRANSPORTS:
+        raise RingInputError(f"environment variable {TRANSPORT_ENV}={value!r} is not one of {TRANSPORTS}; set it "
+                             f"to one of them or unset it (default: nccl)", argument=TRANSPORT_ENV, value=value)
+    return value
+
+
+def _group_on_cuda(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether the group's exchanges run on CUDA: an initialised group with an NCCL backend and a GPU here."""
+    if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
+        return False
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def _ring_exchange(group, tag: int, reverse: bool) -> RingExchange:
+    if not reverse:
+        return RingExchange(group, tag=tag)
+    try:
+        return RingExchange(group, tag=tag, reverse=True)
+    except TypeError as exc:
+        if "reverse" not in str(exc):
+            raise
+        raise TypeError("make_exchange: reverse=True but this ring_kernels.comm.RingExchange has no reverse "
+                        "flag; update ring_kernels") from exc
+
+
+def make_exchange(group: Optional[dist.ProcessGroup] = None, *, tag: int = 0, reverse: bool = False,
+                  transport: Optional[str] = None):
+    """A ring exchange for ``group``: ``RingExchange`` (NCCL/gloo P2P) or ``CopyEngineExchange``.
+
+    ``transport``: "nccl", "copy_engine", or None to read the environment variable ``RING_KERNELS_TRANSPORT``
+    (unset: "nccl"; another value: ValueError). "copy_engine" where it cannot run on a CUDA group raises
+    ``CopyEngineUnavailableError`` (a RuntimeError) with the reason. On a group that is not on CUDA (gloo,
+    CPU tensors, torch.distributed not initialised) the result is always ``RingExchange``, whatever was asked:
+    copy engines are a GPU mechanism, and a CPU run of a configuration written for GPUs must still run.
+    The first "copy_engine" call on a group is collective (see ``copy_engine_unavailable_reason``).
+    """
+    choice = _transport_choice(transport)
+    if choice == "nccl" or not _group_on_cuda(group):
+        return _ring_exchange(group, tag, reverse)
+    reason = copy_engine_unavailable_reason(group, torch.device("cuda", torch.cuda.current_device()))
+    if reason:
+        raise CopyEngineUnavailableError(
+            f"make_exchange: the copy_engine transport was requested but cannot run: {reason}. Set "
+            f"{TRANSPORT_ENV}=nccl (or pass transport='nccl')", reason=reason)
+    return CopyEngineExchange(group, tag=tag, reverse=reverse)
