@@ -1,27 +1,42 @@
 """Ring attention over contiguous shards, and the ring engine the zigzag and stripe layouts share.
 
 Rank r of N holds a contiguous slice of the sequence: q, k, v of shape (B, S, H|Hk, D), global positions
-[r*S, (r+1)*S). At step s it computes its queries against the K/V block of rank (r - s) mod N while the next
-block is already in flight (``comm.RingExchange``) and merges each block's (out, lse) by their log-sum-exp
-(``merge``). The backward sends K/V around again and passes dK/dV partial sums one step behind them, so that
-after N steps each rank holds the gradients of its own K/V summed over every rank's queries.
+[r*S, (r+1)*S). Forward step s computes its queries against the K/V block of rank (r - s) mod N while the
+next block is already in flight (``comm.RingExchange``, r -> r+1) and merges each block's (out, lse) by their
+log-sum-exp (``merge``). After the last step rank r holds the block of rank (r + 1) mod N; it is kept (saved
+for backward) rather than dropped.
+
+The backward visits the blocks in reverse order: step t = 0..N-1 revisits forward step N-1-t, i.e. the K/V of
+rank (r + 1 + t) mod N: the saved block at t = 0 (no communication), our own k, v at t = N-1, and the blocks
+of t = 1..N-2 received from rank r+1, one step ahead (K/V travel r -> r-1: N-2 hops; none with 2 ranks). The
+dK/dV partial sum of a block travels with it, one step behind, also towards r-1: at step t rank r folds its
+blocks' dk/dv into the partial received from r+1 (computed there at step t-1) and sends the sum on; at
+t = N-1 the received partial holds the other N-1 ranks' contributions to our own K/V, our own blocks' are
+folded in and the gradients are done: no hop follows the last compute (the old order sent the finished sums
+home after it, a transfer with nothing left to overlap).
 
 A *layout* only decides which (query rows, key rows, mask) blocks one step computes: ``_Block`` lists below.
-Standard (no window) blocks are FULL or aligned CAUSAL, so fast backends never need a dense mask.
+Standard (no window) blocks are FULL or aligned CAUSAL, so fast backends never need a dense mask. Steps with
+no block (keys out of every query's reach) still pass K/V and partial sums along: every rank issues the same
+sequence of exchanges.
 
 Rounding: every value is rounded to its output dtype exactly once, and fp32 intermediates exist only where a
-value receives >= 3 contributions. ``_plan`` counts, from the blocks alone, how many contributions each row
-range gets; the first block's out/dq stays in the buffer the backend returned (which becomes the result: a
-world of one returns the block's own tensors, no copy); a row's last contribution merges (or adds) straight
-into that buffer with fp32 math; only rows with >= 3 contributions go through an fp32 accumulator, opened by
-their second contribution and closed by the last one with the cast fused. With 2 ranks every row of every
-layout gets <= 2, so there is no fp32 output or gradient buffer at all, and the dK/dV partial sums travel in
-k's dtype (each K/V row: its own rank's contribution, then the other rank's, rounded once). With more ranks
-the partial sums travel in fp32 and the last hop adds and casts in one pass.
+value receives >= 3 contributions. ``_plan`` counts, from the blocks alone and in the order they are visited
+(forward order for out/lse, backward order for dq and the dK/dV steps), how many contributions each row range
+gets; the first block's out/dq stays in the buffer the backend returned (which becomes the result: a world
+of one returns the block's own tensors, no copy); a row's last contribution merges (or adds) straight into
+that buffer with fp32 math; only rows with >= 3 contributions go through an fp32 accumulator, opened by their
+second contribution and closed by the last one with the cast fused. With 2 ranks every row of every layout
+gets <= 2, so there is no fp32 output or gradient buffer at all, and the dK/dV partial sums travel in k's
+dtype (each K/V row: the next rank's contribution, then its own rank's, rounded once). With more ranks the
+partial sums travel in fp32 and the last fold adds and casts in one pass.
 
-Memory: no allocation inside the ring loops that can be hoisted: receive buffers, accumulators and the dK/dV
-partial buffers are allocated before the loop (the final dK/dV of N >= 3 rings land in the K/V receive
-buffers, free by then); inside the loop only the backends allocate their block results.
+Memory: the saved last block costs one extra K/V block (the size of local k + v) per attention call, held
+from forward to backward and freed after backward (under activation checkpointing it lives only during that
+layer's recompute); the backward needs no K/V receive buffer with 2 ranks, one with 3, two with more. No
+allocation inside the ring loops can be hoisted: receive buffers, accumulators and the dK/dV partial buffers
+are allocated before the loop (the final dK/dV of N >= 3 rings land in a K/V receive buffer, free by then);
+inside the loop only the backends allocate their block results.
 """
 from __future__ import annotations
 
@@ -149,19 +164,28 @@ def _plan_rows(ranges: Sequence[Tuple[int, int]], n: int, initial: int = 0) -> _
 
 @dataclass(frozen=True)
 class _Plan:
-    """Query rows: one plan over every block of every step in order (forward outputs and dq alike).
-    K/V rows: one plan per step (hop) over that step's blocks; a hop after the first starts from the partial
-    sum received from the previous rank (initial = 1)."""
+    """Forward query rows (``q``): one plan over every block of every step, in forward order (out, lse).
+    Backward query rows (``dq``): the same blocks in the backward's visiting order (steps reversed).
+    K/V rows (``kv[t]``): backward step t over the blocks of forward step N-1-t; a step after the first starts
+    from the partial sum received from the next rank (initial = 1)."""
 
     q: _RowPlan
+    dq: _RowPlan
     kv: Tuple[_RowPlan, ...]
 
 
+def _backward_order(steps: List[List[_Block]]) -> List[List[_Block]]:
+    """The blocks of each backward step t: those of forward step N-1-t (K/V of rank (r + 1 + t) mod N)."""
+    return steps[::-1]
+
+
 def _plan(steps: List[List[_Block]], seqlen_q: int, seqlen_k: int) -> _Plan:
-    q_ranges = [_bounds(b.q_rows, seqlen_q) for blocks in steps for b in blocks]
-    kv = tuple(_plan_rows([_bounds(b.kv_rows, seqlen_k) for b in blocks], seqlen_k, initial=min(step, 1))
-               for step, blocks in enumerate(steps))
-    return _Plan(_plan_rows(q_ranges, seqlen_q), kv)
+    def q_ranges(order):
+        return [_bounds(b.q_rows, seqlen_q) for blocks in order for b in blocks]
+    backward = _backward_order(steps)
+    kv = tuple(_plan_rows([_bounds(b.kv_rows, seqlen_k) for b in blocks], seqlen_k, initial=min(t, 1))
+               for t, blocks in enumerate(backward))
+    return _Plan(_plan_rows(q_ranges(steps), seqlen_q), _plan_rows(q_ranges(backward), seqlen_q), kv)
 
 
 def _plan_of(cfg: _RingConfig, q: torch.Tensor, k: torch.Tensor) -> _Plan:
@@ -230,8 +254,10 @@ def _fold_outputs(parts: Sequence[_Part], out: torch.Tensor, lse: torch.Tensor, 
             merge_(held, acc[:, r], held_lse, g, gl)
 
 
-def _forward(q, k, v, cfg: _RingConfig) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Ring forward: q (B, S, H, D), k/v (B, S, Hk, D) -> out (B, S, H, D) in q's dtype, lse (B, H, S) fp32."""
+def _forward(q, k, v, cfg: _RingConfig):
+    """Ring forward: q (B, S, H, D), k/v (B, S, Hk, D) -> out (B, S, H, D) in q's dtype, lse (B, H, S) fp32,
+    and the K/V block of the last step (that of rank (r + 1) mod N, in a receive buffer; None for a world of
+    one), which the backward visits first."""
     plan = _plan_of(cfg, q, k).q
     result = _Outputs(q, plan)
     exchange = RingExchange(cfg.group, tag=0)
@@ -252,7 +278,7 @@ def _forward(q, k, v, cfg: _RingConfig) -> Tuple[torch.Tensor, torch.Tensor]:
         if incoming is not None:
             exchange.wait()
             current = incoming
-    return result.out, result.lse
+    return result.out, result.lse, (current if cfg.world > 1 else None)
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -304,53 +330,60 @@ class _QueryGrads:
         _fold_grads(self.plan.parts[index], dq, self.dq, self.dq, _accumulator(self.dq, self.dq, self.spare))
 
 
-def _travel_dtypes(world: int, dtype: torch.dtype) -> List[torch.dtype]:
-    """dtype of the dK/dV partial sum each hop sends on: ``dtype`` when the next add is the last one
-    (every hop of a 2-rank ring, the last hop of longer rings), fp32 on the middle hops of N >= 3."""
-    return [dtype if (world <= 2 or hop == world - 1) else torch.float32 for hop in range(world)]
-
-
 def _fold_hop(hop: _RowPlan, grads, holder, result, spare, skip_first: bool = False) -> None:
-    """One hop of the dK/dV partial sums: ``result = holder + this rank's blocks``, per K/V tensor (dk, dv).
-    ``holder`` is None on hop 0 (nothing received: rows no block reaches are zeroed); ``skip_first``: the
+    """One step of the dK/dV partial sums: ``result = holder + this rank's blocks``, per K/V tensor (dk, dv).
+    ``holder`` is None on step 0 (nothing received: rows no block reaches are zeroed); ``skip_first``: the
     first block's gradients are ``result`` itself (adopted)."""
     for i in range(2):
         held, res = holder[i] if holder is not None else None, result[i]
         acc = _accumulator(res, held if held is not None else res, spare[i] if spare is not None else None)
         for rows in hop.untouched:
             if held is None:
-                res[:, rows] = 0                      # our own K/V rows that no query of ours sees
+                res[:, rows] = 0                      # K/V rows that no query of ours sees
             elif held is not res:
-                res[:, rows] = held[:, rows]          # passed on (cast on the last hop)
+                res[:, rows] = held[:, rows]          # passed on (cast on the last step)
         for index, (parts, g) in enumerate(zip(hop.parts, grads)):
             if not (skip_first and index == 0):
                 _fold_grads(parts, g[i], held if held is not None else res, res, acc)
 
 
-def _backward(dout, q, k, v, out, lse, cfg: _RingConfig):
-    """Ring backward from the merged ``out`` (q's dtype) and ``lse`` (fp32): (dq, dk, dv) like q, k, v."""
+def _backward(dout, q, k, v, out, lse, last, cfg: _RingConfig):
+    """Ring backward from the merged ``out`` (q's dtype) and ``lse`` (fp32): (dq, dk, dv) like q, k, v.
+
+    ``last``: the K/V block the forward ended on (rank (r + 1) mod N's; None for a world of one). Step t
+    visits the K/V of rank (r + 1 + t) mod N: ``last`` at t = 0, our own k, v at t = N-1, received from the
+    next rank in between. The dK/dV partial sum of that block comes from the next rank (it started there one
+    step earlier), takes our blocks' gradients and goes on to the previous rank; at t = N-1 it is ours, whole.
+    """
     plan, world = _plan_of(cfg, q, k), cfg.world
-    dq = _QueryGrads(q, plan.q)
-    travel = _travel_dtypes(world, k.dtype)
-    adopt_own = plan.kv[0].adopt and travel[0] == k.dtype
+    order = _backward_order(cfg.steps)
+    dq = _QueryGrads(q, plan.dq)
+    # Partial sums travel in k's dtype with 2 ranks (each K/V row: the next rank's contribution, then ours,
+    # rounded once), in fp32 with more (the last fold casts). A world of one: step 0 is the last, in k's dtype.
+    travel = k.dtype if world <= 2 else torch.float32
+    adopt_first = plan.kv[0].adopt and travel == k.dtype
 
     def kv_like(dtype):
         return (torch.empty(k.shape, dtype=dtype, device=k.device), torch.empty(v.shape, dtype=dtype, device=v.device))
 
-    # partial[0]: our own K/V's partial sum (hop 0; adopted from the first block when it covers every row),
-    # partial[1]: what the previous rank sends. They alternate as holders; the last hop of N >= 3 writes its
-    # k-dtype result into the K/V receive buffer it just computed on, and the finished sums come home into
-    # the other one (both free by then); with N = 2 they come home into partial[0].
-    partial = [None if adopt_own else kv_like(travel[0]), kv_like(travel[0]) if world > 1 else None]
+    # partial[0]: step 0's result (adopted from the first block when it covers every K/V row), partial[1]: what
+    # the next rank sends. They alternate as holders (a holder is folded into in place and sent on).
+    partial = [None if adopt_first else kv_like(travel), kv_like(travel) if world > 1 else None]
     lean = k.dtype != torch.float32 and world <= 2 and any(h.accumulates for h in plan.kv)
     spare = kv_like(torch.float32) if lean else None
-    kv_exchange, dkv_exchange = RingExchange(cfg.group, tag=0), RingExchange(cfg.group, tag=1)
-    buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, world - 1))]
-    current, contributor, home = (k, v), 0, None
-    for step, blocks in enumerate(cfg.steps):
-        incoming = buffers[step % 2] if step + 1 < world else None
+    # K/V blocks of steps 1..N-2 are received (N-2 hops); two buffers alternate as in the forward. With
+    # N >= 3 and k not fp32 the finished dK/dV land in buffers[0], free by the last step.
+    hops = max(0, world - 2)
+    buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, hops))]
+    kv_exchange = RingExchange(cfg.group, tag=0, reverse=True)
+    dkv_exchange = RingExchange(cfg.group, tag=1, reverse=True)
+    current = last if world > 1 else (k, v)
+    contributor, result = 0, None
+    for t, blocks in enumerate(order):
+        final = t == world - 1
+        incoming = buffers[t % 2] if t < hops else None
         if incoming is not None:
-            kv_exchange.start(current, incoming)
+            kv_exchange.start(current, incoming)      # the block of step t+1 travels while this one computes
         grads = []
         for block in blocks:
             rows = block.q_rows
@@ -361,44 +394,41 @@ def _backward(dout, q, k, v, out, lse, cfg: _RingConfig):
             contributor += 1
             grads.append((dk_b, dv_b))
         if dkv_exchange.in_flight:
-            dkv_exchange.wait()                      # the previous rank's partial sums for this K/V block
-        if step == 0:
+            dkv_exchange.wait()                       # the next rank's partial sum for this K/V block
+        if t == 0:
             adopted = False
-            if partial[0] is None:                   # the first block covers every K/V row: keep its grads
+            if partial[0] is None:                    # the first block covers every K/V row: keep its grads
                 adopted = all(_adoptable(g, k.dtype) for g in grads[0])
                 partial[0] = grads[0] if adopted else kv_like(k.dtype)
             result = partial[0]
             _fold_hop(plan.kv[0], grads, None, result, spare, skip_first=adopted)
         else:
-            holder = partial[step % 2]
-            result = holder if travel[step] == holder[0].dtype else current
-            _fold_hop(plan.kv[step], grads, holder, result, spare)
-        if step + 1 < world:
-            dkv_exchange.start(result, partial[(step + 1) % 2])
-        elif world > 1:
-            home = partial[0] if world == 2 else buffers[step % 2]
-            dkv_exchange.start(result, home)
+            holder = partial[t % 2]
+            result = holder if (not final or holder[0].dtype == k.dtype) else buffers[0]
+            _fold_hop(plan.kv[t], grads, holder, result, spare)
+        if not final:
+            dkv_exchange.start(result, partial[(t + 1) % 2])   # on to the previous rank, one step behind K/V
         if incoming is not None:
             kv_exchange.wait()
             current = incoming
-    if world == 1:
-        return dq.dq, partial[0][0], partial[0][1]
-    dkv_exchange.wait()                              # after N hops our own K/V's gradients came home
-    return dq.dq, home[0], home[1]
+        elif t + 1 == world - 1:
+            current = (k, v)                          # the last step visits our own block: nothing to receive
+    return dq.dq, result[0], result[1]
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: _RingConfig):
-        out, lse = _forward(q, k, v, cfg)            # out already in q's dtype, each row rounded once
+        out, lse, last = _forward(q, k, v, cfg)      # out already in q's dtype, each row rounded once
         ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse)
+        # The last K/V block (one extra K/V block, freed after backward) saves the backward's first hop.
+        ctx.save_for_backward(q, k, v, out, lse, *(last if last is not None else ()))
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg)
+        q, k, v, out, lse, *last = ctx.saved_tensors
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, tuple(last) or None, ctx.cfg)
         return dq, dk, dv, None
 
 

@@ -113,8 +113,11 @@ def test_contribution_plan_matches_brute_force(layout):
             plan = ring._plan(steps, seqlen, seqlen)
             q_ranges = [_bounds(b.q_rows, seqlen) for blocks in steps for b in blocks]
             most = _check_row_plan(plan.q, q_ranges, seqlen, 0)
+            # the backward visits the steps in reverse order: dq and the dK/dV steps are planned in that order
+            backward = steps[::-1]
+            _check_row_plan(plan.dq, [_bounds(b.q_rows, seqlen) for blocks in backward for b in blocks], seqlen, 0)
             assert len(plan.kv) == len(steps)
-            for step, (hop, blocks) in enumerate(zip(plan.kv, steps)):
+            for step, (hop, blocks) in enumerate(zip(plan.kv, backward)):
                 _check_row_plan(hop, [_bounds(b.kv_rows, seqlen) for b in blocks], seqlen, min(step, 1))
             if world == 2 and (standard or "varlen" not in layout):
                 # the rule's premise: with 2 ranks no output or dq row needs an fp32 accumulator
