@@ -53,6 +53,16 @@ _PROBE_TIMEOUT_MS = 60_000
 DEFAULT_TIMEOUT_MS = 600_000    # like NCCL's default: a rank that never arrives traps the barrier kernel
 
 
+# The CUDA calls of the exchange's data path go through this name, so that tests can run that path on CPU
+# processes with stand-ins (tests/test_transport.py); nothing else replaces it.
+_cuda = torch.cuda
+
+
+def _exchange_device() -> torch.device:
+    """The device this process's exchanges run on: the current CUDA device."""
+    return torch.device("cuda", _cuda.current_device())
+
+
 class CopyEngineUnavailableError(RuntimeError):
     """``copy_engine`` transport requested where it cannot run; ``reason`` says why."""
 
@@ -162,7 +172,7 @@ def _probe(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional
         handle.barrier(_READY, _PROBE_TIMEOUT_MS)
         got = [_view(handle.get_buffer(r, (_ALIGN,), torch.uint8), 0, mine).clone() for r in range(world)]
         handle.barrier(_DONE, _PROBE_TIMEOUT_MS)
-        torch.cuda.synchronize(device)
+        _cuda.synchronize(device)
         seen = [int(g[0]) for g in got]
     except Exception as exc:   # any failure of the probe is the reason, reported to every rank
         return f"symmetric-memory probe failed on rank {rank}: {type(exc).__name__}: {exc}"
@@ -199,7 +209,7 @@ def copy_engine_unavailable_reason(group: Optional[dist.ProcessGroup] = None,
         return local
     key = (_group_name(group), device.index)
     if key not in _reasons:
-        with torch.cuda.device(device):
+        with _cuda.device(device):
             rank = group_rank_and_size(group)[0]
             infos = _all_ranks(group, {"host": socket.gethostname(), "device": device.index, "reason": local})
             # Peer access is seen from each rank's side: agree, so that no rank picks a transport alone.
@@ -226,8 +236,8 @@ class _Staging:
 
     def __init__(self, group: Optional[dist.ProcessGroup], tag: int, device: torch.device):
         self.group, self.tag, self.device = group, tag, device
-        self.stream = torch.cuda.Stream(device=device, priority=-1)   # high priority: barriers get an SM soon
-        self.done = torch.cuda.Event()
+        self.stream = _cuda.Stream(device=device, priority=-1)   # high priority: barriers get an SM soon
+        self.done = _cuda.Event()
         self.buffer: Optional[torch.Tensor] = None      # (capacity,) uint8 in symmetric memory
         self.handle = None
         self.remote: Dict[int, torch.Tensor] = {}       # group rank -> (capacity,) uint8 view of its buffer
@@ -320,11 +330,11 @@ class CopyEngineExchange:
         self.send_rank, self.recv_rank = ((self.prev_rank, self.next_rank) if reverse
                                           else (self.next_rank, self.prev_rank))
         self._source = self._peer_next if reverse else self._peer_prev     # group rank whose staging we read
-        if not torch.cuda.is_available():
+        if not _cuda.is_available():
             why = "CUDA is not available in this process (copy engines move data between GPUs)"
             raise CopyEngineUnavailableError(f"CopyEngineExchange: {why}; use ring_kernels.comm.RingExchange or "
                                              f"make_exchange(), which picks it on CPU", reason=why)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _exchange_device()
         if self.world_size > 1:
             reason = copy_engine_unavailable_reason(group, self.device)
             if reason:
@@ -355,10 +365,10 @@ class CopyEngineExchange:
         send_at, send_bytes = _layout(send)
         recv_at, recv_bytes = _layout(recv)
         staging.ensure(max(send_bytes, recv_bytes))
-        current = torch.cuda.current_stream(self.device)
+        current = _cuda.current_stream(self.device)
         side = staging.stream
         side.wait_stream(current)
-        with torch.cuda.stream(side):
+        with _cuda.stream(side):
             for t, at in zip(send, send_at):
                 _view(staging.buffer, at, t).copy_(t)
             staging.handle.barrier(_READY, self.timeout_ms)
@@ -375,7 +385,7 @@ class CopyEngineExchange:
         if self._pending is None:
             return
         _, _, started_on = self._pending
-        current = torch.cuda.current_stream(self.device)
+        current = _cuda.current_stream(self.device)
         current.wait_event(self._staging.done)
         if started_on != current:
             started_on.wait_event(self._staging.done)

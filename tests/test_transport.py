@@ -78,47 +78,273 @@ def test_copy_engine_exchange_argument_errors(kwargs, exc, text):
         tr.CopyEngineExchange(**kwargs)
 
 
-# --- on a gloo world: always RingExchange, whatever was asked -----------------------------------------------
+# --- on a gloo world: make_exchange is RingExchange whatever was asked; CopyEngineExchange's data path on stand-ins
 
-def _gloo_cases(rank, world_size):
+class _FakeStream:
+    """A CUDA stream stand-in (CPU work is synchronous): records which events it was made to wait for."""
+
+    def __init__(self):
+        self.waited_events = []
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        self.waited_events.append(event)
+
+    def synchronize(self):
+        pass
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.recorded_on = []
+
+    def record(self, stream=None):
+        self.recorded_on.append(stream)
+
+
+class _FakeHandle:
+    """A symmetric-memory handle stand-in: rank r's buffer is a shared file every rank maps; barrier is gloo's."""
+
+    def __init__(self, symm, index, nbytes):
+        self.symm, self.index, self.nbytes = symm, index, nbytes
+        self.rank, self.world_size = symm.rank, symm.world
+        self.barriers = []
+
+    def barrier(self, channel, timeout_ms):
+        import torch.distributed as dist
+        assert isinstance(timeout_ms, int) and timeout_ms > 0, timeout_ms
+        self.barriers.append(channel)
+        dist.barrier()
+
+    def get_buffer(self, rank, sizes, dtype):
+        assert dtype == torch.uint8 and tuple(sizes) == (self.nbytes,), (sizes, dtype)
+        return torch.from_file(self.symm.path(self.index, rank), shared=True, size=self.nbytes, dtype=torch.uint8)
+
+
+class _FakeSymm:
+    """``torch.distributed._symmetric_memory`` stand-in for CPU processes (allocation k of rank r: one file)."""
+
+    def __init__(self, root, rank, world):
+        self.root, self.rank, self.world, self.count, self.handles = root, rank, world, 0, []
+
+    def path(self, index, rank):
+        return f"{self.root}/alloc{index}_rank{rank}"
+
+    def empty(self, nbytes, dtype, device):
+        assert dtype == torch.uint8 and device == torch.device("cpu")
+        t = torch.from_file(self.path(self.count, self.rank), shared=True, size=nbytes, dtype=torch.uint8)
+        t._fake_index, self.count = self.count, self.count + 1
+        return t
+
+    def rendezvous(self, tensor, group_name):
+        import torch.distributed as dist
+        dist.barrier()                  # collective: every rank's file exists after it
+        self.handles.append(_FakeHandle(self, tensor._fake_index, tensor.numel()))
+        return self.handles[-1]
+
+
+def _install_stand_ins(tr, root, rank, world):
+    import contextlib
+    import types
+
+    current = _FakeStream()
+    tr._cuda = types.SimpleNamespace(
+        is_available=lambda: True, current_device=lambda: 0, Stream=lambda device=None, priority=0: _FakeStream(),
+        Event=_FakeEvent, current_stream=lambda device=None: current, stream=lambda s: contextlib.nullcontext(),
+        device=lambda d: contextlib.nullcontext(), synchronize=lambda device=None: None)
+    tr._exchange_device = lambda: torch.device("cpu")
+    symm = _FakeSymm(root, rank, world)
+    tr._symmetric_memory = lambda: (symm, None)
+    tr.copy_engine_unavailable_reason = lambda group=None, device=None: None
+    return symm, current
+
+
+def _pattern(src, it, index, shape, dtype):
+    n = torch.Size(shape).numel()
+    x = torch.arange(n, dtype=torch.int64) * 2654435761 + src * 1000003 + it * 7919 + index * 104729
+    return (x % 251).to(dtype).view(shape)
+
+
+def _make_exchange_cases(rank, world_size):
+    """make_exchange on gloo/CPU: RingExchange for every request, data from the right neighbour."""
     import os
 
     import torch.distributed as dist
     from ring_kernels import transport as tr
     from ring_kernels.comm import RingExchange
 
-    out = {}
-    reason = tr.copy_engine_unavailable_reason(None, torch.device("cpu"))
-    out["reason_cpu"] = reason
-    out["reason_default"] = tr.copy_engine_unavailable_reason()   # no CUDA here: the CPU reason, no collective
+    out = {"reason_cpu": tr.copy_engine_unavailable_reason(None, torch.device("cpu")),
+           "reason_default": tr.copy_engine_unavailable_reason()}   # no CUDA here: the CPU reason, no collective
+    os.environ[tr.TRANSPORT_ENV] = "copy_engine"
     for transport in (None, "nccl", "copy_engine"):
-        os.environ[tr.TRANSPORT_ENV] = "copy_engine"
         for reverse in (False, True):
             try:
                 ex = tr.make_exchange(None, tag=3, reverse=reverse, transport=transport)
             except TypeError as exc:   # comm.RingExchange before its reverse flag landed: a clear error
                 assert reverse and "has no reverse flag" in str(exc), exc
                 continue
-            assert type(ex) is RingExchange, (transport, reverse, type(ex))
-            assert ex.tag == 3
+            assert type(ex) is RingExchange and ex.tag == 3, (transport, reverse, type(ex))
             src = (rank + 1) % world_size if reverse else (rank - 1) % world_size
-            send = torch.full((2, 3), float(rank * 10 + reverse))
             recv = torch.empty(2, 3)
-            ex.start([send], [recv])
+            ex.start([torch.full((2, 3), float(rank * 10 + reverse))], [recv])
             ex.wait()
-            # the data came from the rank the direction names
             assert torch.equal(recv, torch.full((2, 3), float(src * 10 + reverse))), (rank, reverse, recv)
     sub = dist.new_group([0, 1])
-    out["reason_subgroup"] = tr.copy_engine_unavailable_reason(sub, torch.device("cpu"))
-    assert type(tr.make_exchange(sub, transport="copy_engine")) is RingExchange
+    if rank < 2:
+        out["reason_subgroup"] = tr.copy_engine_unavailable_reason(sub, torch.device("cpu"))
+        assert type(tr.make_exchange(sub, transport="copy_engine")) is RingExchange
     return out
 
 
-def test_gloo_world_picks_ring_exchange_for_every_request():
-    results = run_world(2, _gloo_cases)
-    for res in results:
-        for key in ("reason_cpu", "reason_default", "reason_subgroup"):
+CE_CASES = [   # (shape, dtype) per tensor; sizes grow (the staging grows twice), then shrink
+    [((5,), torch.float32)],
+    [((3, 7), torch.bfloat16), ((11,), torch.int64), ((2, 2, 3), torch.float64)],
+    [((300, 1000), torch.float32), ((1,), torch.int8), ((0, 4), torch.float32), ((9,), torch.bool)],
+    [((600, 1000), torch.float16)],
+    [((13,), torch.float32)],
+]
+
+
+def _copy_engine_exchange_cases(rank, world, root):
+    """CopyEngineExchange's logic (layout, source rank, direction, growth, tags, refusals) on stand-ins, against
+    the pattern each rank sends and RingExchange's result."""
+    from ring_kernels import transport as tr
+
+    ring_exchange = tr._ring_exchange
+    symm, current = _install_stand_ins(tr, root, rank, world)
+    assert tr._probe(None, torch.device("cpu")) is None
+    for reverse in (False, True):
+        src = (rank + 1) % world if reverse else (rank - 1) % world
+        ce = tr.CopyEngineExchange(None, tag=0, reverse=reverse)
+        assert (ce.send_rank, ce.recv_rank) == (((rank - 1) % world, src) if reverse else ((rank + 1) % world, src))
+        try:
+            ref = ring_exchange(None, 0, reverse)
+        except TypeError:              # RingExchange without reverse yet: compare with the pattern only
+            ref = None
+        for it, case in enumerate(CE_CASES):
+            send = [_pattern(rank, it, i, sh, dt) for i, (sh, dt) in enumerate(case)]
+            got = [torch.empty(sh, dtype=dt) for sh, dt in case]
+            ce.start(send, got)
+            assert ce.in_flight
+            staging = tr._staging_for(None, 0, torch.device("cpu"))
+            assert staging.done.recorded_on[-1] is staging.stream and staging.owner is ce
+            ce.wait()
+            assert current.waited_events[-1] is staging.done and not ce.in_flight and staging.owner is None
+            for i, (sh, dt) in enumerate(case):
+                assert torch.equal(got[i], _pattern(src, it, i, sh, dt)), (reverse, it, i)
+            if ref is not None:
+                theirs = [torch.empty(sh, dtype=dt) for sh, dt in case]
+                ref.start(send, theirs)
+                ref.wait()
+                assert all(torch.equal(a, b) for a, b in zip(got, theirs)), (reverse, it)
+    staging = tr._staging_for(None, 0, torch.device("cpu"))
+    assert staging.capacity == 2 << 20 and symm.count == 2    # the probe, then one staging of 2 MiB (1.2 MB max)
+    # growth past 2 MiB: every rank re-allocates in the same call
+    big = [_pattern(rank, 50, 0, (3 << 19,), torch.float32)]            # 6 MiB
+    got = [torch.empty_like(big[0])]
+    ce = tr.CopyEngineExchange(None, tag=0)
+    ce.start(big, got)
+    ce.wait()
+    assert torch.equal(got[0], _pattern((rank - 1) % world, 50, 0, (3 << 19,), torch.float32))
+    assert staging.capacity == 6 << 20 and symm.count == 3
+    assert symm.handles[-1].barriers == [tr._READY, tr._DONE]
+
+    # back to back, one send buffer overwritten after each wait()
+    send, recvs = _pattern(rank, 0, 0, (64,), torch.float32), [torch.empty(64) for _ in range(6)]
+    for it in range(6):
+        ce.start([send], [recvs[it]])
+        ce.wait()
+        send.copy_(_pattern(rank, it + 1, 0, (64,), torch.float32))
+    assert all(torch.equal(recvs[it], _pattern((rank - 1) % world, it, 0, (64,), torch.float32)) for it in range(6))
+
+    # two tags in flight (forward tag 0, reverse tag 1): separate stagings
+    kv, dkv = tr.CopyEngineExchange(None, tag=0), tr.CopyEngineExchange(None, tag=1, reverse=True)
+    a, b = _pattern(rank, 70, 0, (8, 4), torch.bfloat16), _pattern(rank, 71, 0, (5,), torch.float32)
+    ra, rb = torch.empty_like(a), torch.empty_like(b)
+    kv.start([a], [ra])
+    dkv.start([b], [rb])
+    assert kv.in_flight and dkv.in_flight
+    dkv.wait()
+    kv.wait()
+    assert torch.equal(ra, _pattern((rank - 1) % world, 70, 0, (8, 4), torch.bfloat16))
+    assert torch.equal(rb, _pattern((rank + 1) % world, 71, 0, (5,), torch.float32))
+    assert tr._staging_for(None, 1, torch.device("cpu")) is not staging
+
+    # refusals: start twice, the same tag from a second object; wait() when idle is a no-op
+    first, second = tr.CopyEngineExchange(None, tag=0), tr.CopyEngineExchange(None, tag=0)
+    first.start([a], [ra])
+    with pytest.raises(RuntimeError, match="previous exchange was not waited for"):
+        first.start([a], [ra])
+    with pytest.raises(RuntimeError, match="tag=0 on this group is in flight"):
+        second.start([a], [ra])
+    first.wait()
+    first.wait()
+    with pytest.raises(ValueError, match=r"recv\[0\] \(shape \(4, 8\)"):
+        first.start([a], [torch.empty(8, 4, dtype=torch.bfloat16).t()])
+    assert not first.in_flight
+    return True
+
+
+def _ring_on_stand_ins(rank, world, root):
+    """ring_attn_func / zigzag_ring_attn_func with ring.py's exchanges swapped for CopyEngineExchange (on the
+    stand-ins): out, dq, dk, dv bitwise equal to the RingExchange run (CPU kernels are deterministic)."""
+    import sys
+
+    import ring_kernels as rk
+    import ring_kernels.comm as comm
+    from ring_kernels import transport as tr
+
+    starts = []
+
+    class Counting(tr.CopyEngineExchange):
+        def start(self, send, recv):
+            starts.append((self.tag, self.reverse))
+            return super().start(send, recv)
+
+    results = {}
+    for name, fn in (("ring", rk.ring_attn_func), ("zigzag", rk.zigzag_ring_attn_func)):
+        gen = torch.Generator().manual_seed(7 + rank)
+        q, k, v, dout = (torch.randn(1, 12, n, 16, generator=gen) for n in (2, 1, 1, 2))
+        for transport in ("nccl", "copy_engine"):
+            original = comm.RingExchange
+            swapped = [m for key, m in list(sys.modules.items()) if key.startswith("ring_kernels.")
+                       and key != "ring_kernels.comm" and getattr(m, "RingExchange", None) is original]
+            if transport == "copy_engine":
+                assert swapped, "no ring_kernels module binds RingExchange"
+                for m in swapped:
+                    m.RingExchange = lambda group=None, *, tag=0, reverse=False: Counting(group, tag=tag, reverse=reverse)
+            try:
+                ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+                out = fn(ql, kl, vl, causal=True)
+                out.backward(dout)
+                results[(name, transport)] = (out.detach(), ql.grad, kl.grad, vl.grad)
+            finally:
+                for m in swapped:
+                    m.RingExchange = original
+        for a, b in zip(results[(name, "copy_engine")], results[(name, "nccl")]):
+            assert torch.equal(a, b), name
+    assert (0, False) in starts and (1, True) in starts, starts   # K/V forward, dK/dV reverse in the backward
+    return len(starts)
+
+
+def _stand_in_world(rank, world, root):
+    out = _make_exchange_cases(rank, world)
+    out["exchange_cases"] = _copy_engine_exchange_cases(rank, world, root)
+    out["ring_starts"] = _ring_on_stand_ins(rank, world, root)
+    return out
+
+
+def test_gloo_world_make_exchange_and_copy_engine_logic_on_stand_ins(tmp_path):
+    """One world of 3 (a ring whose next and previous ranks differ): make_exchange on gloo, then
+    CopyEngineExchange's whole data path with CPU stand-ins for CUDA streams and symmetric memory."""
+    results = run_world(3, _stand_in_world, str(tmp_path))
+    for rank, res in enumerate(results):
+        keys = ("reason_cpu", "reason_default") + (("reason_subgroup",) if rank < 2 else ())
+        for key in keys:
             assert "cpu is not a CUDA device" in res[key], (key, res[key])
+        assert res["exchange_cases"] is True and res["ring_starts"] > 0
 
 
 # --- pure parts of the copy-engine exchange -------------------------------------------------------------
