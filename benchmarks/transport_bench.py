@@ -2,14 +2,16 @@
 
     torchrun --nproc-per-node 2 benchmarks/transport_bench.py [--iters 20] [--backend cudnn] [--json out.json]
 
-Per transport ("nccl": ring_kernels.comm.RingExchange over batch_isend_irecv; "copy_engine":
-ring_kernels.transport.CopyEngineExchange over torch symmetric memory):
+Per transport ("nccl": ring_kernels.comm.RingExchange over batch_isend_irecv; "copy_engine/barrier" and
+"copy_engine/stream_memop": ring_kernels.transport.CopyEngineExchange over torch symmetric memory, signalling
+with torch's barrier kernel or with CUDA stream memory operations, which need no SM):
   (a) transfer: one ring exchange of K+V (2 x (1, 8192, 8, 128) bf16 = 32 MiB) alone;
   (b) attention: causal forward SDPA (B=1, H=32, S=8192, D=128, bf16) with the chosen backend, alone;
   (c) overlapped: the exchange started just before the same attention and waited just after it.
 exposed = (c) - (b): the transfer time the compute stream does not hide (the ring step's loss).
 Times are CUDA events on the current stream, medians over ``--iters`` iterations (after warm-up), slowest
-rank. (b) is measured between the two transports' (c) runs, so drift shows as (b) vs (c) of both. ~20 s.
+rank. (b) is measured again for every transport, right before its (c), so (c) - (b) is not skewed by drift
+(clocks, other jobs) between transports. Every transport first moves a known pattern and is checked. ~30 s.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def _check_transfer(ex, send, recv, rank, world) -> None:
 
 
 def run(args) -> dict:
-    from ring_kernels.transport import copy_engine_unavailable_reason, make_exchange
+    from ring_kernels.transport import CopyEngineExchange, copy_engine_unavailable_reason, make_exchange
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -82,10 +84,17 @@ def run(args) -> dict:
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     reason = copy_engine_unavailable_reason(None, device)
-    transports = ["nccl"] + (["copy_engine"] if reason is None else [])
-    rows, it, wu = {}, args.iters, args.warmup
-    for name in transports:
-        ex = make_exchange(None, tag=0, transport=name)
+    makers = {"nccl": lambda: make_exchange(None, tag=0, transport="nccl")}
+    if reason is None:
+        for signal in args.signals:
+            makers[f"copy_engine/{signal}"] = lambda signal=signal: CopyEngineExchange(None, tag=0, signal=signal)
+    rows, errors, it, wu = {}, {}, args.iters, args.warmup
+    for name, make in makers.items():
+        try:
+            ex = make()
+        except (RuntimeError, ValueError) as exc:   # e.g. no stream memory operations in this driver
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            continue
         _check_transfer(ex, send, recv, rank, world)
 
         def transfer():
@@ -106,7 +115,7 @@ def run(args) -> dict:
     doc = {"world_size": world, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
            "cuda": torch.version.cuda, "sdpa_backend": args.backend, "exchange_bytes": nbytes,
            "attention_shape": list(ATTN_SHAPE), "iters": it, "warmup": wu, "results": rows,
-           "copy_engine_unavailable_reason": reason}
+           "copy_engine_unavailable_reason": reason, "errors": errors}
     try:
         from benchmarks._stamp import stamp
         doc["stamp"] = stamp(device, world)
@@ -126,6 +135,8 @@ def table(doc: dict) -> str:
                      f"{r['overlapped_ms']:.3f} ms | {r['exposed_ms'] * 1000:.0f} us |")
     if doc["copy_engine_unavailable_reason"]:
         lines.append(f"\ncopy_engine not measured: {doc['copy_engine_unavailable_reason']}")
+    for name, err in doc["errors"].items():
+        lines.append(f"\n{name} not measured: {err}")
     return "\n".join(lines)
 
 
@@ -134,6 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--backend", choices=("cudnn", "flash", "efficient"), default="cudnn")
+    p.add_argument("--signals", nargs="+", choices=("barrier", "stream_memop"), default=["barrier", "stream_memop"],
+                   help="copy-engine signalling modes to measure (CopyEngineExchange's signal=)")
     p.add_argument("--json", help="also write the results here (rank 0)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

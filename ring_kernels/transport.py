@@ -45,6 +45,8 @@ __all__ = ["CopyEngineExchange", "CopyEngineUnavailableError", "copy_engine_unav
 
 TRANSPORT_ENV = "RING_KERNELS_TRANSPORT"
 TRANSPORTS = ("nccl", "copy_engine")
+SIGNAL_ENV = "RING_KERNELS_CE_SIGNAL"
+SIGNALS = ("barrier", "stream_memop")   # how copy-engine exchanges signal "filled"/"read" (see _Staging)
 _MAX_TENSORS = 4
 _ALIGN = 256                    # byte alignment of each tensor in a staging (any dtype can view it)
 _GROW_GRANULE = 2 << 20         # stagings grow in 2 MiB steps: ring shapes are fixed, so little is wasted
@@ -229,19 +231,83 @@ def _agreed(group, reason: Optional[str]) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------------------
 # staging: one symmetric buffer, side stream and event per (group, tag, device)
 
+class _StreamMemOps:
+    """``cuStreamWaitValue32`` / ``cuStreamWriteValue32`` from the CUDA driver (ctypes): a 32-bit wait or write
+    executed by the stream's front end, so signalling needs no SM at all (unlike the barrier kernel). The wait
+    is cyclic ``>=`` (``(int32)(*addr - value) >= 0``), so sequence numbers may wrap."""
+
+    _WAIT_GEQ = 0x0             # CU_STREAM_WAIT_VALUE_GEQ
+    _WRITE_DEFAULT = 0x0        # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
+
+    def __init__(self):
+        import ctypes
+
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise CopyEngineUnavailableError(f"CopyEngineExchange(signal='stream_memop'): the CUDA driver library "
+                                             f"cannot be loaded ({exc})", reason=str(exc)) from exc
+        self._wait, self._write = (self._symbol(lib, name) for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"))
+        for fn in (self._wait, self._write):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+
+    @staticmethod
+    def _symbol(lib, name):
+        for candidate in (name + "_v2", name):     # CUDA >= 11.7 exports the _v2 entry points
+            fn = getattr(lib, candidate, None)
+            if fn is not None:
+                return fn
+        raise CopyEngineUnavailableError(f"CopyEngineExchange(signal='stream_memop'): the CUDA driver has no "
+                                         f"{name}", reason=f"no {name} in libcuda")
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"CopyEngineExchange: {what} failed with CUresult {rc}")
+
+    def wait_geq(self, stream, address: int, value: int) -> None:
+        self._check(self._wait(stream.cuda_stream, address, value & 0xFFFFFFFF, self._WAIT_GEQ), "cuStreamWaitValue32")
+
+    def write(self, stream, address: int, value: int) -> None:
+        self._check(self._write(stream.cuda_stream, address, value & 0xFFFFFFFF, self._WRITE_DEFAULT),
+                    "cuStreamWriteValue32")
+
+
+_memops: Optional[_StreamMemOps] = None
+
+
+def _stream_memops() -> _StreamMemOps:
+    global _memops
+    if _memops is None:
+        _memops = _StreamMemOps()
+    return _memops
+
+
 class _Staging:
     """The symmetric byte buffer a tag's exchanges stage through, with its side stream and ``done`` event.
 
-    ``owner`` is the exchange in flight (one at a time per tag: they share the buffer)."""
+    ``owner`` is the exchange in flight (one at a time per tag: they share the buffer). ``signal`` says how
+    ranks tell each other "staging filled" and "staging read":
+    - "barrier": torch's one-block barrier kernel (with a timeout) on channels READY and DONE;
+    - "stream_memop": sequence numbers in a small symmetric flags buffer, written into the peer's flags with
+      ``cuStreamWriteValue32`` and waited for locally with ``cuStreamWaitValue32``: no kernel, no SM, but no
+      timeout either (a rank that never arrives stalls the side stream). flags[ready + r] = last exchange
+      rank r filled its staging for; flags[read + r] = last exchange rank r finished reading ours in.
+    """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], tag: int, device: torch.device):
-        self.group, self.tag, self.device = group, tag, device
+    def __init__(self, group: Optional[dist.ProcessGroup], tag: int, device: torch.device, signal: str):
+        self.group, self.tag, self.device, self.signal = group, tag, device, signal
         self.stream = _cuda.Stream(device=device, priority=-1)   # high priority: barriers get an SM soon
         self.done = _cuda.Event()
         self.buffer: Optional[torch.Tensor] = None      # (capacity,) uint8 in symmetric memory
         self.handle = None
         self.remote: Dict[int, torch.Tensor] = {}       # group rank -> (capacity,) uint8 view of its buffer
         self.owner = None
+        self.seq = 0                                    # exchanges started on this staging (same on every rank)
+        self.last_reader: Optional[int] = None          # who read our staging in exchange ``seq``
+        self.flags: Optional[torch.Tensor] = None       # stream_memop: (2 * world,) int32, symmetric
+        self.flag_ptrs: List[int] = []                  # stream_memop: each rank's flags address
 
     @property
     def capacity(self) -> int:
@@ -255,24 +321,65 @@ class _Staging:
         need = torch.tensor([nbytes], dtype=torch.int64, device=self.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
         capacity = _aligned(int(need.item()), _GROW_GRANULE)
-        # The old buffer may still be read by a peer: our side stream passes DONE only after every peer read it.
-        self.stream.synchronize()
         symm, why = _symmetric_memory()
         if symm is None:
             raise CopyEngineUnavailableError(f"CopyEngineExchange: {why}", reason=why)
+        if self.signal == "stream_memop" and self.flags is None:
+            self._make_flags(symm)
+        # The old buffer may still be read by a peer: wait until the last reader said so, then free it.
+        self.gate_fill()
+        self.stream.synchronize()
         self.buffer = symm.empty(capacity, dtype=torch.uint8, device=self.device)
         self.handle = _rendezvous(symm, self.buffer, _group_name(self.group))
         self.remote = {r: self.handle.get_buffer(r, (capacity,), torch.uint8)
                        for r in range(self.handle.world_size)}
 
+    def _make_flags(self, symm) -> None:
+        world = group_rank_and_size(self.group)[1]
+        self.flags = symm.empty(_aligned(8 * world), dtype=torch.uint8, device=self.device)
+        handle = _rendezvous(symm, self.flags, _group_name(self.group))
+        self.flags.zero_()
+        _cuda.synchronize(self.device)
+        dist.barrier(group=self.group)     # every rank's flags are zero before anyone signals
+        self._flags_handle = handle        # keeps the peers' mappings alive
+        self._flag_views = [handle.get_buffer(r, (self.flags.numel(),), torch.uint8) for r in range(world)]
+        self.flag_ptrs = [view.data_ptr() for view in self._flag_views]
 
-_stagings: Dict[Tuple[str, int, int], _Staging] = {}
+    def _flag(self, rank: int, kind: str, about: int) -> int:
+        world = len(self.flag_ptrs)
+        return self.flag_ptrs[rank] + 4 * ((0 if kind == "ready" else world) + about)
+
+    # The steps of one exchange, enqueued on the side stream (current stream = side) by CopyEngineExchange.
+    def gate_fill(self) -> None:
+        """Before refilling our staging: the reader of the previous exchange has finished reading it."""
+        if self.signal == "stream_memop" and self.last_reader is not None:
+            me = self.handle.rank
+            _stream_memops().wait_geq(self.stream, self._flag(me, "read", self.last_reader), self.seq)
+
+    def announce_filled(self, reader: int, source: int, timeout_ms: int) -> None:
+        """Our staging holds exchange ``seq``'s data for ``reader``; wait until ``source``'s holds ours."""
+        if self.signal == "barrier":
+            self.handle.barrier(_READY, timeout_ms)
+            return
+        me, ops = self.handle.rank, _stream_memops()
+        ops.write(self.stream, self._flag(reader, "ready", me), self.seq)
+        ops.wait_geq(self.stream, self._flag(me, "ready", source), self.seq)
+
+    def announce_read(self, source: int, timeout_ms: int) -> None:
+        """We have read ``source``'s staging for exchange ``seq``."""
+        if self.signal == "barrier":
+            self.handle.barrier(_DONE, timeout_ms)
+            return
+        _stream_memops().write(self.stream, self._flag(source, "read", self.handle.rank), self.seq)
 
 
-def _staging_for(group, tag: int, device: torch.device) -> _Staging:
-    key = (_group_name(group), tag, device.index)
+_stagings: Dict[Tuple[str, int, Optional[int], str], _Staging] = {}
+
+
+def _staging_for(group, tag: int, device: torch.device, signal: str = "barrier") -> _Staging:
+    key = (_group_name(group), tag, device.index, signal)
     if key not in _stagings:
-        _stagings[key] = _Staging(group, tag, device)
+        _stagings[key] = _Staging(group, tag, device, signal)
     return _stagings[key]
 
 
@@ -311,11 +418,15 @@ class CopyEngineExchange:
     current stream after the transfer: ``recv`` is filled and ``send`` may be overwritten. ``tag`` selects the
     staging, side stream and signals: exchanges with different tags may be in flight together; two with the
     same tag may not (RuntimeError). ``timeout_ms``: how long a barrier waits for a peer before the kernel
-    traps (the process fails instead of hanging); 0 waits forever.
+    traps (the process fails instead of hanging); 0 waits forever. ``signal``: "barrier" (torch's one-block
+    barrier kernel, with the timeout) or "stream_memop" (CUDA stream memory operations: no SM used, no
+    timeout); None reads the environment variable ``RING_KERNELS_CE_SIGNAL`` (default "barrier"). Which one
+    hides the transfer better next to an SM-filling kernel is what benchmarks/transport_bench.py measures.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0, reverse: bool = False,
-                 timeout_ms: int = DEFAULT_TIMEOUT_MS):
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS, signal: Optional[str] = None):
+        signal = _signal_choice(signal)
         if not isinstance(reverse, bool):
             raise TypeError(f"CopyEngineExchange: reverse={reverse!r} must be a bool (True: send to the previous "
                             f"rank and receive from the next; False, the default: the other way)")
@@ -330,6 +441,7 @@ class CopyEngineExchange:
         self.send_rank, self.recv_rank = ((self.prev_rank, self.next_rank) if reverse
                                           else (self.next_rank, self.prev_rank))
         self._source = self._peer_next if reverse else self._peer_prev     # group rank whose staging we read
+        self._reader = self._peer_prev if reverse else self._peer_next     # group rank that reads ours
         if not _cuda.is_available():
             why = "CUDA is not available in this process (copy engines move data between GPUs)"
             raise CopyEngineUnavailableError(f"CopyEngineExchange: {why}; use ring_kernels.comm.RingExchange or "
@@ -341,7 +453,10 @@ class CopyEngineExchange:
                 raise CopyEngineUnavailableError(
                     f"CopyEngineExchange: the copy-engine transport cannot run here: {reason}. Use the NCCL "
                     f"transport (ring_kernels.comm.RingExchange, or {TRANSPORT_ENV}=nccl)", reason=reason)
-        self._staging = _staging_for(group, tag, self.device) if self.world_size > 1 else None
+        self.signal = signal
+        if self.world_size > 1 and signal == "stream_memop":
+            _stream_memops()                    # the driver entry points, checked before anything is enqueued
+        self._staging = _staging_for(group, tag, self.device, signal) if self.world_size > 1 else None
         self._pending = None     # (send, recv, stream they were handed over on) until wait()
 
     def _global(self, group_rank: int) -> int:
@@ -369,14 +484,17 @@ class CopyEngineExchange:
         side = staging.stream
         side.wait_stream(current)
         with _cuda.stream(side):
+            staging.gate_fill()                     # the previous exchange's reader is done with our staging
+            staging.seq += 1
             for t, at in zip(send, send_at):
                 _view(staging.buffer, at, t).copy_(t)
-            staging.handle.barrier(_READY, self.timeout_ms)
+            staging.announce_filled(self._reader, self._source, self.timeout_ms)
             source = staging.remote[self._source]
             for t, at in zip(recv, recv_at):
                 t.copy_(_view(source, at, t))
             staging.done.record(side)
-            staging.handle.barrier(_DONE, self.timeout_ms)
+            staging.announce_read(self._source, self.timeout_ms)
+            staging.last_reader = self._reader
         staging.owner = self
         self._pending = (list(send), list(recv), current)
 
@@ -399,6 +517,21 @@ class CopyEngineExchange:
 
 # ---------------------------------------------------------------------------------------------------------
 # choosing a transport
+
+def _signal_choice(signal: Optional[str]) -> str:
+    if signal is not None:
+        if signal not in SIGNALS:
+            raise RingInputError(f"CopyEngineExchange: signal={signal!r} is not one of {SIGNALS}; pass one of "
+                                 f"them or None (reads {SIGNAL_ENV})", argument="signal", value=signal)
+        return signal
+    value = os.environ.get(SIGNAL_ENV, "").strip()
+    if not value:
+        return "barrier"
+    if value not in SIGNALS:
+        raise RingInputError(f"environment variable {SIGNAL_ENV}={value!r} is not one of {SIGNALS}; set it to "
+                             f"one of them or unset it (default: barrier)", argument=SIGNAL_ENV, value=value)
+    return value
+
 
 def _transport_choice(transport: Optional[str]) -> str:
     if transport is not None:

@@ -72,10 +72,42 @@ def test_copy_engine_exchange_needs_cuda():
     ({"reverse": 1}, TypeError, "reverse=1 must be a bool"),
     ({"tag": -1}, ValueError, "tag=-1 must be an int >= 0"),
     ({"timeout_ms": 1.5}, ValueError, "timeout_ms=1.5 must be an int >= 0"),
+    ({"signal": "kernel"}, ValueError, r"signal='kernel' is not one of \('barrier', 'stream_memop'\)"),
 ])
 def test_copy_engine_exchange_argument_errors(kwargs, exc, text):
     with pytest.raises(exc, match=text):
         tr.CopyEngineExchange(**kwargs)
+
+
+@pytest.mark.parametrize("env, expected", [(None, "barrier"), ("barrier", "barrier"),
+                                           ("stream_memop", "stream_memop")])
+def test_signal_from_environment(monkeypatch, env, expected):
+    if env is None:
+        monkeypatch.delenv(tr.SIGNAL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(tr.SIGNAL_ENV, env)
+    assert tr._signal_choice(None) == expected
+    assert tr._signal_choice("barrier") == "barrier"     # the argument wins
+
+
+def test_unknown_signal_environment_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(tr.SIGNAL_ENV, "spin")
+    with pytest.raises(ValueError, match=r"RING_KERNELS_CE_SIGNAL='spin' is not one of .*unset it") as info:
+        tr.CopyEngineExchange()
+    assert info.value.argument == tr.SIGNAL_ENV
+
+
+def test_stream_memops_without_a_cuda_driver():
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        with pytest.raises(RuntimeError, match="CUDA driver library cannot be loaded") as info:
+            tr._StreamMemOps()
+        assert isinstance(info.value, tr.CopyEngineUnavailableError)
+    else:
+        ops = tr._StreamMemOps()    # a driver is installed: its entry points resolve
+        assert ops._wait is not None and ops._write is not None
 
 
 # --- on a gloo world: make_exchange is RingExchange whatever was asked; CopyEngineExchange's data path on stand-ins
@@ -145,6 +177,25 @@ class _FakeSymm:
         return self.handles[-1]
 
 
+class _FakeMemOps:
+    """cuStreamWaitValue32/WriteValue32 stand-ins: host reads/writes of the shared files' mapped addresses."""
+
+    def write(self, stream, address, value):
+        import ctypes
+        ctypes.c_uint32.from_address(address).value = value & 0xFFFFFFFF
+
+    def wait_geq(self, stream, address, value):
+        import ctypes
+        import time
+        deadline = time.monotonic() + 60
+        while True:
+            seen = ctypes.c_uint32.from_address(address).value
+            if ((seen - value) & 0xFFFFFFFF) < 0x80000000:     # cyclic >=, as the driver's GEQ
+                return
+            assert time.monotonic() < deadline, f"flag at {address:#x} stuck at {seen}, waiting for {value}"
+            time.sleep(0.0005)
+
+
 def _install_stand_ins(tr, root, rank, world):
     import contextlib
     import types
@@ -158,6 +209,8 @@ def _install_stand_ins(tr, root, rank, world):
     symm = _FakeSymm(root, rank, world)
     tr._symmetric_memory = lambda: (symm, None)
     tr.copy_engine_unavailable_reason = lambda group=None, device=None: None
+    memops = _FakeMemOps()
+    tr._stream_memops = lambda: memops
     return symm, current
 
 
@@ -207,20 +260,20 @@ CE_CASES = [   # (shape, dtype) per tensor; sizes grow (the staging grows twice)
 ]
 
 
-def _copy_engine_exchange_cases(rank, world, root):
-    """CopyEngineExchange's logic (layout, source rank, direction, growth, tags, refusals) on stand-ins, against
-    the pattern each rank sends and RingExchange's result."""
-    from ring_kernels import transport as tr
+def _copy_engine_exchange_cases(rank, world, tr, symm, current, signal):
+    """CopyEngineExchange's logic (layout, source rank, direction, growth, tags, refusals) on stand-ins, with
+    one ``signal`` mode, against the pattern each rank sends and RingExchange's result."""
+    cpu = torch.device("cpu")
 
-    ring_exchange = tr._ring_exchange
-    symm, current = _install_stand_ins(tr, root, rank, world)
-    assert tr._probe(None, torch.device("cpu")) is None
+    def make(**kw):
+        return tr.CopyEngineExchange(None, signal=signal, **kw)
+
     for reverse in (False, True):
         src = (rank + 1) % world if reverse else (rank - 1) % world
-        ce = tr.CopyEngineExchange(None, tag=0, reverse=reverse)
+        ce = make(tag=0, reverse=reverse)
         assert (ce.send_rank, ce.recv_rank) == (((rank - 1) % world, src) if reverse else ((rank + 1) % world, src))
         try:
-            ref = ring_exchange(None, 0, reverse)
+            ref = tr._ring_exchange(None, 0, reverse)
         except TypeError:              # RingExchange without reverse yet: compare with the pattern only
             ref = None
         for it, case in enumerate(CE_CASES):
@@ -228,28 +281,29 @@ def _copy_engine_exchange_cases(rank, world, root):
             got = [torch.empty(sh, dtype=dt) for sh, dt in case]
             ce.start(send, got)
             assert ce.in_flight
-            staging = tr._staging_for(None, 0, torch.device("cpu"))
+            staging = tr._staging_for(None, 0, cpu, signal)
             assert staging.done.recorded_on[-1] is staging.stream and staging.owner is ce
             ce.wait()
             assert current.waited_events[-1] is staging.done and not ce.in_flight and staging.owner is None
             for i, (sh, dt) in enumerate(case):
-                assert torch.equal(got[i], _pattern(src, it, i, sh, dt)), (reverse, it, i)
+                assert torch.equal(got[i], _pattern(src, it, i, sh, dt)), (signal, reverse, it, i)
             if ref is not None:
                 theirs = [torch.empty(sh, dtype=dt) for sh, dt in case]
                 ref.start(send, theirs)
                 ref.wait()
-                assert all(torch.equal(a, b) for a, b in zip(got, theirs)), (reverse, it)
-    staging = tr._staging_for(None, 0, torch.device("cpu"))
-    assert staging.capacity == 2 << 20 and symm.count == 2    # the probe, then one staging of 2 MiB (1.2 MB max)
+                assert all(torch.equal(a, b) for a, b in zip(got, theirs)), (signal, reverse, it)
+    staging = tr._staging_for(None, 0, cpu, signal)
+    assert staging.capacity == 2 << 20 and staging.seq == 2 * len(CE_CASES)   # 1.2 MB at most so far: 2 MiB
     # growth past 2 MiB: every rank re-allocates in the same call
+    allocations = symm.count
     big = [_pattern(rank, 50, 0, (3 << 19,), torch.float32)]            # 6 MiB
     got = [torch.empty_like(big[0])]
-    ce = tr.CopyEngineExchange(None, tag=0)
+    ce = make(tag=0)
     ce.start(big, got)
     ce.wait()
     assert torch.equal(got[0], _pattern((rank - 1) % world, 50, 0, (3 << 19,), torch.float32))
-    assert staging.capacity == 6 << 20 and symm.count == 3
-    assert symm.handles[-1].barriers == [tr._READY, tr._DONE]
+    assert staging.capacity == 6 << 20 and symm.count == allocations + 1
+    assert symm.handles[-1].barriers == ([tr._READY, tr._DONE] if signal == "barrier" else [])
 
     # back to back, one send buffer overwritten after each wait()
     send, recvs = _pattern(rank, 0, 0, (64,), torch.float32), [torch.empty(64) for _ in range(6)]
@@ -260,7 +314,7 @@ def _copy_engine_exchange_cases(rank, world, root):
     assert all(torch.equal(recvs[it], _pattern((rank - 1) % world, it, 0, (64,), torch.float32)) for it in range(6))
 
     # two tags in flight (forward tag 0, reverse tag 1): separate stagings
-    kv, dkv = tr.CopyEngineExchange(None, tag=0), tr.CopyEngineExchange(None, tag=1, reverse=True)
+    kv, dkv = make(tag=0), make(tag=1, reverse=True)
     a, b = _pattern(rank, 70, 0, (8, 4), torch.bfloat16), _pattern(rank, 71, 0, (5,), torch.float32)
     ra, rb = torch.empty_like(a), torch.empty_like(b)
     kv.start([a], [ra])
@@ -270,10 +324,10 @@ def _copy_engine_exchange_cases(rank, world, root):
     kv.wait()
     assert torch.equal(ra, _pattern((rank - 1) % world, 70, 0, (8, 4), torch.bfloat16))
     assert torch.equal(rb, _pattern((rank + 1) % world, 71, 0, (5,), torch.float32))
-    assert tr._staging_for(None, 1, torch.device("cpu")) is not staging
+    assert tr._staging_for(None, 1, cpu, signal) is not staging
 
     # refusals: start twice, the same tag from a second object; wait() when idle is a no-op
-    first, second = tr.CopyEngineExchange(None, tag=0), tr.CopyEngineExchange(None, tag=0)
+    first, second = make(tag=0), make(tag=0)
     first.start([a], [ra])
     with pytest.raises(RuntimeError, match="previous exchange was not waited for"):
         first.start([a], [ra])
@@ -287,7 +341,7 @@ def _copy_engine_exchange_cases(rank, world, root):
     return True
 
 
-def _ring_on_stand_ins(rank, world, root):
+def _ring_on_stand_ins(rank, world, signal):
     """ring_attn_func / zigzag_ring_attn_func with ring.py's exchanges swapped for CopyEngineExchange (on the
     stand-ins): out, dq, dk, dv bitwise equal to the RingExchange run (CPU kernels are deterministic)."""
     import sys
@@ -303,6 +357,9 @@ def _ring_on_stand_ins(rank, world, root):
             starts.append((self.tag, self.reverse))
             return super().start(send, recv)
 
+    def factory(group=None, *, tag=0, reverse=False):
+        return Counting(group, tag=tag, reverse=reverse, signal=signal)
+
     results = {}
     for name, fn in (("ring", rk.ring_attn_func), ("zigzag", rk.zigzag_ring_attn_func)):
         gen = torch.Generator().manual_seed(7 + rank)
@@ -314,7 +371,7 @@ def _ring_on_stand_ins(rank, world, root):
             if transport == "copy_engine":
                 assert swapped, "no ring_kernels module binds RingExchange"
                 for m in swapped:
-                    m.RingExchange = lambda group=None, *, tag=0, reverse=False: Counting(group, tag=tag, reverse=reverse)
+                    m.RingExchange = factory
             try:
                 ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
                 out = fn(ql, kl, vl, causal=True)
@@ -330,9 +387,14 @@ def _ring_on_stand_ins(rank, world, root):
 
 
 def _stand_in_world(rank, world, root):
+    from ring_kernels import transport as tr
+
     out = _make_exchange_cases(rank, world)
-    out["exchange_cases"] = _copy_engine_exchange_cases(rank, world, root)
-    out["ring_starts"] = _ring_on_stand_ins(rank, world, root)
+    symm, current = _install_stand_ins(tr, root, rank, world)
+    assert tr._probe(None, torch.device("cpu")) is None
+    for signal in tr.SIGNALS:
+        out[f"exchange_cases_{signal}"] = _copy_engine_exchange_cases(rank, world, tr, symm, current, signal)
+        out[f"ring_starts_{signal}"] = _ring_on_stand_ins(rank, world, signal)
     return out
 
 
@@ -344,7 +406,8 @@ def test_gloo_world_make_exchange_and_copy_engine_logic_on_stand_ins(tmp_path):
         keys = ("reason_cpu", "reason_default") + (("reason_subgroup",) if rank < 2 else ())
         for key in keys:
             assert "cpu is not a CUDA device" in res[key], (key, res[key])
-        assert res["exchange_cases"] is True and res["ring_starts"] > 0
+        for signal in ("barrier", "stream_memop"):
+            assert res[f"exchange_cases_{signal}"] is True and res[f"ring_starts_{signal}"] > 0
 
 
 # --- pure parts of the copy-engine exchange -------------------------------------------------------------

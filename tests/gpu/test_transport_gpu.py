@@ -100,7 +100,7 @@ def _run_pair(ex_ce, ex_ref, rank, world, case, it, reverse, device):
     return failures
 
 
-def _exchange_cases(rank, world):
+def _exchange_cases(rank, world, signal):
     import torch.distributed as dist
     from torch.distributed import _symmetric_memory as symm
 
@@ -108,6 +108,7 @@ def _exchange_cases(rank, world):
     from ring_kernels.comm import RingExchange
 
     device = torch.device("cuda", torch.cuda.current_device())
+    _log(rank, f"signal={signal}")
     _log(rank, f"torch {torch.__version__} cuda {torch.version.cuda} device {torch.cuda.get_device_name(device)}")
     reason = tr.copy_engine_unavailable_reason(None, device)
     _log(rank, f"copy_engine_unavailable_reason: {reason!r}; symmetric-memory backend "
@@ -117,15 +118,15 @@ def _exchange_cases(rank, world):
 
     # 1. every case, both directions, against the pattern and RingExchange
     for reverse in (False, True):
-        ce = tr.CopyEngineExchange(None, tag=0, reverse=reverse, timeout_ms=TIMEOUT_MS)
+        ce = tr.CopyEngineExchange(None, signal=signal, tag=0, reverse=reverse, timeout_ms=TIMEOUT_MS)
         ref = tr._ring_exchange(None, 0, reverse)     # NCCL P2P, same direction
         for c, case in enumerate(CASES):
             _log(rank, f"case {c} reverse={reverse}: {[(tuple(s), str(d)) for s, d in case]}")
             failures += _run_pair(ce, ref, rank, world, case, c, reverse, device)
-    _log(rank, f"cases done, staging capacity {tr._staging_for(None, 0, device).capacity} bytes")
+    _log(rank, f"cases done, staging capacity {tr._staging_for(None, 0, device, signal).capacity} bytes")
 
     # 2. back to back without a host sync; send overwritten right after each wait()
-    ce = tr.CopyEngineExchange(None, tag=0, timeout_ms=TIMEOUT_MS)
+    ce = tr.CopyEngineExchange(None, signal=signal, tag=0, timeout_ms=TIMEOUT_MS)
     shape = KV_32MB
     send = torch.empty(shape, dtype=torch.bfloat16, device=device)
     recvs = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(ITERATIONS)]
@@ -143,8 +144,8 @@ def _exchange_cases(rank, world):
     _log(rank, f"{ITERATIONS} back-to-back exchanges checked")
 
     # 3. two tags in flight: tag 0 forward (K/V), tag 1 reverse (dK/dV)
-    kv = tr.CopyEngineExchange(None, tag=0, timeout_ms=TIMEOUT_MS)
-    dkv = tr.CopyEngineExchange(None, tag=1, reverse=True, timeout_ms=TIMEOUT_MS)
+    kv = tr.CopyEngineExchange(None, signal=signal, tag=0, timeout_ms=TIMEOUT_MS)
+    dkv = tr.CopyEngineExchange(None, signal=signal, tag=1, reverse=True, timeout_ms=TIMEOUT_MS)
     case = [((1, 4096, 8, 128), torch.bfloat16), ((1, 4096, 8, 128), torch.bfloat16)]
     results = []
     for it in range(8):
@@ -170,7 +171,7 @@ def _exchange_cases(rank, world):
     _log(rank, "two tags in flight checked")
 
     # 4. the same tag twice in flight is refused, and the first exchange still completes
-    first, second = (tr.CopyEngineExchange(None, tag=2, timeout_ms=TIMEOUT_MS) for _ in range(2))
+    first, second = (tr.CopyEngineExchange(None, signal=signal, tag=2, timeout_ms=TIMEOUT_MS) for _ in range(2))
     x = _pattern(rank, 300, 0, (1000,), torch.float32, device)
     y, z = torch.empty_like(x), torch.empty_like(x)
     first.start([x], [y])
@@ -189,7 +190,7 @@ def _exchange_cases(rank, world):
     times = {}
     k, v = (torch.randn(KV_32MB, device=device).to(torch.bfloat16) for _ in range(2))
     rk, rv = torch.empty_like(k), torch.empty_like(v)
-    for name, ex in (("copy_engine", tr.CopyEngineExchange(None, tag=0, timeout_ms=TIMEOUT_MS)),
+    for name, ex in (("copy_engine", tr.CopyEngineExchange(None, signal=signal, tag=0, timeout_ms=TIMEOUT_MS)),
                      ("nccl", RingExchange(None, tag=0))):
         samples = []
         for i in range(25):
@@ -209,11 +210,12 @@ def _exchange_cases(rank, world):
     return {"failures": failures, "times": times}
 
 
+@pytest.mark.parametrize("signal", ["barrier", "stream_memop"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_copy_engine_exchange_matches_patterns_and_nccl(world):
+def test_copy_engine_exchange_matches_patterns_and_nccl(world, signal):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices")
-    results = run_world(world, _exchange_cases, backend="nccl", timeout=400)
+    results = run_world(world, _exchange_cases, signal, backend="nccl", timeout=400)
     for rank, res in enumerate(results):
         print(f"rank {rank}: 32 MiB alone (ms) {res['times']}")
     failures = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res["failures"]]
@@ -245,7 +247,7 @@ def _relative(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _ring_cases(rank, world):
+def _ring_cases(rank, world, signal):
     import ring_kernels as rk
     from ring_kernels import transport as tr
 
@@ -258,7 +260,7 @@ def _ring_cases(rank, world):
             return super().start(send, recv)
 
     def factory(group=None, *, tag=0, reverse=False):
-        return Counting(group, tag=tag, reverse=reverse, timeout_ms=TIMEOUT_MS)
+        return Counting(group, tag=tag, reverse=reverse, timeout_ms=TIMEOUT_MS, signal=signal)
 
     report, failures = [], []
     for name, fn, causal in (("zigzag", rk.zigzag_ring_attn_func, True), ("ring", rk.ring_attn_func, True),
@@ -300,10 +302,11 @@ def _ring_cases(rank, world):
     return {"failures": failures, "report": report}
 
 
+@pytest.mark.parametrize("signal", ["barrier", "stream_memop"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_ring_attention_on_copy_engines_matches_nccl(world):
+def test_ring_attention_on_copy_engines_matches_nccl(world, signal):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices")
-    results = run_world(world, _ring_cases, backend="nccl", timeout=400)
+    results = run_world(world, _ring_cases, signal, backend="nccl", timeout=400)
     failures = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res["failures"]]
     assert not failures, "\n".join(failures)
