@@ -3,20 +3,26 @@
 Why: NCCL's SendRecv kernels need SMs. Launched next to an attention kernel that fills every SM (cuDNN), the
 32 MB K/V transfer of a ring step only starts at that kernel's tail and leaves the compute stream idle for
 ~90-260 us per step on 2xH200. A peer-to-peer ``tensor.copy_`` between symmetric-memory buffers is a
-copy-engine (CE) transfer over NVLink: no SMs. The only kernels here are the one-block barriers that say
-"my staging is filled" and "I have read yours".
+copy-engine (CE) transfer over NVLink: no SMs. What remains is telling the peers "my staging is filled" and
+"I have read yours", two ways (``signal=``):
+- "barrier" (default): torch's one-block barrier kernel, with a timeout. It still needs an SM for a moment;
+  its side stream has high priority, so it gets the first free one.
+- "stream_memop": sequence numbers written into the peer's symmetric flags with ``cuStreamWriteValue32`` and
+  awaited with ``cuStreamWaitValue32``, both executed by the stream's front end: no kernel, no SM; but a peer
+  that never arrives stalls the side stream (no timeout), so it is opt-in until measured.
 
-One exchange (``CopyEngineExchange.start``), all on a high-priority side stream per (group, tag, device):
+One exchange (``CopyEngineExchange.start``), all on a high-priority side stream per (group, tag, device, signal):
 
     side waits for the current stream            # send is ready
+    [stream_memop: wait until the last reader of my staging said it is done]
     my staging[offsets] <- send                  # local copy into symmetric memory
-    barrier(READY)                               # every rank's staging is filled
+    signal "filled"                              # barrier(READY) / write my reader's flag, wait for my source's
     recv <- staging of the source rank           # CE pull over NVLink        -> event ``done``
-    barrier(DONE)                                # every rank has read: stagings may be refilled
+    signal "read"                                # barrier(DONE) / write my source's flag
 
-``wait()`` makes the current stream wait for ``done`` (recv filled, send already copied out), so the DONE
-barrier never delays the caller; the next exchange of the same tag is queued behind it on the side stream.
-Two tags in flight at once (K/V tag 0, dK/dV tag 1) have separate stagings, streams and barrier channels.
+``wait()`` makes the current stream wait for ``done`` (recv filled, send already copied out), so the "read"
+signal never delays the caller; the next exchange of the same tag is queued behind it on the side stream.
+Two tags in flight at once (K/V tag 0, dK/dV tag 1) have separate stagings, streams and signal pads/flags.
 
 Allocator safety: ``send``/``recv`` belong to the caller's stream. Instead of ``record_stream`` the exchange
 keeps Python references to them until ``wait()``, and ``wait()`` orders the stream they were handed over on
@@ -335,8 +341,9 @@ class _Staging:
                        for r in range(self.handle.world_size)}
 
     def _make_flags(self, symm) -> None:
+        """The (3 * world,) uint32 flags: ready, read, and a probe slot per rank; zeroed, then probed."""
         world = group_rank_and_size(self.group)[1]
-        self.flags = symm.empty(_aligned(8 * world), dtype=torch.uint8, device=self.device)
+        self.flags = symm.empty(_aligned(12 * world), dtype=torch.uint8, device=self.device)
         handle = _rendezvous(symm, self.flags, _group_name(self.group))
         self.flags.zero_()
         _cuda.synchronize(self.device)
@@ -344,6 +351,35 @@ class _Staging:
         self._flags_handle = handle        # keeps the peers' mappings alive
         self._flag_views = [handle.get_buffer(r, (self.flags.numel(),), torch.uint8) for r in range(world)]
         self.flag_ptrs = [view.data_ptr() for view in self._flag_views]
+        self._probe_memops()
+
+    def _probe_memops(self, timeout_s: float = 60.0) -> None:
+        """Every rank writes 1 into every peer's probe slot for it and waits for the peers' writes, on the side
+        stream; the host polls an event, so a driver or mapping that never delivers fails here, with a
+        message, instead of stalling every later exchange (stream waits have no timeout)."""
+        import time
+
+        me, world, ops = group_rank_and_size(self.group)[0], len(self.flag_ptrs), _stream_memops()
+
+        def slot(rank: int, about: int) -> int:
+            return self.flag_ptrs[rank] + 4 * (2 * world + about)
+
+        for r in range(world):
+            if r != me:
+                ops.write(self.stream, slot(r, me), 1)
+        for r in range(world):
+            if r != me:
+                ops.wait_geq(self.stream, slot(me, r), 1)
+        arrived = _cuda.Event()
+        arrived.record(self.stream)
+        deadline = time.monotonic() + timeout_s
+        while not arrived.query():
+            if time.monotonic() > deadline:
+                why = (f"no signal arrived within {timeout_s:g} s through cuStreamWriteValue32/WaitValue32 on "
+                       f"symmetric memory (rank {me} of {world})")
+                raise CopyEngineUnavailableError(f"CopyEngineExchange(signal='stream_memop'): {why}; use "
+                                                 f"signal='barrier'", reason=why)
+            time.sleep(0.001)
 
     def _flag(self, rank: int, kind: str, about: int) -> int:
         world = len(self.flag_ptrs)

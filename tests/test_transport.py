@@ -135,6 +135,9 @@ class _FakeEvent:
     def record(self, stream=None):
         self.recorded_on.append(stream)
 
+    def query(self):
+        return True          # CPU work is done when it is enqueued
+
 
 class _FakeHandle:
     """A symmetric-memory handle stand-in: rank r's buffer is a shared file every rank maps; barrier is gloo's."""
