@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -309,10 +310,10 @@ class _Staging:
         self.buffer: Optional[torch.Tensor] = None      # (capacity,) uint8 in symmetric memory
         self.handle = None
         self.remote: Dict[int, torch.Tensor] = {}       # group rank -> (capacity,) uint8 view of its buffer
-        self.owner = None
+        self.owner = None                               # weakref to the exchange in flight, if any
         self.seq = 0                                    # exchanges started on this staging (same on every rank)
         self.last_reader: Optional[int] = None          # who read our staging in exchange ``seq``
-        self.flags: Optional[torch.Tensor] = None       # stream_memop: (2 * world,) int32, symmetric
+        self.flags: Optional[torch.Tensor] = None       # stream_memop: 3 * world uint32 (see _make_flags)
         self.flag_ptrs: List[int] = []                  # stream_memop: each rank's flags address
 
     @property
@@ -510,7 +511,9 @@ class CopyEngineExchange:
                 r.copy_(s)
             return
         staging = self._staging
-        if staging.owner is not None:
+        # An owner that was garbage-collected without wait() (an exception unwound its ring) no longer holds
+        # the staging: our work queues behind its on the side stream anyway.
+        if staging.owner is not None and staging.owner() is not None:
             raise RuntimeError(f"{fn}: another CopyEngineExchange with tag={self.tag} on this group is in flight "
                                f"(they share one staging buffer); wait() for it first or use a different tag")
         send_at, send_bytes = _layout(send)
@@ -531,7 +534,7 @@ class CopyEngineExchange:
             staging.done.record(side)
             staging.announce_read(self._source, self.timeout_ms)
             staging.last_reader = self._reader
-        staging.owner = self
+        staging.owner = weakref.ref(self)
         self._pending = (list(send), list(recv), current)
 
     def wait(self) -> None:

@@ -285,7 +285,7 @@ def _copy_engine_exchange_cases(rank, world, tr, symm, current, signal):
             ce.start(send, got)
             assert ce.in_flight
             staging = tr._staging_for(None, 0, cpu, signal)
-            assert staging.done.recorded_on[-1] is staging.stream and staging.owner is ce
+            assert staging.done.recorded_on[-1] is staging.stream and staging.owner() is ce
             ce.wait()
             assert current.waited_events[-1] is staging.done and not ce.in_flight and staging.owner is None
             for i, (sh, dt) in enumerate(case):
@@ -338,6 +338,13 @@ def _copy_engine_exchange_cases(rank, world, tr, symm, current, signal):
         second.start([a], [ra])
     first.wait()
     first.wait()
+    # an exchange dropped without wait() (an exception unwound its ring) does not hold the tag forever
+    lost = make(tag=0)
+    lost.start([a], [ra])
+    del lost
+    second.start([a], [ra])
+    second.wait()
+    assert torch.equal(ra, _pattern((rank - 1) % world, 70, 0, (8, 4), torch.bfloat16))
     with pytest.raises(ValueError, match=r"recv\[0\] \(shape \(4, 8\)"):
         first.start([a], [torch.empty(8, 4, dtype=torch.bfloat16).t()])
     assert not first.in_flight
