@@ -2,8 +2,11 @@
 
     python -m pytest -s tests/gpu/test_transport_gpu.py     # spawns NCCL worlds of 2 (and 4 with 4 GPUs)
 
-Each rank prints what it is doing (``[ce rank r] ...``, flushed) so one log shows where a failure or a hang
-happened; barriers time out after TIMEOUT_MS (the kernel traps: a CUDA error instead of a hang).
+Every test runs once per signal mode of CopyEngineExchange: "barrier" (torch's barrier kernel) and
+"stream_memop" (cuStreamWaitValue32/WriteValue32, no SM). Each rank prints what it is doing
+(``[ce rank r] ...``, flushed) so one log shows where a failure or a hang happened; barriers time out after
+TIMEOUT_MS (the kernel traps: a CUDA error instead of a hang); stream_memop has no device timeout, but its
+first use probes the signal path with a host-side 60 s limit, and run_world stops a world after 400 s.
 
 What is checked (every comparison bitwise, on the integer view of the bytes):
 - exchanges of 1-4 tensors of bf16/fp32 (and int8, float64), sizes from 1 element to 32 MiB (K+V of 8192
@@ -33,7 +36,6 @@ pytestmark = [pytest.mark.gpu]
 TIMEOUT_MS = 60_000
 ITERATIONS = 24
 KV_32MB = (1, 8192, 8, 128)     # one of K/V: 16 MiB in bf16
-
 
 
 def _log(rank, *msg):
