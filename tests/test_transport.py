@@ -351,13 +351,39 @@ def _copy_engine_exchange_cases(rank, world, tr, symm, current, signal):
     return True
 
 
+def swap_ring_exchanges(factory):
+    """Point every ring_kernels module's exchange constructor at ``factory(group, *, tag, reverse)``: the
+    ``RingExchange`` bound by ``from .comm import RingExchange`` (ring.py today) and the ``make_exchange``
+    bound from ``.transport`` (once ring.py calls it). Returns (what was swapped, undo)."""
+    import sys
+
+    import ring_kernels.comm as comm
+    import ring_kernels.transport as transport
+
+    def via_make_exchange(group=None, *, tag=0, reverse=False, transport=None):
+        return factory(group, tag=tag, reverse=reverse)
+
+    originals = {"RingExchange": (comm.RingExchange, factory),
+                 "make_exchange": (transport.make_exchange, via_make_exchange)}
+    replaced = []
+    for key, module in list(sys.modules.items()):
+        if not key.startswith("ring_kernels.") or key in ("ring_kernels.comm", "ring_kernels.transport"):
+            continue
+        for attr, (original, replacement) in originals.items():
+            if getattr(module, attr, None) is original:
+                setattr(module, attr, replacement)
+                replaced.append((module, attr, original))
+
+    def undo():
+        for module, attr, original in replaced:
+            setattr(module, attr, original)
+    return [f"{m.__name__}.{attr}" for m, attr, _ in replaced], undo
+
+
 def _ring_on_stand_ins(rank, world, signal):
     """ring_attn_func / zigzag_ring_attn_func with ring.py's exchanges swapped for CopyEngineExchange (on the
     stand-ins): out, dq, dk, dv bitwise equal to the RingExchange run (CPU kernels are deterministic)."""
-    import sys
-
     import ring_kernels as rk
-    import ring_kernels.comm as comm
     from ring_kernels import transport as tr
 
     starts = []
@@ -375,21 +401,18 @@ def _ring_on_stand_ins(rank, world, signal):
         gen = torch.Generator().manual_seed(7 + rank)
         q, k, v, dout = (torch.randn(1, 12, n, 16, generator=gen) for n in (2, 1, 1, 2))
         for transport in ("nccl", "copy_engine"):
-            original = comm.RingExchange
-            swapped = [m for key, m in list(sys.modules.items()) if key.startswith("ring_kernels.")
-                       and key != "ring_kernels.comm" and getattr(m, "RingExchange", None) is original]
+            undo = None
             if transport == "copy_engine":
-                assert swapped, "no ring_kernels module binds RingExchange"
-                for m in swapped:
-                    m.RingExchange = factory
+                swapped, undo = swap_ring_exchanges(factory)
+                assert swapped, "no ring_kernels module binds RingExchange or make_exchange"
             try:
                 ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
                 out = fn(ql, kl, vl, causal=True)
                 out.backward(dout)
                 results[(name, transport)] = (out.detach(), ql.grad, kl.grad, vl.grad)
             finally:
-                for m in swapped:
-                    m.RingExchange = original
+                if undo is not None:
+                    undo()
         for a, b in zip(results[(name, "copy_engine")], results[(name, "nccl")]):
             assert torch.equal(a, b), name
     assert (0, False) in starts and (1, True) in starts, starts   # K/V forward, dK/dV reverse in the backward

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from _dist import run_world
+from test_transport import swap_ring_exchanges   # the CPU suite's swap (RingExchange or make_exchange bindings)
 
 pytestmark = [pytest.mark.gpu]
 
@@ -226,24 +227,6 @@ def test_copy_engine_exchange_matches_patterns_and_nccl(world, signal):
 
 # --------------------------------------------------------------------------------- the ring on copy engines
 
-def _swap_ring_exchange(factory):
-    """Replace RingExchange in every ring_kernels module that bound it (``from .comm import RingExchange``);
-    returns an undo function."""
-    import ring_kernels.comm as comm
-
-    original = comm.RingExchange
-    swapped = [m for name, m in list(sys.modules.items())
-               if name.startswith("ring_kernels.") and name not in ("ring_kernels.comm", "ring_kernels.transport")
-               and getattr(m, "RingExchange", None) is original]
-    for m in swapped:
-        m.RingExchange = factory
-
-    def undo():
-        for m in swapped:
-            m.RingExchange = original
-    return [m.__name__ for m in swapped], undo
-
-
 def _relative(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -275,8 +258,8 @@ def _ring_cases(rank, world, signal):
         for transport in ("nccl", "copy_engine"):
             undo = None
             if transport == "copy_engine":
-                swapped, undo = _swap_ring_exchange(factory)
-                _log(rank, f"{name} causal={causal}: RingExchange swapped in {swapped}")
+                swapped, undo = swap_ring_exchanges(factory)
+                _log(rank, f"{name} causal={causal}: exchanges swapped: {swapped}")
             try:
                 before = starts["n"]
                 ql, kl, vl = (x.detach().clone().requires_grad_() for x in (q, k, v))
