@@ -613,13 +613,14 @@ def make_exchange(group: Optional[dist.ProcessGroup] = None, *, tag: int = 0, re
     ``transport``: "nccl", "copy_engine", or None to read the environment variable ``RING_KERNELS_TRANSPORT``
     (unset: "nccl"; another value: ValueError). "copy_engine" where it cannot run on a CUDA group raises
     ``CopyEngineUnavailableError`` (a RuntimeError) with the reason. On a group that is not on CUDA (gloo,
-    CPU tensors, torch.distributed not initialised) the result is always ``RingExchange``, whatever was asked:
-    copy engines are a GPU mechanism, and a CPU run of a configuration written for GPUs must still run.
+    CPU tensors, torch.distributed not initialised) or of one rank, the result is always ``RingExchange``,
+    whatever was asked: copy engines are a GPU mechanism, and a CPU run of a configuration written for GPUs
+    must still run.
     The first "copy_engine" call on a group is collective (see ``copy_engine_unavailable_reason``).
     """
     choice = _transport_choice(transport)
-    if choice == "nccl" or not _group_on_cuda(group):
-        return _ring_exchange(group, tag, reverse)
+    if choice == "nccl" or not _group_on_cuda(group) or group_rank_and_size(group)[1] == 1:
+        return _ring_exchange(group, tag, reverse)     # a ring of one only copies: nothing to move between GPUs
     reason = copy_engine_unavailable_reason(group, torch.device("cuda", torch.cuda.current_device()))
     if reason:
         raise CopyEngineUnavailableError(
