@@ -2,8 +2,9 @@
 
 ``no_communication(variant)`` patches the one place each variant moves data between ranks:
 
-- ring, zigzag, stripe, ring_varlen, zigzag_varlen: ``ring_kernels.comm.RingExchange.start`` (K/V forward,
-  dK/dV in the backward) becomes what a ring of one rank does: copy each send buffer into its receive buffer.
+- ring, zigzag, stripe, ring_varlen, zigzag_varlen: ``ring_kernels.comm.RingExchange.start`` (every transfer of
+  the ring engine, either direction: K/V r -> r+1 in the forward; K/V and the dK/dV partial sums r -> r-1 in
+  the backward) becomes what a ring of one rank does: copy each send buffer into its receive buffer.
 - llama3: the module-level tensor collectives ``ring_kernels.llama3._all_gather_tensor`` /
   ``_reduce_scatter_tensor`` become a copy of this rank's own part (the all-gather fills only our slot of the
   gathered buffer, the reduce-scatter takes our slot of the full gradient), returning a finished work object.

@@ -4,11 +4,15 @@ One gloo world per world size; each rank loops over a table of cases (variant x 
 GQA x head dim x window/softcap). Every case builds the *global* q, k, v from a seed (identical on all
 ranks), runs the reference on the unsharded tensors, runs the ring on this rank's shard, and compares this
 rank's slice of out, dq, dk, dv. Local shards are taken with positions written here (not ring_kernels.shard),
-so the layouts are checked independently.
+so the layouts are checked independently. The same worlds count the engine's communication schedule (every
+``RingExchange.start``: direction, tag, bytes, content, order against the block computations).
 """
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -138,7 +142,9 @@ def _world_cases(rank: int, world: int, cases) -> None:
     if world == 2:
         _ranks_that_disagree_fail_together(rank)
         _bf16_rounded_once(rank, world)
-    if world in (2, 3):                              # the exchanges themselves: test_ring_schedule.py
+    if world >= 2:
+        _communication_schedule(rank, world)
+    if world in (2, 3):
         _fp32_buffers(rank, world)
         _count_blocks(rank, world)
     if world == 4:
@@ -284,6 +290,158 @@ def _subgroups(rank: int) -> None:
         case = dict(variant=variant, causal=causal, backend="torch_cpu", dtype=torch.float32, heads=8, heads_k=2,
                     headdim=64, seqlen_local=6, batch=1, seed=7 + rank % 2)
         run_case(rank, 4, case, group=group, group_rank=rank // 2, group_world=2)
+
+
+# ------------------------------------------------------------------------------ communication schedule
+# What each RingExchange.start sends, which way, with which tag, how many bytes, and when relative to the block
+# computations. Forward: N-1 K/V hops r -> r+1. Backward (blocks visited in reverse order, starting from the
+# K/V block the forward ended on): N-2 K/V hops r -> r-1 (none with 2 ranks), N-1 dK/dV partial-sum hops
+# r -> r-1 (k's dtype with 2 ranks, fp32 with more), nothing issued after the last block's backward compute.
+# The K/V that travel in the backward are checked by content (hop j sends the block of rank (r + 1 + j) mod N)
+# and each case's out/dq/dk/dv against float64 plain attention. Runs inside the worlds of 2, 3, 4 ranks above.
+
+# (variant, causal, window): causal contiguous ring has empty backward steps (keys after every query), the
+# windowed case drops steps through _positional_steps; all must still pass K/V and partial sums along.
+SCHEDULE_CASES = [("ring", False, (-1, -1)), ("ring", True, (-1, -1)), ("zigzag", True, (-1, -1)),
+                  ("stripe", True, (-1, -1)), ("ring", True, (3, 0))]
+_B, _S, _H, _HK, _D = 1, 6, 8, 2, 16
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+class _Recorder:
+    """Wraps ``RingExchange.start`` and the backend's ``backward``: an ordered log of ("start", tag, reverse,
+    [(shape, dtype, nbytes) sent], clones of what was sent) and ("compute",) events."""
+
+    def __init__(self, backend_impl):
+        from ring_kernels.comm import RingExchange
+
+        self.events = []
+        self._cls, self._start = RingExchange, RingExchange.__dict__["start"]
+        self._impl = backend_impl
+        recorder = self
+
+        def start(exchange, send, recv):
+            payload = [(tuple(t.shape), t.dtype, t.numel() * t.element_size()) for t in send]
+            recorder.events.append(("start", exchange.tag, exchange.reverse, payload,
+                                    [t.detach().clone() for t in send]))
+            return recorder._start(exchange, send, recv)
+
+        def backward(*args, **kwargs):
+            recorder.events.append(("compute",))
+            return type(backend_impl).backward(backend_impl, *args, **kwargs)
+
+        self._wrapped_start, self._wrapped_backward = start, backward
+
+    def __enter__(self):
+        self._cls.start = self._wrapped_start
+        self._impl.backward = self._wrapped_backward
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.start = self._start
+        del self._impl.backward            # back to the class's method
+        return False
+
+    def mark(self) -> int:
+        return len(self.events)
+
+
+def _starts(events, tag, reverse):
+    return [e for e in events if e[0] == "start" and e[1] == tag and e[2] == reverse]
+
+
+def _check_schedule_case(rank, world, variant, causal, window, recorder) -> None:
+    """One bf16 GQA case: its exchanges (forward, backward) and its result against float64 attention."""
+    fn = VARIANTS[variant][0]
+    gen = torch.Generator().manual_seed(11 + world)
+    seqlen = _S * world
+    q, k, v, dout = (torch.randn(_B, seqlen, n, _D, generator=gen).bfloat16() for n in (_H, _HK, _HK, _H))
+    pos = [local_positions(variant, j, world, seqlen) for j in range(world)]
+    ql, kl, vl = (x[:, pos[rank]].clone().requires_grad_() for x in (q, k, v))
+
+    start = recorder.mark()
+    out = fn(ql, kl, vl, causal=causal, backend="torch_cpu", window_size=window)
+    middle = recorder.mark()
+    grads = torch.autograd.grad(out, (ql, kl, vl), dout[:, pos[rank]])
+    forward, backward = recorder.events[start:middle], recorder.events[middle:]
+    where = (variant, causal, window, rank, world)
+
+    kv_bytes = 2 * _B * _S * _HK * _D * 2                 # k and v, bf16, only the Hk K/V heads
+    partial_dtype = torch.bfloat16 if world == 2 else torch.float32
+    partial_bytes = 2 * _B * _S * _HK * _D * (2 if world == 2 else 4)
+    kv_payload = [((_B, _S, _HK, _D), torch.bfloat16, kv_bytes // 2)] * 2
+    dkv_payload = [((_B, _S, _HK, _D), partial_dtype, partial_bytes // 2)] * 2
+
+    # forward: K/V r -> r+1, N-1 hops, nothing else
+    assert [e for e in forward if e[0] == "start"] == _starts(forward, 0, False), where
+    assert [e[3] for e in _starts(forward, 0, False)] == [kv_payload] * (world - 1), where
+    # backward: per direction and tag
+    counts = Counter((e[1], e[2]) for e in backward if e[0] == "start")
+    expected = {(0, True): world - 2, (1, True): world - 1}
+    assert counts == Counter({key: n for key, n in expected.items() if n > 0}), (where, counts)
+    kv_hops, dkv_hops = _starts(backward, 0, True), _starts(backward, 1, True)
+    assert [e[3] for e in kv_hops] == [kv_payload] * (world - 2 if world > 2 else 0), where
+    assert [e[3] for e in dkv_hops] == [dkv_payload] * (world - 1), where
+    assert sum(sum(p[2] for p in e[3]) for e in kv_hops) == kv_bytes * max(0, world - 2), where
+    assert sum(sum(p[2] for p in e[3]) for e in dkv_hops) == partial_bytes * (world - 1), where
+    # backward hop j sends the block it computes on at step j: rank (r + 1 + j)'s (the saved one at j = 0)
+    for j, event in enumerate(kv_hops):
+        owner = (rank + 1 + j) % world
+        assert torch.equal(event[4][0], k[:, pos[owner]]) and torch.equal(event[4][1], v[:, pos[owner]]), \
+            (where, j, owner)
+    # nothing is issued after the last block's backward computation (no final hop home)
+    last_compute = max(i for i, e in enumerate(backward) if e[0] == "compute")
+    assert all(e[0] == "compute" for e in backward[last_compute:]), (where, [e[:3] for e in backward])
+
+    # the result is still right: out, dq, dk, dv against float64 plain attention
+    qg, kg, vg = (x.double().requires_grad_() for x in (q, k, v))
+    ref = reference_attention(qg, kg, vg, causal=causal, scale=_D ** -0.5, window=window)
+    ref.backward(dout.double())
+    tol_out, tol_grad = TOLERANCE[torch.bfloat16]
+    for name, got, want, tol in (("out", out, ref, tol_out), ("dq", grads[0], qg.grad, tol_grad),
+                                 ("dk", grads[1], kg.grad, tol_grad), ("dv", grads[2], vg.grad, tol_grad)):
+        err = relative_error(got, want[:, pos[rank]], torch.bfloat16)
+        assert err < tol, (where, name, err)
+
+
+def _nocomm_covers_every_transfer(rank: int, world: int) -> None:
+    """benchmarks/_nocomm.py's stand-in replaces every transfer of forward and backward: it is called once per
+    exchange of the schedule above, and no point-to-point operation reaches torch.distributed."""
+    import ring_kernels.comm as comm
+
+    if _BENCH not in sys.path:
+        sys.path.insert(0, _BENCH)
+    from _nocomm import no_communication
+
+    p2p = []
+    original = comm.dist.batch_isend_irecv
+
+    def counting(ops):
+        p2p.append(len(ops))
+        return original(ops)
+
+    q = torch.randn(_B, _S, _H, _D, requires_grad=True)
+    k, v = (torch.randn(_B, _S, _HK, _D, requires_grad=True) for _ in range(2))
+    comm.dist.batch_isend_irecv = counting
+    try:
+        with no_communication("zigzag") as counter:
+            out = rk.zigzag_ring_attn_func(q, k, v, backend="torch_cpu")
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    finally:
+        comm.dist.batch_isend_irecv = original
+    assert p2p == [] and counter.calls == (world - 1) + max(0, world - 2) + (world - 1), (rank, p2p, counter.calls)
+
+
+def _communication_schedule(rank: int, world: int) -> None:
+    """Every schedule case on this rank with exchanges and backward computations recorded, then the no-comm
+    stand-in's coverage."""
+    from ring_kernels.backends import get_backend
+
+    impl = get_backend("torch_cpu", device="cpu", dtype=torch.bfloat16, head_dim=_D, mask_kind="causal")
+    with _Recorder(impl) as recorder:
+        for variant, causal, window in SCHEDULE_CASES:
+            _check_schedule_case(rank, world, variant, causal, window, recorder)
+    _nocomm_covers_every_transfer(rank, world)
 
 
 # -------------------------------------------------------------------------------------------- tests
