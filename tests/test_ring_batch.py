@@ -362,6 +362,10 @@ def _check_schedule_case(rank, world, variant, causal, window, recorder) -> None
     start = recorder.mark()
     out = fn(ql, kl, vl, causal=causal, backend="torch_cpu", window_size=window)
     middle = recorder.mark()
+    # the forward keeps the block it ended on (rank r+1's K/V) for the backward's first step: one K/V block
+    saved = out.grad_fn.saved_tensors
+    nxt = (rank + 1) % world
+    assert len(saved) == 7 and torch.equal(saved[5], k[:, pos[nxt]]) and torch.equal(saved[6], v[:, pos[nxt]])
     grads = torch.autograd.grad(out, (ql, kl, vl), dout[:, pos[rank]])
     forward, backward = recorder.events[start:middle], recorder.events[middle:]
     where = (variant, causal, window, rank, world)
@@ -451,6 +455,9 @@ def test_world_of_one_without_process_group():
     assert not dist.is_initialized()
     for case in standard_cases(1) + extension_cases(1):
         run_case(0, 1, case)
+    # a world of one saves nothing beyond q, k, v, out, lse (no K/V block for the backward to start from)
+    q = torch.randn(1, 6, 4, 16, requires_grad=True)
+    assert len(rk.ring_attn_func(q, q, q).grad_fn.saved_tensors) == 5
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
