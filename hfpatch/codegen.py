@@ -1,12 +1,19 @@
 """Generate the installed wrapper: a function with exactly the live ``_flash_attention_forward`` signature.
 
 The wrapper is written as Python source, compiled, and its source registered in ``linecache`` under a readable
-pseudo-filename (``<hfpatch wrapper S5-4.53.3>``), so tracebacks, ``pdb`` and ``inspect.getsource`` show it.
-It does one thing: gather its arguments *by role* into ``call = {role: value}`` and return
+pseudo-filename (``<hfpatch wrapper S5-4.53.3 fast>``), so tracebacks, ``pdb`` and ``inspect.getsource`` show it.
+It does one thing: gather its arguments *by role* and hand them to the handler. The common call (no paged KV
+cache, no ``cu_seq_lens_*``) goes by position to the handler's fast entry, which takes the hot roles as locals;
+anything it declines, and every call of a handler without one, goes as ``call = {role: value}`` to
 ``handler(call, extra_kwargs)``. Example (S4, abridged)::
 
     def _flash_attention_forward(query_states, key_states, value_states, attention_mask, query_length,
                                  is_causal, dropout=_hfpatch_d6, ..., target_dtype=_hfpatch_d17, **kwargs):
+        if cu_seq_lens_q is None and cu_seq_lens_k is None:
+            _hfpatch_out = _hfpatch_fast(query_states, key_states, value_states, attention_mask, is_causal,
+                                         dropout, softmax_scale, sliding_window, softcap, position_ids, kwargs)
+            if _hfpatch_out is not _hfpatch_declined:
+                return _hfpatch_out
         return _hfpatch_handler({'query': query_states, 'key': key_states, ...}, kwargs)
 
 Defaults are bound by reference (``_hfpatch_d6`` *is* the original default object, never re-evaluated) and the
@@ -27,7 +34,33 @@ from hfpatch.errors import PatchError, UnsupportedArgument
 from hfpatch.signatures.registry import Match, _same_value
 from hfpatch.signatures.roles import EXTRA_KWARGS_ROLE, UNKNOWN_ROLE
 
-__all__ = ["render", "original_kwargs", "wrapper_source"]
+__all__ = ["render", "original_kwargs", "wrapper_source", "DECLINED", "FAST_ROLES"]
+
+
+class _Declined:
+    """The type of ``DECLINED``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "hfpatch.codegen.DECLINED"
+
+
+# What a handler's ``fast_call`` returns when it does not take the call: the wrapper then builds the role dict and
+# calls the handler (the generic path).
+DECLINED = _Declined()
+
+# The roles a handler's ``fast_call`` takes, in this order, as positional arguments (a role the live signature
+# lacks is passed as its neutral value, the one ``semantics`` reads for an absent role), then the ``**kwargs`` dict.
+FAST_ROLES: tuple[tuple[str, str], ...] = (
+    ("query", "None"), ("key", "None"), ("value", "None"), ("attention_mask", "None"), ("is_causal", "True"),
+    ("dropout", "0.0"), ("softmax_scale", "None"), ("sliding_window", "None"), ("softcap", "None"),
+    ("position_ids", "None"),
+)
+# Roles that change what the semantics do but are rarely passed: the fast call is taken only when each one the
+# signature has is None (the generic path handles, or refuses, the rest). Every other role is ignored by the ring
+# path (query_length, use_top_left_mask, deterministic, max_length_*, target_dtype, implementation).
+_RARE_ROLES = ("cu_seq_lens_q", "cu_seq_lens_k", "block_table", "k_cache", "v_cache")
 
 Handler = Callable[[dict, dict], Any]
 
@@ -44,6 +77,10 @@ def render(match: Match, handler: Handler, *, original: Callable | None = None, 
     ``original``: the function being replaced; it becomes ``__wrapped__`` and gives ``__name__``,
     ``__qualname__``, ``__module__`` and ``__doc__``. ``name`` overrides the function name.
     Raises ``PatchError`` for an unsupported match (there is no safe mapping to generate).
+
+    When ``handler`` has a ``fast_call`` attribute (``hfpatch.dispatch.Dispatcher``), the wrapper first calls
+    ``handler.fast_call(<FAST_ROLES>, extra_kwargs)`` -- if every rare role it has (paged KV cache,
+    ``cu_seq_lens_*``) is None -- and returns its result unless it is ``DECLINED``.
     """
     if not isinstance(match, Match):
         raise TypeError(f"render(match=...) needs a hfpatch.signatures.registry.Match, got {type(match).__name__}")
@@ -62,23 +99,31 @@ def render(match: Match, handler: Handler, *, original: Callable | None = None, 
     if clash:
         raise PatchError(f"live parameters {clash} use the prefix {_PREFIX!r} reserved for generated code")
 
-    source, namespace = _generate(func_name, params, match)
+    fast_call = getattr(handler, "fast_call", None)
+    source, namespace = _generate(func_name, params, match, fast=fast_call is not None)
     namespace["_hfpatch_handler"] = handler
-    filename = _register_source(match.id, source)
+    if fast_call is not None:
+        if not callable(fast_call):
+            raise TypeError(f"render(handler=...): handler.fast_call must be callable, got {fast_call!r}")
+        namespace["_hfpatch_fast"] = fast_call
+    # The two forms of one entry's wrapper (with and without the fast call) are different sources: different names.
+    filename = _register_source(match.id + (" fast" if fast_call is not None else ""), source)
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated source
     wrapper = namespace[func_name]
     _decorate(wrapper, match, original, source)
     return wrapper
 
 
-def _generate(func_name: str, params: list[inspect.Parameter], match: Match) -> tuple[str, dict]:
-    """The wrapper's source and the namespace its names resolve in (defaults, helpers)."""
+def _generate(func_name: str, params: list[inspect.Parameter], match: Match, *, fast: bool = False) -> tuple[str, dict]:
+    """The wrapper's source and the namespace its names resolve in (defaults, helpers). ``fast``: render the
+    call to ``_hfpatch_fast`` (see ``render``)."""
     namespace: dict[str, Any] = {
         "__builtins__": builtins,
         # No "__name__": torch.compile (Dynamo) imports the module a function's globals name in order to guard on
         # them; a made-up module name fails that import. Without it, Dynamo guards on this dict itself.
         "_hfpatch_differs": _differs,
         "_hfpatch_refuse": _refuse_unknown,
+        "_hfpatch_declined": DECLINED,
     }
     header: list[str] = []  # one line per parameter (or `*` / `/` marker), without the trailing comma
     checks: list[str] = []
@@ -120,11 +165,32 @@ def _generate(func_name: str, params: list[inspect.Parameter], match: Match) -> 
     lines += [f"    {text}" for text in header]
     lines += ["):", f"    # generated by hfpatch.codegen for {match.id}: arguments by role -> handler(call, extra)"]
     lines += checks
+    if fast:
+        lines += _fast_branch(params, match, extra)
     lines += ["    return _hfpatch_handler(", "        {"]
     lines += [f"            {item}" for item in items]
     lines += ["        },", f"        {extra},", "    )"]
     source = "\n".join(lines) + "\n"
     return source, namespace
+
+
+def _fast_branch(params: list[inspect.Parameter], match: Match, extra: str) -> list[str]:
+    """Lines that hand the common call to ``_hfpatch_fast`` by position (see ``render``)."""
+    name_of = {match.roles[p.name]: p.name for p in params
+               if p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD) and match.roles[p.name] != UNKNOWN_ROLE}
+    if not all(role in name_of for role in ("query", "key", "value")):
+        return []  # no safe positional mapping: every call takes the generic path
+    args = ", ".join(name_of.get(role, neutral) for role, neutral in FAST_ROLES)
+    rare = [f"{name_of[role]} is None" for role in _RARE_ROLES if role in name_of]
+    indent = "    "
+    lines = [f"    # the common call: roles by position to the handler's fast path; DECLINED -> the role dict below"]
+    if rare:
+        lines.append(f"    if {' and '.join(rare)}:")
+        indent = "        "
+    lines += [f"{indent}_hfpatch_out = _hfpatch_fast({args}, {extra})",
+              f"{indent}if _hfpatch_out is not _hfpatch_declined:",
+              f"{indent}    return _hfpatch_out"]
+    return lines
 
 
 def _short(value: Any) -> str:

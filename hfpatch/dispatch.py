@@ -11,10 +11,11 @@
 3. counts the call under its layer, so that ``Patch`` can say which attention layers ran the ring in the last
    forward and which did not.
 
-This runs once per attention layer per step, so it is kept cheap (benchmarks/patched_call_overhead.py): no lock
-per call (each thread counts into its own dict; readers sum them), and the calling module is read from the one
-frame whose code can hold it (``frame.f_locals`` copies every local of a frame, so other frames are skipped by
-their code object).
+This runs once per attention layer per step, so it is kept cheap (benchmarks/patched_call_overhead.py): the
+common eager ring call arrives at ``fast_call`` with the hot roles as positional arguments (no role dict; see
+``hfpatch.codegen``) and does the same three things inline; no lock per call (each thread counts into its own
+dict; readers sum them); the calling module is read from the one frame whose code can hold it
+(``frame.f_locals`` copies every local of a frame, so other frames are skipped by their code object).
 
 After ``Patch.remove()`` a wrapper may still be referenced somewhere (a user variable): it then calls the
 original function, exactly what the restored binding sites call.
@@ -30,6 +31,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from hfpatch import _opaque
+from hfpatch import codegen as _codegen
 from hfpatch import semantics as _semantics
 from hfpatch import switch as _switch
 
@@ -72,6 +74,18 @@ def _holder_names(code) -> tuple:
         _holders.clear()
     _holders[id(code)] = (code, found)
     return found
+
+
+def _slot(layer_idx: Any, module: torch.nn.Module | None) -> tuple:
+    """(layer key, module id) under which a call is counted: the layer index (an int, from the call or the
+    module), else "Class@id" of the module, else "<unknown caller>"."""
+    if isinstance(layer_idx, int):
+        key: Hashable = layer_idx
+    elif module is not None:
+        key = f"{type(module).__name__}@{id(module):x}"
+    else:
+        key = "<unknown caller>"
+    return key, None if module is None else id(module)
 
 
 def _calling_module(depth: int = 2) -> torch.nn.Module | None:
@@ -126,6 +140,66 @@ class Dispatcher:
         # (key, module_id) -> the mode of its last call in the current forward (one item store per call: atomic).
         self._forward: dict[tuple, str] = {}
         self._lock = threading.Lock()  # for the readers and reset, never taken per call
+        self.fast_call = self._make_fast_call()
+
+    # ------------------------------------------------------------------------------------- the fast call
+    def _make_fast_call(self) -> Callable:
+        """The wrapper's entry for the common call (``codegen`` renders a call to ``fast_call`` when the rarely
+        used roles are None): the roles as positional arguments, no role dict. It returns
+        ``codegen.DECLINED`` -- and the wrapper then calls ``self(call, extra)``, the generic path -- unless the
+        call is an eager ring call: not compiling, not removed, switch "ring". Otherwise it does what
+        ``__call__`` does, in the same order: find the calling module, count, ``semantics`` (whose own fast path
+        falls back to ``ring_attention`` for anything it does not run itself).
+
+        A closure, not a method: its constants are cells (no attribute reads per call)."""
+        ring = _semantics.fast_ring_attention
+        ctx = self.ctx
+        declined = _codegen.DECLINED
+        switch_state = _switch._local  # the per-thread override stack (switch.current_mode, inlined)
+        switch_module = _switch
+        thread_counts = self._counts
+        getframe = sys._getframe
+        holders = _holders
+        module_type = torch.nn.Module
+
+        def fast_call(q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra):
+            if _is_compiling() or self.removed:
+                return declined
+            stack = switch_state.stack
+            if (stack[-1] if stack else switch_module._default_mode) != "ring":
+                return declined
+            # The calling module: the frame above the wrapper is transformers' flash_attention_forward(module, ...)
+            # on 4.48+ (else the walk of _calling_module, from the same frame).
+            frame = getframe(2)
+            code = frame.f_code
+            entry = holders.get(id(code))
+            module = None
+            if entry is not None and entry[0] is code and entry[1]:
+                local = frame.f_locals
+                for name in entry[1]:
+                    candidate = local.get(name)
+                    if isinstance(candidate, module_type):
+                        module = candidate
+                        break
+            if module is None:
+                module = _calling_module(3)
+            layer_idx = extra.get("layer_idx") if extra else None
+            if layer_idx is None and module is not None:
+                layer_idx = getattr(module, "layer_idx", None)
+            if type(layer_idx) is int:
+                slot = (layer_idx, None if module is None else id(module))
+            else:
+                slot = _slot(layer_idx, module)
+            counts = thread_counts.counts
+            if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
+                tally = (_RECOMPUTED, slot)
+            else:
+                tally = ("ring", slot)
+                self._forward[slot] = "ring"
+            counts[tally] = counts.get(tally, 0) + 1
+            return ring(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
+
+        return fast_call
 
     # ------------------------------------------------------------------------------------- the call
     def __call__(self, call: dict, extra: dict) -> torch.Tensor:
@@ -136,17 +210,12 @@ class Dispatcher:
         if self.removed:
             return self.call_original(call, extra)
         mode = _current_mode()
-        module = _calling_module()
+        module = _calling_module()  # (fast_call, when it declined, has returned: the wrapper is the caller)
         layer_idx = extra.get("layer_idx") if isinstance(extra, dict) else None
         if layer_idx is None and module is not None:
             layer_idx = getattr(module, "layer_idx", None)
-        if isinstance(layer_idx, int):
-            key: Hashable = layer_idx
-        elif module is not None:
-            key = f"{type(module).__name__}@{id(module):x}"
-        else:
-            key = "<unknown caller>"
-        self._count(mode, key, None if module is None else id(module))
+        key, module_id = _slot(layer_idx, module)
+        self._count(mode, key, module_id)
         if mode == "ring":
             return _semantics.ring_attention(call, extra, self.ctx)
         return self.run_mode(mode, call, extra)
@@ -241,3 +310,4 @@ class Dispatcher:
         with self._lock:
             forward = dict(self._forward)
         return [LayerRecord(key, module_id, mode) for (key, module_id), mode in forward.items()]
+

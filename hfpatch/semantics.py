@@ -58,6 +58,7 @@ __all__ = [
     "parse_kernel",
     "plan_step",
     "ring_attention",
+    "fast_ring_attention",
     "reference_attention",
 ]
 
@@ -141,11 +142,14 @@ class RingContext:
     # A call whose step is another object starts a new table; assigning a field a plan bakes in drops it.
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _plan_step: Any = field(default=None, init=False, repr=False, compare=False)
+    # The fast path's memo of the last derived step: (position_ids, its _version, batch, seq_local, StepState).
+    _fast_step: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
         if name in _PLAN_INPUTS:  # the group, variant, backend, stride or step a plan was built from changed
             object.__setattr__(self, "_plan_step", _NO_PLANS)
+            object.__setattr__(self, "_fast_step", None)
             derived = self.__dict__.get("_derived")
             if derived:  # derived states bake in the variant and the world size
                 derived.clear()
@@ -170,7 +174,7 @@ class RingContext:
 
     def set_step(self, step: Optional[StepState]) -> None:
         """Install the state of a new step (None: derive it from each call's arguments again)."""
-        self.step = step  # drops the plans and the derived states too (__setattr__)
+        self.step = step  # drops the plans, the derived states and the fast path's memo too (__setattr__)
         self._seen.clear()
 
 
@@ -580,9 +584,81 @@ def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingC
     plan = _plan_for(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx)
     kernel = getattr(ring_kernels, plan.kernel)  # per call: a replaced ring_kernels function takes effect
     with ring_kernels.rank_check_scope(step.rank_checked):
-        if plan.packed:  # HF's packed row (1, T, H, D) -> the varlen kernels' (T, H, D); [None]: cheapest view
-            return kernel(q[0], k[0], v[0], plan.cu_on(q.device), **plan.kwargs)[None]
+        if plan.packed:  # HF's packed row (1, T, H, D) as is: the varlen kernels take it and return (1, T, H, D)
+            return kernel(q, k, v, plan.cu_on(q.device), **plan.kwargs)
         return kernel(q, k, v, **plan.kwargs)
+
+
+# The kernels' once-per-step cross-rank check (ring_kernels.rank_check_scope) is a context variable; the fast path
+# sets and resets it directly: the scope object's construction and its two Python methods cost ~1 us per call,
+# half of the per-call budget. Same variable, same set/reset pairing; the scope class is the fallback.
+_RANK_CHECKED = getattr(getattr(ring_kernels, "_validate", None), "_CHECKED", None)
+
+
+def fast_ring_attention(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, causal: Any,
+                        dropout: Any, scale: Any, window: Any, softcap: Any, position_ids: Any,
+                        extra: Mapping[str, Any]) -> torch.Tensor:
+    """``ring_attention`` for the common call, with the roles as arguments instead of a dict (the generated
+    wrapper calls this through ``Dispatcher.fast_call`` when the rarely used roles -- paged KV cache,
+    ``cu_seq_lens_*`` -- are None). Shapes as ``ring_attention``: q (B, S_local, H, D), k/v (B, S_local, Hk, D).
+
+    It runs the kernel itself only when nothing needs refusing or deriving and the step's plan is cached: no
+    mask, no dropout, equal query/key lengths, an ``int`` (or no) window, no sink/cache kwarg, a step that is
+    ``ctx.step`` (same shape, its own position ids) or the derived step memoised for this very ``position_ids``
+    tensor at this version and shape. Anything else -- including the first call of each plan -- goes through
+    ``ring_attention`` itself, so the refusals, derivations and plan building exist once. A cached plan implies
+    its (causal, scale, window, softcap) passed the refusals before: the window is checked to be an ``int`` (so
+    ``True`` never reuses the plan of ``1``) and the others are refused by value.
+    """
+    q_shape = q.shape
+    if (mask is not None or dropout or k.shape[1] != q_shape[1]
+            or (window is not None and type(window) is not int)
+            or (extra and (extra.get("s_aux") is not None or extra.get("cache") is not None
+                           or extra.get("cache_seqlens") is not None))):
+        return _ring_attention_of(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
+    step = ctx.step
+    if step is None:
+        memo = ctx._fast_step
+        if (memo is None or memo[0] is not position_ids or memo[2] != q_shape[0] or memo[3] != q_shape[1]
+                or (position_ids is not None and memo[1] != position_ids._version)):
+            return _ring_attention_of(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids,
+                                      extra)
+        step = memo[4]
+    elif (step.batch_size != q_shape[0] or step.seq_len_local != q_shape[1]
+          or (position_ids is not None and step.position_ids is not None and position_ids is not step.position_ids)):
+        return _ring_attention_of(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
+    plan = ctx._plans.get((causal, scale, window, softcap)) if ctx._plan_step is step else None
+    if plan is None:
+        return _ring_attention_of(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
+    kernel = getattr(ring_kernels, plan.kernel)  # per call: a replaced ring_kernels function takes effect
+    if _RANK_CHECKED is None:
+        with ring_kernels.rank_check_scope(step.rank_checked):
+            if plan.packed:
+                return kernel(q, k, v, plan.cu_on(q.device), **plan.kwargs)
+            return kernel(q, k, v, **plan.kwargs)
+    token = _RANK_CHECKED.set(step.rank_checked)
+    try:
+        if plan.packed:  # HF's packed row (1, T, H, D) as is: the varlen kernels take it and return (1, T, H, D)
+            return kernel(q, k, v, plan.cu_on(q.device), **plan.kwargs)
+        return kernel(q, k, v, **plan.kwargs)
+    finally:
+        _RANK_CHECKED.reset(token)
+
+
+def _ring_attention_of(ctx: RingContext, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids,
+                       extra) -> torch.Tensor:
+    """The fast path's way out: the same call as a role dict through ``ring_attention`` (the roles the wrapper
+    did not pass are None, which is what ``ring_attention`` reads for an absent role); then memoise the derived
+    step for the next layer."""
+    call = {"query": q, "key": k, "value": v, "attention_mask": mask, "is_causal": causal, "dropout": dropout,
+            "softmax_scale": scale, "sliding_window": window, "softcap": softcap, "position_ids": position_ids}
+    out = ring_attention(call, extra, ctx)
+    if ctx.step is None:  # the call succeeded, so this derived step is the one _step_for_call returns for it
+        shape = q.shape
+        state = _step_for_call(call, q, ctx, shape)
+        ctx._fast_step = (position_ids, None if position_ids is None else position_ids._version, shape[0], shape[1],
+                          state)
+    return out
 
 
 # ------------------------------------------------------------------------------------ reference attention

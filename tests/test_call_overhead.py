@@ -9,6 +9,12 @@ What the hot path caches, and what each test proves it never reuses stale:
 - every refusal still runs on every call after a plan is cached; the switch is read on every call.
 - counting without a lock: exact over threads (tests/test_switch.py), recomputations kept apart, one record per
   module even when two modules share a layer index, ``_calling_module`` skips frames whose code cannot hold it.
+- the rendered wrapper's fast call (roles by position to ``Dispatcher.fast_call``, no role dict): for every
+  registry entry its arguments are the generic call's roles and a rare role (paged KV cache, cu_seq_lens) takes
+  the generic path; ``semantics.fast_ring_attention``'s memo of the derived step (position_ids identity, version,
+  shape) and its plan lookup are never stale (in-place change, new step, changed context field, new shape); the
+  refusals, the switch, removal, per-module counting and recomputation counting hold on the fast path; the kernel
+  runs inside the step's rank-check scope, which ends with the call.
 
 The benchmark ``benchmarks/patched_call_overhead.py`` runs once at tiny counts so that it cannot rot.
 Kernels are replaced by recorders: single process, no collectives, well under a second.
@@ -24,7 +30,7 @@ import pytest
 import torch
 
 import hfpatch
-from hfpatch import dispatch, semantics
+from hfpatch import codegen, dispatch, semantics
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.semantics import RingContext, StepState, ring_attention
 from test_semantics import _call
@@ -87,7 +93,7 @@ def test_a_new_step_never_reuses_the_previous_steps_plan(kernels):
                                seq_len_local=8, cu_seqlens=cu))
         out = ring_attention(_call(q, k, v), {}, ctx)
         name, args, kwargs = kernels.last()
-        assert name == "llama3_attn_varlen_func" and torch.equal(args[3], cu) and args[0].shape == (8, 4, 8)
+        assert name == "llama3_attn_varlen_func" and torch.equal(args[3], cu) and args[0] is q  # the packed row as is
         assert out.shape == q.shape
     ctx.set_step(StepState(kernel="stripe", layout="stripe", packed=False, batch_size=1, seq_len_global=16,
                            seq_len_local=8))
@@ -311,6 +317,288 @@ def test_recomputation_is_counted_apart(monkeypatch):
     checkpoint(layer, q, use_reentrant=False).sum().backward()
     assert d.calls == {7: 1} and d.recomputed == {7: 1} and d.mode_calls == {"ring": 1}
     assert torch.equal(q.grad, 2 * q.detach())
+
+
+# ------------------------------------------------------------------ the rendered wrapper's fast call
+#
+# The installed wrapper hands the common call to ``Dispatcher.fast_call`` by position (no role dict), and
+# ``semantics.fast_ring_attention`` runs the kernel itself only on a cached plan of a memoised step; everything
+# else goes the generic way. These tests call a wrapper rendered for the LIVE signature (the tox matrix runs them
+# on every release) from a frame shaped like transformers' flash_attention_forward(module, ...).
+
+
+def _live_match():
+    from hfpatch.signatures import registry
+    import transformers.modeling_flash_attention_utils as mfau
+
+    return registry.require(inspect.signature(mfau._flash_attention_forward))
+
+
+class _Spy:
+    """Counts the dispatcher's generic calls, and the fast calls that ``semantics`` ran on a cached plan (not
+    declined by the dispatcher, not handed to ``ring_attention`` by ``semantics._ring_attention_of``)."""
+
+    def __init__(self, d):
+        self.generic = 0
+        self.slow = 0
+        self.taken = 0
+        generic_call, fast_call = d.__call__, d.fast_call
+        way_out = semantics._ring_attention_of
+
+        def counting_generic(call, extra):
+            self.generic += 1
+            return generic_call(call, extra)
+
+        def counting_fast(*args):
+            out = fast_call(*args)
+            self.taken += out is not codegen.DECLINED
+            return out
+
+        def counting_way_out(*args):
+            self.slow += 1
+            return way_out(*args)
+
+        self.generic_call, self.fast_call, self.way_out = counting_generic, counting_fast, counting_way_out
+
+    @property
+    def fast(self):
+        return self.taken - self.slow
+
+
+def _rendered(ctx, monkeypatch):
+    """(wrapper, dispatcher, originals, spy): a wrapper rendered for the live signature around a Dispatcher."""
+    d, originals = _dispatcher(ctx)
+    spy = _Spy(d)
+    monkeypatch.setattr(semantics, "_ring_attention_of", spy.way_out)
+    wrapper = codegen.render(_live_match(), _Handler(spy.generic_call, spy.fast_call))
+    return wrapper, d, originals, spy
+
+
+class _Handler:
+    """A handler object as codegen sees a Dispatcher: callable (generic path) with a ``fast_call``."""
+
+    def __init__(self, generic_call, fast_call):
+        self._generic = generic_call
+        self.fast_call = fast_call
+
+    def __call__(self, call, extra):
+        return self._generic(call, extra)
+
+
+def _hf_kwargs(wrapper, **given):
+    """Keywords as transformers' integration passes them, limited to what the live signature accepts."""
+    params = inspect.signature(wrapper).parameters
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {name: value for name, value in given.items() if name in params or open_kwargs}
+
+
+def _flash_integration(module, wrapper, q, k, v, mask=None, **kwargs):
+    """Stands in for transformers' flash_attention_forward(module, ...): calls the wrapper as it does."""
+    return wrapper(q, k, v, mask, query_length=q.shape[1], is_causal=kwargs.pop("is_causal", True), **kwargs)
+
+
+def _takes(role):
+    return role in _live_match().roles.values()
+
+
+def test_every_registry_entry_renders_a_fast_call_with_the_roles_of_the_generic_call():
+    """For every signature generation: the fast call's positional arguments are the values the generic path
+    would put under those roles (absent roles: the neutral value), and a rare role sends the call the generic way."""
+    from hfpatch.signatures.registry import load_registry, match
+
+    for entry in load_registry():
+        found = match(entry.signature())
+        seen = {}
+
+        def fast(*args):
+            seen["fast"] = args
+            return codegen.DECLINED
+
+        def generic(call, extra):
+            seen["generic"] = (call, extra)
+            return "generic"
+
+        wrapper = codegen.render(found, _Handler(generic, fast))
+        assert "_hfpatch_fast(" in codegen.wrapper_source(wrapper), entry.id
+        params = list(entry.signature().parameters.values())
+        values = {p.name: object() for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        rare = {n for n, role in found.roles.items() if role in codegen._RARE_ROLES}
+        for name in rare:
+            values[name] = None
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+        def invoke(values):
+            return wrapper(*[values[n] for n in positional], **{n: x for n, x in values.items() if n not in positional})
+
+        assert invoke(values) == "generic"
+        call, extra = seen["generic"]
+        want = tuple(call.get(role, eval(neutral)) for role, neutral in codegen.FAST_ROLES)  # noqa: S307
+        assert seen["fast"][:-1] == want and seen["fast"][-1] == extra, entry.id
+        for name in sorted(rare):  # any rare role set: no fast call at all
+            seen.clear()
+            assert invoke({**values, name: object()}) == "generic" and "fast" not in seen, (entry.id, name)
+    plain = codegen.render(_live_match(), lambda call, extra: None)  # a handler without fast_call: generic only
+    assert "_hfpatch_fast" not in codegen.wrapper_source(plain)
+
+
+def test_the_fast_call_runs_the_kernel_with_the_generic_paths_arguments(kernels, monkeypatch):
+    ctx = RingContext(rank=0, world_size=1)
+    wrapper, d, _originals, spy = _rendered(ctx, monkeypatch)
+    module = _Attention(layer_idx=2)
+    q, k, v = _qkv(seq=8)
+    for _ in range(3):
+        out = _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper, softmax_scale=0.5))
+    assert spy.fast == 2 and spy.generic == 0  # the first call built the plan (the fast path's way out)
+    name, args, kwargs = kernels.last()
+    ring_attention(_call(q, k, v, scale=0.5), {}, RingContext(rank=0, world_size=1))  # an uncached run
+    assert kernels.last()[0] == name and kernels.last()[2] == kwargs and args[0] is q and torch.equal(out, q)
+    assert d.calls == {2: 3} and [(r.key, r.module_id) for r in d.forward_records()] == [(2, id(module))]
+
+
+def test_the_fast_path_never_reuses_a_stale_step_or_plan(kernels, monkeypatch):
+    if not _takes("position_ids"):
+        pytest.skip("this release's _flash_attention_forward takes no position_ids (4.43): no derived packing")
+    _world_of_one_cu(monkeypatch)
+    ctx = RingContext(rank=0, world_size=1)
+    wrapper, _d, _o, spy = _rendered(ctx, monkeypatch)
+    module = _Attention(layer_idx=0)
+    q, k, v = _qkv(seq=8)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    call = lambda **kw: _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper, position_ids=pos, **kw))
+    for _layer in range(3):
+        call()
+        assert kernels.last()[0] == "llama3_attn_varlen_func" and kernels.last()[1][3].tolist() == [0, 3, 8]
+    assert spy.fast == 2
+    pos.copy_(torch.arange(8)[None])  # same tensor, new contents: derived again (one sequence)
+    call()
+    assert kernels.last()[0] == "ring_attn_func"
+    pos.copy_(torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5]]))
+    call()
+    assert kernels.last()[1][3].tolist() == [0, 2, 8]
+    ctx.backend = "reference"  # a context field a plan bakes in
+    call()
+    assert kernels.last()[2]["backend"] == "reference"
+    step = StepState(kernel="zigzag", layout="zigzag", packed=False, batch_size=1, seq_len_global=8, seq_len_local=8)
+    ctx.set_step(step)  # a shard_inputs step replaces the derived one: its own kernel at once
+    _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper))
+    assert kernels.last()[0] == "zigzag_ring_attn_func"
+    short = _qkv(seq=4)
+    with pytest.raises(UnsupportedArgument, match="shard_inputs prepared this step"):
+        _flash_integration(module, wrapper, *short, **_hf_kwargs(wrapper))
+    ctx.set_step(None)  # derived again, from the new shape
+    _flash_integration(module, wrapper, *short, **_hf_kwargs(wrapper, sliding_window=3))
+    assert kernels.last()[0] == "ring_attn_func" and kernels.last()[2]["window_size"] == semantics._window_size(3, 4)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(dropout=0.1), "dropout"),
+    (dict(mask=torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])), "padding mask"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(sliding_window=True), "sliding_window"),
+    (dict(s_aux=torch.zeros(4)), "sinks"),
+    (dict(cache=object()), "KV cache"),
+    (dict(longer_k=True), "KV cache"),
+    (dict(block_table=torch.zeros(1, 1)), "paged KV cache"),
+])
+def test_the_fast_path_refuses_after_a_cached_plan(kernels, bad, match, monkeypatch):
+    ctx = RingContext(rank=0, world_size=1)
+    wrapper, _d, _o, spy = _rendered(ctx, monkeypatch)
+    module = _Attention(layer_idx=0)
+    q, k, v = _qkv(seq=8)
+    for _ in range(2):  # plans cached for window=1 (True == 1 as a dict key) and for no window
+        _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper, sliding_window=1))
+        _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper))
+    assert spy.fast == 2
+    bad = dict(bad)
+    mask = bad.pop("mask", None)
+    if bad.pop("longer_k", False):
+        k = v = torch.randn(1, 12, 4, 8)
+    kwargs = _hf_kwargs(wrapper, **bad)
+    if set(bad) - set(kwargs):
+        pytest.skip(f"this release's _flash_attention_forward takes no {sorted(set(bad) - set(kwargs))}")
+    with pytest.raises(UnsupportedArgument, match=match):
+        _flash_integration(module, wrapper, q, k, v, mask, **kwargs)
+
+
+def test_the_fast_path_reads_the_switch_and_the_removal_on_every_call(kernels, monkeypatch):
+    ctx = RingContext(rank=0, world_size=1)
+    wrapper, d, originals, spy = _rendered(ctx, monkeypatch)
+    module = _Attention(layer_idx=1)
+    q, k, v = _qkv(seq=8)
+    call = lambda: _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper))  # noqa: E731
+    call(), call()
+    with hfpatch.switch("original"):
+        assert torch.equal(call(), q * 3.0)
+    call()
+    hfpatch.switch.set_switch("original")
+    try:
+        assert torch.equal(call(), q * 3.0)
+    finally:
+        hfpatch.switch.set_switch("ring")
+    assert spy.fast == 2 and len(kernels.seen) == 3 and len(originals) == 2
+    assert d.mode_calls == {"ring": 3, "original": 2} and d.calls == {1: 3}
+    d.removed = True  # Patch.remove(): a stale wrapper reference calls the original, uncounted
+    assert torch.equal(call(), q * 3.0) and len(kernels.seen) == 3 and d.mode_calls == {"ring": 3, "original": 2}
+
+
+def test_the_fast_path_keeps_modules_with_one_layer_index_apart_and_counts_recomputation_apart(kernels, monkeypatch):
+    from torch.utils.checkpoint import checkpoint
+
+    ctx = RingContext(rank=0, world_size=1)
+    wrapper, d, _o, spy = _rendered(ctx, monkeypatch)
+    encoder, decoder, unnamed = _Attention(layer_idx=0), _Attention(layer_idx=0), _Attention()
+    q, k, v = _qkv(seq=8)
+    for _ in range(2):
+        for module in (encoder, decoder, unnamed):
+            _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper))
+    assert spy.fast == 5
+    records = {(r.key, r.module_id) for r in d.forward_records()}
+    assert records == {(0, id(encoder)), (0, id(decoder)), (f"_Attention@{id(unnamed):x}", id(unnamed))}
+    assert d.calls[0] == 4
+    if _takes("extra_kwargs"):  # 4.48+: the layer_idx transformers passes wins
+        d.begin_forward()
+        _flash_integration(decoder, wrapper, q, k, v, layer_idx=5)
+        assert [(r.key, r.module_id) for r in d.forward_records()] == [(5, id(decoder))]
+    d.reset()
+    layer = _Attention(layer_idx=7)
+    qg = q.clone().requires_grad_(True)
+    out = checkpoint(lambda x: _flash_integration(layer, wrapper, x, k, v, **_hf_kwargs(wrapper)) ** 2, qg,
+                     use_reentrant=False)
+    out.sum().backward()  # the recorder's q * 1.0 ** 2 saves q: the checkpoint recomputes the layer
+    assert d.calls == {7: 1} and d.recomputed == {7: 1} and d.mode_calls == {"ring": 1}
+    assert torch.equal(qg.grad, 2 * qg.detach())
+
+
+def test_the_fast_path_scopes_the_kernels_rank_check_to_the_step(monkeypatch):
+    """The kernel runs inside the step's rank-check scope (the check once per step and shape), and the scope
+    ends with the call, also when the kernel raises."""
+    import ring_kernels
+    from ring_kernels import _validate
+
+    scopes = []
+
+    def kernel(q, k, v, **kwargs):
+        scopes.append(_validate._CHECKED.get())
+        if kwargs["softmax_scale"] == 0.25:
+            raise RuntimeError("kernel failed")
+        return q
+
+    for name in _KERNELS:
+        monkeypatch.setattr(ring_kernels, name, kernel)
+    ctx = RingContext(rank=0, world_size=1)
+    step = StepState(kernel="ring", layout="contiguous", packed=False, batch_size=1, seq_len_global=8, seq_len_local=8)
+    ctx.set_step(step)
+    wrapper, _d, _o, spy = _rendered(ctx, monkeypatch)
+    module = _Attention(layer_idx=0)
+    q, k, v = _qkv(seq=8)
+    for scale in (None, None, 0.25, 0.25):
+        try:
+            _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper, softmax_scale=scale))
+        except RuntimeError:
+            pass
+    assert spy.slow == 2  # the first call of each plan; the second of each ran the fast path (raising the 2nd time)
+    assert [s is step.rank_checked for s in scopes] == [True] * 4
+    assert _validate._CHECKED.get() is None
 
 
 # ----------------------------------------------------------------------------------------- the benchmark
