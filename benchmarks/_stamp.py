@@ -59,6 +59,9 @@ def _static(device_type: str, device_index: Optional[int]) -> dict:
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": None if dirty is None else bool(dirty),
         "hostname": platform.node(),
+        # Settings that change communication speed (read by NCCL / ProcessGroupNCCL / ring_kernels at start-up).
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("NCCL_", "TORCH_NCCL_", "RING_KERNELS_")) or k == "PYTORCH_CUDA_ALLOC_CONF"},
     }
 
 

@@ -120,6 +120,7 @@ def markdown(doc: dict) -> str:
            f"triton {st.get('triton')} · flash-attn {st.get('flash_attn')} · transformers {st.get('transformers')} · "
            f"commit {st.get('git_commit')}{' (dirty)' if st.get('git_dirty') else ''} · dtype "
            f"{doc['settings']['dtype']}{'' if doc.get('complete', True) else ' · INCOMPLETE RUN'}"
+           f"{' · env ' + ' '.join(f'{k}={v}' for k, v in st['env'].items()) if st.get('env') else ''}"
            f"{' (' + doc['aborted'] + ')' if doc.get('aborted') else ''}\n",
            f"Backends: {', '.join(doc['settings'].get('backends', []))}"
            + "".join(f"; left out: {b} ({why})" for b, why in doc["settings"].get("backends_left_out", {}).items())
