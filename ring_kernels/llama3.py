@@ -11,13 +11,32 @@ Blocks, per document d overlapping our tokens [qa, qb): causally, keys [start(d)
 our own token range: *local* blocks (keys this rank holds) need no gathered copy and run while the
 all-gather is in flight; only *remote* blocks (documents that cross a rank boundary) wait for it.
 
-Backward, per head slice: half of the local blocks while the K/V all-gather is in flight, then the remote
-blocks into fp32 full-sequence dK/dV, whose reduce-scatter back to the owners overlaps the other half.
+Backward, per head slice: half of the local blocks while the K/V all-gather is in flight (their dK/dV go to
+our own rows of a full-sequence partial buffer), the remote blocks (into the other ranks' rows of it), the
+reduce-scatter of the partials back to their owners started, and the other half of the local blocks meanwhile
+(held, and added to our rows once the reduce-scatter has landed there).
 
-Rounding (``ring``'s rule): out and dq are written in q's dtype, each row rounded once: a row with one block
-(most rows: only documents that cross a rank boundary have remote blocks) gets a copy of it, a second block
-merges (adds) into it with fp32 math, and only rows with >= 3 blocks use an fp32 accumulator. dK/dV stay fp32
-(summed over ranks by the reduce-scatter) and are cast once at the end.
+Rounding (``ring``'s rule: every value rounded to its output dtype once; fp32 only where a value gets >= 3
+contributions): out and dq are written in q's dtype, each row rounded once: a row with one block (most rows:
+only documents that cross a rank boundary have remote blocks) gets a copy of it, a second block merges (adds)
+into it with fp32 math, and only rows with >= 3 blocks use an fp32 accumulator. A K/V row gets one dK/dV
+contribution per rank that sees it (this rank's local blocks have disjoint key rows, and so have each rank's
+remote blocks; head slices split heads, not rows): with N <= 2 at most two, so the partials and the results
+are in k's dtype — the reduce-scatter adds (ours or 0) + (the other rank's or 0), exact or one rounding, and
+the held half lands on rows holding 0 or the other rank's value, one rounding. With N >= 3 they are fp32
+(the reduce-scatter sums N values) and cast once at the end. The forward needs no fp32 buffer at N = 2 but
+the lse (1, H, L): no query row gets >= 3 blocks (a document would have to cross both ends of a rank).
+
+Memory, in units of U = the local k + v (bytes, k's dtype), for one slice (``heads_k_stride=None``; with S
+slices the gathered and partial buffers are per slice, 2 resp. 1 of them alive, each 1/S of the sizes below):
+the gathered K/V are N*U (the benchmarks' "K/V double buffer" allowance, 2U at N = 2), the partials N*U,
+the results dk/dv U (allocated when the reduce-scatter starts: it writes them), dq as single-GPU attention's.
+The backward's peak is its first half of local blocks (or the remote blocks): gathered K/V 2U + bf16
+partials 2U + dq + the running call's outputs and workspace for about half of the local rows (the halves
+also halve that). The second half runs with the partials (in flight) + results 3U: the gathered K/V are freed
+after their last use. Before (session 2, measured 1.41x single-GPU attention + K/V double buffer on 2xH200,
+8k tokens, Llama-3-8B heads) the same point held 2U gathered + 4U fp32 partials + 2U fp32 receive buffers +
+2U fp32 dK/dV accumulators = 10U, now 4U (6U = 192 MiB less at that size; not yet re-measured on a GPU).
 
 Varlen fast path (CUDA, ``backends.torch_cuda_varlen``): the local blocks are aligned squares, one per local
 document, tiling our rows in order, so all of them are ONE call of torch's packed-document flash op per head
@@ -151,10 +170,10 @@ def _varlen_local(plan: _Llama3Plan, kernel: Optional[VarlenKernel], local: int,
 
 
 class _Llama3Config:
-    def __init__(self, plan: _Llama3Plan, backend: BlockBackend, scale, softcap, group, world, heads_k_stride,
-                 fast: Optional[_VarlenLocal] = None):
+    def __init__(self, plan: _Llama3Plan, backend: BlockBackend, scale, softcap, group, rank, world,
+                 heads_k_stride, fast: Optional[_VarlenLocal] = None):
         self.plan, self.backend, self.scale, self.softcap = plan, backend, scale, softcap
-        self.group, self.world, self.stride = group, world, heads_k_stride
+        self.group, self.rank, self.world, self.stride = group, rank, world, heads_k_stride
         self.fast = fast
 
 
@@ -191,6 +210,13 @@ class _SliceGather:
         for work in works:
             work.wait()
         return self.blocks[j % len(self.blocks)]
+
+    def release(self, j: int, slices: int) -> None:
+        """Slice j's gathered K/V are no longer used: free their buffer when no later slice reuses it, so that
+        what runs next (the backward's second half of local blocks) does not carry it."""
+        slot = j % len(self.buffers)
+        if j + len(self.buffers) >= slices:
+            self.buffers[slot] = self.blocks[slot] = None
 
 
 def _heads(j: int, cfg: _Llama3Config, group_size: int) -> Tuple[slice, slice]:
@@ -266,60 +292,117 @@ def _forward(q4, k4, v4, cfg: _Llama3Config):
         hk, hq = _heads(j, cfg, group_size)
         done = _forward_local(q4, k4, v4, hk, hq, result, cfg)
         if gather:
-            k_all, v_all = gather.get(j)              # in flight while the local blocks computed
-            _forward_blocks(plan.remote_blocks, done, q4, k_all, v_all, hq, result, cfg)
+            _forward_blocks(plan.remote_blocks, done, q4, *gather.get(j), hq, result, cfg)  # gathered meanwhile
+            gather.release(j, slices)
     return result.out, result.lse
 
 
-class _SliceReduceScatter:
-    """Reduce-scatters of full-sequence fp32 dK/dV slices back to their owners, one in flight per buffer.
+def _disjoint(ranges: List[slice]) -> bool:
+    """No row lies in two of ``ranges``."""
+    spans = sorted((r.start, r.stop) for r in ranges if r.stop > r.start)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
-    The scattered parts are added into ``dk``/``dv`` (1, L, Hk, D) fp32, which already hold the local blocks' part.
-    A slot's full-sequence buffer is zeroed again, and its part read, only after its reduce-scatter was waited
-    for (``_finish``); ``finish_all`` must run before ``dk``/``dv`` are read.
+
+def _kv_grad_dtype(cfg: _Llama3Config, dtype: torch.dtype) -> torch.dtype:
+    """dtype of the dK/dV results and partials: k's own for N <= 2, fp32 for N >= 3 (``ring``'s rule).
+
+    A K/V row of rank r gets one contribution per rank whose queries see it: one from r's local blocks (their
+    key rows are disjoint: one query range per document, its keys cut into disjoint pieces) and one from each
+    other rank's remote blocks (disjoint likewise). Head slices split heads, never rows, and a document that
+    crosses a rank boundary only adds the other rank's one contribution. So with N <= 2 every row gets <= 2,
+    summed once; with N >= 3 up to N. Decided from N alone: every rank must reduce-scatter in the same dtype.
+    """
+    assert _disjoint([b.kv_rows for b in cfg.plan.local_blocks]), "local blocks share K/V rows"
+    assert _disjoint([b.kv_rows for b in cfg.plan.remote_blocks]), "remote blocks share K/V rows"
+    return dtype if cfg.world <= 2 else torch.float32
+
+
+class _Into:
+    """Adds block gradients dk, dv (1, rows, stride, D) into ``dk``/``dv`` (1, T, stride, D) at their key rows.
+    A row that holds 0 takes the value exactly; a row that holds one value is summed in fp32 and rounded once."""
+
+    def __init__(self, dk: torch.Tensor, dv: torch.Tensor):
+        self.dk, self.dv = dk, dv
+
+    def __call__(self, rows: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        self.dk[:, rows] += dk
+        self.dv[:, rows] += dv
+
+
+class _Held:
+    """Block gradients kept until their destination is written (``_KVGrads.finish``), then added ``into`` it."""
+
+    def __init__(self):
+        self.grads: List[Tuple[slice, torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, rows: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        self.grads.append((rows, dk, dv))
+
+    def into(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        add = _Into(dk, dv)
+        for rows, gk, gv in self.grads:
+            add(rows, gk, gv)
+        self.grads.clear()
+
+
+class _KVGrads:
+    """dK/dV of one backward: the results ``dk``/``dv`` (1, L, Hk, D) and, per head slice, the full-sequence
+    partials (1, N*L, stride, D) that one reduce-scatter per tensor sends back to the K/V owners.
+
+    dtype (``_kv_grad_dtype``): k's for N <= 2, fp32 for N >= 3 (the caller casts once). One slice at a time
+    (N > 1): ``partials(j)`` zeroes the partials; the first half of the local blocks adds into our own rows of
+    them (``own``) and the remote blocks into the other ranks' rows; ``start(j)`` reduce-scatters them into our
+    rows of the results (straight into ``dk``/``dv`` when one slice holds every head, else into ``part`` and
+    copied by ``finish``) while the second half of the local blocks is ``held``; ``finish(j)`` waits and adds
+    it. Every row: (own half or 0) + (the other rank's or 0) in the reduce-scatter, + (held or 0) -- at most
+    two non-zero terms with N = 2, one rounding.
     """
 
-    def __init__(self, dk: torch.Tensor, dv: torch.Tensor, cfg: _Llama3Config):
-        self.cfg, self.dk, self.dv = cfg, dk, dv
-        n_bufs = min(2, dk.shape[2] // cfg.stride)
-        full = (dk.shape[1] * cfg.world, cfg.stride, dk.shape[3])
-        part = (dk.shape[1], cfg.stride, dk.shape[3])
-        new = lambda shape: torch.empty(shape, dtype=torch.float32, device=dk.device)  # noqa: E731
-        self.full = [(new(full), new(full)) for _ in range(n_bufs)]
-        self.part = [(new(part), new(part)) for _ in range(n_bufs)]
-        self.pending = {}   # j -> (works, the buffers they read and write): held until ``_finish(j)`` has waited
+    def __init__(self, k4: torch.Tensor, cfg: _Llama3Config):
+        self.cfg, self.shape, self.device = cfg, k4.shape, k4.device
+        self.dtype = _kv_grad_dtype(cfg, k4.dtype)
+        n, hk, d = k4.shape[1], k4.shape[2], k4.shape[3]
+        self.whole = cfg.stride == hk                      # one slice: the reduce-scatter lands in the results
+        new = lambda *shape: torch.empty(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        if cfg.plan.gather:
+            self.dk = self.dv = None                       # allocated when the first reduce-scatter starts
+            self.full = (new(n * cfg.world, cfg.stride, d), new(n * cfg.world, cfg.stride, d))
+            self.part = None if self.whole else (new(n, cfg.stride, d), new(n, cfg.stride, d))
+        else:                                              # one rank: local blocks only, one per row
+            self.dk, self.dv = (torch.zeros(k4.shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        self.pending = None                                # (j, works) of the reduce-scatter in flight
 
-    def buffers(self, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed full-sequence accumulators (1, N*L, stride, D) for slice j (waiting for the slice that used
-        them before)."""
-        if j - len(self.full) in self.pending:
-            self._finish(j - len(self.full))
-        dk_all, dv_all = self.full[j % len(self.full)]
-        dk_all.zero_()
-        dv_all.zero_()
-        return dk_all.unsqueeze(0), dv_all.unsqueeze(0)
+    def local(self, hk: slice) -> _Into:
+        """Where a world of one adds its local blocks: the results at heads ``hk``."""
+        return _Into(self.dk[:, :, hk], self.dv[:, :, hk])
+
+    def partials(self, j: int) -> Tuple[_Into, _Into]:
+        """(own rows, all rows) of slice j's zeroed full-sequence partials; the previous slice has finished."""
+        assert self.pending is None, f"dK/dV slice {self.pending[0]} was never finished"
+        fk, fv = (x.zero_().unsqueeze(0) for x in self.full)
+        n = self.shape[1]
+        own = slice(self.cfg.rank * n, (self.cfg.rank + 1) * n)
+        return _Into(fk[:, own], fv[:, own]), _Into(fk, fv)
 
     def start(self, j: int) -> None:
-        slot = j % len(self.full)
-        assert j - len(self.full) not in self.pending, f"dK/dV slice {j}: its buffers are still in flight"
-        (dk_all, dv_all), (dk_part, dv_part) = self.full[slot], self.part[slot]
-        works = [_reduce_scatter_tensor(dk_part, dk_all, group=self.cfg.group, async_op=True),
-                 _reduce_scatter_tensor(dv_part, dv_all, group=self.cfg.group, async_op=True)]
-        self.pending[j] = (works, (dk_all, dv_all, dk_part, dv_part))
+        if self.dk is None:
+            self.dk, self.dv = (torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        outputs = (self.dk[0], self.dv[0]) if self.whole else self.part
+        self.pending = (j, [_reduce_scatter_tensor(out, full, group=self.cfg.group, async_op=True)
+                            for out, full in zip(outputs, self.full)])
 
-    def _finish(self, j: int) -> None:
-        works, _buffers = self.pending.pop(j)
+    def finish(self, j: int, held: _Held) -> None:
+        """Wait for slice j's reduce-scatter, then add the second half's ``held`` gradients (rows written once)."""
+        pending_j, works = self.pending
+        assert pending_j == j, (pending_j, j)
         for work in works:
             work.wait()
+        self.pending = None
         heads = slice(j * self.cfg.stride, (j + 1) * self.cfg.stride)
-        dk_part, dv_part = self.part[j % len(self.part)]
-        self.dk[0, :, heads] += dk_part
-        self.dv[0, :, heads] += dv_part
-
-    def finish_all(self) -> None:
-        for j in sorted(self.pending):
-            self._finish(j)
-        assert not self.pending
+        if not self.whole:
+            self.dk[0, :, heads].copy_(self.part[0])
+            self.dv[0, :, heads].copy_(self.part[1])
+        held.into(self.dk[:, :, heads], self.dv[:, :, heads])
 
 
 class _QueryGrads:
@@ -336,25 +419,24 @@ class _QueryGrads:
         _fold_grads(self.plan.parts[index], dq, held, held, self.acc[:, :, hq])
 
 
-def _backward_blocks(blocks, first: int, dout4, q4, out4, lse, k_rows, v_rows, hq, dq: _QueryGrads, dk_acc, dv_acc,
+def _backward_blocks(blocks, first: int, dout4, q4, out4, lse, k_rows, v_rows, hq, dq: _QueryGrads, sink,
                      cfg) -> int:
-    """Backward of ``blocks`` (dq contributions ``first``, ...) against K/V rows (1, T, stride, D): dk/dv into
-    accumulators (1, T, stride, D) over the same rows. Returns the next contribution index."""
+    """Backward of ``blocks`` (dq contributions ``first``, ...) against K/V rows (1, T, stride, D): each block's
+    dk/dv go to ``sink(kv_rows, dk, dv)`` (``_Into`` or ``_Held``). Returns the next contribution index."""
     for i, blk in enumerate(blocks):
         rows = blk.q_rows
         dq_b, dk, dv = cfg.backend.backward(
             dout4[:, rows, hq], q4[:, rows, hq], k_rows[:, blk.kv_rows], v_rows[:, blk.kv_rows],
             out4[:, rows, hq], lse[:, hq, rows], scale=cfg.scale, mask=blk.mask, softcap=cfg.softcap)
         dq.fold(first + i, hq, dq_b)
-        dk_acc[:, blk.kv_rows] += dk
-        dv_acc[:, blk.kv_rows] += dv
+        sink(blk.kv_rows, dk, dv)
     return first + len(blocks)
 
 
 def _backward_segments(seg: Optional[VarlenSegments], first: int, dout4, q4, out4, lse, k4, v4, hk, hq,
-                       dq: _QueryGrads, dk_acc, dv_acc, cfg: _Llama3Config) -> int:
-    """Backward of one varlen call of local documents (dq contribution ``first``): dk/dv into the local
-    accumulators (1, L, Hk, D) at heads ``hk``. Returns the next contribution index."""
+                       dq: _QueryGrads, sink, cfg: _Llama3Config) -> int:
+    """Backward of one varlen call of local documents (dq contribution ``first``) at K/V heads ``hk``: dk/dv
+    (as (1, rows, stride, D)) to ``sink(kv_rows, dk, dv)``. Returns the next contribution index."""
     if seg is None:
         return first
     rows, kv = seg.q_rows, seg.k_rows
@@ -362,8 +444,7 @@ def _backward_segments(seg: Optional[VarlenSegments], first: int, dout4, q4, out
         dout4[0, rows, hq], q4[0, rows, hq], k4[0, kv, hk], v4[0, kv, hk], out4[0, rows, hq], lse[0, hq, rows],
         seg, scale=cfg.scale)
     dq.fold(first, hq, dq_b.unsqueeze(0))
-    dk_acc[0, kv, hk] += dk
-    dv_acc[0, kv, hk] += dv
+    sink(kv, dk.unsqueeze(0), dv.unsqueeze(0))
     return first + 1
 
 
@@ -388,47 +469,48 @@ def _halves(blocks: List[_Llama3Block]) -> Tuple[List[_Llama3Block], List[_Llama
     return blocks, []
 
 
-def _backward(dout4, q4, k4, v4, out4, lse, cfg: _Llama3Config):
-    """Gradients dq (1, L, H, D) in q's dtype, dk, dv (1, L, Hk, D) fp32 from the merged out4 (1, L, H, D) and
-    lse (1, H, L).
+def _backward_local(part, first: int, dout4, q4, out4, lse, k4, v4, hk, hq, dq: _QueryGrads, sink,
+                    cfg: _Llama3Config) -> int:
+    """One part of the local blocks (``before``/``after``: block lists, or the fast path's segments)."""
+    if cfg.fast is None:
+        return _backward_blocks(part, first, dout4, q4, out4, lse, k4[:, :, hk], v4[:, :, hk], hq, dq, sink, cfg)
+    return _backward_segments(part, first, dout4, q4, out4, lse, k4, v4, hk, hq, dq, sink, cfg)
 
-    Per head slice: half of the local blocks while its K/V all-gather is in flight, the remote blocks into
-    full-sequence dK/dV, their reduce-scatter started, then the other half of the local blocks meanwhile.
+
+def _backward(dout4, q4, k4, v4, out4, lse, cfg: _Llama3Config):
+    """Gradients dq (1, L, H, D) in q's dtype, dk, dv (1, L, Hk, D) in ``_kv_grad_dtype`` from the merged out4
+    (1, L, H, D) and lse (1, H, L).
+
+    Per head slice: half of the local blocks while its K/V all-gather is in flight, the remote blocks, the
+    reduce-scatter of the slice's partials started, then the other half of the local blocks meanwhile.
     """
     plan = cfg.plan
-    dk_acc = torch.zeros(k4.shape, dtype=torch.float32, device=k4.device)
-    dv_acc = torch.zeros(v4.shape, dtype=torch.float32, device=v4.device)
     slices, group_size = k4.shape[2] // cfg.stride, q4.shape[2] // k4.shape[2]
     before, after = _halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
     dq = _QueryGrads(q4, _rows_plan(_backward_ranges(cfg, before, after), q4.shape[1]))
+    if cfg.fast is not None:                          # the same halves as packed-document calls
+        before, after = cfg.fast.before, cfg.fast.after
+    grads = _KVGrads(k4, cfg)
     gather = _SliceGather(k4, v4, cfg) if plan.gather else None
-    scatter = _SliceReduceScatter(dk_acc, dv_acc, cfg) if plan.gather else None
     if gather:
         gather.start(0)
     for j in range(slices):
         if gather and j + 1 < slices:
             gather.start(j + 1)
         hk, hq = _heads(j, cfg, group_size)
-        local_grads = (dout4, q4, out4, lse, k4[:, :, hk], v4[:, :, hk], hq, dq, dk_acc[:, :, hk],
-                       dv_acc[:, :, hk], cfg)
-        segment_grads = (dout4, q4, out4, lse, k4, v4, hk, hq, dq, dk_acc, dv_acc, cfg)
-        if cfg.fast is None:
-            done = _backward_blocks(before, 0, *local_grads)
-        else:
-            done = _backward_segments(cfg.fast.before, 0, *segment_grads)
-        if gather:
-            k_all, v_all = gather.get(j)
-            dk_all, dv_all = scatter.buffers(j)
-            done = _backward_blocks(plan.remote_blocks, done, dout4, q4, out4, lse, k_all, v_all, hq, dq, dk_all,
-                                    dv_all, cfg)
-            scatter.start(j)                          # back to their owners while the rest computes
-        if cfg.fast is None:
-            _backward_blocks(after, done, *local_grads)
-        else:
-            _backward_segments(cfg.fast.after, done, *segment_grads)
-    if scatter:
-        scatter.finish_all()
-    return dq.dq, dk_acc, dv_acc
+        common = (dout4, q4, out4, lse, k4, v4, hk, hq, dq)
+        if not gather:
+            _backward_local(before, 0, *common, grads.local(hk), cfg)
+            continue
+        own, every = grads.partials(j)
+        done = _backward_local(before, 0, *common, own, cfg)
+        done = _backward_blocks(plan.remote_blocks, done, dout4, q4, out4, lse, *gather.get(j), hq, dq, every, cfg)
+        gather.release(j, slices)
+        grads.start(j)                                # back to their owners while the rest computes
+        held = _Held()
+        _backward_local(after, done, *common, held, cfg)
+        grads.finish(j, held)
+    return dq.dq, grads.dk, grads.dv
 
 
 class _Llama3Attention(torch.autograd.Function):
@@ -483,7 +565,7 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     local_sizes = [(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start) for b in plan.local_blocks]
     kernel = varlen_kernel_for(backend, chosen.name, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                                softcap=call.softcap, document_lengths=local_sizes)
-    cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.world, stride,
+    cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.rank, call.world, stride,
                         _varlen_local(plan, kernel, call.local, q.device))
     if q.dim() == 4:                                  # HF's packed row (1, T, H, D): the kernel's own layout
         return _Llama3Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from _dist import run_world
 from ring_kernels.layout import shard
@@ -341,6 +342,148 @@ def _group_cases(group, rank, n, cases):
         _run_case(group, rank, n, index, case)
     if n == 2:
         _bad_input_across_ranks(group, rank)
+        for causal, stride, standin in ((True, None, False), (False, 1, False), (True, None, True)):
+            _llama3_dkdv_rounded_once(group, rank, n, "cpu", causal=causal, stride=stride,
+                                      standin=_PlainVarlenKernel() if standin else None)
+    if n in (2, 3):
+        _llama3_kv_grad_buffers(group, rank, n)
+
+
+# ---------------------------------------------------------------------------------- llama3 dK/dV rounding
+
+
+def _llama3_block_grads(out, dout4, k_all, v_all, group, rank, n):
+    """Every rank's llama3 block gradients, recomputed with the very calls its backward makes (same block
+    backend or varlen kernel, same inputs, the saved merged out/lse), summed in fp32 over blocks and ranks:
+    dq (1, L, H, D) of this rank, and dk, dv (1, T, Hk, D) of the whole sequence. ``out`` is the call's 4-D
+    output (its grad_fn is llama3's autograd node, before backward); k_all, v_all (1, T, Hk, D) global."""
+    from ring_kernels.llama3 import _heads
+
+    cfg = out.grad_fn.cfg
+    q4, k4, v4, out4, lse = out.grad_fn.saved_tensors
+    local = q4.shape[1]
+    dq = torch.zeros(q4.shape, device=q4.device)
+    dkv = torch.zeros((2, *k_all.shape), device=q4.device)
+    own = slice(rank * local, (rank + 1) * local)
+    group_size = q4.shape[2] // k4.shape[2]
+    for j in range(k4.shape[2] // cfg.stride):
+        hk, hq = _heads(j, cfg, group_size)
+        if cfg.fast is not None:                    # the local documents as packed-document calls
+            for seg in (cfg.fast.before, cfg.fast.after) if n > 1 else (cfg.fast.before,):
+                if seg is None:
+                    continue
+                rows, kv = seg.q_rows, seg.k_rows
+                gq, gk, gv = cfg.fast.kernel.backward(
+                    dout4[0, rows, hq], q4[0, rows, hq], k4[0, kv, hk], v4[0, kv, hk], out4[0, rows, hq],
+                    lse[0, hq, rows], seg, scale=cfg.scale)
+                dq[0, rows, hq] += gq.float()
+                dkv[0, 0, own][kv, hk] += gk.float()
+                dkv[1, 0, own][kv, hk] += gv.float()
+        # Local blocks read our own K/V rows; remote ones a gathered (contiguous) head slice of the sequence.
+        gathered = [x[0, :, hk].contiguous()[None] for x in (k_all, v_all)]
+        blocks = [(b, k4[:, :, hk], v4[:, :, hk], own) for b in cfg.plan.local_blocks] if cfg.fast is None else []
+        blocks += [(b, *gathered, slice(None)) for b in cfg.plan.remote_blocks]
+        for blk, keys, values, where in blocks:
+            gq, gk, gv = cfg.backend.backward(
+                dout4[:, blk.q_rows, hq], q4[:, blk.q_rows, hq], keys[:, blk.kv_rows], values[:, blk.kv_rows],
+                out4[:, blk.q_rows, hq], lse[:, hq, blk.q_rows], scale=cfg.scale, mask=blk.mask,
+                softcap=cfg.softcap)
+            dq[:, blk.q_rows, hq] += gq.float()
+            dkv[0][:, where][:, blk.kv_rows, hk] += gk.float()
+            dkv[1][:, where][:, blk.kv_rows, hk] += gv.float()
+    dist.all_reduce(dkv, group=group)
+    return dq, dkv[0, :, own], dkv[1, :, own]
+
+
+def _llama3_dkdv_rounded_once(group, rank, n, device, *, causal, stride, standin=None, backend="torch_cpu"):
+    """With 2 ranks every K/V row gets 2 contributions (one per rank) and llama3 rounds each gradient once:
+    its bf16 dk, dv equal, bit for bit, the sum of the same block gradients accumulated in fp32 and cast once
+    (``test_ring_batch``'s standard; a bf16 intermediate would move a large fraction of the values). dq too,
+    when the backend's dq is deterministic (CPU)."""
+    torch.manual_seed(91)
+    lengths = _CUDA_RING_DOCS if device == "cuda" else _contiguous_docs(n, 16)
+    cu = _cu(lengths)
+    t, h, hk, d = int(cu[-1]), 8, 2, 64
+    q, k, v, dout = (torch.randn(1, t, heads, d).bfloat16().to(device) for heads in (h, hk, hk, h))
+    part = lambda x: shard(x, group, layout="contiguous", dim=1)  # noqa: E731
+    ql, kl, vl = (part(x).detach().requires_grad_(True) for x in (q, k, v))
+    with _varlen_kernel(standin):
+        out = _fn("llama3")(ql, kl, vl, cu.to(device), group=group, causal=causal, backend=backend,
+                            heads_k_stride=stride)
+        assert standin is None or out.grad_fn.cfg.fast is not None, "the varlen stand-in was not used"
+        with torch.no_grad():
+            want_dq, want_dk, want_dv = _llama3_block_grads(out, part(dout), k, v, group, rank, n)
+        out.backward(part(dout))
+    checks = [("dk", kl.grad, want_dk), ("dv", vl.grad, want_dv)] + ([("dq", ql.grad, want_dq)] if
+                                                                    device == "cpu" else [])
+    for name, got, want in checks:
+        assert got.dtype == torch.bfloat16
+        mismatch = float((got != want.bfloat16()).float().mean())
+        assert mismatch == 0.0, (name, causal, stride, standin is not None, backend, mismatch)
+
+
+class _RecordedReduceScatter:
+    """Within the block, the dtypes and shapes of llama3's reduce-scatter inputs."""
+
+    def __enter__(self):
+        import ring_kernels.llama3 as llama3
+
+        self.module, self.saved, self.inputs = llama3, llama3._reduce_scatter_tensor, []
+
+        def recording(output, tensor_in, group=None, async_op=False):
+            self.inputs.append((tensor_in.dtype, tuple(tensor_in.shape)))
+            return self.saved(output, tensor_in, group=group, async_op=async_op)
+        llama3._reduce_scatter_tensor = recording
+        return self
+
+    def __exit__(self, *exc):
+        self.module._reduce_scatter_tensor = self.saved
+
+
+def _fp32_factories():
+    """A dispatch mode recording fp32 tensors that factory ops allocate (``.fp32``: [(op, shape, numel)])."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    factories = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                 torch.ops.aten.zeros.default, torch.ops.aten.full.default, torch.ops.aten.empty_like.default,
+                 torch.ops.aten.zeros_like.default, torch.ops.aten.new_empty.default, torch.ops.aten.new_zeros.default}
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fp32 = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in factories and out.dtype == torch.float32:
+                self.fp32.append((str(func), tuple(out.shape), out.numel()))
+            return out
+
+    return Allocations()
+
+
+def _llama3_kv_grad_buffers(group, rank, n, device="cpu", backend="torch_cpu"):
+    """bf16 llama3, forward + backward: with 2 ranks the dK/dV partials are reduce-scattered in bf16 and no fp32
+    buffer of a local K/V tensor's size or more is allocated (only lse, (1, H, L)); with 3 ranks the partials
+    (N*L, Hk, D) travel in fp32 (a row may get 3 contributions), cast once at the end."""
+    torch.manual_seed(5)
+    lengths = _contiguous_docs(n, 16)
+    local, h, hk, d = sum(lengths) // n, 8, 2, 64
+    q = torch.randn(1, local, h, d, device=device).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, local, hk, d, device=device).bfloat16().requires_grad_() for _ in range(2))
+    for causal, stride in ((True, None), (False, 1)):
+        with _RecordedReduceScatter() as scattered, _fp32_factories() as seen:
+            out = _fn("llama3")(q, k, v, _cu(lengths).to(device), group=group, causal=causal, backend=backend,
+                                heads_k_stride=stride)
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        big = [a for a in seen.fp32 if a[2] >= k.numel()]
+        slices = hk // (stride or hk)
+        want_dtype = torch.bfloat16 if n == 2 else torch.float32
+        assert scattered.inputs == [(want_dtype, (n * local, stride or hk, d))] * (2 * slices), scattered.inputs
+        if n == 2:
+            assert big == [], (rank, causal, stride, big)
+        else:
+            assert ("aten.empty.memory_format", (n * local, stride or hk, d), n * local * (stride or hk) * d) in big
 
 
 def _cases_ranks(rank, world, cases):
@@ -655,6 +798,25 @@ def test_varlen_on_cuda_nccl_matches_plain_attention(capsys):
         for backend in timings[0]:
             cases, seconds = timings[0][backend][0], max(t[backend][1] for t in timings)
             print(f"  {backend:16s} {cases:2d} cases {seconds:6.1f} s")
+
+
+def _cuda_llama3_rank(rank, world):
+    """llama3's lean dK/dV on NCCL: bf16 partials reduce-scattered (no fp32 buffer of K/V size), each gradient
+    rounded once — with torch's flash backend, whose local blocks take the packed-document fast path."""
+    for causal, stride in ((True, None), (False, 1)):
+        _llama3_dkdv_rounded_once(None, rank, world, "cuda", causal=causal, stride=stride, backend="torch_flash")
+    _llama3_kv_grad_buffers(None, rank, world, device="cuda", backend="torch_flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_llama3_bf16_kv_grads_on_cuda_nccl_are_lean_and_rounded_once():
+    from ring_kernels.backends import available_backends
+
+    if "torch_flash" not in available_backends("cuda"):
+        pytest.skip("torch's flash attention backend is not available on this GPU")
+    run_world(2, _cuda_llama3_rank, backend="nccl", timeout=120)
 
 
 def test_flash_varlen_kernel_calls_match_the_op_schemas_on_meta():
