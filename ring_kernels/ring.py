@@ -2,7 +2,7 @@
 
 Rank r of N holds a contiguous slice of the sequence: q, k, v of shape (B, S, H|Hk, D), global positions
 [r*S, (r+1)*S). Forward step s computes its queries against the K/V block of rank (r - s) mod N while the
-next block is already in flight (``comm.RingExchange``, r -> r+1) and merges each block's (out, lse) by their
+next block is already in flight (``transport.make_exchange``: NCCL/gloo P2P by default, r -> r+1) and merges each block's (out, lse) by their
 log-sum-exp (``merge``). After the last step rank r holds the block of rank (r + 1) mod N; it is kept (saved
 for backward) rather than dropped.
 
@@ -48,7 +48,8 @@ import torch
 from . import _validate
 from .backends import CAUSAL, FULL, GENERAL, get_backend
 from .backends.base import BlockBackend, BlockMask
-from .comm import RingExchange, group_rank_and_size
+from .comm import group_rank_and_size
+from .transport import make_exchange
 from .merge import add_, merge_
 
 __all__ = ["ring_attn_func"]
@@ -260,7 +261,7 @@ def _forward(q, k, v, cfg: _RingConfig):
     one), which the backward visits first."""
     plan = _plan_of(cfg, q, k).q
     result = _Outputs(q, plan)
-    exchange = RingExchange(cfg.group, tag=0)
+    exchange = make_exchange(cfg.group, tag=0)
     # Two receive buffers alternate (the one just computed on may still be read by the send in flight).
     buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, cfg.world - 1))]
     current = (k, v)
@@ -375,8 +376,8 @@ def _backward(dout, q, k, v, out, lse, last, cfg: _RingConfig):
     # N >= 3 and k not fp32 the finished dK/dV land in buffers[0], free by the last step.
     hops = max(0, world - 2)
     buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, hops))]
-    kv_exchange = RingExchange(cfg.group, tag=0, reverse=True)
-    dkv_exchange = RingExchange(cfg.group, tag=1, reverse=True)
+    kv_exchange = make_exchange(cfg.group, tag=0, reverse=True)
+    dkv_exchange = make_exchange(cfg.group, tag=1, reverse=True)
     current = last if world > 1 else (k, v)
     contributor, result = 0, None
     for t, blocks in enumerate(order):
