@@ -40,6 +40,7 @@ inside the loop only the backends allocate their block results.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -255,6 +256,36 @@ def _fold_outputs(parts: Sequence[_Part], out: torch.Tensor, lse: torch.Tensor, 
             merge_(held, acc[:, r], held_lse, g, gl)
 
 
+YIELD_ENV = "RING_KERNELS_FORWARD_YIELD_US"
+
+
+def _yield_us() -> float:
+    raw = os.environ.get(YIELD_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{YIELD_ENV}={raw!r} must be a number of microseconds (e.g. 20), or unset") from None
+    if not 0.0 <= value <= 1000.0:
+        raise ValueError(f"{YIELD_ENV}={raw!r} must be between 0 and 1000 microseconds")
+    return value
+
+
+def _yield_to_transfer(q: torch.Tensor) -> None:
+    """Hold the compute stream for ``RING_KERNELS_FORWARD_YIELD_US`` microseconds (a one-thread spin kernel)
+    right after the forward's first K/V transfer was issued, before the first block's attention kernel.
+
+    Why: an attention kernel that fills every SM, launched at the same moment as NCCL's SendRecv kernel, keeps
+    that kernel from getting SMs until its own tail, and the transfer then runs exposed (profiled on 2xH200:
+    80-170 us per step). The backward does not need this: cuDNN's small pre-kernel gives NCCL the moment.
+    Off by default (0); CUDA only."""
+    us = _yield_us()
+    if us > 0.0 and q.is_cuda:
+        rate_khz = getattr(torch.cuda.get_device_properties(q.device), "clock_rate", 0) or 1_980_000
+        torch.cuda._sleep(int(us * rate_khz / 1000.0))
+
+
 def _forward(q, k, v, cfg: _RingConfig):
     """Ring forward: q (B, S, H, D), k/v (B, S, Hk, D) -> out (B, S, H, D) in q's dtype, lse (B, H, S) fp32,
     and the K/V block of the last step (that of rank (r + 1) mod N, in a receive buffer; None for a world of
@@ -270,6 +301,8 @@ def _forward(q, k, v, cfg: _RingConfig):
         incoming = buffers[step % 2] if step + 1 < cfg.world else None
         if incoming is not None:
             exchange.start(current, incoming)       # next block travels while this one computes
+            if step == 0:
+                _yield_to_transfer(q)
         for block in blocks:
             out, lse = cfg.backend.forward(
                 q[:, block.q_rows], current[0][:, block.kv_rows], current[1][:, block.kv_rows],
