@@ -65,13 +65,16 @@ def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, var
 
 def _check_varlen_rank(fn: str, q, k, v) -> int:
     """3 when q, k, v are all (T, H|Hk, D); 4 when all are one packed row (1, T, H|Hk, D); else an error."""
+    # On every call of hfpatch's hot path: one comparison chain first, the messages only when it fails.
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        ndim = q.dim()
+        if ndim == k.dim() == v.dim() and (ndim == 3 or (ndim == 4 and q.size(0) == k.size(0) == v.size(0) == 1)):
+            return ndim
     tensors = (("q", q), ("k", k), ("v", v))
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     dims = {q.dim(), k.dim(), v.dim()}
-    if dims == {3} or (dims == {4} and q.shape[0] == k.shape[0] == v.shape[0] == 1):
-        return dims.pop()
     shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
     if dims == {4}:
         fix = ("a packed sequence is one row: concatenate the documents into batch 1 and describe them with "
