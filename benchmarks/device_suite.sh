@@ -17,11 +17,12 @@ profile() { timeout 45 torchrun --nproc-per-node 2 benchmarks/profile_ring.py --
   "$@" 2>&1 | grep -E "^--- rank 0|attention \(cudnn|nccl  "; }
 step() { grep -o "step [0-9.]*" "$1" | head -1 | cut -d' ' -f2; }
 
-# NCCL settings a user can choose (environment, read when the process group is created): the default, a
-# high-priority NCCL stream, and that plus 8 channels minimum (a faster transfer once its kernel gets SMs). Each is
-# profiled on zigzag (causal) and ring (non-causal) x cuDNN; the benchmarks run with the fastest (sum of the two
-# steps; a setting must beat the default by >= 1%). Native CP runs under the same setting.
-SETTINGS=("" "TORCH_NCCL_HIGH_PRIORITY=1" "TORCH_NCCL_HIGH_PRIORITY=1 NCCL_MIN_NCHANNELS=8")
+# NCCL settings a user can choose (environment, read when the process group is created): the default and a
+# high-priority NCCL stream (8 channels minimum was tried in session 3 and gave nothing consistent:
+# results/profile_2xH200_forward_yield_s3.log). Each is profiled on zigzag (causal) and ring (non-causal) x cuDNN;
+# the benchmarks run with the faster (sum of the two steps; it must beat the default by >= 1%). Native CP runs under
+# the same setting.
+SETTINGS=("" "TORCH_NCCL_HIGH_PRIORITY=1")
 sums=()
 for i in "${!SETTINGS[@]}"; do
   log "profiles with NCCL setting [${SETTINGS[$i]:-default}]"

@@ -259,10 +259,13 @@ def _fold_outputs(parts: Sequence[_Part], out: torch.Tensor, lse: torch.Tensor, 
 YIELD_ENV = "RING_KERNELS_FORWARD_YIELD_US"
 
 
+DEFAULT_YIELD_US = 25.0
+
+
 def _yield_us() -> float:
     raw = os.environ.get(YIELD_ENV, "").strip()
     if not raw:
-        return 0.0
+        return DEFAULT_YIELD_US
     try:
         value = float(raw)
     except ValueError:
@@ -273,13 +276,17 @@ def _yield_us() -> float:
 
 
 def _yield_to_transfer(q: torch.Tensor) -> None:
-    """Hold the compute stream for ``RING_KERNELS_FORWARD_YIELD_US`` microseconds (a one-thread spin kernel)
-    right after the forward's first K/V transfer was issued, before the first block's attention kernel.
+    """Hold the compute stream for ``RING_KERNELS_FORWARD_YIELD_US`` microseconds (default 25; 0 turns it off;
+    a one-thread spin kernel) right after the forward's first K/V transfer was issued, before the first block's
+    attention kernel. CUDA only.
 
     Why: an attention kernel that fills every SM, launched at the same moment as NCCL's SendRecv kernel, keeps
     that kernel from getting SMs until its own tail, and the transfer then runs exposed (profiled on 2xH200:
-    80-170 us per step). The backward does not need this: cuDNN's small pre-kernel gives NCCL the moment.
-    Off by default (0); CUDA only."""
+    80-170 us per step, up to ~400 us on another machine). With the pause the transfer's kernel is resident
+    before the attention kernel starts. Measured on 2xH200 (cuDNN, bf16, 8k tokens/GPU, fwd+bwd, one machine,
+    benchmarks/results/profile_2xH200_forward_yield_s3.log): zigzag 7.455 -> 7.073 ms (0 vs 25 us),
+    non-causal ring 14.27 -> 13.76 ms; 10 us was too short to matter. The backward does not need it: cuDNN's
+    small pre-kernel (dO.O) gives NCCL the moment."""
     us = _yield_us()
     if us > 0.0 and q.is_cuda:
         rate_khz = getattr(torch.cuda.get_device_properties(q.device), "clock_rate", 0) or 1_980_000

@@ -465,3 +465,21 @@ def test_ring_variants_match_reference(world):
     # Window/softcap blocks go through the same engine; two world sizes suffice for them (start-up budget).
     extensions = extension_cases(world) if world != 3 else []
     run_world(world, _world_cases, standard_cases(world) + extensions)
+
+
+def test_forward_yield_setting(monkeypatch):
+    """RING_KERNELS_FORWARD_YIELD_US: default 25 us, 0 turns the pause off, anything else is refused by name;
+    on CPU tensors no kernel is launched whatever the setting."""
+    from ring_kernels import ring
+
+    monkeypatch.delenv(ring.YIELD_ENV, raising=False)
+    assert ring._yield_us() == ring.DEFAULT_YIELD_US == 25.0
+    for raw, value in (("0", 0.0), (" 40 ", 40.0), ("12.5", 12.5)):
+        monkeypatch.setenv(ring.YIELD_ENV, raw)
+        assert ring._yield_us() == value
+    for raw in ("fast", "-1", "5000"):
+        monkeypatch.setenv(ring.YIELD_ENV, raw)
+        with pytest.raises(ValueError, match=ring.YIELD_ENV):
+            ring._yield_us()
+    monkeypatch.setenv(ring.YIELD_ENV, "25")
+    ring._yield_to_transfer(torch.zeros(1))       # CPU: nothing to hold, no error
