@@ -514,8 +514,9 @@ def test_the_fast_path_refuses_after_a_cached_plan(kernels, bad, match, monkeypa
     if bad.pop("longer_k", False):
         k = v = torch.randn(1, 12, 4, 8)
     kwargs = _hf_kwargs(wrapper, **bad)
-    if set(bad) - set(kwargs):
-        pytest.skip(f"this release's _flash_attention_forward takes no {sorted(set(bad) - set(kwargs))}")
+    if set(bad) - set(kwargs) or ("block_table" in bad and not _takes("block_table")):
+        # (before 5.19 a block_table keyword lands in **kwargs, which HF's function and hfpatch ignore)
+        pytest.skip(f"this release's _flash_attention_forward takes no {sorted(bad)}")
     with pytest.raises(UnsupportedArgument, match=match):
         _flash_integration(module, wrapper, q, k, v, mask, **kwargs)
 
