@@ -2,9 +2,7 @@
 
 Definitions (N = ranks, same config / causality / mode / tokens per rank):
 
-- ``efficiency``          = N x T_single(local shard, same backend) / T_ring(whole sequence); T_single is the
-                            single step timed alternating with that ring run (``paired_single_time_ms``) when
-                            the run has it, else the case group's single baseline (``t_single_group_ms``)
+- ``efficiency``          = N x T_single(local shard, same backend) / T_ring(whole sequence)
 - ``efficiency_vs_best``  = N x min over every single-GPU baseline (all backends, SDPA included) / T_ring
 - ``t_ideal_ms``          = N x T_single(same backend): a ring that wastes nothing
 - ``t_ring_nocomm_ms``    = the ring with its P2P exchange replaced by local copies (``_nocomm``)
@@ -60,16 +58,11 @@ def summarize(results: List[dict], world_size: int) -> List[dict]:
         row["t_ms"] = _median(r)
         row["tflops_per_gpu"] = r.get("tflops_per_gpu")
         same = base.get(("sdpa_single:" if r["kind"] == "native_cp" else "single:") + r["backend"])
-        row["t_single_group_ms"] = _median(same) if same else None
-        paired = r.get("paired_single_time_ms")
-        row["t_single_ms"] = paired["median_ms"] if paired else row["t_single_group_ms"]
-        row["t_ideal_ms"] = world_size * row["t_single_ms"] if row["t_single_ms"] is not None else None
-        row["efficiency"] = row["t_ideal_ms"] / row["t_ms"] if row["t_ideal_ms"] is not None else None
+        row["t_single_ms"] = _median(same) if same else None
+        row["t_ideal_ms"] = world_size * row["t_single_ms"] if same else None
+        row["efficiency"] = row["t_ideal_ms"] / row["t_ms"] if same else None
         row["best_single"] = best_name
-        # The fastest baseline of any backend; the run's own paired single counts too (it may be the fastest).
-        best_ms = min([x for x in (_median(best) if best else None, row["t_single_ms"]) if x is not None],
-                      default=None)
-        row["efficiency_vs_best"] = world_size * best_ms / row["t_ms"] if best_ms is not None else None
+        row["efficiency_vs_best"] = world_size * _median(best) / row["t_ms"] if best else None
         if r["kind"] == "ring":
             nc = nocomm.get(key + (r["variant"], r["backend"]))
             row["t_ring_nocomm_ms"] = _median(nc) if nc else None

@@ -10,12 +10,12 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Timing", "time_callable", "time_interleaved", "peak_memory_bytes", "synchronize"]
+__all__ = ["Timing", "time_callable", "peak_memory_bytes", "synchronize"]
 
 
 @dataclass(frozen=True)
@@ -78,47 +78,6 @@ def time_callable(fn: Callable[[], object], *, device: torch.device, warmup: int
         median_ms=statistics.median(per_iter), mean_ms=statistics.fmean(per_iter),
         min_ms=min(per_iter), max_ms=max(per_iter), iters=iters, warmup=warmup,
     )
-
-
-def time_interleaved(fns: Sequence[Callable[[], object]], *, device: torch.device, warmup: int, iters: int,
-                     group=None) -> List[Timing]:
-    """Time several callables iteration by iteration, alternating (fn0, fn1, ..., fn0, fn1, ...), one Timing each.
-
-    Why: a ring and its single-GPU baseline timed seconds apart see different GPU clocks and thermal states
-    (a long run drifts by a few percent); alternating them makes their ratio a same-conditions measurement.
-    On CUDA every call is bracketed by its own events; nothing synchronises between calls.
-    """
-    if iters < 1 or not fns:
-        raise ValueError(f"time_interleaved: iters={iters} must be >= 1 and fns non-empty")
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    synchronize(device)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)
-    per_fn: List[List[float]] = [[] for _ in fns]
-    if device.type == "cuda":
-        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                   for _ in range(iters)] for _ in fns]
-        for i in range(iters):
-            for j, fn in enumerate(fns):
-                events[j][i][0].record()
-                fn()
-                events[j][i][1].record()
-        torch.cuda.synchronize(device)
-        per_fn = [[s.elapsed_time(e) for s, e in evs] for evs in events]
-    else:
-        for _ in range(iters):
-            for j, fn in enumerate(fns):
-                t0 = time.perf_counter()
-                fn()
-                per_fn[j].append((time.perf_counter() - t0) * 1e3)
-    out = []
-    for values in per_fn:
-        values = _max_over_ranks(values, device, group)
-        out.append(Timing(median_ms=statistics.median(values), mean_ms=statistics.fmean(values),
-                          min_ms=min(values), max_ms=max(values), iters=iters, warmup=warmup))
-    return out
 
 
 def peak_memory_bytes(fn: Callable[[], object], *, device: torch.device, baseline_bytes: int,

@@ -126,9 +126,7 @@ def markdown(doc: dict) -> str:
            + "".join(f"; left out: {b} ({why})" for b, why in doc["settings"].get("backends_left_out", {}).items())
            + "\n",
            "Times are medians per call, slowest rank. Efficiency = N x T_single(local shard, same backend) / "
-           "T_ring" + ("; T_single timed alternating call by call with each ring run (same clocks)"
-                       if doc["settings"].get("pair_single") else "")
-           + "; 'vs best' uses the fastest single-GPU baseline of any backend. See benchmarks/README.md.\n"]
+           "T_ring; 'vs best' uses the fastest single-GPU baseline of any backend. See benchmarks/README.md.\n"]
     if any(s["tokens_per_rank"] == TARGET_TOKENS for s in doc["summary"]):
         out += ["## Targets (issue 8)\n", _table(["config", "target", "best run", "reached"], targets(doc))]
     out += ["## Ring attention\n", _table(

@@ -41,7 +41,7 @@ from _runners import (Inputs, input_bytes, make_backend_step, make_inputs,  # no
                       make_ring_step, make_varlen_single_step, ring_outputs_and_grads, shard_inputs,
                       shard_tensors)
 from _stamp import stamp  # noqa: E402
-from _timing import peak_memory_bytes, time_callable, time_interleaved  # noqa: E402
+from _timing import peak_memory_bytes, time_callable  # noqa: E402
 import native_cp  # noqa: E402
 import report  # noqa: E402
 from _summary import summarize  # noqa: E402
@@ -92,9 +92,6 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--native", default="flash,cudnn,efficient", help="SDPA backends for native CP ('' = none)")
     p.add_argument("--native-rotate", default="allgather", help="allgather and/or alltoall, comma-separated")
     p.add_argument("--no-nocomm", action="store_true", help="skip the runs without communication")
-    p.add_argument("--no-pair-single", action="store_true",
-                   help="do not re-time each ring run's single-GPU baseline alternating with it (efficiency then "
-                        "uses the baselines timed at the start of the case group)")
     p.add_argument("--skip-rank-check", action="store_true",
                    help=f"time with {_SKIP_RANK_CHECK_ENV}=1 (no per-call cross-rank shape check: one all_gather "
                         "and a host sync less per call); the correctness gate always runs with the check")
@@ -246,26 +243,15 @@ def _rank_check_skipped(skip: bool) -> Iterator[None]:
             os.environ[_SKIP_RANK_CHECK_ENV] = saved
 
 
-def _timing_fields(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int],
-                   paired=None) -> dict:
+def _timing_fields(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int]) -> dict:
     with _rank_check_skipped(bench.args.skip_rank_check):
-        return _timed(bench, step, mode, tokens, flops, mem_baseline, paired)
+        return _timed(bench, step, mode, tokens, flops, mem_baseline)
 
 
-def _timed(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int],
-           paired=None) -> dict:
-    """Time ``step(mode)``; with ``paired`` (the single-GPU step of the same backend on this rank's shard) the two
-    are timed alternating call by call, and the single's timing is recorded next to the ring's."""
+def _timed(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int]) -> dict:
     warmup, iters = _iters_for(tokens, bench.args)
-    paired_fields = {}
-    if paired is None:
-        timing = time_callable(lambda: step(mode), device=bench.device, warmup=warmup, iters=iters)
-    else:
-        timing, single = time_interleaved([lambda: step(mode), lambda: paired(mode)], device=bench.device,
-                                          warmup=warmup, iters=iters)
-        paired_fields = {"paired_single_time_ms": single.as_dict()}
-    fields = {"time_ms": timing.as_dict(), "tflops_per_gpu": flops / bench.world / (timing.median_ms * 1e-3) / 1e12,
-              **paired_fields}
+    timing = time_callable(lambda: step(mode), device=bench.device, warmup=warmup, iters=iters)
+    fields = {"time_ms": timing.as_dict(), "tflops_per_gpu": flops / bench.world / (timing.median_ms * 1e-3) / 1e12}
     if mem_baseline is not None:
         fields["peak_mem_bytes"] = peak_memory_bytes(lambda: step(mode), device=bench.device,
                                                      baseline_bytes=mem_baseline)
@@ -298,21 +284,17 @@ def run_group(bench: Bench, cfg: AttnConfig, layout: str, causal: bool, tokens: 
     if varlen:
         common["documents_global"] = len(doc_global)
 
-    # Single-GPU baselines on this GPU's share (same backends), then every variant x backend on the ring, each
-    # ring run timed alternating with its backend's single step again (same clocks; ``_timed``).
+    # Single-GPU baselines on this GPU's share (same backends), then every variant x backend on the ring.
     single_in = make_inputs(cfg, tokens, dtype=bench.dtype, device=bench.device, seed=1, doc_lengths=local_mix)
-
-    def single_maker(backend: str):
-        if varlen:
-            return lambda: make_varlen_single_step(single_in, causal=causal, backend=backend,
-                                                   solo_group=bench.solo_group)
-        return lambda: make_backend_step(backend, single_in, causal=causal)
-
     for backend in bench.backends if variants else ():
-        _measure(bench, single_maker(backend), single_in,
-                 dict(common, kind="single", variant="single", backend=backend), doc_lengths_local, tag)
+        make = (lambda b=backend, x=single_in: make_varlen_single_step(x, causal=causal, backend=b,
+                                                                        solo_group=bench.solo_group)) if varlen \
+            else (lambda b=backend, x=single_in: make_backend_step(b, x, causal=causal))
+        _measure(bench, make, single_in, dict(common, kind="single", variant="single", backend=backend),
+                 doc_lengths_local, tag)
     if not varlen:
         _sdpa_and_native(bench, cfg, causal, tokens, common, single_in, check, tag)
+    single_in = None   # free it before the N-times larger global inputs exist
     bench.free()
 
     global_in = make_inputs(cfg, tokens * n, dtype=bench.dtype, device=bench.device, seed=2, doc_lengths=doc_global)
@@ -332,30 +314,25 @@ def run_group(bench: Bench, cfg: AttnConfig, layout: str, causal: bool, tokens: 
             base.update(check=verdict["check"], kv_double_buffer_bytes=2 * kv)
             make = lambda v=variant, b=backend, x=local: make_ring_step(  # noqa: E731
                 v, x, causal=causal, backend=b, global_doc_lengths=doc_global)
-            _measure(bench, make, local, base, doc_lengths_global, tag,
-                     make_paired=None if args.no_pair_single else single_maker(backend))
+            _measure(bench, make, local, base, doc_lengths_global, tag)
             if not args.no_nocomm:
                 _measure_nocomm(bench, make, local, base, doc_lengths_global, tag)
         local = None
         bench.free()
-    global_in = single_in = None
+    global_in = None
     bench.free(collect=bench.device.type == "cuda")
 
 
-def _measure(bench: Bench, make, local: Inputs, base: dict, doc_lengths, tag: str, make_paired=None) -> None:
-    """Time ``make()``'s step in every mode and record it (or record why it could not run). ``make_paired``: the
-    single-GPU step to time alternating with it (ring runs; see ``_timed``)."""
+def _measure(bench: Bench, make, local: Inputs, base: dict, doc_lengths, tag: str) -> None:
+    """Time ``make()``'s step in every mode and record it (or record why it could not run)."""
     step, err = _attempt(bench, make)
-    paired = None
-    if err is None and make_paired is not None:
-        paired, _perr = _attempt(bench, make_paired)   # no paired baseline: the group's single is used
     for mode in bench.args.modes:
         fields = dict(base, mode=mode)
         if err is None:
             flops = attention_flops(doc_lengths, nheads=local.q.shape[-2], head_dim=local.q.shape[-1],
                                     causal=base["causal"], mode=mode)
             timing, err_t = _attempt(bench, lambda: _timing_fields(bench, step, mode, base["tokens_per_rank"],
-                                                                    flops, _mem_baseline(bench, local), paired))
+                                                                    flops, _mem_baseline(bench, local)))
             if err_t is None:
                 bench.record(**fields, status="ok", **timing)
                 bench.log(f"{tag} {base['kind']} {base['variant']}/{base['backend']} {mode}: "
@@ -530,7 +507,7 @@ def _document(bench: Bench) -> dict:
             "layouts": args.layouts, "variants": args.variants, "backends": bench.backends,
             "backends_left_out": bench.backends_left_out,
             "causal": args.causal, "modes": args.modes, "native": args.native, "native_rotate": args.native_rotate,
-            "nocomm": not args.no_nocomm, "pair_single": not args.no_pair_single, "skip_rank_check": args.skip_rank_check, "dtype": args.dtype, "check_tokens_per_rank": args.check_tokens,
+            "nocomm": not args.no_nocomm, "skip_rank_check": args.skip_rank_check, "dtype": args.dtype, "check_tokens_per_rank": args.check_tokens,
             "iters": {str(t): dict(zip(("warmup", "iters"), _iters_for(t, args))) for t in args.tokens},
             "argv": sys.argv[1:],
         },
