@@ -51,7 +51,7 @@ the backward splits them at a document boundary into two such calls around the r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -155,13 +155,16 @@ def _local_segments(blocks: List[_Llama3Block], device) -> Optional[VarlenSegmen
     return segments_from_rows([b.q_rows for b in blocks], [b.kv_rows for b in blocks], kinds == {CAUSAL}, device)
 
 
-def _varlen_local(plan: _Llama3Plan, kernel: Optional[VarlenKernel], local: int,
-                  device) -> Optional[_VarlenLocal]:
-    """The varlen fast path for ``plan``'s local blocks, or None (no kernel, or blocks it cannot batch).
+_Segments3 = Tuple[VarlenSegments, Optional[VarlenSegments], Optional[VarlenSegments]]
+
+
+def _local_fast_segments(plan: _Llama3Plan, local: int, device) -> Optional[_Segments3]:
+    """(whole, before, after) segments of the varlen fast path for ``plan``'s local blocks (see
+    ``_VarlenLocal``), or None when the blocks cannot be batched.
 
     The forward initialises the accumulators with this call, so its documents must cover all ``local`` rows.
     """
-    if kernel is None or not plan.local_blocks:
+    if not plan.local_blocks:
         return None
     whole = _local_segments(plan.local_blocks, device)
     if whole is None or (whole.q_rows.start, whole.q_rows.stop) != (0, local):
@@ -170,15 +173,47 @@ def _varlen_local(plan: _Llama3Plan, kernel: Optional[VarlenKernel], local: int,
     split = [_local_segments(part, device) if part else None for part in (before, after)]
     if any(part and seg is None for part, seg in zip((before, after), split)):
         return None
-    return _VarlenLocal(kernel, whole, split[0], split[1])
+    return whole, split[0], split[1]
+
+
+class _Llama3Prepared:
+    """The host plan of one llama3 call (cached per cu_seqlens: ``varlen._CuEntry.get``): the ``plan``, the
+    local blocks' ``local_sizes`` (for ``varlen_kernel_for``), and, filled on first use, the fast path's
+    segments per device (their cumulative lengths already on the device) and the rounding plans of the rows
+    (``memo``, per fast path or not) -- so a repeated call plans nothing and copies nothing to the device."""
+
+    def __init__(self, plan: _Llama3Plan, local: int):
+        self.plan, self.local = plan, local
+        self.local_sizes = [(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start)
+                            for b in plan.local_blocks]
+        self._segments: Dict[torch.device, Optional[_Segments3]] = {}
+        self.memos: Dict[bool, dict] = {False: {}, True: {}}
+
+    def fast(self, kernel: Optional[VarlenKernel], device: torch.device) -> Optional[_VarlenLocal]:
+        if kernel is None:
+            return None
+        if device not in self._segments:
+            self._segments[device] = _local_fast_segments(self.plan, self.local, device)
+        segments = self._segments[device]
+        return None if segments is None else _VarlenLocal(kernel, *segments)
 
 
 class _Llama3Config:
+    """Everything one call needs besides the tensors. ``memo``: derived values of (plan, fast path or not)
+    computed once (shared through ``_Llama3Prepared`` by the calls of one cu_seqlens; {} = this call only)."""
+
     def __init__(self, plan: _Llama3Plan, backend: BlockBackend, scale, softcap, group, rank, world,
-                 heads_k_stride, fast: Optional[_VarlenLocal] = None):
+                 heads_k_stride, fast: Optional[_VarlenLocal] = None, memo: Optional[dict] = None):
         self.plan, self.backend, self.scale, self.softcap = plan, backend, scale, softcap
         self.group, self.rank, self.world, self.stride = group, rank, world, heads_k_stride
         self.fast = fast
+        self.memo = {} if memo is None else memo
+
+    def memoised(self, key, compute: Callable[[], object]):
+        """``compute()`` once per ``key`` (which must name everything it depends on besides plan and fast)."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
 
 class _SliceGather:
@@ -285,7 +320,8 @@ def _forward_ranges(cfg: _Llama3Config) -> List[slice]:
 def _forward(q4, k4, v4, cfg: _Llama3Config):
     """q4 (1, L, H, D), k4/v4 (1, L, Hk, D) -> out (1, L, H, D) in q's dtype, lse (1, H, L) fp32."""
     plan = cfg.plan
-    result = _Result(q4, _rows_plan(_forward_ranges(cfg), q4.shape[1]))
+    rows = cfg.memoised(("forward rows", q4.shape[1]), lambda: _rows_plan(_forward_ranges(cfg), q4.shape[1]))
+    result = _Result(q4, rows)
     slices, group_size = k4.shape[2] // cfg.stride, q4.shape[2] // k4.shape[2]
     gather = _SliceGather(k4, v4, cfg) if plan.gather else None
     if gather:
@@ -490,8 +526,10 @@ def _backward(dout4, q4, k4, v4, out4, lse, cfg: _Llama3Config):
     """
     plan = cfg.plan
     slices, group_size = k4.shape[2] // cfg.stride, q4.shape[2] // k4.shape[2]
-    before, after = _halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
-    dq = _QueryGrads(q4, _rows_plan(_backward_ranges(cfg, before, after), q4.shape[1]))
+    before, after = cfg.memoised("halves", lambda: _halves(plan.local_blocks) if plan.gather
+                                 else (plan.local_blocks, []))
+    dq = _QueryGrads(q4, cfg.memoised(("backward rows", q4.shape[1]), lambda: _rows_plan(
+        _backward_ranges(cfg, before, after), q4.shape[1])))
     if cfg.fast is not None:                          # the same halves as packed-document calls
         before, after = cfg.fast.before, cfg.fast.after
     grads = _KVGrads(k4, cfg)
@@ -563,14 +601,17 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     call = _VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=12,
                        extra_fields=[("heads_k_stride", stride)])
-    plan = _llama3_plan(call.cu, call.rank, call.world, call.local, call.causal, call.window)
+    prepared = call.entry.get(("llama3", call.rank, call.world, call.local, call.causal, call.window),
+                              lambda: _Llama3Prepared(_llama3_plan(call.cu, call.rank, call.world, call.local,
+                                                                   call.causal, call.window), call.local))
+    plan = prepared.plan
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                          mask_kind=FULL if plan.kind == EMPTY else plan.kind, softcap=call.softcap)
-    local_sizes = [(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start) for b in plan.local_blocks]
     kernel = varlen_kernel_for(backend, chosen.name, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
-                               softcap=call.softcap, document_lengths=local_sizes)
-    cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.rank, call.world, stride,
-                        _varlen_local(plan, kernel, call.local, q.device))
+                               softcap=call.softcap, document_lengths=prepared.local_sizes)
+    fast = prepared.fast(kernel, q.device)
+    cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.rank, call.world, stride, fast,
+                        prepared.memos[fast is not None])
     if q.dim() == 4:                                  # HF's packed row (1, T, H, D): the kernel's own layout
         return _Llama3Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
     out = _Llama3Attention.apply(q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0),

@@ -27,8 +27,10 @@ the step uses (zigzag's half-steps) are gathered out before the call and come ba
 """
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,7 +39,7 @@ from .backends import CAUSAL, EMPTY, FULL, GENERAL, get_backend
 from .backends.base import BlockBackend, BlockMask
 from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_lengths, varlen_kernel_for
 from .comm import group_rank_and_size
-from .ring import _Block, _RingAttention, _RingConfig
+from .ring import _Block, _Plan, _RingAttention, _RingConfig, _plan
 
 __all__ = ["ring_attn_varlen_func", "zigzag_ring_attn_varlen_func"]
 
@@ -162,14 +164,20 @@ def _zigzag_window_blocks(builder: _StepBuilder, blocks: List[_Block], start: in
 # ---------------------------------------------------------------------------------------- validation
 
 
-def _check_cu_seqlens(fn: str, cu_seqlens) -> torch.Tensor:
-    """cu_seqlens as a CPU int64 tensor (num_docs + 1,), starting at 0, non-decreasing."""
+def _check_cu_type(fn: str, cu_seqlens) -> None:
+    """A 1-D integer tensor (metadata only: no device sync)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{fn}: cu_seqlens must be a 1-D int32 torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
         raise _validate.RingInputError(
             f"{fn}: cu_seqlens has dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}; expected a 1-D "
             f"integer tensor (int32) of cumulative document lengths starting at 0")
+
+
+def _check_cu_seqlens(fn: str, cu_seqlens) -> torch.Tensor:
+    """cu_seqlens as a CPU int64 tensor (num_docs + 1,), starting at 0, non-decreasing.
+    On CUDA the copy waits for every queued kernel: call through ``_cu_entry``, which does it once per tensor."""
+    _check_cu_type(fn, cu_seqlens)
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     lengths = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or bool((lengths < 0).any()):
@@ -185,8 +193,95 @@ def _cu_fingerprint(cu: torch.Tensor) -> float:
     return float(int((cu * weights).sum()) % (1 << 52))
 
 
+# ------------------------------------------------------------------------------ host cache of cu_seqlens
+#
+# hfpatch calls these functions once per attention layer with THE SAME cu_seqlens tensor for every layer of a
+# step. Copying it to the host (and planning from it) on every call costs a device->host copy that waits for
+# every queued kernel (the GPU idles while the host plans). The cache below keeps, per cu_seqlens object, its
+# validated CPU copy and everything planned from it, so that a repeated call does no copy and no planning.
+#
+# Safety: an entry is keyed by ``id(cu_seqlens)`` but only answers for the very object it was built from
+# (a weak reference to it is alive and ``is`` the tensor), unmodified since (``_version``, bumped by every
+# in-place write through the tensor or a view sharing its version counter), on the same device, dtype and
+# shape. A dead weak reference never matches, so an id reused by a new tensor is a miss. Writes that bypass the
+# version counter (``.data``, or another tensor made with ``.data`` / ``set_`` over the same storage) are not
+# seen: do not modify cu_seqlens that way between calls. Inference-mode tensors have no version counter: they
+# are validated on every call (not cached). A new tensor with equal content is a miss (identity, not content).
+
+_CU_CACHE_SIZE = 8          # cu_seqlens tensors remembered (LRU): one per step in flight is typical
+_DERIVED_PER_TENSOR = 16    # plans per tensor (rank/world/local/causal/window/layout combinations), LRU
+_CU_CACHE: "OrderedDict[int, _CuEntry]" = OrderedDict()
+_CU_CACHE_STATS = {"hits": 0, "misses": 0}   # counted for tests and benchmarks
+
+
+class _CuEntry:
+    """What one cu_seqlens tensor gives on the host: ``cu`` (CPU int64 (num_docs + 1,), validated), ``total``
+    (cu[-1]), ``fingerprint`` (``_cu_fingerprint``), and ``derived`` plans (``get``)."""
+
+    __slots__ = ("ref", "version", "device", "dtype", "shape", "cu", "total", "fingerprint", "derived")
+
+    def __init__(self, tensor: torch.Tensor, version: Optional[int], cu: torch.Tensor):
+        self.ref = weakref.ref(tensor)
+        self.version, self.device, self.dtype, self.shape = version, tensor.device, tensor.dtype, tensor.shape
+        self.cu = cu
+        self.total = int(cu[-1])                      # cu is on the host: no device sync
+        self.fingerprint = _cu_fingerprint(cu)
+        self.derived: "OrderedDict[tuple, object]" = OrderedDict()
+
+    def matches(self, tensor: torch.Tensor) -> bool:
+        """The entry was built from ``tensor`` itself, and it has not changed since (metadata only: no sync)."""
+        return (self.ref() is tensor and tensor._version == self.version and tensor.device == self.device
+                and tensor.dtype == self.dtype and tensor.shape == self.shape)
+
+    def get(self, key: tuple, compute: Callable[[], object]):
+        """The plan under ``key`` (a tuple of everything besides cu_seqlens that it depends on), computed once.
+        A computation that raises stores nothing (the next call raises again)."""
+        value = self.derived.get(key, _MISSING)
+        if value is _MISSING:
+            value = self.derived[key] = compute()
+            while len(self.derived) > _DERIVED_PER_TENSOR:
+                self.derived.popitem(last=False)
+        else:
+            self.derived.move_to_end(key)
+        return value
+
+
+_MISSING = object()
+
+
+def _cu_entry(fn: str, cu_seqlens) -> _CuEntry:
+    """The cache entry of ``cu_seqlens`` (validated once per object and version; errors as ``_check_cu_seqlens``).
+    A hit reads tensor metadata only: no device->host copy, no ``.item()``."""
+    _check_cu_type(fn, cu_seqlens)
+    if cu_seqlens.is_inference():                     # no version counter: an in-place write would go unseen
+        _CU_CACHE_STATS["misses"] += 1
+        return _CuEntry(cu_seqlens, None, _check_cu_seqlens(fn, cu_seqlens))
+    key = id(cu_seqlens)
+    entry = _CU_CACHE.get(key)
+    if entry is not None and entry.matches(cu_seqlens):
+        _CU_CACHE.move_to_end(key)
+        _CU_CACHE_STATS["hits"] += 1
+        return entry
+    _CU_CACHE_STATS["misses"] += 1
+    version = cu_seqlens._version                     # read before the copy: the copy is of this version
+    entry = _CuEntry(cu_seqlens, version, _check_cu_seqlens(fn, cu_seqlens))   # raises before storing
+    _CU_CACHE[key] = entry
+    _CU_CACHE.move_to_end(key)
+    while len(_CU_CACHE) > _CU_CACHE_SIZE:
+        _CU_CACHE.popitem(last=False)
+    return entry
+
+
+def _clear_cu_cache() -> None:
+    """Forget every cached cu_seqlens (and the plans and device tensors built from them); reset the counters."""
+    _CU_CACHE.clear()
+    _CU_CACHE_STATS.update(hits=0, misses=0)
+
+
 class _VarlenCall:
-    """Validated arguments of one varlen call: rank, world, cu (CPU int64), local tokens, scale, window."""
+    """Validated arguments of one varlen call: rank, world, cu (CPU int64) and its cache ``entry``, local
+    tokens, scale, window. No device sync when cu_seqlens is cached (``_cu_entry``) and the ranks' check is
+    skipped (a world of one, or ``rank_check_scope``)."""
 
     def __init__(self, fn: str, q, k, v, cu_seqlens, *, group, causal, softmax_scale, window_size, softcap,
                  dropout_p, layout_code: int, extra_fields: Sequence[Tuple[str, float]] = ()):
@@ -195,7 +290,8 @@ class _VarlenCall:
         self.scale = _validate.resolve_scale(fn, softmax_scale, q.shape[-1])
         self.softcap = float(softcap)
         self.causal = bool(causal)
-        self.cu = _check_cu_seqlens(fn, cu_seqlens)
+        self.entry = _cu_entry(fn, cu_seqlens)
+        self.cu = self.entry.cu
         self.rank, self.world = group_rank_and_size(group)
         t, h, d = q.shape[-3:]                        # (T, H, D) or HF's packed row (1, T, H, D)
         self.local = t
@@ -203,7 +299,7 @@ class _VarlenCall:
                   ("headdim", d), ("dtype", _validate.dtype_code(q.dtype)), ("causal", int(self.causal)),
                   ("softmax_scale", self.scale), ("softcap", self.softcap), ("window_left", self.window[0]),
                   ("window_right", self.window[1]), ("cu_seqlens length", self.cu.numel()),
-                  ("cu_seqlens[-1]", int(self.cu[-1])), ("cu_seqlens fingerprint", _cu_fingerprint(self.cu)),
+                  ("cu_seqlens[-1]", self.entry.total), ("cu_seqlens fingerprint", self.entry.fingerprint),
                   *extra_fields]
         if self.world > 1:
             _validate.check_ranks_agree(fn, group, fields, q.device)
@@ -213,9 +309,9 @@ class _VarlenCall:
                 f"{fn}: q has 0 local tokens (shape {tuple(q.shape)}); every rank must hold at least one token "
                 f"of the packed sequence (shard it with ring_kernels.shard(x, dim=0, cu_seqlens=..., layout=...))")
         total = self.local * self.world
-        if int(self.cu[-1]) != total:
+        if self.entry.total != total:
             raise _validate.RingInputError(
-                f"{fn}: cu_seqlens[-1]={int(self.cu[-1])} but the group holds {self.world} ranks x {self.local} "
+                f"{fn}: cu_seqlens[-1]={self.entry.total} but the group holds {self.world} ranks x {self.local} "
                 f"local tokens = {total}; cu_seqlens must be the cumulative lengths of the whole (global) packed "
                 f"sequence, identical on every rank, and every rank must hold the same number of tokens")
 
@@ -334,17 +430,68 @@ class _VarlenStepBackend:
 # -------------------------------------------------------------------------------------------- running
 
 
-def _run_ring_varlen(q, k, v, call: _VarlenCall, steps: List[List[_Block]], kind: str, backend: str, group):
-    """Pick the backend for the most general block kind and run the ring engine on batch 1."""
+Steps = List[List[_Block]]
+
+
+class _RingPrepared:
+    """The host plan of one ring/zigzag varlen call (cached per cu_seqlens: ``_CuEntry.get``).
+
+    ``steps``: the per-document blocks of every ring step; ``kind``: their most general mask kind; ``sizes``:
+    every block's (query rows, key rows), for ``varlen_kernel_for``; ``local``: tokens per rank. Filled on
+    first use: the ring engine's contribution plan (``ring._plan``) of ``steps``, and per device the varlen
+    fast path's batched steps (one block per step, index/cumulative-length tensors already on the device)
+    with their own plan -- so a repeated call plans nothing and copies nothing to the device.
+    """
+
+    def __init__(self, steps: Steps, kind: str, local: int):
+        self.steps, self.kind, self.local = steps, kind, local
+        self.sizes = [(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start)
+                      for step in steps for b in step]
+        self._plan: Optional[_Plan] = None
+        self._batched: Dict[torch.device, Optional[Tuple[Steps, _Plan]]] = {}
+
+    def per_block(self) -> Tuple[Steps, _Plan]:
+        """The per-document steps and their contribution plan."""
+        if self._plan is None:
+            self._plan = _plan(self.steps, self.local, self.local)
+        return self.steps, self._plan
+
+    def batched(self, device: torch.device) -> Optional[Tuple[Steps, _Plan]]:
+        """Every step as one ``_StepMask`` block on ``device`` and their plan, or None (cannot be batched)."""
+        if device not in self._batched:
+            steps = _batched_steps(self.steps, device)
+            self._batched[device] = None if steps is None else (steps, _plan(steps, self.local, self.local))
+        return self._batched[device]
+
+
+def _ring_prepared(call: _VarlenCall) -> _RingPrepared:
+    key = ("ring", call.rank, call.world, call.local, call.causal, call.window)
+    return call.entry.get(key, lambda: _RingPrepared(
+        *_ring_varlen_steps(call.cu, call.rank, call.world, call.local, call.causal, call.window), call.local))
+
+
+def _zigzag_prepared(fn: str, call: _VarlenCall) -> _RingPrepared:
+    # The documents' check is cached only once it passed (a failing one raises again on every call).
+    call.entry.get(("zigzag documents", call.world), lambda: _check_zigzag_documents(fn, call.cu, call.world))
+    key = ("zigzag", call.rank, call.world, call.local, call.causal, call.window)
+    return call.entry.get(key, lambda: _RingPrepared(
+        *_zigzag_varlen_steps(call.cu, call.rank, call.world, call.causal, call.window), call.local))
+
+
+def _run_ring_varlen(q, k, v, call: _VarlenCall, prepared: _RingPrepared, backend: str, group):
+    """Pick the backend for the most general block kind and run the ring engine on batch 1 (plans from
+    ``prepared``: the engine's ``_RingConfig.plan`` is passed in, not recomputed)."""
+    kind = prepared.kind
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                          mask_kind=FULL if kind == EMPTY else kind, softcap=call.softcap)
-    sizes = [(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start) for step in steps for b in step]
     kernel = varlen_kernel_for(backend, chosen.name, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
-                               softcap=call.softcap, document_lengths=sizes)
-    batched = _batched_steps(steps, q.device) if kernel is not None else None
+                               softcap=call.softcap, document_lengths=prepared.sizes)
+    batched = prepared.batched(q.device) if kernel is not None else None
     if batched is not None:
-        steps, chosen = batched, _VarlenStepBackend(kernel, chosen)
-    cfg = _RingConfig(steps, chosen, call.scale, call.softcap, group, call.rank, call.world)
+        (steps, plan), chosen = batched, _VarlenStepBackend(kernel, chosen)
+    else:
+        steps, plan = prepared.per_block()
+    cfg = _RingConfig(steps, chosen, call.scale, call.softcap, group, call.rank, call.world, plan=plan)
     if q.dim() == 4:                                  # a packed row (1, T, H, D) is the engine's own layout
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
     out = _RingAttention.apply(q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0),
@@ -365,8 +512,7 @@ def ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, soft
     fn = "ring_attn_varlen_func"
     call = _VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=10)
-    steps, kind = _ring_varlen_steps(call.cu, call.rank, call.world, call.local, call.causal, call.window)
-    return _run_ring_varlen(q, k, v, call, steps, kind, backend, group)
+    return _run_ring_varlen(q, k, v, call, _ring_prepared(call), backend, group)
 
 
 def zigzag_ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=True, softmax_scale=None,
@@ -383,6 +529,4 @@ def zigzag_ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=True
     _validate.require_causal(fn, causal, alternative="ring_attn_varlen_func")
     call = _VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=11)
-    _check_zigzag_documents(fn, call.cu, call.world)
-    steps, kind = _zigzag_varlen_steps(call.cu, call.rank, call.world, call.causal, call.window)
-    return _run_ring_varlen(q, k, v, call, steps, kind, backend, group)
+    return _run_ring_varlen(q, k, v, call, _zigzag_prepared(fn, call), backend, group)
