@@ -345,6 +345,7 @@ def _group_cases(group, rank, n, cases):
         for causal, stride, standin in ((True, None, False), (False, 1, False), (True, None, True)):
             _llama3_dkdv_rounded_once(group, rank, n, "cpu", causal=causal, stride=stride,
                                       standin=_PlainVarlenKernel() if standin else None)
+        _cached_calls_across_ranks(group, rank, n)
     if n in (2, 3):
         _llama3_kv_grad_buffers(group, rank, n)
 
@@ -693,6 +694,253 @@ def test_llama3_plan_local_blocks_first_remote_blocks_only_for_crossing_document
     aligned = _cu([2, 4, 6, 1, 5]).long()          # boundaries at 6 and 12 fall between documents
     for causal in (True, False):
         assert not any(_llama3_plan(aligned, r, n, local, causal, (-1, -1)).remote_blocks for r in range(n))
+
+
+# ------------------------------------------------------------------------------ cu_seqlens host cache
+#
+# hfpatch passes the same cu_seqlens object to every layer of a step: the host copy (a device sync on CUDA),
+# its validation and the plans are made once per object and version (``varlen._cu_entry``). Identity, not
+# content, keys the cache: a new tensor with equal content is a miss.
+
+_CACHE_DOCS = {"ring": [3, 4, 2, 3], "zigzag": [2, 4, 0, 6], "llama3": [3, 4, 2, 3]}   # 12 tokens each
+_CACHE_FN = {"ring": "ring_attn_varlen_func", "zigzag": "zigzag_ring_attn_varlen_func",
+             "llama3": "llama3_attn_varlen_func"}
+
+
+class _Counted:
+    """Counts the calls of ``module.<name>`` within the block (and still calls it)."""
+
+    def __init__(self, module, name):
+        self.module, self.name, self.calls = module, name, 0
+
+    def __enter__(self):
+        self.original = getattr(self.module, self.name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        setattr(self.module, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.original)
+
+
+def _cache_inputs(variant, seed=7, dtype=torch.float32):
+    torch.manual_seed(seed)
+    t = sum(_CACHE_DOCS[variant])
+    q, k, v = (torch.randn(t, heads, 16, dtype=dtype) for heads in (4, 2, 2))
+    return q, k, v, torch.randn(t, 4, 16, dtype=dtype)
+
+
+def _cache_call(variant, cu, q, k, v, dout, group=None, **kwargs):
+    """(out, dq, dk, dv) of one call (world of one unless ``group``), causal, torch_cpu blocks."""
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    out = _fn(variant)(*leaves, cu, group=group, causal=True, backend="torch_cpu", **kwargs)
+    out.backward(dout)
+    return (out.detach(), *(x.grad for x in leaves))
+
+
+def _assert_same(got, want, what):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), f"{what}: {name} differs"
+
+
+def _assert_matches_reference(got, q, k, v, dout, cu, what):
+    ref_in = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref_out = _reference(*ref_in, cu, causal=True)
+    ref_out.backward(dout.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref_out, *(x.grad for x in ref_in))):
+        err, limit = _errors(a, b, torch.float32)
+        assert err < limit, f"{what}: {name} error {err:.3g} >= {limit}"
+
+
+@pytest.fixture
+def cu_cache():
+    """The cache, emptied before and after the test; yields ``varlen``'s module (its counters)."""
+    import ring_kernels.varlen as varlen
+
+    varlen._clear_cu_cache()
+    yield varlen
+    varlen._clear_cu_cache()
+
+
+@pytest.mark.parametrize("standin", [False, True], ids=["blocks", "varlen_fast_path"])
+def test_same_cu_seqlens_object_is_copied_and_planned_once(cu_cache, standin):
+    """Per variant: two calls with one cu_seqlens object -> one host copy, one plan, one engine plan; the second
+    call (cached plans; with the stand-in, cached batched steps / local segments) gives identical results."""
+    import ring_kernels.llama3 as llama3
+
+    varlen = cu_cache
+    for variant in _VARIANTS:
+        q, k, v, dout = _cache_inputs(variant)
+        cu = _cu(_CACHE_DOCS[variant])
+        before = dict(varlen._CU_CACHE_STATS)
+        with _Counted(varlen, "_check_cu_seqlens") as copies, _Counted(varlen, "_plan") as engine_plans, \
+                _Counted(varlen, "_ring_varlen_steps") as ring_plans, \
+                _Counted(varlen, "_zigzag_varlen_steps") as zigzag_plans, \
+                _Counted(llama3, "_llama3_plan") as llama3_plans, \
+                _varlen_kernel(_PlainVarlenKernel() if standin else None):
+            first = _cache_call(variant, cu, q, k, v, dout)
+            second = _cache_call(variant, cu, q, k, v, dout)
+        assert copies.calls == 1, (variant, copies.calls)
+        assert ring_plans.calls + zigzag_plans.calls + llama3_plans.calls == 1, variant
+        assert engine_plans.calls == (0 if variant == "llama3" else 1), (variant, engine_plans.calls)
+        assert varlen._CU_CACHE_STATS["misses"] - before["misses"] == 1, variant
+        assert varlen._CU_CACHE_STATS["hits"] - before["hits"] == 1, variant
+        _assert_same(second, first, f"{variant}, cached call")
+        _assert_matches_reference(second, q, k, v, dout, cu, f"{variant}, cached call")
+
+
+def test_in_place_change_of_cu_seqlens_is_seen(cu_cache):
+    """``cu[1] += 2`` (still valid) -> recomputed, equal to a fresh tensor's call; back again -> equal to the
+    first call; an invalid in-place value is refused with the same message as a fresh tensor."""
+    varlen = cu_cache
+    for variant in _VARIANTS:
+        q, k, v, dout = _cache_inputs(variant)
+        cu = _cu(_CACHE_DOCS[variant]).clone()
+        original = _cache_call(variant, cu, q, k, v, dout)
+        misses = varlen._CU_CACHE_STATS["misses"]
+        cu[1] += 2                                    # even: zigzag documents stay multiples of 2N = 2
+        moved = _cache_call(variant, cu, q, k, v, dout)
+        assert varlen._CU_CACHE_STATS["misses"] == misses + 1, variant
+        assert not torch.equal(moved[0], original[0]), f"{variant}: the documents moved, so must the output"
+        _assert_same(moved, _cache_call(variant, cu.clone(), q, k, v, dout), f"{variant}, after cu[1] += 2")
+        cu[1] -= 2
+        _assert_same(_cache_call(variant, cu, q, k, v, dout), original, f"{variant}, after cu[1] -= 2")
+        cu[2] = -1
+        with pytest.raises(ValueError) as fresh:
+            _cache_call(variant, cu.clone(), q, k, v, dout)
+        with pytest.raises(ValueError) as cached:
+            _cache_call(variant, cu, q, k, v, dout)
+        assert "must start at 0 and be non-decreasing" in str(cached.value)
+        assert str(cached.value) == str(fresh.value)
+
+
+def test_equal_content_is_a_miss_and_a_dead_tensor_never_hits(cu_cache):
+    """Identity keys the cache: an equal new tensor is a miss. A tensor whose id() is reused after the cached
+    one died (same shape, dtype, device, version) gets its own entry, never the dead tensor's plans."""
+    import gc
+
+    varlen = cu_cache
+    q, k, v, dout = _cache_inputs("ring")
+    old = _cu([3, 1, 5, 3])
+    _cache_call("ring", old, q, k, v, dout)
+    misses = varlen._CU_CACHE_STATS["misses"]
+    _cache_call("ring", old.clone(), q, k, v, dout)
+    assert varlen._CU_CACHE_STATS["misses"] == misses + 1
+    # The rule itself: the entry's weak reference dies with the tensor, and a dead entry matches nothing.
+    address, entry = id(old), varlen._CU_CACHE[id(old)]
+    del old
+    gc.collect()
+    assert entry.ref() is None
+    new_content = [0, 6, 7, 9, 12]
+    assert not entry.matches(torch.tensor(new_content, dtype=torch.int32))
+    # And end to end: keep making tensors like the dead one until one gets its id (CPython reuses the slot).
+    kept, reused = [], None
+    for _ in range(10000):
+        candidate = torch.tensor(new_content, dtype=torch.int32)
+        if id(candidate) == address:
+            reused = candidate
+            break
+        kept.append(candidate)
+    assert reused is not None, "no tensor reused the dead tensor's id in 10000 tries"
+    assert reused._version == 0 and reused.shape == entry.shape and reused.dtype == entry.dtype
+    misses = varlen._CU_CACHE_STATS["misses"]
+    got = _cache_call("ring", reused, q, k, v, dout)
+    assert varlen._CU_CACHE_STATS["misses"] == misses + 1
+    _assert_same(got, _cache_call("ring", reused.clone(), q, k, v, dout), "a reused id")
+
+
+def test_cache_stays_small_and_skips_inference_tensors(cu_cache):
+    """At most 8 tensors (least recently used out) and 16 plans per tensor; inference-mode tensors (no version
+    counter) are validated on every call and never stored."""
+    varlen = cu_cache
+    q, k, v, dout = _cache_inputs("ring")
+    tensors = [_cu([3, 1, 5, 3]) for _ in range(10)]
+    for cu in tensors:
+        _cache_call("ring", cu, q, k, v, dout)
+    assert len(varlen._CU_CACHE) == 8 and id(tensors[0]) not in varlen._CU_CACHE
+    misses = varlen._CU_CACHE_STATS["misses"]
+    _cache_call("ring", tensors[0], q, k, v, dout)
+    _cache_call("ring", tensors[-1], q, k, v, dout)
+    assert varlen._CU_CACHE_STATS["misses"] == misses + 1      # the oldest was evicted, the newest was not
+    cu = tensors[-1]
+    for left in range(20):                                       # 20 windows: 20 plans of one tensor
+        _cache_call("ring", cu, q, k, v, dout, window_size=(left, 0))
+    assert len(varlen._CU_CACHE[id(cu)].derived) == 16
+    with torch.inference_mode():
+        frozen = _cu([3, 1, 5, 3])
+    size, misses = len(varlen._CU_CACHE), varlen._CU_CACHE_STATS["misses"]
+    first = _cache_call("ring", frozen, q, k, v, dout)
+    _assert_same(_cache_call("ring", frozen, q, k, v, dout), first, "inference-mode cu_seqlens")
+    assert varlen._CU_CACHE_STATS["misses"] == misses + 2 and len(varlen._CU_CACHE) == size
+
+
+def _cached_calls_across_ranks(group, rank, n):
+    """In a group: the second call with the same cu_seqlens is a hit on every rank (the plans depend on the
+    rank) and gives the first call's results, for every variant."""
+    import ring_kernels.varlen as varlen
+
+    for variant in _VARIANTS:
+        docs = _zigzag_docs(n) if variant == "zigzag" else _contiguous_docs(n)
+        cu = _cu(docs)
+        torch.manual_seed(11)
+        t = int(cu[-1])
+        q, k, v, dout = (torch.randn(t, heads, 16) for heads in (4, 2, 2, 4))
+        layout = "zigzag" if variant == "zigzag" else "contiguous"
+        q, k, v, dout = (shard(x, group, layout=layout, dim=0, cu_seqlens=cu) for x in (q, k, v, dout))
+        hits = varlen._CU_CACHE_STATS["hits"]
+        first = _cache_call(variant, cu, q, k, v, dout, group=group)
+        second = _cache_call(variant, cu, q, k, v, dout, group=group)
+        assert varlen._CU_CACHE_STATS["hits"] == hits + 1, (rank, variant)
+        _assert_same(second, first, f"rank {rank}/{n} {variant}, cached call")
+
+
+def _cuda_cached_calls_do_not_sync(rank, world):
+    """Each variant called twice with one CUDA cu_seqlens; the second call, forward and backward, runs under
+    ``torch.cuda.set_sync_debug_mode("error")`` (a synchronising op raises) and inside ``rank_check_scope``
+    (its cross-rank check, a deliberate sync, ran in the first call), and gives the first call's results."""
+    import ring_kernels as rk
+    from ring_kernels._validate import rank_check_scope
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    group = dist.group.WORLD if world > 1 else None
+    for variant in _VARIANTS:
+        docs = _zigzag_docs(world, scale=16) if variant == "zigzag" else _contiguous_docs(world, 11 * 16)
+        cu = _cu(docs)
+        torch.manual_seed(5)
+        q, k, v, dout = (torch.randn(int(cu[-1]), heads, 64, dtype=torch.bfloat16) for heads in (8, 2, 2, 8))
+        layout = "zigzag" if variant == "zigzag" else "contiguous"
+        q, k, v, dout = (shard(x, group, layout=layout, dim=0, cu_seqlens=cu).to(device) for x in (q, k, v, dout))
+        cu = cu.to(device)
+        for backend in ("auto", "torch_flash") if "torch_flash" in rk.backends.available_backends("cuda") \
+                else ("auto",):
+            results = []
+            with rank_check_scope(set()):
+                for attempt in range(2):
+                    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error" if attempt else 0)
+                    try:
+                        out = _fn(variant)(*leaves, cu, group=group, causal=True, backend=backend)
+                        out.backward(dout)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                    results.append((out.detach(), *(x.grad for x in leaves)))
+            _assert_same(results[1], results[0], f"rank {rank} {variant} {backend}, cached call on cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cached_varlen_calls_make_no_device_sync_on_cuda():
+    """World of one on one GPU; a 2-rank NCCL world as well when there are two GPUs."""
+    _cuda_cached_calls_do_not_sync(0, 1)
+    if torch.cuda.device_count() >= 2:
+        run_world(2, _cuda_cached_calls_do_not_sync, backend="nccl", timeout=120)
 
 
 # ------------------------------------------------------------------------------------ CUDA (2 GPUs, NCCL)
