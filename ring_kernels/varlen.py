@@ -27,6 +27,7 @@ the step uses (zigzag's half-steps) are gathered out before the call and come ba
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -212,6 +213,9 @@ _CU_CACHE_SIZE = 8          # cu_seqlens tensors remembered (LRU): one per step 
 _DERIVED_PER_TENSOR = 16    # plans per tensor (rank/world/local/causal/window/layout combinations), LRU
 _CU_CACHE: "OrderedDict[int, _CuEntry]" = OrderedDict()
 _CU_CACHE_STATS = {"hits": 0, "misses": 0}   # counted for tests and benchmarks
+# Guards the LRU bookkeeping (two threads calling at once must not evict under each other); plans are computed
+# outside it (a racing duplicate computes the same value twice, harmlessly).
+_CU_LOCK = threading.Lock()
 
 
 class _CuEntry:
@@ -236,13 +240,16 @@ class _CuEntry:
     def get(self, key: tuple, compute: Callable[[], object]):
         """The plan under ``key`` (a tuple of everything besides cu_seqlens that it depends on), computed once.
         A computation that raises stores nothing (the next call raises again)."""
-        value = self.derived.get(key, _MISSING)
-        if value is _MISSING:
-            value = self.derived[key] = compute()
+        with _CU_LOCK:
+            value = self.derived.get(key, _MISSING)
+            if value is not _MISSING:
+                self.derived.move_to_end(key)
+                return value
+        value = compute()
+        with _CU_LOCK:
+            self.derived[key] = value
             while len(self.derived) > _DERIVED_PER_TENSOR:
                 self.derived.popitem(last=False)
-        else:
-            self.derived.move_to_end(key)
         return value
 
 
@@ -257,25 +264,28 @@ def _cu_entry(fn: str, cu_seqlens) -> _CuEntry:
         _CU_CACHE_STATS["misses"] += 1
         return _CuEntry(cu_seqlens, None, _check_cu_seqlens(fn, cu_seqlens))
     key = id(cu_seqlens)
-    entry = _CU_CACHE.get(key)
-    if entry is not None and entry.matches(cu_seqlens):
-        _CU_CACHE.move_to_end(key)
-        _CU_CACHE_STATS["hits"] += 1
-        return entry
-    _CU_CACHE_STATS["misses"] += 1
+    with _CU_LOCK:
+        entry = _CU_CACHE.get(key)
+        if entry is not None and entry.matches(cu_seqlens):
+            _CU_CACHE.move_to_end(key)
+            _CU_CACHE_STATS["hits"] += 1
+            return entry
+        _CU_CACHE_STATS["misses"] += 1
     version = cu_seqlens._version                     # read before the copy: the copy is of this version
     entry = _CuEntry(cu_seqlens, version, _check_cu_seqlens(fn, cu_seqlens))   # raises before storing
-    _CU_CACHE[key] = entry
-    _CU_CACHE.move_to_end(key)
-    while len(_CU_CACHE) > _CU_CACHE_SIZE:
-        _CU_CACHE.popitem(last=False)
+    with _CU_LOCK:
+        _CU_CACHE[key] = entry
+        _CU_CACHE.move_to_end(key)
+        while len(_CU_CACHE) > _CU_CACHE_SIZE:
+            _CU_CACHE.popitem(last=False)
     return entry
 
 
 def _clear_cu_cache() -> None:
     """Forget every cached cu_seqlens (and the plans and device tensors built from them); reset the counters."""
-    _CU_CACHE.clear()
-    _CU_CACHE_STATS.update(hits=0, misses=0)
+    with _CU_LOCK:
+        _CU_CACHE.clear()
+        _CU_CACHE_STATS.update(hits=0, misses=0)
 
 
 class _VarlenCall:
