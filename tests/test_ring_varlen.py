@@ -903,6 +903,7 @@ def _cuda_cached_calls_do_not_sync(rank, world):
     ``torch.cuda.set_sync_debug_mode("error")`` (a synchronising op raises) and inside ``rank_check_scope``
     (its cross-rank check, a deliberate sync, ran in the first call), and gives the first call's results."""
     import ring_kernels as rk
+    import ring_kernels.varlen as varlen
     from ring_kernels._validate import rank_check_scope
 
     device = torch.device("cuda", rank)
@@ -923,6 +924,7 @@ def _cuda_cached_calls_do_not_sync(rank, world):
                 for attempt in range(2):
                     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
                     torch.cuda.synchronize()
+                    hits = varlen._CU_CACHE_STATS["hits"]
                     torch.cuda.set_sync_debug_mode("error" if attempt else 0)
                     try:
                         out = _fn(variant)(*leaves, cu, group=group, causal=True, backend=backend)
@@ -930,6 +932,7 @@ def _cuda_cached_calls_do_not_sync(rank, world):
                     finally:
                         torch.cuda.set_sync_debug_mode(0)
                     results.append((out.detach(), *(x.grad for x in leaves)))
+                    assert not attempt or varlen._CU_CACHE_STATS["hits"] == hits + 1, (variant, backend)
             _assert_same(results[1], results[0], f"rank {rank} {variant} {backend}, cached call on cuda")
 
 
