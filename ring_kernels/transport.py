@@ -557,34 +557,29 @@ class CopyEngineExchange:
 # ---------------------------------------------------------------------------------------------------------
 # choosing a transport
 
-def _signal_choice(signal: Optional[str]) -> str:
-    if signal is not None:
-        if signal not in SIGNALS:
-            raise RingInputError(f"CopyEngineExchange: signal={signal!r} is not one of {SIGNALS}; pass one of "
-                                 f"them or None (reads {SIGNAL_ENV})", argument="signal", value=signal)
-        return signal
-    value = os.environ.get(SIGNAL_ENV, "").strip()
+def _choice(caller: str, name: str, given: Optional[str], choices, env: str, default: str) -> str:
+    """``given`` if not None, else the environment variable ``env`` (unset or blank: ``default``); either must be
+    one of ``choices`` (a ``RingInputError`` naming the argument or the variable otherwise)."""
+    if given is not None:
+        if given not in choices:
+            raise RingInputError(f"{caller}: {name}={given!r} is not one of {choices}; pass one of them or None "
+                                 f"(reads {env})", argument=name, value=given)
+        return given
+    value = os.environ.get(env, "").strip()
     if not value:
-        return "barrier"
-    if value not in SIGNALS:
-        raise RingInputError(f"environment variable {SIGNAL_ENV}={value!r} is not one of {SIGNALS}; set it to "
-                             f"one of them or unset it (default: barrier)", argument=SIGNAL_ENV, value=value)
+        return default
+    if value not in choices:
+        raise RingInputError(f"environment variable {env}={value!r} is not one of {choices}; set it to one of "
+                             f"them or unset it (default: {default})", argument=env, value=value)
     return value
+
+
+def _signal_choice(signal: Optional[str]) -> str:
+    return _choice("CopyEngineExchange", "signal", signal, SIGNALS, SIGNAL_ENV, "barrier")
 
 
 def _transport_choice(transport: Optional[str]) -> str:
-    if transport is not None:
-        if transport not in TRANSPORTS:
-            raise RingInputError(f"make_exchange: transport={transport!r} is not one of {TRANSPORTS}; pass one "
-                                 f"of them or None (reads {TRANSPORT_ENV})", argument="transport", value=transport)
-        return transport
-    value = os.environ.get(TRANSPORT_ENV, "").strip()
-    if not value:
-        return "nccl"
-    if value not in TRANSPORTS:
-        raise RingInputError(f"environment variable {TRANSPORT_ENV}={value!r} is not one of {TRANSPORTS}; set it "
-                             f"to one of them or unset it (default: nccl)", argument=TRANSPORT_ENV, value=value)
-    return value
+    return _choice("make_exchange", "transport", transport, TRANSPORTS, TRANSPORT_ENV, "nccl")
 
 
 def _group_on_cuda(group: Optional[dist.ProcessGroup]) -> bool:
@@ -595,15 +590,7 @@ def _group_on_cuda(group: Optional[dist.ProcessGroup]) -> bool:
 
 
 def _ring_exchange(group, tag: int, reverse: bool) -> RingExchange:
-    if not reverse:
-        return RingExchange(group, tag=tag)
-    try:
-        return RingExchange(group, tag=tag, reverse=True)
-    except TypeError as exc:
-        if "reverse" not in str(exc):
-            raise
-        raise TypeError("make_exchange: reverse=True but this ring_kernels.comm.RingExchange has no reverse "
-                        "flag; update ring_kernels") from exc
+    return RingExchange(group, tag=tag, reverse=reverse)
 
 
 def make_exchange(group: Optional[dist.ProcessGroup] = None, *, tag: int = 0, reverse: bool = False,
