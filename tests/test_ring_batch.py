@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import ring_kernels as rk
+from _alloc import fp32_factories
 from _dist import run_world
 
 VARIANTS = {  # name -> (function, causal options)
@@ -219,35 +220,19 @@ def _fp32_buffers(rank: int, world: int) -> None:
     """Count the fp32 buffers the engine allocates (factory ops of at least one K/V tensor's size) in a bf16
     forward + backward: none with 2 ranks (every row gets <= 2 contributions), and some with 3 (the dK/dV
     partial sums of the middle hop, and the output/dq accumulators of rows with 3 contributions)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    factories = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                 torch.ops.aten.zeros.default, torch.ops.aten.full.default, torch.ops.aten.empty_like.default,
-                 torch.ops.aten.zeros_like.default, torch.ops.aten.new_empty.default, torch.ops.aten.new_zeros.default}
-
-    class Allocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.fp32 = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in factories and out.dtype == torch.float32 and out.numel() >= k.numel():
-                self.fp32.append((str(func), tuple(out.shape)))
-            return out
-
     b, s, h, hk, d = 1, 6, 8, 2, 64
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(b, s, h, d, generator=gen).bfloat16().requires_grad_()
     k, v = (torch.randn(b, s, hk, d, generator=gen).bfloat16().requires_grad_() for _ in range(2))
     for variant, causal in (("ring", False), ("zigzag", True), ("stripe", True)):
-        with Allocations() as seen:
+        with fp32_factories() as seen:
             out = VARIANTS[variant][0](q, k, v, causal=causal, backend="torch_cpu")
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        big = [(op, shape) for op, shape, numel in seen.fp32 if numel >= k.numel()]
         if world == 2:
-            assert seen.fp32 == [], (variant, rank, seen.fp32)
+            assert big == [], (variant, rank, big)
         elif variant == "ring":                      # N = 3: the middle hop's dK/dV partial sums are fp32
-            assert ("aten.empty.memory_format", (b, s, hk, d)) in seen.fp32, (variant, rank, seen.fp32)
+            assert ("aten.empty.memory_format", (b, s, hk, d)) in big, (variant, rank, big)
 
 
 def _count_blocks(rank: int, world: int) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _alloc import fp32_factories
 from _dist import run_world
 from ring_kernels.layout import shard
 from test_layout import subgroup_phases
@@ -441,28 +442,6 @@ class _RecordedReduceScatter:
         self.module._reduce_scatter_tensor = self.saved
 
 
-def _fp32_factories():
-    """A dispatch mode recording fp32 tensors that factory ops allocate (``.fp32``: [(op, shape, numel)])."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    factories = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                 torch.ops.aten.zeros.default, torch.ops.aten.full.default, torch.ops.aten.empty_like.default,
-                 torch.ops.aten.zeros_like.default, torch.ops.aten.new_empty.default, torch.ops.aten.new_zeros.default}
-
-    class Allocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.fp32 = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in factories and out.dtype == torch.float32:
-                self.fp32.append((str(func), tuple(out.shape), out.numel()))
-            return out
-
-    return Allocations()
-
-
 def _llama3_kv_grad_buffers(group, rank, n, device="cpu", backend="torch_cpu"):
     """bf16 llama3, forward + backward: with 2 ranks the dK/dV partials are reduce-scattered in bf16 and no fp32
     buffer of a local K/V tensor's size or more is allocated (only lse, (1, H, L)); with 3 ranks the partials
@@ -473,7 +452,7 @@ def _llama3_kv_grad_buffers(group, rank, n, device="cpu", backend="torch_cpu"):
     q = torch.randn(1, local, h, d, device=device).bfloat16().requires_grad_()
     k, v = (torch.randn(1, local, hk, d, device=device).bfloat16().requires_grad_() for _ in range(2))
     for causal, stride in ((True, None), (False, 1)):
-        with _RecordedReduceScatter() as scattered, _fp32_factories() as seen:
+        with _RecordedReduceScatter() as scattered, fp32_factories() as seen:
             out = _fn("llama3")(q, k, v, _cu(lengths).to(device), group=group, causal=causal, backend=backend,
                                 heads_k_stride=stride)
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
