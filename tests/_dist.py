@@ -55,12 +55,23 @@ def _child(rank, world_size, port, backend, fn, args, kwargs, results):
         initialised = True
         value = fn(rank, world_size, *args, **kwargs)
         results.put(("ok", rank, value))
+        # Rank 0 hosts the store: it must not exit while a slower peer still uses it (a subgroup's gloo
+        # rendezvous reads the store; a peer got "connection closed" in CI). The result is already reported, so
+        # a peer that failed meanwhile (and left this barrier unfinished) changes nothing here.
+        _wait_for_peers(dist)
     except BaseException:  # reported first: tearing the group down may block on a peer that waits for us
         results.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1)
     finally:
         if initialised:
             dist.destroy_process_group()
+
+
+def _wait_for_peers(dist) -> None:
+    try:
+        dist.barrier()
+    except Exception:   # noqa: BLE001 - teardown only: the peer's own failure is what gets reported
+        pass
 
 
 def _check_arguments(world_size, backend, timeout) -> None:
