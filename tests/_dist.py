@@ -23,6 +23,11 @@ import torch.multiprocessing as mp
 _BACKENDS = ("gloo", "nccl")
 # Seconds the other ranks get to finish (or report their own failure) after one rank failed.
 _FAILURE_GRACE_S = 10.0
+# The store's port is chosen free in the parent, then bound by rank 0 seconds later (after importing torch); another
+# process (a parallel tox env, an ephemeral client socket) can take it meanwhile. Then the world starts again on a
+# new port, at most _PORT_ATTEMPTS times in all.
+_PORT_TAKEN = ("EADDRINUSE", "Address already in use")
+_PORT_ATTEMPTS = 3
 
 
 class DistributedFailure(AssertionError):
@@ -59,8 +64,10 @@ def _child(rank, world_size, port, backend, fn, args, kwargs, results):
         # rendezvous reads the store; a peer got "connection closed" in CI). The result is already reported, so
         # a peer that failed meanwhile (and left this barrier unfinished) changes nothing here.
         _wait_for_peers(dist)
-    except BaseException:  # reported first: tearing the group down may block on a peer that waits for us
-        results.put(("error", rank, traceback.format_exc()))
+    except BaseException as exc:  # reported first: tearing the group down may block on a peer that waits for us
+        text = traceback.format_exc()
+        port_taken = not initialised and any(s in str(exc) for s in _PORT_TAKEN)
+        results.put(("port taken" if port_taken else "error", rank, text))
         raise SystemExit(1)
     finally:
         if initialised:
@@ -116,7 +123,7 @@ def _supervise(procs, results, timeout: float):
             messages.append(results.get())
         alive = [p for p in procs if p.is_alive()]
         now = time.monotonic()
-        if failed_at is None and (any(kind == "error" for kind, _, _ in messages)
+        if failed_at is None and (any(kind != "ok" for kind, _, _ in messages)
                                   or any(p.exitcode not in (None, 0) for p in procs)):
             failed_at = now
         if not alive or now >= deadline or (failed_at is not None and now - failed_at >= _FAILURE_GRACE_S):
@@ -141,19 +148,14 @@ def run_world(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
     whole world, start-up included. env: variables set for the children only. Returns the ranks' return values
     (index = rank; they must pickle). Raises ``DistributedFailure`` with every failed rank's traceback."""
     _check_arguments(world_size, backend, timeout)
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, kwargs, results))
-             for r in range(world_size)]
-    try:
-        _start(procs, env or {})
-        messages, stopped_after_failure, hung = _supervise(procs, results, timeout)
-    except BaseException:   # pytest-timeout or Ctrl-C interrupted the parent: leave no orphaned rank behind
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        raise
+    for _ in range(_PORT_ATTEMPTS):
+        messages, stopped_after_failure, hung, procs = _run_once(world_size, fn, args, kwargs, backend, timeout, env)
+        if not any(kind == "port taken" for kind, _, _ in messages):
+            break
+    else:
+        taken = "\n".join(text for kind, _, text in messages if kind == "port taken")
+        raise DistributedFailure(f"the store's port was taken before rank 0 could bind it, {_PORT_ATTEMPTS} times "
+                                 f"in a row ({backend}):\n{taken}")
     failures = sorted((rank, text) for kind, rank, text in messages if kind == "error")
     if failures:
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures)
@@ -167,3 +169,21 @@ def run_world(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
         raise DistributedFailure(f"ranks exited with non-zero codes and no traceback ({backend}): {bad}")
     values = {rank: value for kind, rank, value in messages if kind == "ok"}
     return [values[r] for r in range(world_size)]
+
+
+def _run_once(world_size, fn, args, kwargs, backend, timeout, env):
+    """One start of the world on a fresh port: (messages, ranks stopped after a failure, hung ranks, processes)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, kwargs, results))
+             for r in range(world_size)]
+    try:
+        _start(procs, env or {})
+        messages, stopped_after_failure, hung = _supervise(procs, results, timeout)
+    except BaseException:   # pytest-timeout or Ctrl-C interrupted the parent: leave no orphaned rank behind
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise
+    return messages, stopped_after_failure, hung, procs

@@ -122,3 +122,39 @@ def test_nccl_world_runs_one_gpu_per_rank_and_reports_failures(monkeypatch):
     monkeypatch.setattr(_dist, "_FAILURE_GRACE_S", 3.0)
     with pytest.raises(DistributedFailure, match=r"(?s)rank 1.*boom from rank 1 on cuda:1"):
         run_world(2, _nccl_rank_1_fails, backend="nccl", timeout=120)
+
+
+def test_a_taken_store_port_starts_the_world_again_on_another(monkeypatch):
+    """The parent picks a free port that rank 0 binds seconds later; when something took it meanwhile, the world
+    starts again on a fresh port instead of failing."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    ports = iter([taken])
+    free = _dist._free_port
+    monkeypatch.setattr(_dist, "_free_port", lambda: next(ports, None) or free())
+    monkeypatch.setattr(_dist, "_FAILURE_GRACE_S", 1.0)
+    try:
+        values = run_world(2, _allreduce, timeout=120)
+    finally:
+        holder.close()
+    assert [v["rank"] for v in values] == [0, 1]
+    assert next(ports, "used") == "used"   # the taken port was handed out first
+
+
+def test_a_port_taken_every_time_is_reported(monkeypatch):
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("", 0))
+    holder.listen()
+    monkeypatch.setattr(_dist, "_free_port", lambda: holder.getsockname()[1])
+    monkeypatch.setattr(_dist, "_FAILURE_GRACE_S", 0.5)
+    try:
+        with pytest.raises(DistributedFailure, match=r"(?s)port was taken before rank 0 could bind it, 3 times"):
+            run_world(2, _allreduce, timeout=120)
+    finally:
+        holder.close()
