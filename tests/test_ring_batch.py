@@ -148,6 +148,7 @@ def _world_cases(rank: int, world: int, cases) -> None:
     if world in (2, 3):
         _fp32_buffers(rank, world)
         _count_blocks(rank, world)
+        _backward_twice(rank, world)
     if world == 4:
         _subgroups(rank)
 
@@ -265,6 +266,48 @@ def _count_blocks(rank: int, world: int) -> None:
             assert calls == want, (variant, rank, calls)
     finally:
         del impl.forward            # back to the class's method
+
+
+def _backward_twice(rank: int, world: int) -> None:
+    """With 2 ranks the backward receives its dK/dV partial sum into the kept last K/V block of the forward (one
+    buffer less at the peak); a second backward through the same graph (retain_graph=True) fetches that block again
+    (one more K/V hop) and returns the same gradients, bit for bit. With 3 ranks nothing is reused or refetched."""
+    from ring_kernels import comm
+
+    starts = []
+    original = comm.RingExchange.start
+
+    def recording(self, send, recv):
+        starts.append((self.tag, self.reverse, [r.data_ptr() for r in recv]))
+        return original(self, send, recv)
+
+    comm.RingExchange.start = recording
+    try:
+        for variant, causal, dtype in (("zigzag", True, torch.bfloat16), ("ring", False, torch.float32)):
+            gen = torch.Generator().manual_seed(31 + rank)
+            q, k, v, dout = (torch.randn(1, 8, n, 16, generator=gen).to(dtype) for n in (4, 2, 2, 4))
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            starts.clear()
+            out = VARIANTS[variant][0](q, k, v, causal=causal, backend="torch_cpu")
+            forward_recv = [s for s in starts if s[0] == 0 and not s[1]][-1][2]    # the last block's buffers
+            starts.clear()
+            first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            first_starts = list(starts)
+            starts.clear()
+            second = torch.autograd.grad(out, (q, k, v), dout)
+            for a, b in zip(first, second):
+                assert torch.equal(a, b), (variant, rank)
+            kv_hops = lambda events: [s for s in events if s[0] == 0]    # noqa: E731
+            dkv = [s for s in first_starts if s[0] == 1]
+            if world == 2:
+                assert kv_hops(first_starts) == [] and len(dkv) == 1
+                assert dkv[0][2] == forward_recv, "the partial sum is received into the kept K/V block"
+                assert [(t, r) for t, r, _ in kv_hops(starts)] == [(0, True)], starts   # fetched again
+            else:
+                assert all(p not in forward_recv for s in dkv for p in s[2])
+                assert len(kv_hops(starts)) == len(kv_hops(first_starts)) == world - 2
+    finally:
+        comm.RingExchange.start = original
 
 
 def _subgroups(rank: int) -> None:
