@@ -112,12 +112,16 @@ def _calling_module(depth: int = 2) -> torch.nn.Module | None:
 
 
 class _ThreadCounts(threading.local):
-    """This thread's call counts: ``counts[(kind, (key, module_id))] -> calls``, kind a switch mode or
-    ``_RECOMPUTED``. Only its own thread writes a dict, so counting takes no lock; readers sum every thread's."""
+    """This thread's call counts: ``by_kind[kind][(key, module_id)] -> calls``, kind a switch mode or
+    ``_RECOMPUTED``. Only its own thread writes its dicts, so counting takes no lock; readers sum every thread's.
+    ``ring`` and ``recomputed`` are the two dicts the fast path writes, held as attributes so that a call reads
+    one attribute and hashes its slot once (no ``(kind, slot)`` tuple to build and hash)."""
 
     def __init__(self, every_thread: list) -> None:
-        self.counts: dict = {}
-        every_thread.append(self.counts)  # list.append is atomic; a thread's dict outlives the thread
+        self.ring: dict = {}
+        self.recomputed: dict = {}
+        self.by_kind: dict = {"ring": self.ring, _RECOMPUTED: self.recomputed}
+        every_thread.append(self.by_kind)  # list.append is atomic; a thread's dicts outlive the thread
 
 
 class Dispatcher:
@@ -190,13 +194,12 @@ class Dispatcher:
                 slot = (layer_idx, None if module is None else id(module))
             else:
                 slot = _slot(layer_idx, module)
-            counts = thread_counts.counts
             if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
-                tally = (_RECOMPUTED, slot)
+                counts = thread_counts.recomputed
             else:
-                tally = ("ring", slot)
+                counts = thread_counts.ring
                 self._forward[slot] = "ring"
-            counts[tally] = counts.get(tally, 0) + 1
+            counts[slot] = counts.get(slot, 0) + 1
             return ring(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
 
         return fast_call
@@ -248,25 +251,29 @@ class Dispatcher:
     def _count(self, mode: str, key: Hashable, module_id: int | None) -> None:
         # Two modules with the same layer index (an encoder and a decoder) stay apart by module identity.
         slot = (key, module_id)
-        counts = self._counts.counts
         if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
-            tally = (_RECOMPUTED, slot)
-            counts[tally] = counts.get(tally, 0) + 1
-            return
-        tally = (mode, slot)
-        counts[tally] = counts.get(tally, 0) + 1
-        self._forward[slot] = mode
+            counts = self._counts.recomputed
+        else:
+            by_kind = self._counts.by_kind
+            counts = by_kind.get(mode)
+            if counts is None:
+                counts = by_kind[mode] = {}  # dict item store: atomic; only this thread writes by_kind
+            self._forward[slot] = mode
+        counts[slot] = counts.get(slot, 0) + 1
 
     def _tally(self, want: Callable[[str], bool]) -> Counter:
         """layer key (or mode, for ``want=None``) -> calls, summed over every thread's counts."""
-        with self._lock:
-            snapshots = [dict(counts) for counts in self._every_thread]  # dict() copies in C: no torn reads
         out: Counter = Counter()
-        for counts in snapshots:
-            for (kind, (key, _module_id)), n in counts.items():
-                if want(kind):
+        for kind, counts in self._snapshot():
+            if want(kind):
+                for (key, _module_id), n in counts.items():
                     out[key] += n
         return out
+
+    def _snapshot(self) -> list:
+        """[(kind, {slot: calls})] of every thread, copied (``dict()`` copies in C: no torn reads)."""
+        with self._lock:
+            return [(kind, dict(counts)) for by_kind in self._every_thread for kind, counts in list(by_kind.items())]
 
     @property
     def calls(self) -> Counter:
@@ -282,12 +289,10 @@ class Dispatcher:
     @property
     def mode_calls(self) -> Counter:
         """Mode -> calls (recomputations excluded)."""
-        with self._lock:
-            snapshots = [dict(counts) for counts in self._every_thread]
         out: Counter = Counter()
-        for counts in snapshots:
-            for (kind, _slot), n in counts.items():
-                if kind != _RECOMPUTED:
+        for kind, counts in self._snapshot():
+            if kind != _RECOMPUTED:
+                for n in counts.values():
                     out[kind] += n
         return out
 
@@ -301,8 +306,9 @@ class Dispatcher:
     def reset(self) -> None:
         """Clear every counter and the per-forward record."""
         with self._lock:
-            for counts in self._every_thread:
-                counts.clear()
+            for by_kind in self._every_thread:
+                for counts in list(by_kind.values()):
+                    counts.clear()  # the dicts themselves stay: the fast path holds the thread's ring/recomputed
             self._forward = {}
 
     def forward_records(self) -> list[LayerRecord]:

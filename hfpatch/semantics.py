@@ -589,10 +589,12 @@ def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingC
         return kernel(q, k, v, **plan.kwargs)
 
 
-# The kernels' once-per-step cross-rank check (ring_kernels.rank_check_scope) is a context variable; the fast path
-# sets and resets it directly: the scope object's construction and its two Python methods cost ~1 us per call,
-# half of the per-call budget. Same variable, same set/reset pairing; the scope class is the fallback.
-_RANK_CHECKED = getattr(getattr(ring_kernels, "_validate", None), "_CHECKED", None)
+# The kernels' once-per-step cross-rank check is scoped by ring_kernels' public context variable RANK_CHECKED, set and
+# reset directly on the fast path: ``rank_check_scope``'s object and its two Python methods cost ~1 us a call.
+_RANK_CHECKED = ring_kernels.RANK_CHECKED
+# ring_kernels' namespace: the fast path looks its kernel up here per call (a dict subscript, half of a getattr), so
+# a replaced ``ring_kernels.<name>`` (setattr writes this very dict) still takes effect on the next call.
+_KERNELS = vars(ring_kernels)
 
 
 def fast_ring_attention(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, causal: Any,
@@ -630,16 +632,19 @@ def fast_ring_attention(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: t
     plan = ctx._plans.get((causal, scale, window, softcap)) if ctx._plan_step is step else None
     if plan is None:
         return _ring_attention_of(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
-    kernel = getattr(ring_kernels, plan.kernel)  # per call: a replaced ring_kernels function takes effect
-    if _RANK_CHECKED is None:
-        with ring_kernels.rank_check_scope(step.rank_checked):
-            if plan.packed:
-                return kernel(q, k, v, plan.cu_on(q.device), **plan.kwargs)
-            return kernel(q, k, v, **plan.kwargs)
+    kernel = _KERNELS[plan.kernel]  # per call: a replaced ring_kernels function takes effect
+    if plan.packed:  # HF's packed row (1, T, H, D) as is: the varlen kernels take it and return (1, T, H, D)
+        device = q.device
+        cu = plan.cu_seqlens.get(device)  # (plan.cu_on without its call)
+        if cu is None:
+            cu = plan.cu_on(device)
+        token = _RANK_CHECKED.set(step.rank_checked)
+        try:
+            return kernel(q, k, v, cu, **plan.kwargs)
+        finally:
+            _RANK_CHECKED.reset(token)
     token = _RANK_CHECKED.set(step.rank_checked)
     try:
-        if plan.packed:  # HF's packed row (1, T, H, D) as is: the varlen kernels take it and return (1, T, H, D)
-            return kernel(q, k, v, plan.cu_on(q.device), **plan.kwargs)
         return kernel(q, k, v, **plan.kwargs)
     finally:
         _RANK_CHECKED.reset(token)

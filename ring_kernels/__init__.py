@@ -3,9 +3,14 @@
 Tensors use flash-attn's layout: q (batch, seqlen_local, nheads, headdim), k/v with nheads_k dividing nheads.
 Shard a global sequence with ``shard(x, layout=...)`` (``"contiguous"`` for ring, ``"zigzag"``, ``"stripe"``),
 call the matching attention function on every rank of the group, and ``unshard`` the result if needed.
+
+Each call checks that every rank passes the same shapes and options (one small all_gather). A caller making many
+identical calls per step checks once per step and shape inside ``with rank_check_scope(seen):``, or, on a hot
+path, by setting ``RANK_CHECKED`` (a ``contextvars.ContextVar``) to ``seen`` and resetting it with the token in a
+``finally`` (see ``ring_kernels._validate``).
 """
 
-from ring_kernels._validate import rank_check_scope
+from ring_kernels._validate import RANK_CHECKED, rank_check_scope
 from ring_kernels.layout import LAYOUTS, LocalVarlen, local_positions, local_varlen, shard, unshard
 from ring_kernels.ring import ring_attn_func
 from ring_kernels.stripe import stripe_attn_func
@@ -17,4 +22,5 @@ __all__ = [
     "ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func",
     "ring_attn_varlen_func", "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func",
     "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard", "rank_check_scope",
+    "RANK_CHECKED",
 ]

@@ -1,5 +1,15 @@
 """Input checks shared by every ring variant (batch and varlen). Each failure is a ``RingInputError``
-(a ``ValueError``) naming the argument, the value given, the requirement and the fix."""
+(a ``ValueError``) naming the argument, the value given, the requirement and the fix.
+
+The cross-rank metadata check (``check_ranks_agree``) runs once per call unless a set of already checked call
+signatures is in effect. Two public ways to put one in effect, the same context variable underneath:
+
+- ``with rank_check_scope(seen): ...`` -- the readable form;
+- ``token = RANK_CHECKED.set(seen); try: ... finally: RANK_CHECKED.reset(token)`` -- the same scope without the
+  scope object and its two Python methods (~1 us a call on CPython 3.11), for a caller on a per-layer hot path
+  (hfpatch). Always reset with the token, in a ``finally``: a set that outlives its call would let other calls on
+  this thread skip their check.
+"""
 from __future__ import annotations
 
 import contextvars
@@ -11,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RingInputError", "check_qkv", "check_options", "resolve_scale", "check_ranks_agree",
-           "require_causal", "rank_check_scope"]
+           "require_causal", "rank_check_scope", "RANK_CHECKED"]
 
 # Setting this to "1" skips the cross-rank shape check (one small all_gather and a host sync per call);
 # for benchmarks of a known-good setup only.
@@ -128,9 +138,11 @@ def resolve_scale(fn: str, softmax_scale: Optional[float], head_dim: int) -> flo
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
-# The set of call signatures already checked in the current rank_check_scope (None: check every call).
-_CHECKED: contextvars.ContextVar[Optional[Set[tuple]]] = contextvars.ContextVar("ring_kernels_rank_checked",
-                                                                                  default=None)
+# The set of call signatures already checked in the current scope (None, the default: check every call). Public:
+# see the module docstring (set/reset it with a token, or use rank_check_scope).
+RANK_CHECKED: contextvars.ContextVar[Optional[Set[tuple]]] = contextvars.ContextVar("ring_kernels_rank_checked",
+                                                                                    default=None)
+_CHECKED = RANK_CHECKED  # the name this variable had before it was public
 
 
 class rank_check_scope:  # noqa: N801 -- used like a function: ``with rank_check_scope(seen):``
@@ -152,11 +164,11 @@ class rank_check_scope:  # noqa: N801 -- used like a function: ``with rank_check
         self._token = None
 
     def __enter__(self) -> Set[tuple]:
-        self._token = _CHECKED.set(self.checked)
+        self._token = RANK_CHECKED.set(self.checked)
         return self.checked
 
     def __exit__(self, *exc) -> None:
-        _CHECKED.reset(self._token)
+        RANK_CHECKED.reset(self._token)
 
 
 def check_ranks_agree(fn: str, group, fields: Sequence[Tuple[str, float]], device: torch.device) -> None:
@@ -168,7 +180,7 @@ def check_ranks_agree(fn: str, group, fields: Sequence[Tuple[str, float]], devic
     world = dist.get_world_size(group)
     if world == 1 or os.environ.get(SKIP_RANK_CHECK_ENV) == "1":
         return
-    checked = _CHECKED.get()
+    checked = RANK_CHECKED.get()
     key = (id(group), fn, tuple(fields))
     if checked is not None and key in checked:
         return
