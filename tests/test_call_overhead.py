@@ -574,12 +574,11 @@ def test_the_fast_path_scopes_the_kernels_rank_check_to_the_step(monkeypatch):
     """The kernel runs inside the step's rank-check scope (the check once per step and shape), and the scope
     ends with the call, also when the kernel raises."""
     import ring_kernels
-    from ring_kernels import _validate
 
     scopes = []
 
     def kernel(q, k, v, **kwargs):
-        scopes.append(_validate._CHECKED.get())
+        scopes.append(ring_kernels.RANK_CHECKED.get())
         if kwargs["softmax_scale"] == 0.25:
             raise RuntimeError("kernel failed")
         return q
@@ -599,7 +598,41 @@ def test_the_fast_path_scopes_the_kernels_rank_check_to_the_step(monkeypatch):
             pass
     assert spy.slow == 2  # the first call of each plan; the second of each ran the fast path (raising the 2nd time)
     assert [s is step.rank_checked for s in scopes] == [True] * 4
-    assert _validate._CHECKED.get() is None
+    assert ring_kernels.RANK_CHECKED.get() is None
+
+
+def test_rank_checked_is_the_public_form_of_rank_check_scope(monkeypatch):
+    """``ring_kernels.RANK_CHECKED`` (what the fast path sets) is the variable ``rank_check_scope`` sets and
+    ``check_ranks_agree`` reads: setting it is that scope, without the scope object."""
+    import contextvars
+
+    import ring_kernels
+    import torch.distributed as dist
+    from ring_kernels import _validate
+
+    assert "RANK_CHECKED" in ring_kernels.__all__ and isinstance(ring_kernels.RANK_CHECKED, contextvars.ContextVar)
+    assert ring_kernels.RANK_CHECKED is _validate.RANK_CHECKED is _validate._CHECKED
+    seen = set()
+    with ring_kernels.rank_check_scope(seen):
+        assert ring_kernels.RANK_CHECKED.get() is seen
+    assert ring_kernels.RANK_CHECKED.get() is None
+    # check_ranks_agree reads it: a signature recorded in the set is not gathered again. (A "group" of 2 that no
+    # process joins: a gather would fail, so returning proves the skip; outside the set it does try to gather.)
+    monkeypatch.delenv(_validate.SKIP_RANK_CHECK_ENV, raising=False)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    gathered = []
+    monkeypatch.setattr(_validate, "_gather_and_compare", lambda *args: gathered.append(args[0]))
+    group, fields = object(), (("seqlen_local", 8.0),)
+    seen.add((id(group), "fn", fields))
+    token = ring_kernels.RANK_CHECKED.set(seen)
+    try:
+        _validate.check_ranks_agree("fn", group, fields, torch.device("cpu"))
+        _validate.check_ranks_agree("other", group, fields, torch.device("cpu"))  # not in the set: gathered, added
+    finally:
+        ring_kernels.RANK_CHECKED.reset(token)
+    assert gathered == ["other"] and (id(group), "other", fields) in seen
+    _validate.check_ranks_agree("fn", group, fields, torch.device("cpu"))  # no scope: every call is checked
+    assert gathered == ["other", "fn"]
 
 
 # ----------------------------------------------------------------------------------------- the benchmark
