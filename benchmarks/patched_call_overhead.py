@@ -16,7 +16,12 @@ What is compared, in one process and one run (a gloo world of one rank, in-proce
    The direct path calls the very function hfpatch resolved with the very arguments it passed (recorded from a
    patched call first); on the packed step those are HF's (1, T, H, D) tensors themselves (the varlen kernels
    take the packed row as is) and the step's global ``cu_seqlens``.
-2. Every registry entry (each signature generation), with a wrapper rendered for it and the same dispatcher
+2. Where the installed release's added time goes ("stage" rows, batch and packed steps, trivial kernel): the
+   patched call with its fast path cut short after each stage -- ``_staged_fast_call`` is a copy of
+   ``Dispatcher.fast_call`` and of ``semantics.fast_ring_attention``'s common case, returning the query at the
+   given stage -- so each row's "added" is the cumulative cost up to that stage and the difference between two
+   rows the cost of one stage. The last stage is the real fast path (the kernel call included).
+3. Every registry entry (each signature generation), with a wrapper rendered for it and the same dispatcher
    path (not installed: only one release is importable): the wrapper alone (handler returns at once, against
    calling the handler with a prebuilt call dict), and the whole patched call with the trivial kernel.
 
@@ -295,6 +300,142 @@ def _installed_rows(entry_id: str, fa: Callable, number: int, repeat: int) -> li
     return rows
 
 
+# The stages of the fast path, in order: the label of the row, and what the call has done when it stops there.
+STAGES = (
+    "stage 1: wrapper binds the live signature, calls fast_call",
+    "stage 2: + compile check, removal, switch",
+    "stage 3: + calling module (frame.f_locals)",
+    "stage 4: + layer key, counting",
+    "stage 5: + refusal tests (q.shape, k.shape)",
+    "stage 6: + step memo",
+    "stage 7: + plan lookup",
+    "stage 8: + rank-check scope (ContextVar)",
+    "stage 9: + kernel call (the real fast path)",
+)
+
+
+def _staged_fast_call(dispatcher, stop: int) -> Callable:
+    """``dispatcher.fast_call`` (and ``semantics.fast_ring_attention``'s common case, stages 5-8) returning the
+    query after stage ``stop`` (1-based, see ``STAGES``); ``stop == len(STAGES)`` is the real ``fast_call``.
+    A copy for timing only: it assumes the common call (no refusal, a cached plan), which the caller checks."""
+    import ring_kernels
+    from hfpatch import dispatch, semantics, switch
+
+    if stop == len(STAGES):
+        return dispatcher.fast_call
+    # Bound as the real closure binds them (cells, not attribute reads), so that each stage costs what it does there.
+    ctx, local, holders, kernels = dispatcher.ctx, switch._local, dispatch._holders, vars(ring_kernels)
+    is_compiling, graph_task_id, calling_module = dispatch._is_compiling, dispatch._graph_task_id, dispatch._calling_module
+    thread_counts, getframe, module_type, rank_checked = dispatcher._counts, sys._getframe, torch.nn.Module, \
+        ring_kernels.RANK_CHECKED
+
+    def fast_call(q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra):
+        if stop == 1:
+            return q
+        if is_compiling() or dispatcher.removed:
+            return None
+        stack = local.stack
+        if (stack[-1] if stack else switch._default_mode) != "ring" or stop == 2:
+            return q
+        frame = getframe(2)
+        code = frame.f_code
+        entry = holders.get(id(code))
+        module = None
+        if entry is not None and entry[0] is code and entry[1]:
+            f_locals = frame.f_locals
+            for name in entry[1]:
+                candidate = f_locals.get(name)
+                if isinstance(candidate, module_type):
+                    module = candidate
+                    break
+        if module is None:
+            module = calling_module(3)
+        if stop == 3:
+            return q
+        layer_idx = extra.get("layer_idx") if extra else None
+        if layer_idx is None and module is not None:
+            layer_idx = getattr(module, "layer_idx", None)
+        slot = (layer_idx, None if module is None else id(module)) if type(layer_idx) is int else \
+            dispatch._slot(layer_idx, module)
+        if graph_task_id() != -1:
+            counts = thread_counts.recomputed
+        else:
+            counts = thread_counts.ring
+            dispatcher._forward[slot] = "ring"
+        counts[slot] = counts.get(slot, 0) + 1
+        if stop == 4:
+            return q
+        q_shape = q.shape
+        if (mask is not None or dropout or k.shape[1] != q_shape[1] or (window is not None and type(window) is not int)
+                or (extra and (extra.get("s_aux") is not None or extra.get("cache") is not None
+                               or extra.get("cache_seqlens") is not None))) or stop == 5:
+            return q
+        memo = ctx._fast_step if ctx.step is None else None
+        if (memo is None or memo[0] is not position_ids or memo[2] != q_shape[0] or memo[3] != q_shape[1]
+                or (position_ids is not None and memo[1] != position_ids._version)) or stop == 6:
+            return q
+        step = memo[4]
+        plan = ctx._plans.get((causal, scale, window, softcap)) if ctx._plan_step is step else None
+        kernel = kernels[plan.kernel]
+        if stop == 7:
+            return q
+        token = rank_checked.set(step.rank_checked)
+        try:
+            return q
+        finally:
+            rank_checked.reset(token)
+
+    return fast_call
+
+
+def _stage_rows(entry_id: str, fa: Callable, dispatcher, number: int, repeat: int) -> list[dict]:
+    """The "stage" rows (see the module docstring): batch and packed steps, trivial kernel, each stage timed
+    against the same direct call, all interleaved in one loop."""
+    module = _AttentionModule()
+    rows = []
+    real = fa.__globals__["_hfpatch_fast"]
+    if real is not dispatcher.fast_call:
+        raise RuntimeError("the installed wrapper does not call this dispatcher's fast_call; update _stage_rows")
+    for step in ("batch", "packed"):
+        q, k, v, position_ids = _inputs(step)
+        hf_args = (module, q, k, v, None)
+        hf_kwargs = dict(dropout=0.0, scaling=q.shape[-1] ** -0.5, sliding_window=None, softcap=None, is_causal=True,
+                         position_ids=position_ids)
+        patched_caller = _integration_like(fa, q.shape[1])
+        name, args, kernel_kwargs = _record_kernel_call(lambda: patched_caller(*hf_args, **hf_kwargs))
+        if dispatcher.ctx._fast_step is None:
+            raise RuntimeError("the stages assume a derived step memoised by the fast path")
+        direct_caller = _direct_like(_trivial, args, kernel_kwargs, q.shape[1])
+        staged = [_staged_fast_call(dispatcher, stop) for stop in range(1, len(STAGES) + 1)]
+
+        def run(fast):
+            def call():
+                fa.__globals__["_hfpatch_fast"] = fast
+                try:
+                    return patched_caller(*hf_args, **hf_kwargs)
+                finally:
+                    fa.__globals__["_hfpatch_fast"] = real
+            return call
+
+        calls = [lambda: direct_caller(*hf_args, **hf_kwargs)] + [run(fast) for fast in staged]
+        with _kernels(lambda _name: _trivial):
+            for call in calls:
+                call()
+            best = _best_of(calls, number, repeat)
+        rows += [_row(entry_id, step, label, best[0], t) for label, t in zip(STAGES, best[1:])]
+    return rows
+
+
+def _best_of(fns: list, number: int, repeat: int) -> list[float]:
+    """Best-of-``repeat`` CPU seconds per call of each of ``fns``, runs interleaved."""
+    timers = [timeit.Timer(fn, timer=time.process_time) for fn in fns]
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, timer in enumerate(timers):
+            best[i] = min(best[i], timer.timeit(number) / number)
+    return best
+
+
 def _entry_rows(entry, ctx, number: int, repeat: int) -> list[dict]:
     """One registry entry: the rendered wrapper alone, and the whole patched call with the trivial kernel."""
     from hfpatch import codegen
@@ -347,6 +488,7 @@ def measure(*, number: int = 20_000, repeat: int = 7, entries: str = "all") -> d
     try:
         with _world_of_one() as group, _installed(group) as patch:
             rows = _installed_rows(patch.signature_id, mfau._flash_attention_forward, number, repeat)
+            rows += _stage_rows(patch.signature_id, mfau._flash_attention_forward, patch._dispatcher, number, repeat)
             if entries == "all":
                 for entry in load_registry():
                     rows += _entry_rows(entry, patch.ctx, number, repeat)
@@ -376,10 +518,10 @@ def render(result: dict) -> str:
         f"S={st['shape']['seq']} H={st['shape']['heads']} D={st['shape']['head_dim']} fp32; packed documents "
         f"{st['packed_docs']}",
         "",
-        f"{'entry':<12} {'step':<7} {'path':<37} {'direct us':>10} {'patched us':>11} {'added us':>9} {'ratio':>7}",
+        f"{'entry':<12} {'step':<7} {'path':<58} {'direct us':>10} {'patched us':>11} {'added us':>9} {'ratio':>7}",
     ]
     for r in result["rows"]:
-        lines.append(f"{r['entry']:<12} {r['step']:<7} {r['path']:<37} {r['direct_us']:>10.2f} "
+        lines.append(f"{r['entry']:<12} {r['step']:<7} {r['path']:<58} {r['direct_us']:>10.2f} "
                      f"{r['patched_us']:>11.2f} {r['added_us']:>9.2f} {r['ratio']:>7.2f}")
     return "\n".join(lines) + "\n"
 

@@ -653,6 +653,7 @@ def test_benchmark_runs_at_tiny_counts():
     packed_kernel = "llama3_attn_varlen_func" if takes_positions else "ring_attn_func"
     for step, kernel in (("batch", "ring_attn_func"), ("packed", packed_kernel)):
         assert (installed, step, f"kernel={kernel}") in rows and (installed, step, "kernel=trivial") in rows
+        assert all((installed, step, stage) in rows for stage in bench.STAGES)  # the breakdown, every stage
     from hfpatch.signatures.registry import load_registry
 
     for entry in load_registry():
