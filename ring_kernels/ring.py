@@ -291,10 +291,29 @@ def _yield_to_transfer(q: torch.Tensor) -> None:
     benchmarks/results/profile_2xH200_forward_yield_s3.log): zigzag 7.455 -> 7.073 ms (0 vs 25 us),
     non-causal ring 14.27 -> 13.76 ms; 10 us was too short to matter. The backward does not need it: cuDNN's
     small pre-kernel (dO.O) gives NCCL the moment."""
-    us = _yield_us()
-    if us > 0.0 and q.is_cuda:
-        rate_khz = getattr(torch.cuda.get_device_properties(q.device), "clock_rate", 0) or 1_980_000
-        torch.cuda._sleep(int(us * rate_khz / 1000.0))
+    cycles = _yield_cycles(os.environ.get(YIELD_ENV, ""), q.device)
+    if cycles > 0:
+        torch.cuda._sleep(cycles)
+
+
+# (setting as given, device) -> spin cycles (0: no pause; always 0 off CUDA). The setting is parsed and the
+# device's clock looked up once, not on every call (varlen calls are host-bound: every host microsecond shows in
+# their time). Keyed by the raw value, so a changed setting takes effect at the next call; a bad value is never
+# stored, so it raises on every call, on every device.
+_YIELD_CYCLES = {}
+
+
+def _yield_cycles(raw: str, device: torch.device) -> int:
+    key = (raw, device)
+    cycles = _YIELD_CYCLES.get(key)
+    if cycles is None:
+        us = _yield_us()
+        cycles = 0
+        if us > 0.0 and device.type == "cuda":
+            rate_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_980_000
+            cycles = int(us * rate_khz / 1000.0)
+        _YIELD_CYCLES[key] = cycles
+    return cycles
 
 
 def _forward(q, k, v, cfg: _RingConfig):

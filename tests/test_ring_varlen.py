@@ -8,6 +8,9 @@ Frobenius error < 1e-2 (out) and < 5e-2 (gradients).
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +21,7 @@ from ring_kernels.layout import shard
 from test_layout import subgroup_phases
 
 _VARIANTS = ("ring", "zigzag", "llama3")
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
 # -------------------------------------------------------------------------------------------- reference
@@ -349,6 +353,7 @@ def _group_cases(group, rank, n, cases):
         _cached_calls_across_ranks(group, rank, n)
     if n in (2, 3):
         _llama3_kv_grad_buffers(group, rank, n)
+        _host_syncs_of_repeated_calls(group, rank, n)
 
 
 # ---------------------------------------------------------------------------------- llama3 dK/dV rounding
@@ -872,6 +877,106 @@ def _cached_calls_across_ranks(group, rank, n):
         second = _cache_call(variant, cu, q, k, v, dout, group=group)
         assert varlen._CU_CACHE_STATS["hits"] == hits + 1, (rank, variant)
         _assert_same(second, first, f"rank {rank}/{n} {variant}, cached call")
+
+
+class _Quiet:
+    """A kernel (block backend or varlen kernel) whose calls ``counter`` does not count: on CUDA they are
+    launches; what is counted is the library's own host logic around them."""
+
+    def __init__(self, kernel, counter):
+        self.kernel, self.counter, self.name = kernel, counter, kernel.name
+
+    def unsupported_reason(self, **query):
+        return self.kernel.unsupported_reason(**query)
+
+    def forward(self, *args, **kwargs):
+        with self.counter.paused():
+            return self.kernel.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        with self.counter.paused():
+            return self.kernel.backward(*args, **kwargs)
+
+
+def _expected_collectives(variant, n, mode, slices=1):
+    """What one call must issue on N ranks, and nothing more: llama3 all-gathers K and V per head slice in the
+    forward and again in the backward, and reduce-scatters dK and dV per slice; the ring engine exchanges K/V
+    N-1 times in the forward (2 sends + 2 receives each), and in the backward K/V N-2 times and the dK/dV
+    partials N-1 times."""
+    if variant == "llama3":
+        want = {"all_gather_into_tensor": 2 * slices}
+        if mode == "fwd_bwd":
+            want = {"all_gather_into_tensor": 4 * slices, "reduce_scatter_tensor": 2 * slices}
+        return want
+    batches = (n - 1) + ((n - 2) + (n - 1) if mode == "fwd_bwd" else 0)
+    return {"batch_isend_irecv": batches, "p2p_ops": 4 * batches}
+
+
+def _host_syncs_of_repeated_calls(group, rank, n):
+    """Issue 8's guard: a repeated varlen call (the same cu_seqlens object, as every layer of a training step
+    passes) does, on the host path CUDA runs, no op that would synchronise with the GPU (device->host copy,
+    ``.item()``/``int()``/``bool()``/``.tolist()`` of a device tensor, ``nonzero``, ...), no host->device copy
+    and no blocking collective, and issues exactly the collectives its plan needs -- for llama3 (one head slice
+    and two), ring and zigzag, forward alone (no_grad) and forward + backward, through the CUDA varlen fast path
+    (the stand-in kernel), and ring's per-block path (cuDNN's on CUDA). Counted by ``HostOpCounter``
+    (``benchmarks/host_path.py``) with the kernels themselves excluded. The first call of each cu_seqlens proves
+    the counter sees what it must: exactly one device->host copy (cu_seqlens) and the cross-rank check (one
+    blocking all_gather and its copy to the host); the repeated call gives the first call's results."""
+    import ring_kernels.llama3 as llama3
+    import ring_kernels.varlen as varlen
+
+    if _BENCH not in sys.path:
+        sys.path.insert(0, _BENCH)
+    from host_path import HostOpCounter
+    from ring_kernels._validate import rank_check_scope
+
+    real_get_backend = varlen.get_backend
+    for variant, stride, fast in (("llama3", None, True), ("llama3", 1, True), ("ring", None, True),
+                                  ("zigzag", None, True), ("ring", None, False)):
+        docs = _zigzag_docs(n) if variant == "zigzag" else _contiguous_docs(n)
+        torch.manual_seed(13)
+        t = sum(docs)
+        layout = "zigzag" if variant == "zigzag" else "contiguous"
+        q, k, v, dout = (shard(torch.randn(t, h, 16), group, layout=layout, dim=0, cu_seqlens=_cu(docs))
+                         for h in (4, 2, 2, 4))
+        kwargs = {"heads_k_stride": stride} if stride else {}
+        slices = 2 // (stride or 2)
+        for mode in ("fwd", "fwd_bwd"):
+            cu = _cu(docs)                                # a new object: its first call is a cache miss
+            counter = HostOpCounter(llama3)
+            quiet_blocks = lambda *a, **kw: _Quiet(real_get_backend(*a, **kw), counter)  # noqa: E731
+            saved = [(m, m.get_backend) for m in (varlen, llama3)]
+            results = []
+            try:
+                for module in (varlen, llama3):
+                    module.get_backend = quiet_blocks
+                with _varlen_kernel(_Quiet(_PlainVarlenKernel(), counter) if fast else None), \
+                        rank_check_scope(set()):
+                    for attempt in range(2):
+                        counter.reset()
+                        leaves = [x.detach().requires_grad_(mode == "fwd_bwd") for x in (q, k, v)]
+                        counter.device(cu, dout, *leaves)
+                        with counter, torch.set_grad_enabled(mode == "fwd_bwd"):
+                            out = _fn(variant)(*leaves, cu, group=group, causal=True, backend="torch_cpu",
+                                               **kwargs)
+                            grads = torch.autograd.grad(out, leaves, dout) if mode == "fwd_bwd" else ()
+                        results.append((out, *grads))
+                        got = counter.summary()
+                        what = (rank, n, variant, stride, fast, mode, attempt, got)
+                        want = _expected_collectives(variant, n, mode, slices)
+                        if attempt == 0:
+                            assert got["syncs"] == {"to_cpu": 1, "cpu": 1}, what
+                            assert got["blocking_collectives"] == {"all_gather": 1}, what
+                            assert got["collectives"] == {**want, "all_gather": 1}, what
+                        else:
+                            assert got["syncs"] == {} and got["h2d"] == {}, what
+                            assert got["blocking_collectives"] == {}, what
+                            assert got["collectives"] == want, what
+            finally:
+                for module, original in saved:
+                    module.get_backend = original
+            for a, b in zip(results[1], results[0]):
+                assert torch.equal(a, b), (rank, n, variant, stride, fast, mode)
 
 
 def _cuda_cached_calls_do_not_sync(rank, world):
