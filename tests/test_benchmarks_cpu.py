@@ -238,3 +238,26 @@ def test_native_cp_layout_and_settings_are_restored():
         assert _cp_options.enable_load_balance is False and _cp_options.rotate_method == _RotateMethod.ALL_TO_ALL
     assert (_cp_options.enable_load_balance, _cp_options.rotate_method) == saved
     assert "CUDA" in native_cp.native_cp_unavailable_reason(torch.device("cpu"))
+
+
+def _peak_memory_world(rank, world_size):
+    import cpu_peak_memory
+
+    return cpu_peak_memory.main(["--tokens", "64"])
+
+
+def test_cpu_peak_memory_script_reports_every_case():
+    """benchmarks/cpu_peak_memory.py (the CPU stand-in for the GPU memory column) runs and reports a forward and a
+    backward peak for the single-shard baseline and every ring variant, the same on both ranks (max over ranks)."""
+    import re
+
+    per_rank = [[line for line in lines if not line.startswith("#")] for lines in run_world(2, _peak_memory_world,
+                                                                                          timeout=120)]
+    assert per_rank[0] == per_rank[1]   # each rank reports the maximum over both
+    rows = per_rank[0]
+    assert [r.split(":")[0] for r in rows] == [
+        "single (one shard, SDPA), causal", "single (one shard, SDPA), non-causal", "zigzag / torch_cpu, causal",
+        "ring / torch_cpu, non-causal", "ring / torch_cpu, causal", "stripe / torch_cpu, causal"]
+    for row in rows:
+        fwd, bwd = map(float, re.fullmatch(r".*: forward ([0-9.]+) U \| backward ([0-9.]+) U", row).groups())
+        assert fwd > 0 and bwd > 0, row
