@@ -117,6 +117,13 @@ def _inputs(step: str):
     return q, k, v, position_ids
 
 
+def _hf_call(module, q, k, v, position_ids) -> tuple:
+    """(args, kwargs) of transformers' integration call ``flash_attention_forward(module, q, k, v, mask, ...)``."""
+    kwargs = dict(dropout=0.0, scaling=q.shape[-1] ** -0.5, sliding_window=None, softcap=None, is_causal=True,
+                  position_ids=position_ids)
+    return (module, q, k, v, None), kwargs
+
+
 class _AttentionModule(torch.nn.Module):
     """What transformers' integration holds as ``module``: an attention layer with a ``layer_idx``."""
 
@@ -270,9 +277,7 @@ def _installed_rows(entry_id: str, fa: Callable, number: int, repeat: int) -> li
     module = _AttentionModule()
     for step in ("batch", "packed"):
         q, k, v, position_ids = _inputs(step)
-        hf_args = (module, q, k, v, None)
-        hf_kwargs = dict(dropout=0.0, scaling=q.shape[-1] ** -0.5, sliding_window=None, softcap=None, is_causal=True,
-                         position_ids=position_ids)
+        hf_args, hf_kwargs = _hf_call(module, q, k, v, position_ids)
         patched_caller = _integration_like(fa, q.shape[1])
         name, args, kernel_kwargs = _record_kernel_call(lambda: patched_caller(*hf_args, **hf_kwargs))
         real = getattr(ring_kernels, name)
@@ -289,9 +294,7 @@ def _installed_rows(entry_id: str, fa: Callable, number: int, repeat: int) -> li
                 t_direct, t_patched = _best_pair(direct, lambda: patched_caller(*hf_args, **hf_kwargs), calls, repeat)
             rows.append(_row(entry_id, step, f"kernel={label}", t_direct, t_patched))
     q, k, v, position_ids = _inputs("batch")
-    hf_args = (module, q, k, v, None)
-    hf_kwargs = dict(dropout=0.0, scaling=q.shape[-1] ** -0.5, sliding_window=None, softcap=None, is_causal=True,
-                     position_ids=position_ids)
+    hf_args, hf_kwargs = _hf_call(module, q, k, v, position_ids)
     nothing = _direct_like(lambda: None, (), {}, q.shape[1])
     empty = _integration_like(_empty_body(fa), q.shape[1])
     t_direct, t_patched = _best_pair(lambda: nothing(*hf_args, **hf_kwargs), lambda: empty(*hf_args, **hf_kwargs),
@@ -319,7 +322,7 @@ def _staged_fast_call(dispatcher, stop: int) -> Callable:
     query after stage ``stop`` (1-based, see ``STAGES``); ``stop == len(STAGES)`` is the real ``fast_call``.
     A copy for timing only: it assumes the common call (no refusal, a cached plan), which the caller checks."""
     import ring_kernels
-    from hfpatch import dispatch, semantics, switch
+    from hfpatch import dispatch, switch
 
     if stop == len(STAGES):
         return dispatcher.fast_call
@@ -376,7 +379,7 @@ def _staged_fast_call(dispatcher, stop: int) -> Callable:
             return q
         step = memo[4]
         plan = ctx._plans.get((causal, scale, window, softcap)) if ctx._plan_step is step else None
-        kernel = kernels[plan.kernel]
+        kernel = kernels[plan.kernel]  # noqa: F841 -- timed: the real fast path looks its kernel up here
         if stop == 7:
             return q
         token = rank_checked.set(step.rank_checked)
@@ -398,9 +401,7 @@ def _stage_rows(entry_id: str, fa: Callable, dispatcher, number: int, repeat: in
         raise RuntimeError("the installed wrapper does not call this dispatcher's fast_call; update _stage_rows")
     for step in ("batch", "packed"):
         q, k, v, position_ids = _inputs(step)
-        hf_args = (module, q, k, v, None)
-        hf_kwargs = dict(dropout=0.0, scaling=q.shape[-1] ** -0.5, sliding_window=None, softcap=None, is_causal=True,
-                         position_ids=position_ids)
+        hf_args, hf_kwargs = _hf_call(module, q, k, v, position_ids)
         patched_caller = _integration_like(fa, q.shape[1])
         name, args, kernel_kwargs = _record_kernel_call(lambda: patched_caller(*hf_args, **hf_kwargs))
         if dispatcher.ctx._fast_step is None:

@@ -111,30 +111,26 @@ def test_forward_yield_setting_is_parsed_once_per_value(monkeypatch):
 
 def test_flash_varlen_padded_lse_index_is_built_once_per_segments(monkeypatch):
     """Builds whose varlen flash op returns the LSE padded (B, H, max_q) need the packed rows' flat index on the
-    device, in forward and backward: built once per segments object (a host->device copy that waits for the
-    stream), by identity (equal content is a miss), never from a dead object whose id was reused, LRU-bounded."""
+    device, in forward and backward: built once per segments object and device (a host->device copy that waits for
+    the stream) and kept with it, by identity (equal content is a miss), gone with the segments."""
+    import gc
     import weakref
 
     from ring_kernels.backends import torch_cuda_varlen as tcv
 
     built = []
     real = tcv._packed_to_padded_index
-    monkeypatch.setattr(tcv, "_packed_to_padded_index", lambda seg, device: built.append(seg) or real(seg, device))
-    kernel = tcv.TorchFlashVarlen()
+    monkeypatch.setattr(tcv, "_packed_to_padded_index", lambda seg, device: built.append(device) or real(seg, device))
     seg = tcv.segments_from_lengths([2, 3, 1], [2, 3, 1], True, "cpu")
-    first = kernel._padded_index(seg, "cpu")
+    first = seg.padded_index("cpu")
     assert first.tolist() == [0, 1, 3, 4, 5, 6]          # document b, row i -> b * max_q + i (max_q = 3)
-    assert kernel._padded_index(seg, torch.device("cpu")) is first and len(built) == 1
+    assert seg.padded_index(torch.device("cpu")) is first and len(built) == 1
     equal = tcv.segments_from_lengths([2, 3, 1], [2, 3, 1], True, "cpu")
-    assert kernel._padded_index(equal, "cpu").tolist() == first.tolist() and len(built) == 2
+    assert equal.padded_index("cpu").tolist() == first.tolist() and len(built) == 2
     live = tcv.segments_from_lengths([1], [1], False, "cpu")
     dead = tcv.segments_from_lengths([4], [4], False, "cpu")
-    dead_ref = weakref.ref(dead)
+    index_ref = weakref.ref(dead.padded_index("cpu"))
     del dead
-    assert dead_ref() is None
-    kernel._index[(id(live), torch.device("cpu"))] = (dead_ref, torch.tensor([99]))   # as if the id were reused
-    assert kernel._padded_index(live, "cpu").tolist() == [0]
-    keep = [tcv.segments_from_lengths([1, n], [1, n], False, "cpu") for n in range(1, 70)]
-    for s in keep:
-        kernel._padded_index(s, "cpu")
-    assert len(kernel._index) == kernel._INDEX_CACHE_SIZE
+    gc.collect()
+    assert index_ref() is None                           # the index lives and dies with its segments
+    assert live.padded_index("cpu").tolist() == [0] and len(built) == 4

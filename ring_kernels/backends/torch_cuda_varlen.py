@@ -20,10 +20,7 @@ backend choice (the ``"torch_flash"`` backend, or ``"auto"`` when its per-docume
 """
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -56,6 +53,20 @@ class VarlenSegments:
     lengths_q: Tuple[int, ...]
     lengths_k: Tuple[int, ...]
     causal: bool
+
+    # device -> the packed query rows' flat index into the padded LSE layout (builds whose varlen op returns the
+    # LSE padded), built on first use: building it copies a host tensor to the device, which waits for the stream,
+    # and the varlen callers keep their segments in cached plans, so a repeated call finds it here.
+    _padded_index: Dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False,
+                                                            compare=False)
+
+    def padded_index(self, device) -> torch.Tensor:
+        """``_packed_to_padded_index(self, device)``, built once per device and kept with these segments."""
+        device = torch.device(device)
+        index = self._padded_index.get(device)
+        if index is None:
+            index = self._padded_index[device] = _packed_to_padded_index(self, device)
+        return index
 
     @property
     def max_q(self) -> int:
@@ -123,32 +134,10 @@ class TorchFlashVarlen:
 
     name = "torch_flash_varlen"
 
-    _INDEX_CACHE_SIZE = 64                             # segments whose padded-LSE index is kept (LRU)
-
     def __init__(self):
         self._rng: Dict[torch.device, tuple] = {}      # outputs 3/4 of the last forward (dropout 0: unused)
         self._padded: Dict[torch.device, bool] = {}    # whether this build returns the LSE padded
-        self._index: "OrderedDict[tuple, tuple]" = OrderedDict()   # (id(seg), device) -> (weakref(seg), index)
-        self._index_lock = threading.Lock()            # the LRU bookkeeping (the kernel object is shared)
         self.calls = 0                                 # forward + backward calls, for tests that count
-
-    def _padded_index(self, seg: VarlenSegments, device) -> torch.Tensor:
-        """``_packed_to_padded_index(seg, device)``, computed once per segments object and device: building it
-        copies a host tensor to the device, which waits for the stream; the varlen callers keep their segments
-        in cached plans, so a repeated call finds it here. Keyed by identity, held by a weak reference (a
-        segments object that died never matches a new one that reuses its id)."""
-        key = (id(seg), torch.device(device))
-        with self._index_lock:
-            hit = self._index.get(key)
-            if hit is not None and hit[0]() is seg:
-                self._index.move_to_end(key)
-                return hit[1]
-        index = _packed_to_padded_index(seg, device)
-        with self._index_lock:
-            self._index[key] = (weakref.ref(seg), index)
-            while len(self._index) > self._INDEX_CACHE_SIZE:
-                self._index.popitem(last=False)
-        return index
 
     def forward(self, q, k, v, seg: VarlenSegments, *, scale: float):
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
@@ -157,7 +146,7 @@ class TorchFlashVarlen:
         self._padded[q.device] = lse.dim() == 3
         self.calls += 1
         if lse.dim() == 3:                             # padded (B, H, max_q): older builds
-            lse = lse.transpose(0, 1).reshape(q.shape[1], -1)[:, self._padded_index(seg, q.device)]
+            lse = lse.transpose(0, 1).reshape(q.shape[1], -1)[:, seg.padded_index(q.device)]
         return out, lse.contiguous()
 
     def backward(self, dout, q, k, v, out, lse, seg: VarlenSegments, *, scale: float):
@@ -165,7 +154,7 @@ class TorchFlashVarlen:
         lse = torch.nan_to_num(lse, neginf=0.0).contiguous()   # -inf rows (no key) must give p = 0, not NaN
         if self._padded_lse(q, scale):
             padded = lse.new_zeros(q.shape[1], len(seg.lengths_q) * seg.max_q)
-            padded[:, self._padded_index(seg, q.device)] = lse
+            padded[:, seg.padded_index(q.device)] = lse
             lse = padded.reshape(q.shape[1], len(seg.lengths_q), seg.max_q).transpose(0, 1).contiguous()
         self.calls += 1
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
