@@ -6,7 +6,7 @@
 # Each step has its own time limit so that one slow step cannot take the others' time; results are written as
 # each case group finishes. The per-call cross-rank shape check is off while timing (--skip-rank-check): hfpatch
 # runs it once per step (ring_kernels.rank_check_scope) and PyTorch's native CP has none; its cost is measured
-# separately in profile_2xH200_rank_check_and_nccl_knobs.log.
+# separately in profile_2xH200_rank_check_and_nccl_knobs_94c6b18.log.
 set -u
 OUT=${OUT:-benchmarks/results}
 TAG=${TAG:-s3}
@@ -19,7 +19,7 @@ step() { grep -o "step [0-9.]*" "$1" | head -1 | cut -d' ' -f2; }
 
 # NCCL settings a user can choose (environment, read when the process group is created): the default and a
 # high-priority NCCL stream (8 channels minimum was tried in session 3 and gave nothing consistent:
-# results/profile_2xH200_forward_yield_s3.log). Each is profiled on zigzag (causal) and ring (non-causal) x cuDNN;
+# results/profile_2xH200_forward_yield_18cdfe2.log). Each is profiled on zigzag (causal) and ring (non-causal) x cuDNN;
 # the benchmarks run with the faster (sum of the two steps; it must beat the default by >= 1%). Native CP runs under
 # the same setting.
 SETTINGS=("" "TORCH_NCCL_HIGH_PRIORITY=1")

@@ -288,7 +288,7 @@ def _yield_to_transfer(q: torch.Tensor) -> None:
     that kernel from getting SMs until its own tail, and the transfer then runs exposed (profiled on 2xH200:
     80-170 us per step, up to ~400 us on another machine). With the pause the transfer's kernel is resident
     before the attention kernel starts. Measured on 2xH200 (cuDNN, bf16, 8k tokens/GPU, fwd+bwd, one machine,
-    benchmarks/results/profile_2xH200_forward_yield_s3.log): zigzag 7.455 -> 7.073 ms (0 vs 25 us),
+    benchmarks/results/profile_2xH200_forward_yield_18cdfe2.log): zigzag 7.455 -> 7.073 ms (0 vs 25 us),
     non-causal ring 14.27 -> 13.76 ms; 10 us was too short to matter. The backward does not need it: cuDNN's
     small pre-kernel (dO.O) gives NCCL the moment."""
     cycles = _yield_cycles(os.environ.get(YIELD_ENV, ""), q.device)
