@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The 2-GPU device run behind benchmarks/results/: profiles, then the ring benchmark at 8k tokens per GPU (every
 # batch variant x cuDNN/flash/Triton, native CP peers), 32k tokens, the MHA config and the varlen variants.
-# Run from the repository root on a 2-GPU machine: OUT=<dir> [TAG=s3] bash benchmarks/device_suite.sh
-# (TAG suffixes the result files: s2 = session 2's run, s3 = session 3's).
+# Run from the repository root on a 2-GPU machine: OUT=<dir> [TAG=<commit>] bash benchmarks/device_suite.sh
+# (TAG ends the result files' names; the committed files use the commit of the tree that ran, default: the UTC date).
 # Each step has its own time limit so that one slow step cannot take the others' time; results are written as
 # each case group finishes. The per-call cross-rank shape check is off while timing (--skip-rank-check): hfpatch
 # runs it once per step (ring_kernels.rank_check_scope) and PyTorch's native CP has none; its cost is measured
 # separately in profile_2xH200_rank_check_and_nccl_knobs_94c6b18.log.
 set -u
 OUT=${OUT:-benchmarks/results}
-TAG=${TAG:-s3}
+TAG=${TAG:-$(date -u +%Y%m%d)}
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 log() { echo "## $(date -u +%H:%M:%S) $*"; }
@@ -18,7 +18,7 @@ profile() { timeout 45 torchrun --nproc-per-node 2 benchmarks/profile_ring.py --
 step() { grep -o "step [0-9.]*" "$1" | head -1 | cut -d' ' -f2; }
 
 # NCCL settings a user can choose (environment, read when the process group is created): the default and a
-# high-priority NCCL stream (8 channels minimum was tried in session 3 and gave nothing consistent:
+# high-priority NCCL stream (8 channels minimum was tried and gave nothing consistent:
 # results/profile_2xH200_forward_yield_18cdfe2.log). Each is profiled on zigzag (causal) and ring (non-causal) x cuDNN;
 # the benchmarks run with the faster (sum of the two steps; it must beat the default by >= 1%). Native CP runs under
 # the same setting.

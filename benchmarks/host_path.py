@@ -1,14 +1,14 @@
 """Host work of one varlen ring call, measured on CPU: the ops it dispatches, the ones that would synchronise
 the host with the GPU on CUDA, the collectives it issues, and its wall time with stub kernels.
 
-Why: a varlen call on 2xH200 is host-bound (session 2: ~1.2 ms forward against ~0.4 ms of kernel time per rank),
+Why: a varlen call on 2xH200 is host-bound (~1.2 ms forward against ~0.4 ms of kernel time per rank: benchmarks/results/README.md),
 so every added host op, and above all every host<->device synchronisation, shows up 1:1 in its GPU time. This
 script sees those on a CPU machine, with the CUDA-only fast paths driven the way the tests drive them (a stand-in
 for ``torch_cuda_varlen``'s kernel returned by ``varlen_kernel_for``), so a regression is caught in CI or on a
 laptop, and two source trees can be compared (A/B):
 
     python benchmarks/host_path.py                       # this tree: counts and host time per call
-    python benchmarks/host_path.py --trees /tmp/s2 .     # A/B, interleaved runs, one line per case and tree
+    python benchmarks/host_path.py --trees /tmp/old .     # A/B, interleaved runs, one line per case and tree
 
 What is counted (``HostOpCounter``), per call of the steady state (the same cu_seqlens object as the calls
 before it, as every attention layer of a training step passes):

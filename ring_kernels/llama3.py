@@ -34,13 +34,9 @@ the results dk/dv U (allocated when the reduce-scatter starts: it writes them), 
 The backward's peak is its first half of local blocks (or the remote blocks): gathered K/V 2U + bf16
 partials 2U + dq + the running call's outputs and workspace for about half of the local rows (the halves
 also halve that). The second half runs with the partials (in flight) + results 3U: the gathered K/V are freed
-after their last use. Before (session 2, measured 1.41x single-GPU attention + K/V double buffer on 2xH200,
-8k tokens, Llama-3-8B heads) the same point held 2U gathered + 4U fp32 partials + 2U fp32 receive buffers +
-2U fp32 dK/dV accumulators = 10U, now 4U (6U = 192 MiB less at that size; not yet re-measured on a GPU).
-Measured on CPU (2 gloo ranks, torch_cpu backend, bf16, L = 2048, 16/4 heads, head dim 64, a document across
-the boundary; allocator events of the torch profiler): the forward + backward peak above its inputs fell from
-21.2U to 12.2U with ``heads_k_stride=None`` and from 14.6U to 9.8U with ``heads_k_stride=1``, both inside a
-local block's backward call.
+after their last use. So the backward's peak holds 4U of ring buffers where an fp32 design would hold 10U
+(2U gathered + 4U fp32 partials + 2U fp32 receive buffers + 2U fp32 dK/dV accumulators). Measured GPU and CPU
+peaks: benchmarks/results/README.md, "llama3 memory".
 
 Per call, nothing is planned twice: the plan, the fast path's segments (cumulative lengths already on the
 device) and the rounding plans are cached with the cu_seqlens tensor (``varlen._cu_entry``: same object, same

@@ -35,8 +35,8 @@ Memory: the saved last block costs one extra K/V block (the size of local k + v)
 from forward to backward and freed after backward (under activation checkpointing it lives only during that
 layer's recompute); the backward needs no K/V receive buffer with 2 ranks, one with 3, two with more. With
 2 ranks the saved block is dead after the backward's first step, and its memory receives the dK/dV partial sum
-(no receive buffer of its own: CPU-measured zigzag fwd+bwd peak, bf16, 2 ranks, 2048 tokens, 16/4 heads of 64,
-profiler allocator events: 11.96 -> 10.96 units of the local k + v); a second backward through the same graph
+(no receive buffer of its own: the backward's peak is one K/V block lower; measured in
+benchmarks/results/README.md, "Ring backward memory"); a second backward through the same graph
 (``retain_graph=True``) then fetches the block again, one K/V hop. No allocation inside the ring loops can be
 hoisted: receive buffers and accumulators are allocated before the loop, the first dK/dV receive buffer when
 step 0's compute is done (the final dK/dV of N >= 3 rings land in a K/V receive buffer, free by then); inside
@@ -287,10 +287,8 @@ def _yield_to_transfer(q: torch.Tensor) -> None:
     Why: an attention kernel that fills every SM, launched at the same moment as NCCL's SendRecv kernel, keeps
     that kernel from getting SMs until its own tail, and the transfer then runs exposed (profiled on 2xH200:
     80-170 us per step, up to ~400 us on another machine). With the pause the transfer's kernel is resident
-    before the attention kernel starts. Measured on 2xH200 (cuDNN, bf16, 8k tokens/GPU, fwd+bwd, one machine,
-    benchmarks/results/profile_2xH200_forward_yield_18cdfe2.log): zigzag 7.455 -> 7.073 ms (0 vs 25 us),
-    non-causal ring 14.27 -> 13.76 ms; 10 us was too short to matter. The backward does not need it: cuDNN's
-    small pre-kernel (dO.O) gives NCCL the moment."""
+    before the attention kernel starts (the default of 25 us and its effect: benchmarks/results/README.md,
+    "Forward yield"). The backward does not need it: cuDNN's small pre-kernel (dO.O) gives NCCL the moment."""
     cycles = _yield_cycles(os.environ.get(YIELD_ENV, ""), q.device)
     if cycles > 0:
         torch.cuda._sleep(cycles)
