@@ -13,9 +13,11 @@ from hfpatch import switch  # noqa: E402  (the callable module: `with hfpatch.sw
 from hfpatch.api import Patch, active_patch, apply  # noqa: E402
 from hfpatch.errors import (  # noqa: E402
     HfpatchError,
+    ModelDivergence,
     PatchError,
     SignatureMismatch,
     UnsupportedArgument,
+    UnsupportedModel,
     UnsupportedRelease,
     VerificationError,
 )
@@ -34,4 +36,6 @@ __all__ = [
     "PatchError",
     "VerificationError",
     "UnsupportedRelease",
+    "UnsupportedModel",
+    "ModelDivergence",
 ]

@@ -47,7 +47,7 @@ __all__ = ["OP_NAME", "BACKWARD_OP_NAME", "register_dispatcher", "compiled_call"
 OP_NAME = "hfpatch::flash_attention"
 BACKWARD_OP_NAME = "hfpatch::flash_attention_backward"
 
-_MODES = ("ring", "reference", "original")  # mode_code = index
+_MODES = ("ring", "reference", "original", "local")  # mode_code = index
 _TENSOR, _INT, _CONST = "tensor", "int", "const"
 
 # Dispatchers by token: the operator's schema can only carry numbers, so the dispatcher travels as a token.

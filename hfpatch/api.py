@@ -16,13 +16,15 @@ from typing import Any, Optional
 import torch
 
 from hfpatch import _compat
-from hfpatch.errors import PatchError, SignatureMismatch, UnsupportedRelease, VerificationError
+from hfpatch.errors import (ModelDivergence, PatchError, SignatureMismatch, UnsupportedModel, UnsupportedRelease,
+                            VerificationError)
 
 __all__ = ["apply", "Patch", "active_patch"]
 
 logger = logging.getLogger("hfpatch")
 
 _ON_UNSUPPORTED = ("raise", "fallback")
+_VERIFY = (True, "fast", False)
 _active: Optional["Patch"] = None
 _active_lock = threading.RLock()  # re-entered by Patch.remove() inside apply's final check
 
@@ -159,6 +161,11 @@ class Patch:
 
         return inputs.reduce_loss(self._live_ctx(), loss_sum, num_tokens)
 
+    def live_ctx_or_none(self):
+        """The ``RingContext`` while this patch is active and not removed, else None (what the labels hook of
+        ``apply(model=)`` reads per forward)."""
+        return self.ctx if self.active and not self._removed else None
+
     def _live_ctx(self):
         # After remove() attention is no longer ring attention: sharding inputs would feed shards to the
         # original function silently. Refuse instead.
@@ -254,15 +261,23 @@ def _validate_arguments(kernel, on_unsupported, verify, model) -> None:
             "UnsupportedRelease on a release hfpatch cannot patch) or 'fallback' (run without CP, inactive Patch)."
         )
     parse_kernel(kernel)  # ValueError naming the kernel and the allowed variants
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify={verify!r} must be True (run the numeric probe) or False")
+    if not (verify is True or verify is False or verify == "fast"):
+        raise TypeError(f"verify={verify!r} must be True (the numeric probe of the wrapper, and with model= the "
+                        "whole-model probe), 'fast' (the numeric probe only) or False (no probe)")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model={type(model).__name__} must be a transformers model (torch.nn.Module) or None")
 
 
-def _inactive(reason: str, *, level: int = logging.INFO) -> Patch:
+def _inactive(reason: str, *, level: int = logging.INFO, model: Optional[torch.nn.Module] = None) -> Patch:
+    """An inactive Patch; with ``model``, its labels hook (``hfpatch.labels``) so that the shifted labels of
+    ``shard_inputs`` give the non-CP loss when passed to the model."""
+    from hfpatch.labels import install_labels_hook
+
     logger.log(level, "hfpatch: not active (%s); transformers untouched, input helpers are the identity", reason)
-    return Patch(active=False, reason=reason)
+    patch = Patch(active=False, reason=reason)
+    if model is not None:
+        patch._hooks.extend(install_labels_hook(model, lambda: None))
+    return patch
 
 
 def _check_no_active_patch() -> None:
@@ -283,9 +298,16 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
                      "auto" = zigzag for batch inputs, llama3 for packed inputs.
     on_unsupported:  "raise" (SignatureMismatch with a diff, or UnsupportedRelease) or "fallback" (inactive Patch
                      and one warning) when the installed transformers cannot be patched.
-    verify:          run the numeric probe over the group after installing.
-    model:           switch this model onto the patched flash-attention path (even without flash-attn installed);
-                     restored by ``remove()``. Raises ``UnsupportedArgument`` for a model without a flash path.
+    verify:          True: after installing, the numeric probe of the wrapper over the group and, with ``model``,
+                     the whole-model probe (``hfpatch.model_probe``: the model's CP forward against its non-CP
+                     forward on a few tokens per rank; ``ModelDivergence`` names the first diverging module).
+                     "fast": the numeric probe only. False: no probe.
+    model:           the model to train. It is audited first (``hfpatch.model_audit``: sequence mixers outside
+                     attention, positions from the input's length, a per-rank router loss -> ``UnsupportedModel``
+                     naming module and class, before anything is installed), then switched onto the patched
+                     flash-attention path (even without flash-attn installed), and its forward takes
+                     ``labels`` from ``shard_inputs`` to give the non-CP loss (``hfpatch.labels``); all restored by
+                     ``remove()``. Raises ``UnsupportedArgument`` for a model without a flash path.
 
     ``RING_ATTN_SWITCH`` is read here (``1``/unset ring, ``0`` original, ``reference``) and becomes the
     process-wide switch default until ``remove()``.
@@ -307,11 +329,12 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
     if group is None or dist.get_world_size(group) == 1:
         with _active_lock:
             _check_no_active_patch()
-        return _inactive("no CP group given (cp_group=None)" if group is None else "the CP group has a single rank")
-    match, version, fallback_reason = _agreed_match(group, on_unsupported)  # checks for an active patch too
+        return _inactive("no CP group given (cp_group=None)" if group is None else "the CP group has a single rank",
+                         model=model)
+    match, version, fallback_reason = _agreed_match(group, on_unsupported, model)  # checks for an active patch too
     if fallback_reason is not None:
-        return _inactive(fallback_reason, level=logging.WARNING)
-    return _install(group, kernel, verify, model, match, version, env_mode)
+        return _inactive(fallback_reason, level=logging.WARNING, model=model)
+    return _install(group, kernel, verify, model, match, version, env_mode, on_unsupported)
 
 
 # What each rank reports before installing; the group acts on the worst (one rank falling back while the others
@@ -319,14 +342,17 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
 _OK, _FALLBACK, _FAILED = 0.0, 1.0, 2.0
 
 
-def _agreed_match(group, on_unsupported: str):
-    """``_match_live_signature`` on every rank, then one all-reduce so that all ranks do the same thing."""
+def _agreed_match(group, on_unsupported: str, model: Optional[torch.nn.Module]):
+    """``_match_live_signature`` and ``_audit_model`` on every rank, then one all-reduce so that all ranks do the
+    same thing."""
     from hfpatch.verify import group_max
 
     try:
         with _active_lock:
             _check_no_active_patch()
         match, version, reason = _match_live_signature(on_unsupported)
+        if reason is None and model is not None:
+            reason = _audit_model(model, on_unsupported)
     except BaseException:
         group_max(_FAILED, group)
         raise
@@ -364,7 +390,20 @@ def _match_live_signature(on_unsupported: str):
         raise
 
 
-def _install(group, kernel, verify, model, match, version, env_mode) -> Patch:
+def _audit_model(model: torch.nn.Module, on_unsupported: str) -> Optional[str]:
+    """None when ``model_audit`` finds nothing; the reason to fall back, or ``UnsupportedModel`` raised."""
+    from hfpatch import model_audit
+
+    findings = model_audit.audit(model)
+    if not findings:
+        return None
+    message = model_audit.describe(findings, model)
+    if on_unsupported == "fallback":
+        return message
+    raise UnsupportedModel(message, findings=findings)
+
+
+def _install(group, kernel, verify, model, match, version, env_mode, on_unsupported) -> Patch:
     global _active
     from hfpatch import switch as switch_module
     from hfpatch import verify as verify_module
@@ -387,7 +426,16 @@ def _install(group, kernel, verify, model, match, version, env_mode) -> Patch:
     try:
         if verify:
             verify_module.numeric(patch._installation.wrapper, match, patch.ctx)
-        patch._dispatcher.reset()  # the probe's calls are not the user's
+        if verify is True and model is not None:
+            from hfpatch.model_probe import probe_model
+
+            probe_model(model, patch.ctx)
+        patch._dispatcher.reset()  # the probes' calls are not the user's
+    except ModelDivergence as exc:
+        _remove_quietly(patch)
+        if on_unsupported != "fallback":
+            raise
+        return _inactive(str(exc), level=logging.WARNING, model=model)
     except BaseException:
         _remove_quietly(patch)
         raise
@@ -409,6 +457,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     from hfpatch import codegen, patcher
     from hfpatch import verify as verify_module
     from hfpatch.dispatch import Dispatcher
+    from hfpatch.labels import install_labels_hook
     from hfpatch.model_switch import switch_model
     from hfpatch.semantics import RingContext
 
@@ -428,6 +477,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
         if model is not None:
             patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
             patch.track(model)
+            patch._hooks.extend(install_labels_hook(model, patch.live_ctx_or_none))
         verify_module.identity(installation)
     except BaseException:
         _remove_quietly(patch)

@@ -7,7 +7,8 @@
 1. reads ``switch.current_mode()`` (per-thread override over the process-wide default);
 2. routes: ``"ring"`` -> ``semantics.ring_attention``; ``"original"`` -> the original transformers function,
    re-called by parameter name (``codegen.original_kwargs``); ``"reference"`` -> ``semantics.reference_attention``
-   (all-gather, plain attention on the whole sequence, this rank's slice);
+   (all-gather, plain attention on the whole sequence, this rank's slice); ``"local"`` ->
+   ``semantics.local_attention`` (no CP: plain attention on the tensors given);
 3. counts the call under its layer, so that ``Patch`` can say which attention layers ran the ring in the last
    forward and which did not.
 
@@ -234,11 +235,13 @@ class Dispatcher:
         return mode
 
     def run_mode(self, mode: str, call: dict, extra: dict) -> torch.Tensor:
-        """Route one call: ``"ring"``, ``"reference"`` or ``"original"`` (no counting)."""
+        """Route one call: ``"ring"``, ``"reference"``, ``"local"`` or ``"original"`` (no counting)."""
         if mode == "ring":
             return _semantics.ring_attention(call, extra, self.ctx)
         if mode == "reference":
             return _semantics.reference_attention(call, extra, self.ctx)
+        if mode == "local":
+            return _semantics.local_attention(call, extra, self.ctx)
         return self.call_original(call, extra)
 
     def call_original(self, call: dict, extra: dict) -> torch.Tensor:

@@ -16,6 +16,8 @@ __all__ = [
     "PatchError",
     "VerificationError",
     "UnsupportedRelease",
+    "UnsupportedModel",
+    "ModelDivergence",
     "InvalidReleaseSpec",
     "ScanError",
     "WheelFetchError",
@@ -83,6 +85,43 @@ class PatchError(HfpatchError, RuntimeError):
 
 class VerificationError(PatchError):
     """The patch was installed but a check (identity at every site, numeric probe, layer count) failed."""
+
+
+class UnsupportedModel(HfpatchError, ValueError):
+    """``apply(model=)`` found parts of the model that context parallelism cannot make exact: a module that mixes
+    tokens along the sequence outside the patched attention (a state-space scan, linear attention, a recurrence,
+    a causal convolution), positions derived from the input's length, a loss computed per rank, ... Raised before
+    anything is installed (or, with ``on_unsupported="fallback"``, turned into an inactive ``Patch``).
+
+    Fields: ``findings`` (every ``model_audit.Finding``: ``.path``, ``.module_class``, ``.kind``, ``.reason``,
+    ``.fix``); ``module_path``, ``module_class``, ``kind``, ``reason``, ``fix`` of the first one.
+    """
+
+    def __init__(self, message: str, *, findings: list) -> None:
+        super().__init__(message)
+        self.findings = list(findings)
+        first = self.findings[0] if self.findings else None
+        self.module_path = getattr(first, "path", None)
+        self.module_class = getattr(first, "module_class", None)
+        self.kind = getattr(first, "kind", None)
+        self.reason = getattr(first, "reason", None)
+        self.fix = getattr(first, "fix", None)
+
+
+class ModelDivergence(VerificationError):
+    """The whole-model probe of ``apply(model=)``: the model's CP forward differs from its non-CP forward on the
+    same whole sequence. Fields: ``module_path`` (the first module, in execution order, whose output diverges;
+    "" for the model itself), ``module_class``, ``error`` (largest difference relative to the largest non-CP
+    output of that module), ``tolerance``, ``dtype``."""
+
+    def __init__(self, message: str, *, module_path: str, module_class: str, error: float, tolerance: float,
+                 dtype: Any = None) -> None:
+        super().__init__(message)
+        self.module_path = module_path
+        self.module_class = module_class
+        self.error = error
+        self.tolerance = tolerance
+        self.dtype = dtype
 
 
 class UnsupportedRelease(HfpatchError, RuntimeError):

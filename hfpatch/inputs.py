@@ -17,15 +17,34 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.semantics import RingContext, StepState, packed_cu_seqlens, plan_step
 
-__all__ = ["IGNORE_INDEX", "shard_inputs", "reduce_loss", "shift_labels", "token_loss_sum"]
+__all__ = ["IGNORE_INDEX", "shard_inputs", "reduce_loss", "global_loss_sum", "shift_labels", "token_loss_sum",
+           "mark_shifted", "is_shifted"]
 
 IGNORE_INDEX = -100
+
+# Labels shard_inputs returned (already shifted), by identity and held weakly: how hfpatch.labels tells them from
+# labels of the caller's own when they are passed to the model.
+_shifted: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def mark_shifted(labels: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Record ``labels`` as already shifted by ``shard_inputs``; returns it."""
+    if labels is not None:
+        _shifted[id(labels)] = labels
+    return labels
+
+
+def is_shifted(labels) -> bool:
+    """True for a tensor ``mark_shifted`` recorded (that very object, not an equal copy)."""
+    return isinstance(labels, torch.Tensor) and _shifted.get(id(labels)) is labels
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -104,8 +123,10 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
                   a packed batch: documents attend only to themselves (HF's rule).
 
     Returns ``{"input_ids": (B, S_local), "position_ids": (B, S_local) GLOBAL positions (within each document when
-    packed), "labels": (B, S_local) already shifted or None}``. Pass ``input_ids`` and ``position_ids`` to the model
-    (not ``labels``: HF would shift them again); compute the loss from the local logits and ``labels``.
+    packed), "labels": (B, S_local) already shifted or None}``. Pass ``input_ids`` and ``position_ids`` to the model;
+    either compute the loss from the local logits and ``labels`` (``token_loss_sum`` + ``reduce_loss``), or, on a
+    model given to ``apply(model=)``, pass these very ``labels`` to the model: hfpatch recognises them (by
+    identity) and the model's ``loss`` is the non-CP loss (``hfpatch.labels``).
 
     The layout: batch -> the variant's (zigzag for "auto"); packed -> contiguous (llama3), or zigzag/ring varlen if
     pinned. S must split evenly (zigzag: 2 x world size chunks, each document when packed): pad with tokens
@@ -117,7 +138,7 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
     cu = _packing(positions)
     shifted = shift_labels(labels) if labels is not None else None
     if not _active(ctx):
-        return {"input_ids": input_ids, "position_ids": positions, "labels": shifted}
+        return {"input_ids": input_ids, "position_ids": positions, "labels": mark_shifted(shifted)}
 
     from ring_kernels.layout import local_positions
 
@@ -139,7 +160,7 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
     return {
         "input_ids": input_ids.index_select(1, index),
         "position_ids": local_pos,
-        "labels": shifted.index_select(1, index) if shifted is not None else None,
+        "labels": mark_shifted(shifted.index_select(1, index)) if shifted is not None else None,
     }
 
 
@@ -161,3 +182,13 @@ def reduce_loss(ctx: Optional[RingContext], loss_sum: torch.Tensor,
     others = (totals[0] - loss_sum.detach().to(torch.float64)).to(loss_sum.dtype)
     # Zero counted tokens in the whole group: 0 (not NaN), still attached to the graph.
     return (loss_sum + others) / totals[1].clamp(min=1).to(loss_sum.dtype)
+
+
+def global_loss_sum(ctx: Optional[RingContext], loss_sum: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's ``loss_sum`` over the CP group (``loss_sum`` itself when inactive), with the gradient
+    of ``reduce_loss``: it flows into this rank's ``loss_sum`` only. One all-reduce of one number."""
+    if not _active(ctx):
+        return loss_sum
+    total = loss_sum.detach().to(torch.float64).reshape(1)
+    dist.all_reduce(total, group=ctx.group)
+    return loss_sum + (total[0] - loss_sum.detach().to(torch.float64)).to(loss_sum.dtype)

@@ -51,9 +51,14 @@ class ModelSwitch:
     # (module, previous value) of an ``_attn_implementation`` instance attribute copied from the config at
     # construction (4.43-4.47 mistral, mixtral, qwen2, phi3, ...: their mask builder reads it, not the config).
     module_impls: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
+    # (module, name, previous, replacement): module-level functions of transformers replaced while switched.
+    replaced: list[tuple[types.ModuleType, str, Any, Any]] = field(default_factory=list)
 
     def restore(self) -> None:
         """Undo every change, newest first."""
+        for module, name, previous, replacement in reversed(self.replaced):
+            if module.__dict__.get(name) is replacement:
+                setattr(module, name, previous)
         for module, previous in reversed(self.module_impls):
             module.__dict__["_attn_implementation"] = previous
         for module, wrapper in reversed(self.injected):
@@ -70,6 +75,7 @@ class ModelSwitch:
                 config.__dict__.pop("_attn_implementation_internal", None)
             else:
                 config.__dict__["_attn_implementation_internal"] = previous
+        self.replaced.clear()
         self.injected.clear()
         self.module_impls.clear()
         self.added_attrs.clear()
@@ -181,6 +187,37 @@ def _switch_module_copies(model: torch.nn.Module, record: ModelSwitch) -> None:
             module.__dict__["_attn_implementation"] = FLASH_IMPLEMENTATION
 
 
+def _guard_target_dtype(model: torch.nn.Module, record: ModelSwitch) -> None:
+    """transformers' flash integration (4.48+) picks an fp32 query's flash dtype from the first ``nn.Linear`` of
+    the attention module (``get_target_dtype``) and raises a bare ``StopIteration`` for modules that have none
+    (GPT-2 and GPT-SW3 project with transformers' ``Conv1D``). While the model is switched, that lookup falls
+    back to the module's first floating-point parameter -- the dtype the same rule means -- and is restored by
+    ``restore()``. The ring ignores the target dtype (it computes in the inputs' dtype)."""
+    integration = sys.modules.get("transformers.integrations.flash_attention")
+    if integration is None:
+        try:
+            import transformers.integrations.flash_attention as integration
+        except ImportError:  # before 4.48: no shared integration
+            return
+    original = integration.__dict__.get("get_target_dtype")
+    if original is None or getattr(original, "__hfpatch_guard__", False):
+        return
+    if all(any(isinstance(m, torch.nn.Linear) for m in module.modules()) for _, module in attention_modules(model)):
+        return
+
+    def get_target_dtype(query, module):
+        try:
+            return original(query, module)
+        except StopIteration:  # no nn.Linear in the module: the dtype of its first floating-point weight
+            weights = [p for p in module.parameters() if p.is_floating_point()]
+            return weights[0].dtype if weights and query.dtype == torch.float32 else None
+
+    get_target_dtype.__hfpatch_guard__ = True
+    get_target_dtype.__wrapped__ = original
+    integration.get_target_dtype = get_target_dtype
+    record.replaced.append((integration, "get_target_dtype", original, get_target_dtype))
+
+
 def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) -> ModelSwitch:
     """Switch ``model`` onto the flash-attention path (see the module docstring); returns the record to undo it.
 
@@ -217,6 +254,7 @@ def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) ->
             config.__dict__["_attn_implementation_internal"] = FLASH_IMPLEMENTATION
         _switch_module_copies(model, record)
         _inject_missing_bindings(model, wrapper, record)
+        _guard_target_dtype(model, record)
     except BaseException:
         record.restore()
         raise

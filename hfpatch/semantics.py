@@ -712,6 +712,27 @@ def reference_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: 
     return shard(out, ctx.group, layout=step.layout, dim=1)
 
 
+def local_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> torch.Tensor:
+    """Non-CP attention of exactly the tensors given (switch mode ``"local"``): what transformers' flash path
+    computes for them as a whole sequence, with the same refusals as the ring. q (B, S, H, D), k/v (B, S, Hk, D)
+    -> (B, S, H, D). A packed row (B = 1) is told by HF's own ``cu_seq_lens_q`` or by ``position_ids`` that restart
+    (HF's rule); its documents are independent. No collective."""
+    q, k, v = call["query"], call["key"], call["value"]
+    extra = extra or {}
+    _refuse_unsupported(call, extra, q, k, ctx)
+    cu = call.get("cu_seq_lens_q")
+    position_ids = call.get("position_ids")
+    if cu is None and position_ids is not None and q.shape[0] == 1 and q.shape[1] > 1:
+        cu = packed_cu_seqlens(position_ids.reshape(-1).to(q.device))
+    out = _original_on_whole(call, extra, ctx, (q, k, v), cu)
+    if out is None:
+        out = plain_attention(q, k, v, causal=bool(call.get("is_causal", True)),
+                              softmax_scale=call.get("softmax_scale"),
+                              window_size=_window_size(call.get("sliding_window"), q.shape[1]),
+                              softcap=float(call.get("softcap") or 0.0), cu_seqlens=cu)
+    return out
+
+
 def _original_on_whole(call, extra, ctx: RingContext, gathered, cu) -> Optional[torch.Tensor]:
     """Run transformers' original function on the gathered sequence when flash-attn can (CUDA, half precision);
     None otherwise (the caller then computes the same semantics in plain math)."""

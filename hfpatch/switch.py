@@ -7,6 +7,10 @@ Modes
 ``"original"``   the original transformers function on this rank's local tensors (``RING_ATTN_SWITCH=0``).
 ``"reference"``  all-gather the sequence, run plain (non-CP) attention on all of it, return this rank's slice
                  (``RING_ATTN_SWITCH=reference``): an A/B against the ring on identical inputs.
+``"local"``      no CP at all: plain attention on the tensors this call was given, as if they were the whole
+                 sequence -- what transformers' flash path computes without a CP group, without needing
+                 flash-attn. The whole-model probe and the model sweep run a model's non-CP forward in it (on the
+                 whole, unsharded sequence); under sharded inputs it is wrong by design, like ``"original"``.
 
 The state is a process-wide default (set from ``RING_ATTN_SWITCH`` by ``hfpatch.apply``, or by
 ``set_switch``) under a per-thread override stack (``with switch(mode):``). The dispatcher reads
@@ -24,7 +28,7 @@ from typing import Iterator
 __all__ = ["ENV_VAR", "MODES", "set_switch", "switch", "current_mode", "mode_from_env"]
 
 ENV_VAR = "RING_ATTN_SWITCH"
-MODES = ("ring", "original", "reference")
+MODES = ("ring", "original", "reference", "local")
 
 # What the environment variable (and set_switch/switch, for convenience) accept, mapped to a mode.
 _SPELLINGS = {
@@ -33,6 +37,7 @@ _SPELLINGS = {
     "0": "original",
     "original": "original",
     "reference": "reference",
+    "local": "local",
 }
 
 
@@ -57,7 +62,7 @@ def _normalise(mode: object, *, argument: str) -> str:
         return "ring" if key == 1 else "original"
     raise ValueError(
         f"{argument}={mode!r} is not a valid switch value; allowed: '1' or 'ring' (ring attention), "
-        f"'0' or 'original' (the original transformers function), 'reference' (all-gathered plain attention). "
+        f"'0' or 'original' (the original transformers function), 'reference' (all-gathered plain attention), 'local' (plain attention on this rank's tensors, no CP). "
         f"Fix: use one of {sorted(_SPELLINGS)}."
     )
 
@@ -74,7 +79,7 @@ def mode_from_env(environ: dict | None = None) -> str:
 
 def set_switch(mode: str) -> str:
     """Set the process-wide default mode (every thread without a ``with switch(...)`` override); returns the
-    previous default. ``mode``: ``"ring"``/``"1"``, ``"original"``/``"0"`` or ``"reference"``."""
+    previous default. ``mode``: ``"ring"``/``"1"``, ``"original"``/``"0"``, ``"reference"`` or ``"local"``."""
     global _default_mode
     new = _normalise(mode, argument="mode")
     with _default_lock:

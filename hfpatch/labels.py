@@ -1,0 +1,129 @@
+"""``model(..., labels=...)`` under context parallelism: the loss every trainer asks the model for, made equal to
+the non-CP loss, or refused by name.
+
+Left to itself, a causal LM shifts the labels it is given by one token and averages the cross-entropy over its
+own tokens. Under CP each rank holds a shard, so that loss is wrong twice: the shift happens inside each shard
+(the shard's last token loses its target, which lives on the next rank), and the mean is per rank, not over the
+whole batch. ``apply(model=)`` therefore hooks the model's forward:
+
+- the labels ``patch.shard_inputs`` returned (already shifted, in the step's layout; recognised by identity) or
+  transformers' own ``shift_labels=`` (already shifted by the caller) are taken out of the call, the model runs
+  without them, and the loss is computed from its logits: the sum of this rank's token cross-entropies (fp32,
+  ignore index -100) divided by the number of counted tokens of the WHOLE batch (``reduce_loss``: one all-reduce),
+  or by ``num_items_in_batch`` when given (the count over the whole, unsharded batch, as in the non-CP run). Its
+  value is the non-CP ``model(input_ids, labels=labels).loss``; its gradient flows into this rank's tokens only, so
+  the parameter gradients summed over the CP group equal the non-CP ones. The output carries it as ``loss``
+  (first field, as the model would place it).
+- any other ``labels`` tensor is refused (``UnsupportedArgument``): hfpatch cannot tell unshifted shards from
+  shifted ones, and shifting a shard locally silently drops a target per rank.
+- ``output_router_logits=True`` with labels is refused: the model would add a load-balancing loss computed from
+  this rank's tokens only.
+- in switch mode ``"local"`` (the model run on the whole sequence, no CP) the model's own loss is left alone.
+
+With an inactive patch (no CP) the same hook makes the already-shifted labels of ``shard_inputs`` (an identity
+split that still shifts) give the plain non-CP loss, and leaves every other call to the model untouched.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from hfpatch import inputs
+from hfpatch import switch as _switch
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.inputs import is_shifted
+
+__all__ = ["install_labels_hook"]
+
+_LABEL_NAMES = ("labels", "shift_labels", "num_items_in_batch")
+
+
+class _Pending(threading.local):
+    """The labels taken out of the current forward of this thread (set by the pre-hook, read by the hook)."""
+
+    def __init__(self) -> None:
+        self.entry: Optional[tuple] = None
+
+
+def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> list:
+    """Hook ``model``'s forward as the module docstring says; returns the hook handles (``.remove()`` each).
+    ``ctx_of()``: the ``RingContext`` of the step (None when the patch is inactive or removed)."""
+    pending = _Pending()
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    positional = [name for name, p in parameters.items()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def before(module, args, kwargs):
+        pending.entry = None
+        kwargs = dict(kwargs)
+        for position, value in enumerate(args):  # a label passed by position: treat it as by name
+            if position < len(positional) and positional[position] in _LABEL_NAMES and value is not None:
+                kwargs[positional[position]] = value
+                args = args[:position] + (None,) + args[position + 1:]
+        labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
+        if labels is None and shift is None:
+            return None
+        ctx = ctx_of()
+        # Switch mode "local" runs the model on the whole sequence without CP: its own loss is the non-CP loss.
+        active = ctx is not None and ctx.world_size > 1 and _switch.current_mode() != "local"
+        if shift is None and not is_shifted(labels):
+            if not active:
+                return None  # no CP, labels of the caller's own: the model's loss is the non-CP loss
+            raise UnsupportedArgument(
+                "labels", labels,
+                "under context parallelism the model would shift this rank's shard of the labels by one token "
+                "(dropping the target of its last token, which lives on the next rank) and average over this rank "
+                "only; hfpatch cannot tell an unshifted shard from a shifted one.",
+                "pass the labels returned by patch.shard_inputs(input_ids, labels=...) (already shifted), or "
+                "transformers' shift_labels=<already shifted labels of this rank>; or compute the loss with "
+                "hfpatch.inputs.token_loss_sum + patch.reduce_loss.",
+            )
+        if active and kwargs.get("output_router_logits"):
+            raise UnsupportedArgument(
+                "output_router_logits", True,
+                "with labels the model adds a mixture-of-experts load-balancing loss computed from this rank's "
+                "tokens only, which differs from the non-CP loss.",
+                "call the model with output_router_logits=False under CP.",
+            )
+        shifted = shift if shift is not None else labels
+        pending.entry = (shifted, kwargs.get("num_items_in_batch"))
+        for name in _LABEL_NAMES:
+            kwargs.pop(name, None)
+        return args, kwargs
+
+    def after(module, args, kwargs, output):
+        entry, pending.entry = pending.entry, None
+        if entry is None:
+            return None
+        shifted, num_items = entry
+        logits = output.logits if hasattr(output, "logits") else output[0]
+        ctx = ctx_of() if _switch.current_mode() != "local" else None
+        loss = _loss(ctx, logits, shifted, num_items)
+        if isinstance(output, tuple):
+            return (loss,) + output
+        fields = {key: value for key, value in output.items() if key != "loss"}
+        return type(output)(loss=loss, **fields)
+
+    return [model.register_forward_pre_hook(before, with_kwargs=True),
+            model.register_forward_hook(after, with_kwargs=True)]
+
+
+def _loss(ctx, logits: torch.Tensor, shifted: torch.Tensor, num_items: Any) -> torch.Tensor:
+    if shifted.shape != logits.shape[:2]:
+        raise UnsupportedArgument(
+            "labels", shifted,
+            f"the labels cover {tuple(shifted.shape)} tokens but the model produced logits for "
+            f"{tuple(logits.shape[:2])}.",
+            "pass the labels shard_inputs returned together with the input_ids it returned.",
+        )
+    loss_sum, count = inputs.token_loss_sum(logits, shifted)
+    if num_items is None:
+        return inputs.reduce_loss(ctx, loss_sum, count)
+    total = inputs.global_loss_sum(ctx, loss_sum)
+    return total / torch.as_tensor(num_items, device=total.device).to(total.dtype)

@@ -1,0 +1,133 @@
+"""What ``apply(model=)`` refuses before installing anything: the parts of a model that context parallelism
+cannot make exact, found by reading the model (its module tree, its ``forward`` signature, its config).
+
+Patching attention makes attention exact; training is exact only if nothing else mixes tokens along the
+sequence on a rank that holds a shard of it. ``audit(model)`` returns one ``Finding`` per such part:
+
+``sequence-mixer``   a module that carries a state along the sequence outside the patched attention: state-space
+                     scans (Mamba, Mamba2/SSD), gated delta rules and other linear attention, recurrences
+                     (RG-LRU), short convolutions. Recognised by class name (``MIXER_CLASS_PATTERN``) and
+                     structurally: any ``nn.Conv1d`` outside such a module (a causal convolution over tokens).
+                     Under CP each rank would run it from a zero state on its own shard.
+``positions``        the model's ``forward`` takes no ``position_ids`` while it has a position module (a learned
+                     or sinusoidal table, rotary embeddings): positions then come from the input's length, so
+                     rank r numbers its tokens from 0 (the BART-family decoders).
+``router-aux-loss``  ``output_router_logits`` is on: the mixture-of-experts load-balancing loss is a product of
+                     per-token means, computed from each rank's tokens only.
+
+Each finding names the module path and class, the reason and the fix; a finding never depends on anything but
+the model, so every rank of a CP group reaches the same verdict. What no rule here knows (a future release's
+new mixer, a user's custom module) is caught by the whole-model probe (``hfpatch.model_probe``).
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Finding", "MIXER_CLASS_PATTERN", "audit", "describe"]
+
+# Class names of sequence mixers in transformers' model code (matched at the end of the class name, so the model's
+# prefix -- "FalconMamba", "RecurrentGemma" -- never matches on its own): Mamba/Mamba2 mixers and layers, gated
+# delta nets, linear and lightning attention, short convolutions, RG-LRU and the recurrent block around it.
+MIXER_CLASS_PATTERN = re.compile(
+    r"(Mixer|MambaLayer|GatedDeltaNet|DeltaNet|DeltaRule|DeltaAttention|LinearAttention|LightningAttention"
+    r"|ShortConv|ShortConvolution|RecurrentBlock|Rglru|RgLru|RGLRU)$"
+)
+# Submodule names and class-name parts that compute token positions.
+_POSITION_NAMES = ("embed_positions", "wpe", "position_embeddings", "pos_emb", "rotary_emb", "embed_pos")
+_POSITION_CLASS_PARTS = ("Positional", "PositionEmbedding", "PositionalEmbedding", "Rotary")
+
+_FALLBACK_FIX = ("train this model without context parallelism; hfpatch.apply(..., on_unsupported='fallback') "
+                 "runs it without CP and says why")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One part of a model that CP cannot make exact. ``path``: the module's qualified name ("" for the model
+    itself, or its config); ``module_class``: its class name; ``kind``: "sequence-mixer" | "positions" |
+    "router-aux-loss"; ``reason`` and ``fix``: sentences for the error message."""
+
+    path: str
+    module_class: str
+    kind: str
+    reason: str
+    fix: str
+
+    def describe(self) -> str:
+        where = self.path or "<model>"
+        return f"{where} ({self.module_class}): {self.reason} Fix: {self.fix}."
+
+
+def audit(model: torch.nn.Module) -> list[Finding]:
+    """Every ``Finding`` of ``model`` (empty: nothing outside attention mixes tokens along the sequence, positions
+    come from ``position_ids``). Reads the model only; changes nothing."""
+    return _mixer_findings(model) + _position_findings(model) + _router_findings(model)
+
+
+def describe(findings: list[Finding], model: torch.nn.Module) -> str:
+    """The message of ``UnsupportedModel`` for ``findings`` of ``model``: every finding, at most 6 listed."""
+    shown = findings[:6]
+    more = f" (and {len(findings) - len(shown)} more of the same kinds)" if len(findings) > len(shown) else ""
+    lines = "; ".join(f.describe() for f in shown)
+    return (f"{type(model).__name__} cannot be trained exactly under context parallelism: {lines}{more} "
+            "hfpatch refuses it before training rather than train it silently wrong.")
+
+
+def _mixer_findings(model: torch.nn.Module) -> list[Finding]:
+    found: list[Finding] = []
+    flagged: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(outer + ".") for outer in flagged):
+            continue
+        cls = type(module).__name__
+        if MIXER_CLASS_PATTERN.search(cls):
+            reason = (f"a sequence mixer (state-space scan, linear attention, recurrence or short convolution) "
+                      f"carries a state along the sequence outside the patched attention; under CP each rank "
+                      f"would run it from a zero state on its own shard.")
+        elif isinstance(module, torch.nn.Conv1d):
+            reason = (f"a 1-D convolution over tokens (kernel {module.kernel_size[0]}) outside the patched "
+                      f"attention: under CP the first tokens of each rank's shard would miss their predecessors.")
+        else:
+            continue
+        flagged.append(name)
+        found.append(Finding(name, cls, "sequence-mixer", reason, _FALLBACK_FIX))
+    return found
+
+
+def _accepts_position_ids(model: torch.nn.Module) -> bool:
+    try:
+        return "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no introspectable signature: assume it does, the probe still checks
+        return True
+
+
+def _position_findings(model: torch.nn.Module) -> list[Finding]:
+    if _accepts_position_ids(model):
+        return []
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if name.rsplit(".", 1)[-1] in _POSITION_NAMES or any(part in cls for part in _POSITION_CLASS_PARTS):
+            return [Finding(
+                name, cls, "positions",
+                f"{type(model).__name__}.forward takes no position_ids, so this module numbers the tokens by the "
+                f"input's length: under CP every rank's shard would get positions 0, 1, ... instead of its global "
+                f"ones.",
+                _FALLBACK_FIX,
+            )]
+    return []
+
+
+def _router_findings(model: torch.nn.Module) -> list[Finding]:
+    config = getattr(model, "config", None)
+    for candidate in (config, getattr(config, "text_config", None)):
+        if candidate is not None and getattr(candidate, "output_router_logits", False) is True:
+            return [Finding(
+                "", type(candidate).__name__, "router-aux-loss",
+                "output_router_logits=True adds the mixture-of-experts load-balancing loss, a product of per-token "
+                "means that each rank would compute from its own tokens only.",
+                "set config.output_router_logits = False for CP training, or " + _FALLBACK_FIX,
+            )]
+    return []

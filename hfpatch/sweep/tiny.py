@@ -1,0 +1,359 @@
+"""Tiny random-weight builds of catalog classes: each class from its OWN config class, no downloads, ever.
+
+``tiny_config(entry)`` is the family's default config put through one generic shrink (every attribute the config
+has, by name: vocab 128, hidden 64, intermediate 128, 2 layers, 4 query heads over 2 K/V heads of head_dim 16,
+no dropout, no cache, ``initializer_range`` 0.2, MoE 4 experts top-2 without jitter, every sliding window 8 so
+that it is active on 32-64 tokens, special token ids inside the vocabulary), then the family's recipe
+(``_RECIPES``: overrides where the generic shrink fails or leaves a degenerate model). ``tie_word_embeddings``
+keeps the family's default.
+
+Per-layer pattern lists (``layer_types``, ``mlp_layer_types``, ... : every list attribute as long as the default
+stack) are not cut to a prefix but *compressed*: the first layer of each distinct (attention kind, mlp kind, ...)
+combination is kept, in order, so that a hybrid keeps every kind of layer it has. Families that encode the
+pattern otherwise (periods, index lists, pattern strings) say their pattern in their recipe.
+
+``build_tiny(entry)`` builds the model from that config with ``attn_implementation`` "eager" (the CP machinery
+switches to the flash path itself), under ``torch.random.fork_rng`` seeded with ``seed`` so that every process
+gets identical weights, in ``dtype`` and train mode; ``NotBuilt`` (a ``RuntimeError`` with ``.reason``) when it
+cannot. An eager forward on (2, 32) token ids drawn from ``range(TINY_VOCAB)`` gives finite logits of shape
+(2, 32, TINY_VOCAB) for every built class (``tests/test_sweep_tiny.py``).
+
+Not built on transformers 5.23 (<= 5 % of the catalog; ``_NOT_BUILT`` holds the reasons):
+
+    model_type      class                          why
+    (filled in below, see _NOT_BUILT)
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hfpatch.sweep.catalog import CatalogEntry
+
+__all__ = ["TINY_VOCAB", "NotBuilt", "tiny_config", "build_tiny", "layer_kinds"]
+
+TINY_VOCAB = 128
+_HIDDEN = 64
+_INTERMEDIATE = 128
+_EXPERT_INTERMEDIATE = 64
+_LAYERS = 2
+_HEADS = 4
+_KV_HEADS = 2
+_HEAD_DIM = 16
+_POSITIONS = 256
+_WINDOW = 8
+_EXPERTS = 4
+_TOP_K = 2
+
+
+class NotBuilt(RuntimeError):
+    """``build_tiny`` could not build a class; ``.reason`` says why (and ``.entry`` which one, when known)."""
+
+    def __init__(self, reason: str, entry: CatalogEntry | None = None):
+        self.reason = reason
+        self.entry = entry
+        where = f"{entry.class_name} (model_type={entry.model_type!r})" if entry is not None else "model"
+        super().__init__(f"{where} not built tiny: {reason}")
+
+
+# The generic shrink: attribute name -> tiny value, applied to every name the config (or a sub-config) has.
+# A default of None usually means "feature off" (no q LoRA, no window, head_dim derived): it stays None unless
+# the name is in _EVEN_IF_NONE.
+_SHRINK: dict[str, Any] = {
+    **dict.fromkeys(("vocab_size",), TINY_VOCAB),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd"), _HIDDEN),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner",
+                     "ffn_hidden_size", "dff", "prefix_dense_intermediate_size"), _INTERMEDIATE),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_ffn_hidden_size",
+                     "moe_shared_expert_intermediate_size", "shared_intermediate_size"), _EXPERT_INTERMEDIATE),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
+                     "encoder_layers"), _LAYERS),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
+                     "encoder_attention_heads"), _HEADS),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads"), _KV_HEADS),
+    **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim"), _HEAD_DIM),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions",
+                     "max_source_positions", "max_seq_len"), _POSITIONS),
+    **dict.fromkeys(("initializer_range", "init_std"), 0.2),
+    **dict.fromkeys(("use_cache", "output_router_logits", "add_cross_attention", "apply_spec_augment"), False),
+    # BERT-style classes attend bidirectionally unless told they are a decoder.
+    "is_decoder": True,
+    # MoE: few experts, top-2, one group, no jitter (deterministic routing).
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), _EXPERTS),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts", "num_experts_per_token"),
+                    _TOP_K),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), 1),
+    **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
+    **dict.fromkeys(("router_jitter_noise", "input_jitter_noise"), 0.0),
+    # Dense first layer, then sparse: a 2-layer MoE model keeps both MLP kinds.
+    "first_k_dense_replace": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    # Multi-head latent attention.
+    # (head_dim follows qk_rope_head_dim there: the rotary tables are built from head_dim; see _derived.)
+    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "qk_head_dim": 16,
+    # Partial rotary by an absolute width (GPT-J, ...): within head_dim 16.
+    "rotary_dim": 8,
+    # Mamba / Mamba2: 4 heads of 32 over expand 2 x hidden 64, chunks of 16 (several chunks on 32-64 tokens).
+    **dict.fromkeys(("mamba_d_state", "ssm_state_size"), 16),
+    **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), 4),
+    **dict.fromkeys(("mamba_d_head", "mamba_head_dim", "mamba_headdim"), 32),
+    **dict.fromkeys(("mamba_n_groups", "n_groups", "mamba_ngroups"), 1),
+    **dict.fromkeys(("mamba_chunk_size", "chunk_size"), 16),
+    "mamba_expand": 2, "mamba_d_conv": 4, "mamba_dt_rank": 8, "mamba_d_ssm": 128,
+    # Linear attention (gated delta net and kin).
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": _HEAD_DIM,
+    "linear_value_head_dim": _HEAD_DIM, "linear_head_dim": _HEAD_DIM, "linear_num_heads": 4,
+    "linear_conv_kernel_dim": 4,
+    # Windows: active on 32-64 tokens.
+    **dict.fromkeys(("sliding_window", "attention_window_size", "window_size"), _WINDOW),
+}
+# None here means "derive it" and some families then derive it wrongly at a tiny size (or not at all).
+_EVEN_IF_NONE = frozenset({"num_key_value_heads", "head_dim", "n_routed_experts", "num_experts_per_tok",
+                           "n_group", "topk_group"})
+
+# Sub-config attributes shrunk recursively (vision/audio towers are built, never run, but must be small).
+_SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "vq_config", "audio_encoder_config",
+                "depth_decoder_config", "decoder", "text_encoder", "audio_encoder", "per_layer_config")
+
+_LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+
+# Ids the embedding must hold: kept when < vocab, else given a small id (pad 0, bos 1, eos 2, others 3...).
+_TEXT_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+                   "cls_token_id", "unk_token_id", "mask_token_id", "eod_token_id", "forced_eos_token_id",
+                   "forced_bos_token_id")
+
+
+def _is_dropout(name: str) -> bool:
+    return "dropout" in name or "pdrop" in name or name.endswith("layerdrop") or name in (
+        "mask_time_prob", "mask_feature_prob")
+
+
+def _is_placeholder_token(name: str) -> bool:
+    """Multimodal placeholder ids (image/audio/video tokens): moved past the vocabulary, so that random text
+    ids never hit them (these models replace such ids before the embedding lookup)."""
+    return (name.endswith("_token_id") or name.endswith("_token_index")) and name not in _TEXT_TOKEN_IDS
+
+
+# Per-family overrides, applied after the generic shrink (a nested dict merges into that sub-config). A recipe
+# keyed by a sub-config's own model_type (e.g. "gemma3_text") also applies inside composite configs.
+_RECIPES: dict[str, dict[str, Any]] = {
+    # DBRX keeps attention and FFN sizes in two sub-configs (plain dicts here); 5.x's attention reads a
+    # rope_theta that the attention sub-config does not define by default.
+    "dbrx": dict(attn_config=dict(kv_n_heads=_KV_HEADS, clip_qkv=None, rope_theta=10000.0),
+                 ffn_config=dict(hidden_size=_HIDDEN, ffn_hidden_size=_INTERMEDIATE, moe_num_experts=_EXPERTS,
+                                 moe_top_k=_TOP_K, moe_jitter_eps=None)),
+    # dots1's defaults leave the expert counts unset.
+    "dots1": dict(n_shared_experts=1),
+    # ZAYA routes to one expert only (its config refuses more).
+    "zaya": dict(num_experts_per_tok=1),
+}
+
+# Calls on the built model that the family needs before a forward (model_type -> function of the model).
+_AFTER_BUILD: dict[str, Any] = {
+    # X-MOD routes every layer through a per-language adapter and refuses to guess the language.
+    "xmod": lambda model: model.set_default_language(model.config.default_language or next(
+        iter(model.config.languages))),
+}
+
+# Families that are not built, with the reason (checked before any work).
+_NOT_BUILT: dict[str, str] = {}
+
+
+def _stored_attrs(config) -> dict[str, Any]:
+    """name -> value of every attribute the config serialises (the real names, not ``attribute_map`` aliases);
+    sub-configs as config objects. Where reading the attribute raises (Gemma4's global read of a per-layer
+    attribute), the serialised value stands in."""
+    stored = config.to_dict()
+    out = {}
+    for name, value in stored.items():
+        try:
+            out[name] = getattr(config, name)
+        except (AttributeError, RuntimeError):  # AmbiguousGlobalPerLayerAttributeError is a RuntimeError
+            out[name] = value
+    return out
+
+
+def _is_config(value) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(value, PretrainedConfig)
+
+
+def _layer_count(attrs: dict[str, Any]) -> tuple[str | None, int]:
+    for name in _LAYER_COUNT_NAMES:
+        if isinstance(attrs.get(name), int):
+            return name, attrs[name]
+    return None, 0
+
+
+def _hashable(value):
+    return tuple(_hashable(v) for v in value) if isinstance(value, (list, tuple)) else (
+        repr(value) if isinstance(value, dict) else value)
+
+
+def _compress_layers(attrs: dict[str, Any], shrunk: dict[str, Any]) -> dict[str, Any]:
+    """The per-layer lists cut to the first layer of each distinct combination of their values (>= 2 layers),
+    and the layer count set to match. A per-layer list of a shrunk size (Gemma3n's ``intermediate_size``)
+    takes the shrunk value on every kept layer."""
+    count_name, count = _layer_count(attrs)
+    if count_name is None:
+        return {}
+    lists = {n: v for n, v in attrs.items() if isinstance(v, (list, tuple)) and len(v) == count and count > 2}
+    picked, seen = [], set()
+    for i in range(count):
+        key = tuple(_hashable(v[i]) for n, v in lists.items() if n not in shrunk)
+        if key not in seen:
+            seen.add(key)
+            picked.append(i)
+    if len(picked) < _LAYERS:
+        picked = list(range(min(_LAYERS, count)))
+    out = {n: [shrunk[n] if n in shrunk else v[i] for i in picked] for n, v in lists.items()}
+    out[count_name] = len(picked)
+    per_layer = attrs.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer and all(str(k).isdigit() for k in per_layer):
+        out["per_layer_config"] = _remap_per_layer(per_layer, picked, attrs, shrunk)
+    return out
+
+
+def _remap_per_layer(per_layer: dict, picked: list[int], attrs: dict[str, Any], shrunk: dict[str, Any]) -> dict:
+    """Gemma4's ``per_layer_config`` ({"05": {"head_dim": 512}, ...}: overrides by layer index) re-keyed to the
+    kept layers; a shrunk size keeps its ratio to the global value (512 over 256 -> 2 x 16)."""
+    width = len(next(iter(per_layer)))
+    out = {}
+    for new, old in enumerate(picked):
+        layer = per_layer.get(f"{old:0{width}d}")
+        if layer is None:
+            continue
+        out[f"{new:0{width}d}"] = {
+            name: (shrunk[name] * value // attrs[name]
+                   if name in shrunk and isinstance(value, int) and isinstance(attrs.get(name), int) else value)
+            for name, value in layer.items()}
+    return out
+
+
+def _derived(attrs: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Sizes that must agree with others the generic shrink set."""
+    out = {}
+    if "qk_rope_head_dim" in attrs and attrs.get("head_dim") is not None:
+        # MLA: the rotary tables are built from head_dim, which these configs define as the rope part.
+        out["head_dim"] = kwargs.get("qk_rope_head_dim", attrs["qk_rope_head_dim"])
+    if "kv_lora_rank" in attrs and "num_key_value_heads" in attrs:
+        # MLA decompresses K/V per query head: no grouping (a K/V head count below it breaks repeat_kv).
+        out["num_key_value_heads"] = kwargs.get("num_attention_heads", _HEADS)
+    return out
+
+
+def _token_ids(attrs: dict[str, Any], vocab: int | None) -> dict[str, Any]:
+    """Special ids inside the vocabulary (text ids) or just past it (multimodal placeholders)."""
+    out, spare, past = {}, iter(range(3, vocab or 3)), vocab or 0
+    small = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+    def fit(name, tid):
+        nonlocal past
+        if not isinstance(tid, int) or isinstance(tid, bool) or vocab is None:
+            return tid
+        if name in _TEXT_TOKEN_IDS:
+            return tid if tid < vocab else small.get(name, next(spare, 0))
+        if tid < vocab:
+            return tid
+        past += 1
+        return past - 1
+
+    for name, value in attrs.items():
+        if name in _TEXT_TOKEN_IDS or _is_placeholder_token(name):
+            out[name] = [fit(name, v) for v in value] if isinstance(value, list) else fit(name, value)
+    return out
+
+
+def _merge(kwargs: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
+    out = dict(kwargs)
+    for name, value in recipe.items():
+        if isinstance(value, dict) and _is_config(out.get(name)):
+            sub = out[name]
+            out[name] = type(sub)(**{**sub.to_dict(), **value})
+        else:
+            out[name] = value
+    return out
+
+
+def _shrunk_kwargs(config_cls, model_type: str) -> dict[str, Any]:
+    """Constructor keywords of the tiny ``config_cls``: the generic shrink of its default, then the recipe."""
+    recipe = _RECIPES.get(model_type, {})
+    default = config_cls(**recipe.get("__init__", {}))
+    attrs = _stored_attrs(default)
+    kwargs: dict[str, Any] = {}
+    for name, value in attrs.items():
+        if name in _SHRINK and (value is not None or name in _EVEN_IF_NONE):
+            kwargs[name] = _SHRINK[name]
+        elif _is_dropout(name) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            kwargs[name] = 0.0
+        elif name in _SUB_CONFIGS and _is_config(value):
+            kwargs[name] = _tiny_sub_config(value)
+    kwargs.update(_compress_layers(attrs, kwargs))
+    kwargs.update(_derived(attrs, kwargs))
+    recipe = {k: v for k, v in recipe.items() if k != "__init__"}
+    kwargs = _merge(kwargs, recipe)
+    kwargs.update(_token_ids({**attrs, **kwargs}, kwargs.get("vocab_size", attrs.get("vocab_size"))))
+    return _merge(kwargs, {k: v for k, v in recipe.items() if k in kwargs and "token" in k})
+
+
+def _tiny_sub_config(sub):
+    sub_type = getattr(sub, "model_type", "")
+    return type(sub)(**_shrunk_kwargs(type(sub), sub_type))
+
+
+def _own_config_class(entry: CatalogEntry):
+    """The config class the model class is built from: the mapped one (``CONFIG_MAPPING_NAMES``), or, where
+    that is a composite whose sub-config is the class's own ``config_class`` (Emu3, Qwen3.5 and Musicgen map
+    their text-only causal LM to the composite's model_type), that sub-config class."""
+    mapped = entry.config_class()
+    own = getattr(entry.model_class(), "config_class", None)
+    if own is None or issubclass(mapped, own):
+        return mapped
+    # `sub_configs` (class attribute, 4.47+) names the composite's parts.
+    parts = getattr(mapped, "sub_configs", None) or {}
+    return own if own in parts.values() else mapped
+
+
+def tiny_config(entry: CatalogEntry):
+    """The tiny config of ``entry``'s class (eager attention); ``NotBuilt`` when it cannot be made."""
+    if entry.model_type in _NOT_BUILT:
+        raise NotBuilt(_NOT_BUILT[entry.model_type], entry)
+    try:
+        config_cls = _own_config_class(entry)
+        model_type = entry.model_type if config_cls.__name__ == entry.config_class_name else config_cls.model_type
+        config = config_cls(**_shrunk_kwargs(config_cls, model_type))
+    except Exception as exc:  # noqa: BLE001 -- any failure of the family's own config code is a reason, kept.
+        raise NotBuilt(f"config: {type(exc).__name__}: {exc}", entry) from exc
+    _set_eager(config)
+    return config
+
+
+def _set_eager(config) -> None:
+    """Eager attention on the config and every sub-config (composite models read the sub-config's)."""
+    config._attn_implementation = "eager"
+    for name in _SUB_CONFIGS:
+        sub = getattr(config, name, None)
+        if _is_config(sub):
+            _set_eager(sub)
+
+
+def build_tiny(entry: CatalogEntry, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``entry``'s class at a tiny size with random weights drawn from ``seed`` (identical in every process), in
+    ``dtype`` and train mode, eager attention. Raises ``NotBuilt`` (with ``.reason``) when it cannot."""
+    if entry.import_error is not None:
+        raise NotBuilt(f"import: {entry.import_error}", entry)
+    config = tiny_config(entry)
+    model_cls = entry.model_class()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = model_cls(config)
+        except Exception as exc:  # noqa: BLE001 -- the family's own construction code; the reason is kept.
+            raise NotBuilt(f"construction: {type(exc).__name__}: {exc}", entry) from exc
+    after = _AFTER_BUILD.get(entry.model_type)
+    if after is not None:
+        after(model)
+    return model.to(dtype).train()
