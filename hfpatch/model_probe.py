@@ -64,6 +64,7 @@ class _Recorder:
         def hook(module, args, output):
             tensor = _first_tensor(output)
             if tensor is not None and tensor.dim() >= 2 and tensor.shape[0] == 1 and tensor.shape[1] == self.seq_len:
+                tensor = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # complex rotary tables
                 self.outputs.append((name, type(module).__name__, tensor.detach().float()))
         return hook
 

@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "check": "check",
     "compat": "compat",
     "demo": "demo",
+    "models": "models",
 }
 
 

@@ -32,7 +32,7 @@ import torch
 
 from hfpatch.sweep.catalog import CatalogEntry
 
-__all__ = ["TINY_VOCAB", "NotBuilt", "tiny_config", "build_tiny", "layer_kinds"]
+__all__ = ["TINY_VOCAB", "HYBRID_KINDS", "NotBuilt", "tiny_config", "build_tiny", "layer_kinds"]
 
 TINY_VOCAB = 128
 _HIDDEN = 64
@@ -106,12 +106,17 @@ _SHRINK: dict[str, Any] = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": _HEAD_DIM,
     "linear_value_head_dim": _HEAD_DIM, "linear_head_dim": _HEAD_DIM, "linear_num_heads": 4,
     "linear_conv_kernel_dim": 4,
+    # Per-layer input embeddings (Gemma3n, Gemma4).
+    "vocab_size_per_layer_input": TINY_VOCAB, "hidden_size_per_layer_input": 16, "laurel_rank": 8,
     # Windows: active on 32-64 tokens.
     **dict.fromkeys(("sliding_window", "attention_window_size", "window_size"), _WINDOW),
 }
 # None here means "derive it" and some families then derive it wrongly at a tiny size (or not at all).
 _EVEN_IF_NONE = frozenset({"num_key_value_heads", "head_dim", "n_routed_experts", "num_experts_per_tok",
                            "n_group", "topk_group"})
+
+# 0 here is a count, not "off": all-MoE stacks get one dense first layer so that both MLP kinds are built.
+_ZERO_IS_A_SIZE = frozenset({"first_k_dense_replace"})
 
 # Sub-config attributes shrunk recursively (vision/audio towers are built, never run, but must be small).
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "vq_config", "audio_encoder_config",
@@ -125,6 +130,13 @@ _TEXT_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_star
                    "forced_bos_token_id")
 
 
+def _shrinkable(name: str, value) -> bool:
+    """None (unless in _EVEN_IF_NONE) and 0 (a feature switched off: no per-layer input, no window) stay."""
+    if value is None:
+        return name in _EVEN_IF_NONE
+    return name in _ZERO_IS_A_SIZE or not (isinstance(value, (int, float)) and value == 0 and value is not False)
+
+
 def _is_dropout(name: str) -> bool:
     return "dropout" in name or "pdrop" in name or name.endswith("layerdrop") or name in (
         "mask_time_prob", "mask_feature_prob")
@@ -136,16 +148,58 @@ def _is_placeholder_token(name: str) -> bool:
     return (name.endswith("_token_id") or name.endswith("_token_index")) and name not in _TEXT_TOKEN_IDS
 
 
+# A recipe value that removes the keyword (a pattern list the family derives itself from periods or indices).
+_UNSET = object()
+
 # Per-family overrides, applied after the generic shrink (a nested dict merges into that sub-config). A recipe
 # keyed by a sub-config's own model_type (e.g. "gemma3_text") also applies inside composite configs.
 _RECIPES: dict[str, dict[str, Any]] = {
     # DBRX keeps attention and FFN sizes in two sub-configs (plain dicts here); 5.x's attention reads a
-    # rope_theta that the attention sub-config does not define by default.
-    "dbrx": dict(attn_config=dict(kv_n_heads=_KV_HEADS, clip_qkv=None, rope_theta=10000.0),
+    # rope_theta that the attention sub-config does not define by default, and clamps Q/K/V by clip_qkv
+    # unconditionally (None fails; 8 is the released checkpoints' value).
+    "dbrx": dict(attn_config=dict(kv_n_heads=_KV_HEADS, clip_qkv=8.0, rope_theta=10000.0),
                  ffn_config=dict(hidden_size=_HIDDEN, ffn_hidden_size=_INTERMEDIATE, moe_num_experts=_EXPERTS,
                                  moe_top_k=_TOP_K, moe_jitter_eps=None)),
     # dots1's defaults leave the expert counts unset.
     "dots1": dict(n_shared_experts=1),
+    # Gemma3n: the last num_kv_shared_layers layers reuse the K/V of the last earlier layer of their type, so the
+    # tiny stack keeps both a producing and a sharing layer of each type: [S, F | S, F] (S sliding, F full).
+    "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                         num_kv_shared_layers=2, intermediate_size=[_INTERMEDIATE] * 4,
+                         activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0]),
+    # Bamba (Mamba2 hybrid): the default has no attention layer (attn_layer_indices None); tiny [M, A, M, A].
+    "bamba": dict(num_hidden_layers=4, attn_layer_indices=[1, 3], layer_types=_UNSET, layers_block_type=_UNSET),
+    # Granite 4 hybrid: the default is all Mamba2; tiny [M, A, M, A].
+    "granitemoehybrid": dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                             layers_block_type=_UNSET),
+    # Jamba: attention every attn_layer_period layers, experts every expert_layer_period layers; tiny
+    # [M+E, A, M+E, A] (M Mamba, A attention, +E mixture of experts instead of the dense MLP).
+    "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=0, layer_types=_UNSET, layers_block_type=_UNSET),
+    # RecurrentGemma cycles block_types (recurrent, recurrent, attention) over the stack; 3 layers keep one full
+    # cycle [R, R, A] (R RG-LRU, A local attention with attention_window_size 8).
+    "recurrent_gemma": dict(num_hidden_layers=3, layer_types=_UNSET, layers_block_type=_UNSET),
+    # Cohere Compass: multimodal rotary (mrope) per layer type; the default parameters are empty. The
+    # sections split head_dim / 2 = 8 frequencies over (time, height, width).
+    "cohere_compass_text": dict(rope_parameters={
+        kind: dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])
+        for kind in ("full_attention", "sliding_attention")}),
+    # LFM2 (short-conv hybrid): the default stack is all attention; the tiny one is [C, A, C, A]
+    # (C gated short convolution, A full attention), as in the released checkpoints' mix.
+    "lfm2": dict(num_hidden_layers=4, full_attn_idxs=[1, 3], layer_types=["conv", "full_attention"] * 2),
+    # LFM2-MoE: [A, C | C, A] -- the first num_dense_layers=2 have a dense MLP, the rest experts, so that every
+    # (mixer, MLP) pair but two occurs and each mixer meets each MLP kind.
+    "lfm2_moe": dict(num_hidden_layers=4, num_dense_layers=2,
+                     layer_types=["full_attention", "conv", "conv", "full_attention"]),
+    # Musicgen decoders read (batch x codebooks, seq) ids; one codebook makes that (batch, seq).
+    "musicgen_decoder": dict(num_codebooks=1),
+    "musicgen_melody_decoder": dict(num_codebooks=1),
+    # Zamba: Mamba layers, and hybrid layers that run ONE shared attention block (tied across them) before
+    # their Mamba mixer; the tie needs two hybrid layers: [M, H, M, H] (period 2, offset 1). The shared
+    # block attends over the concatenation [hidden, embeddings]: width 2 x 64 = 4 heads of 32.
+    "zamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+                  layers_block_type=["linear_attention", "hybrid"] * 2, attention_hidden_size=2 * _HIDDEN,
+                  attention_head_dim=2 * _HIDDEN // _HEADS),
     # ZAYA routes to one expert only (its config refuses more).
     "zaya": dict(num_experts_per_tok=1),
 }
@@ -158,7 +212,70 @@ _AFTER_BUILD: dict[str, Any] = {
 }
 
 # Families that are not built, with the reason (checked before any work).
-_NOT_BUILT: dict[str, str] = {}
+_NOT_BUILT: dict[str, str] = {
+    "gemma3n": "the vision tower is a timm MobileNetV5 (needs the timm and PIL packages; its timm config has "
+               "no tiny size); Gemma3n's text stack is built as gemma3n_text",
+    "gemma4_assistant": "a speculative-decoding drafter: its forward takes the backbone's inputs_embeds and "
+                        "shared_kv_states (every layer reads the backbone's K/V), not token ids",
+    "gemma4_unified_assistant": "a speculative-decoding drafter: its forward takes the backbone's inputs_embeds "
+                                "and shared_kv_states (every layer reads the backbone's K/V), not token ids",
+}
+
+
+# Hybrid families: the layer kinds (``layer_kinds`` names) their tiny stack must keep, whatever the default
+# config shows (some defaults are degenerate: LFM2 all attention, Bamba and Granite 4 all Mamba). Kinds:
+# full/sliding_attention; linear_attention (any recurrent mixer: Mamba/Mamba2, gated delta net, lightning
+# attention, RG-LRU -- transformers' own convention); conv (short convolution); hybrid (attention and Mamba
+# in one layer).
+HYBRID_KINDS: dict[str, frozenset[str]] = {
+    family: frozenset(kinds) for family, kinds in {
+        "bailing_hybrid": ("linear_attention", "full_attention"),
+        "bamba": ("linear_attention", "full_attention"),
+        "falcon_h1": ("hybrid",),
+        "granitemoehybrid": ("linear_attention", "full_attention"),
+        "jamba": ("linear_attention", "full_attention"),
+        "kimi_linear": ("linear_attention", "full_attention"),
+        "lfm2": ("conv", "full_attention"),
+        "lfm2_moe": ("conv", "full_attention"),
+        "lfm3": ("conv", "full_attention", "sliding_attention"),
+        "minimax": ("linear_attention", "full_attention"),
+        "nemotron_h": ("linear_attention", "full_attention"),
+        "olmo_hybrid": ("linear_attention", "full_attention"),
+        "qwen3_5": ("linear_attention", "full_attention"),
+        "qwen3_5_text": ("linear_attention", "full_attention"),
+        "qwen3_5_moe": ("linear_attention", "full_attention"),
+        "qwen3_5_moe_text": ("linear_attention", "full_attention"),
+        "qwen3_next": ("linear_attention", "full_attention"),
+        "recurrent_gemma": ("linear_attention", "sliding_attention"),
+        "zamba": ("linear_attention", "hybrid"),
+        "zamba2": ("linear_attention", "hybrid"),
+    }.items()}
+
+# Older spellings of the kinds (4.x configs), as transformers' own remap_legacy_layer_types maps them.
+_LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention", "recurrent": "linear_attention"}
+# Nemotron-H's hybrid_override_pattern characters: Mamba2, attention, MLP, mixture of experts.
+_PATTERN_CHARS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def layer_kinds(config) -> list[str]:
+    """The mixer kind of every layer of ``config`` (its text part for a composite), read from the family's own
+    pattern (``layer_types``, ``layers_block_type``, ``block_types``, ``hybrid_override_pattern``); ``[]``
+    where the config has none (a homogeneous stack)."""
+    text = getattr(config, "text_config", None)
+    config = text if _is_config(text) else config
+    _, count = _layer_count(_stored_attrs(config))
+    for name in ("layer_types", "layers_block_type", "block_types"):
+        try:
+            kinds = getattr(config, name, None)
+        except (AttributeError, RuntimeError):
+            kinds = None
+        if isinstance(kinds, (list, tuple)) and kinds:
+            cycled = [kinds[i % len(kinds)] for i in range(count or len(kinds))]
+            return [_LEGACY_KINDS.get(k, k) for k in cycled]
+    pattern = getattr(config, "hybrid_override_pattern", None)
+    if isinstance(pattern, str):
+        return [_PATTERN_CHARS.get(c, c) for c in pattern]
+    return []
 
 
 def _stored_attrs(config) -> dict[str, Any]:
@@ -270,7 +387,9 @@ def _token_ids(attrs: dict[str, Any], vocab: int | None) -> dict[str, Any]:
 def _merge(kwargs: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
     out = dict(kwargs)
     for name, value in recipe.items():
-        if isinstance(value, dict) and _is_config(out.get(name)):
+        if value is _UNSET:
+            out.pop(name, None)
+        elif isinstance(value, dict) and _is_config(out.get(name)):
             sub = out[name]
             out[name] = type(sub)(**{**sub.to_dict(), **value})
         else:
@@ -285,7 +404,7 @@ def _shrunk_kwargs(config_cls, model_type: str) -> dict[str, Any]:
     attrs = _stored_attrs(default)
     kwargs: dict[str, Any] = {}
     for name, value in attrs.items():
-        if name in _SHRINK and (value is not None or name in _EVEN_IF_NONE):
+        if name in _SHRINK and _shrinkable(name, value):
             kwargs[name] = _SHRINK[name]
         elif _is_dropout(name) and isinstance(value, (int, float)) and not isinstance(value, bool):
             kwargs[name] = 0.0

@@ -1,0 +1,279 @@
+"""Run the model sweep: every catalog class, built tiny, trained one step under CP against non-CP.
+
+Per class, on every rank of a gloo group (``check_class``):
+
+1. build it tiny (``tiny.build_tiny``; ``NotBuilt`` -> verdict "not built");
+2. ``hfpatch.apply(group, model=model)`` -- audit, switch, numeric and whole-model probes; a named hfpatch error
+   here is the verdict "refused";
+3. non-CP: the model on the whole batch in switch mode ``"local"`` (plain attention on the whole sequence, the
+   flash path's semantics), ``model(input_ids, position_ids, labels=input_ids).loss`` (the model's own loss) and
+   its gradients;
+4. CP: ``patch.shard_inputs`` and ``model(..., labels=<its labels>).loss``, backward, the gradients summed over
+   the group; a named hfpatch error before the backward is "refused" as well;
+5. compare: **exact** when |loss_cp - loss| <= ``LOSS_RTOL`` x |loss| and, for every parameter,
+   max |g_cp - g| <= ``GRAD_RTOL`` x max |g| of that parameter (plus ``GRAD_FLOOR`` x the largest gradient of the
+   model, so that parameters whose gradient is rounding noise compare by the model's scale).
+
+Anything else is a defect the sweep reports: "silent" (CP ran and differs) or "unnamed" (an exception that is
+not an hfpatch error, under CP only). The ranks agree on each verdict (the worst over ranks).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hfpatch.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+
+__all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "check_class", "run_sweep"]
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+GRAD_FLOOR = 1e-6
+SEQ_LEN = 32
+BATCH = 2
+# Worst first: the ranks agree on the verdict of the lowest rank in this order.
+VERDICTS = ("unnamed", "silent", "not built", "refused", "exact")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One class's result. ``verdict`` in ``VERDICTS``; ``detail``: the refusal's error class and first sentence,
+    the reason it was not built, or the mismatch; ``loss_error`` / ``grad_error``: relative errors (exact and
+    silent only); ``seconds``: wall time of the class on rank 0."""
+
+    model_type: str
+    class_name: str
+    verdict: str
+    detail: str = ""
+    loss_error: Optional[float] = None
+    grad_error: Optional[float] = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _first_sentence(exc: BaseException, limit: int = 220) -> str:
+    text = " ".join(str(exc).split())
+    cut = text.find(". ")
+    text = text if cut < 0 else text[:cut + 1]
+    return f"{type(exc).__name__}: {text[:limit]}"
+
+
+def _refusal(exc: BaseException) -> str:
+    """A refusal in a table cell: the error class and what it names."""
+    from hfpatch.errors import ModelDivergence, UnsupportedArgument, UnsupportedModel
+
+    if isinstance(exc, UnsupportedModel):
+        kinds = sorted({f.kind for f in exc.findings})
+        return (f"UnsupportedModel ({', '.join(kinds)}): {exc.module_path or '<model>'} ({exc.module_class})"
+                + (f" and {len(exc.findings) - 1} more" if len(exc.findings) > 1 else ""))
+    if isinstance(exc, ModelDivergence):
+        return f"ModelDivergence: {exc.module_path or '<model output>'} ({exc.module_class}), error {exc.error:.2g}"
+    if isinstance(exc, UnsupportedArgument):
+        reason = exc.reason.split(". ")[0].rstrip(".")
+        return f"UnsupportedArgument: {exc.parameter}: {reason}"
+    return _first_sentence(exc)
+
+
+def _inputs(vocab: int):
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (BATCH, SEQ_LEN), generator=generator)
+
+
+def _vocab(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "vocab_size", None) or model.get_input_embeddings().num_embeddings)
+
+
+def _loss_of(output) -> torch.Tensor:
+    loss = output.loss if hasattr(output, "loss") else None
+    if loss is None:
+        raise RuntimeError("the model returned no loss for labels=")
+    return loss
+
+
+def _grads(model, group=None) -> dict:
+    grads = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        if group is not None:
+            dist.all_reduce(g, group=group)
+        grads[name] = g
+    return grads
+
+
+def _non_cp_step(model, ids) -> tuple[float, dict]:
+    import hfpatch
+
+    model.zero_grad(set_to_none=True)
+    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+    with hfpatch.switch("local"):
+        loss = _loss_of(model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False))
+        loss.backward()
+    return loss.item(), _grads(model)
+
+
+def _cp_step(patch, model, ids, group) -> tuple[float, dict]:
+    model.zero_grad(set_to_none=True)
+    batch = patch.shard_inputs(ids, labels=ids)
+    loss = _loss_of(model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                          use_cache=False))
+    loss.backward()
+    return loss.item(), _grads(model, group)
+
+
+def _compare(loss_cp, grads_cp, loss_ref, grads_ref) -> tuple[float, float, str]:
+    """(loss error, worst gradient error, mismatch text or "")."""
+    loss_error = abs(loss_cp - loss_ref) / max(abs(loss_ref), 1e-30)
+    largest = max((g.abs().max().item() for g in grads_ref.values() if g.numel()), default=0.0)
+    worst, worst_name = 0.0, ""
+    for name, ref in grads_ref.items():
+        if not ref.numel():
+            continue
+        bound = GRAD_RTOL * ref.abs().max().item() + GRAD_FLOOR * largest
+        error = (grads_cp[name] - ref).abs().max().item()
+        ratio = error / bound if bound > 0 else (0.0 if error == 0 else float("inf"))
+        if ratio > worst or ratio != ratio:
+            worst, worst_name = ratio if ratio == ratio else float("inf"), name
+    problems = []
+    if not loss_error <= LOSS_RTOL:
+        problems.append(f"loss {loss_cp:.8g} vs non-CP {loss_ref:.8g} (relative {loss_error:.2e})")
+    if worst > 1.0:
+        problems.append(f"gradient of {worst_name} off by {worst:.3g} x its tolerance")
+    return loss_error, worst, "; ".join(problems)
+
+
+def check_class(entry: CatalogEntry, group, *, kernel: str = "auto") -> Verdict:
+    """The verdict of one class (module docstring). Collective over ``group``; every rank returns the same."""
+    import hfpatch
+    from hfpatch.errors import HfpatchError
+    from hfpatch.sweep.tiny import NotBuilt, build_tiny
+
+    start = time.perf_counter()
+    local = _check_here(entry, group, kernel, hfpatch, HfpatchError, NotBuilt, build_tiny)
+    local = Verdict(**{**asdict(local), "seconds": round(time.perf_counter() - start, 3)})
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, local.to_json(), group=group)
+    return Verdict(**min(every, key=lambda v: VERDICTS.index(v["verdict"])))
+
+
+def _check_here(entry, group, kernel, hfpatch, HfpatchError, NotBuilt, build_tiny) -> Verdict:
+    same = dict(model_type=entry.model_type, class_name=entry.class_name)
+    if entry.import_error:
+        return Verdict(**same, verdict="not built", detail=f"import fails: {entry.import_error}")
+    try:
+        model = build_tiny(entry)
+    except NotBuilt as exc:
+        return Verdict(**same, verdict="not built", detail=exc.reason)
+    ids = _inputs(_vocab(model))
+    try:
+        patch = hfpatch.apply(group, model=model, kernel=kernel)
+    except HfpatchError as exc:
+        return Verdict(**same, verdict="refused", detail=_refusal(exc))
+    except Exception as exc:  # the defect the sweep exists to find: reported, never raised
+        return Verdict(**same, verdict="unnamed", detail=f"apply: {_first_sentence(exc)}\n{traceback.format_exc()}")
+    try:
+        try:
+            loss_ref, grads_ref = _non_cp_step(model, ids)
+        except Exception as exc:
+            return Verdict(**same, verdict="not built", detail=f"non-CP step fails: {_first_sentence(exc)}")
+        try:
+            loss_cp, grads_cp = _cp_step(patch, model, ids, group)
+        except HfpatchError as exc:
+            return Verdict(**same, verdict="refused", detail=_refusal(exc))
+        except Exception as exc:
+            return Verdict(**same, verdict="unnamed",
+                           detail=f"CP step: {_first_sentence(exc)}\n{traceback.format_exc()}")
+    finally:
+        patch.remove()
+    loss_error, grad_error, mismatch = _compare(loss_cp, grads_cp, loss_ref, grads_ref)
+    return Verdict(**same, verdict="silent" if mismatch else "exact", detail=mismatch,
+                   loss_error=loss_error, grad_error=grad_error)
+
+
+# ------------------------------------------------------------------------------------------ the world
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, names: Optional[list], kernel: str, results) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # tiny configs trip many harmless warnings
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        try:
+            entries = [e for e in flash_causal_lm_classes() if names is None or e.class_name in names]
+            for entry in entries:
+                verdict = check_class(entry, dist.group.WORLD, kernel=kernel)
+                if rank == 0:
+                    results.put(("verdict", verdict.to_json()))
+        finally:
+            dist.destroy_process_group()
+        if rank == 0:
+            results.put(("done", None))
+    except BaseException:
+        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise SystemExit(1)
+
+
+def run_sweep(*, world_size: int = 2, classes: Optional[list[str]] = None, kernel: str = "auto",
+              progress=None) -> list[Verdict]:
+    """Spawn ``world_size`` CPU processes (gloo) and check every catalog class (or those named in ``classes``);
+    returns the verdicts in catalog order. ``progress(verdict)`` is called as each arrives. Raises
+    ``RuntimeError`` with the failing rank's traceback if a rank dies (a defect of the sweep itself)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, classes, kernel, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    verdicts: list[Verdict] = []
+    failure = None
+    while True:
+        try:
+            kind, payload = results.get(timeout=10)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if not p.is_alive()]
+            if dead:
+                failure = f"a rank exited (codes {dead}) without reporting"
+                break
+            continue
+        if kind == "verdict":
+            verdicts.append(Verdict(**payload))
+            if progress is not None:
+                progress(verdicts[-1])
+        elif kind == "error":
+            failure = payload
+            break
+        else:
+            break
+    for p in procs:
+        p.join(timeout=60 if failure is None else 5)
+        if p.is_alive():
+            p.kill()
+    if failure is not None:
+        raise RuntimeError(f"the model sweep's world failed after {len(verdicts)} classes:\n{failure}")
+    return verdicts
+

@@ -1,0 +1,87 @@
+"""MODELS.md: the model sweep's verdicts as a table a user looks their model up in, and its staleness check.
+
+The file is generated (``hfpatch models --write``), never hand-edited. Its header names the transformers and torch
+releases it was produced with; ``stale(verdicts, text)`` lists every class whose verdict differs from the file
+(and classes only one side has), which the sweep's test runs whenever the installed release is the file's.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Iterable
+
+from hfpatch.sweep.run import GRAD_RTOL, LOSS_RTOL, VERDICTS, Verdict
+
+__all__ = ["render", "parse", "stale", "counts_line"]
+
+_RELEASE = re.compile(r"^Generated on transformers (\S+), torch (\S+)")
+_ROW = re.compile(r"^\| `([^`]+)` \| `([^`]+)` \| \*\*([a-z ]+)\*\* \|")
+_MEANING = {
+    "exact": "CP loss and every gradient equal the non-CP run (fp32: loss within "
+             f"{LOSS_RTOL:g} relative, each gradient within {GRAD_RTOL:g} of its largest entry).",
+    "refused": "`hfpatch.apply(model=)` (or the first CP forward, before any backward) raises a named hfpatch "
+               "error saying why; with `on_unsupported=\"fallback\"` the model trains without CP.",
+    "not built": "the sweep could not build a tiny instance from the class's own config, or the model fails "
+                 "without CP; the reason is given.",
+    "silent": "CP ran and differs from non-CP without an error: a defect; the sweep's test fails on it.",
+    "unnamed": "an exception that is not an hfpatch error, under CP only: a defect; the sweep's test fails on it.",
+}
+
+
+def counts_line(verdicts: Iterable[Verdict]) -> str:
+    counts = Counter(v.verdict for v in verdicts)
+    total = sum(counts.values())
+    return f"{total} classes: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in reversed(VERDICTS))
+
+
+def render(verdicts: list[Verdict], *, transformers_version: str, torch_version: str, world_size: int) -> str:
+    """The text of MODELS.md for ``verdicts`` (sorted by model type and class)."""
+    rows = sorted(verdicts, key=lambda v: (v.model_type, v.class_name))
+    lines = [
+        "# Models: which causal-LM classes train exactly under hfpatch CP",
+        "",
+        f"Generated on transformers {transformers_version}, torch {torch_version} by `hfpatch models --write` "
+        "(do not edit by hand).",
+        "",
+        f"Every causal-LM class of the auto mapping that declares a flash-attention path, built tiny from its own "
+        f"config class (random weights, fp32), trained one step on {world_size} CPU ranks (gloo) with "
+        "`hfpatch.apply(group, model=model)`, `patch.shard_inputs` and `model(..., labels=...)`, against the same "
+        "model on the whole batch without CP. " + counts_line(rows) + ".",
+        "",
+    ]
+    lines += [f"- **{name}**: {_MEANING[name]}" for name in reversed(VERDICTS)]
+    lines += ["", "| model type | class | verdict | why |", "|---|---|---|---|"]
+    for v in rows:
+        detail = v.detail.splitlines()[0] if v.detail else ""
+        lines.append(f"| `{v.model_type}` | `{v.class_name}` | **{v.verdict}** | {_cell(detail)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def parse(text: str) -> tuple[str | None, dict]:
+    """(transformers release of the file or None, {(model_type, class_name): verdict})."""
+    release = None
+    table = {}
+    for line in text.splitlines():
+        match = _RELEASE.match(line)
+        if match:
+            release = match.group(1)
+        row = _ROW.match(line)
+        if row:
+            table[(row.group(1), row.group(2))] = row.group(3)
+    return release, table
+
+
+def stale(verdicts: list[Verdict], text: str) -> list[str]:
+    """Every difference between ``verdicts`` and the table in ``text``, as readable lines (empty: current)."""
+    _, table = parse(text)
+    fresh = {(v.model_type, v.class_name): v.verdict for v in verdicts}
+    out = []
+    for key in sorted(set(table) | set(fresh)):
+        old, new = table.get(key), fresh.get(key)
+        if old != new:
+            out.append(f"{key[0]} / {key[1]}: MODELS.md says {old or 'nothing'}, the sweep says {new or 'nothing'}")
+    return out

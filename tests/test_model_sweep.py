@@ -1,0 +1,60 @@
+"""The model sweep on the installed transformers release: every causal-LM class that declares a flash-attention
+path is built tiny and trained one step under CP (2 gloo ranks) against non-CP (``hfpatch.sweep.run``). No class
+may end silent (CP ran and differs) or unnamed (an exception that is not an hfpatch error); at most 5% may be
+"not built". On the release MODELS.md was generated with, the table must be current (``hfpatch models --write``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+MODELS_MD = Path(__file__).resolve().parent.parent / "MODELS.md"
+NOT_BUILT_SHARE = 0.05
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    from hfpatch.sweep.run import run_sweep
+
+    return run_sweep(world_size=2)
+
+
+def test_no_class_is_silent_or_unnamed(verdicts):
+    defects = [f"{v.class_name} ({v.model_type}): {v.verdict}: {v.detail}" for v in verdicts
+               if v.verdict in ("silent", "unnamed")]
+    assert not defects, "\n".join(defects)
+
+
+def test_every_verdict_has_its_evidence(verdicts):
+    from hfpatch.sweep.run import VERDICTS
+
+    assert verdicts, "the catalog is empty: the sweep checked nothing"
+    for v in verdicts:
+        assert v.verdict in VERDICTS
+        if v.verdict in ("refused", "not built"):
+            assert v.detail, f"{v.class_name}: {v.verdict} without a reason"
+        if v.verdict == "refused":
+            name = v.detail.split(":", 1)[0].split(" ", 1)[0]
+            import hfpatch.errors as errors
+
+            assert issubclass(getattr(errors, name), errors.HfpatchError), v.detail
+        if v.verdict == "exact":
+            assert v.loss_error is not None and v.grad_error is not None
+
+
+def test_few_classes_are_not_built(verdicts):
+    not_built = [f"{v.class_name}: {v.detail}" for v in verdicts if v.verdict == "not built"]
+    assert len(not_built) <= NOT_BUILT_SHARE * len(verdicts), "\n".join(not_built)
+
+
+def test_models_md_is_current(verdicts):
+    import transformers
+
+    from hfpatch.sweep import table
+
+    release, _ = table.parse(MODELS_MD.read_text())
+    if release != transformers.__version__:
+        pytest.skip(f"MODELS.md is for transformers {release}; installed {transformers.__version__}")
+    differences = table.stale(verdicts, MODELS_MD.read_text())
+    assert not differences, "MODELS.md is stale (run `hfpatch models --write`):\n" + "\n".join(differences)

@@ -1,0 +1,277 @@
+"""Whole-model correctness under ``hfpatch.apply(model=)``: what is refused before training (``model_audit``), the
+whole-model probe (``model_probe``), and ``model(..., labels=...)`` (``hfpatch.labels``), on real HF model classes
+(tiny, random weights, fp32) over 2 gloo ranks.
+
+Every refusal test checks the named error's fields (module path, class, kind) and that nothing is left installed.
+The labels tests compare the CP loss and the gradients summed over the ranks with the non-CP run of the same model
+on the whole batch (loss within 1e-5 relative, every gradient within 2e-5 of its largest entry, as the e2e tests).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_world
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 2e-5
+SEQ = 32
+
+
+def _lfm2(**overrides):
+    import transformers
+
+    config = transformers.Lfm2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     layer_types=["conv", "full_attention"], **overrides)
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(config)
+
+
+def _bart():
+    import transformers
+
+    config = transformers.BartConfig(vocab_size=128, d_model=64, decoder_layers=2, encoder_layers=2,
+                                     decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64,
+                                     encoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    return transformers.BartForCausalLM(config)
+
+
+class _TokenCumsum(torch.nn.Module):
+    """An MLP wrapper that also mixes tokens (a running sum along the sequence): no rule of model_audit knows it,
+    so only the whole-model probe can catch it."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) + 0.1 * x.cumsum(dim=1)
+
+
+def _nothing_installed():
+    import hfpatch
+    import transformers.modeling_flash_attention_utils as mfau
+
+    assert hfpatch.active_patch() is None
+    assert not getattr(mfau._flash_attention_forward, "__hfpatch_wrapper__", False)
+
+
+# ------------------------------------------------------------------------------------ audit (one process)
+
+
+def test_audit_finds_nothing_in_a_plain_decoder():
+    from hfpatch._models import build_model
+    from hfpatch.model_audit import audit
+
+    assert audit(build_model("llama")) == []
+    assert audit(build_model("mixtral")) == []
+
+
+def test_audit_names_every_mixer_layer_and_its_class():
+    from hfpatch.model_audit import audit
+
+    model = _lfm2()
+    findings = audit(model)
+    assert [(f.path, f.module_class, f.kind) for f in findings] == [
+        ("model.layers.0.conv", "Lfm2ShortConv", "sequence-mixer")]
+    assert "zero state" in findings[0].reason and "on_unsupported='fallback'" in findings[0].fix
+
+
+def test_audit_finds_an_unnamed_convolution_structurally():
+    """A Conv1d in a module whose class name no pattern knows is still a finding, at the convolution's path."""
+    from hfpatch._models import build_model
+    from hfpatch.model_audit import audit
+
+    model = build_model("llama")
+    model.model.layers[0].token_conv = torch.nn.Conv1d(64, 64, 4, groups=64, padding=3)
+    findings = audit(model)
+    assert [(f.path, f.module_class, f.kind) for f in findings] == [
+        ("model.layers.0.token_conv", "Conv1d", "sequence-mixer")]
+
+
+def test_audit_positions_from_the_input_length():
+    from hfpatch.model_audit import audit
+
+    findings = audit(_bart())
+    assert [(f.path, f.kind) for f in findings] == [("model.decoder.embed_positions", "positions")]
+    assert findings[0].module_class == "BartLearnedPositionalEmbedding"
+    assert "takes no position_ids" in findings[0].reason
+
+
+def test_audit_router_aux_loss():
+    from hfpatch._models import build_model
+    from hfpatch.model_audit import audit
+
+    findings = audit(build_model("mixtral", output_router_logits=True))
+    assert [f.kind for f in findings] == ["router-aux-loss"]
+
+
+def test_verify_argument_is_validated():
+    import hfpatch
+
+    with pytest.raises(TypeError, match="'fast'"):
+        hfpatch.apply(None, verify="full")
+
+
+# ------------------------------------------------------------------------------------ 2 ranks
+
+
+def _refusals(rank, world):
+    import hfpatch
+    from hfpatch._models import build_model
+    from hfpatch.errors import ModelDivergence, UnsupportedModel
+
+    group = dist.group.WORLD
+    with pytest.raises(UnsupportedModel) as info:
+        hfpatch.apply(group, model=_lfm2())
+    assert (info.value.module_path, info.value.module_class, info.value.kind) == \
+        ("model.layers.0.conv", "Lfm2ShortConv", "sequence-mixer")
+    assert "model.layers.0.conv (Lfm2ShortConv)" in str(info.value) and "Fix:" in str(info.value)
+    _nothing_installed()
+
+    with pytest.raises(UnsupportedModel) as info:
+        hfpatch.apply(group, model=_bart())
+    assert info.value.kind == "positions" and info.value.module_path == "model.decoder.embed_positions"
+    _nothing_installed()
+
+    # the probe: a token-mixing module no rule knows, named by the probe
+    model = build_model("llama")
+    model.model.layers[1].mlp = _TokenCumsum(model.model.layers[1].mlp)
+    with pytest.raises(ModelDivergence) as info:
+        hfpatch.apply(group, model=model)
+    assert info.value.module_path == "model.layers.1.mlp" and info.value.module_class == "_TokenCumsum"
+    assert info.value.error > info.value.tolerance
+    assert model.training, "the probe must restore the training flags"
+    _nothing_installed()
+    # verify='fast' skips the whole-model probe (and only it)
+    patch = hfpatch.apply(group, model=model, verify="fast")
+    assert patch.active
+    patch.remove()
+
+    # fallback: inactive with the reason; the shard_inputs labels still give the plain non-CP loss
+    model = _lfm2()
+    patch = hfpatch.apply(group, model=model, on_unsupported="fallback")
+    assert not patch.active and "Lfm2ShortConv" in patch.reason
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    batch = patch.shard_inputs(ids, labels=ids)
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+    expected = model(input_ids=ids, labels=ids, use_cache=False).loss  # the model's own shift, after remove too
+    patch.remove()
+    assert abs(loss.item() - expected.item()) <= LOSS_RTOL * abs(expected.item())
+    model = _lfm2()
+    patch = hfpatch.apply(group, model=model, on_unsupported="fallback", verify=True)
+    assert not patch.active
+    patch.remove()
+
+    # a probe divergence with on_unsupported='fallback' falls back too
+    model = build_model("llama")
+    model.model.layers[0].mlp = _TokenCumsum(model.model.layers[0].mlp)
+    patch = hfpatch.apply(group, model=model, on_unsupported="fallback")
+    assert not patch.active and "model.layers.0.mlp" in patch.reason
+    patch.remove()
+    _nothing_installed()
+
+
+def _reference(model_name, ids, **forward):
+    """Non-CP loss of ``model(ids, labels=ids)`` (HF's own loss) and the gradients, eager, whole batch."""
+    from hfpatch._models import build_model
+
+    model = build_model(model_name)
+    loss = model(input_ids=ids, labels=ids, use_cache=False, **forward).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _summed_grads(model):
+    grads = {}
+    for name, p in model.named_parameters():
+        g = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+        dist.all_reduce(g)
+        grads[name] = g
+    return grads
+
+
+def _assert_equal(label, loss, grads, ref_loss, ref_grads):
+    assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), \
+        f"{label}: CP loss {loss.item():.8f} != non-CP {ref_loss.item():.8f}"
+    for name, ref in ref_grads.items():
+        err = (grads[name] - ref).abs().max().item()
+        assert err <= GRAD_RTOL * ref.abs().max().item() + 1e-9, f"{label}: gradient of {name}: {err:.3e}"
+
+
+def _labels(rank, world):
+    import hfpatch
+    from hfpatch._models import build_model
+    from hfpatch.errors import UnsupportedArgument
+    from hfpatch.inputs import IGNORE_INDEX, shift_labels
+
+    group = dist.group.WORLD
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    for name in ("llama", "mixtral"):
+        ref_loss, ref_grads = _reference(name, ids)
+        model = build_model(name)
+        with hfpatch.apply(group, model=model) as patch:
+            batch = patch.shard_inputs(ids, labels=ids)
+            out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                        use_cache=False)
+            assert type(out).__name__.startswith(("CausalLMOutput", "MoeCausalLMOutput")) and out.loss is out[0]
+            out.loss.backward()
+            _assert_equal(f"{name} labels=", out.loss.detach(), _summed_grads(model), ref_loss, ref_grads)
+
+            # num_items_in_batch: the count over the whole batch, as the non-CP run (and HF's Trainer) counts it
+            model.zero_grad(set_to_none=True)
+            n_items = int((shift_labels(ids) != IGNORE_INDEX).sum()) + 5
+            loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                         num_items_in_batch=n_items, use_cache=False).loss
+            want = ref_loss * (n_items - 5) / n_items
+            assert abs(loss.item() - want.item()) <= LOSS_RTOL * want.item()
+
+            # transformers' own shift_labels= (already shifted by the caller), return_dict=False
+            model.zero_grad(set_to_none=True)
+            mine = batch["labels"].clone()  # an equal copy: not recognised as labels=, accepted as shift_labels=
+            out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], shift_labels=mine,
+                        use_cache=False, return_dict=False)
+            out[0].backward()
+            _assert_equal(f"{name} shift_labels=", out[0].detach(), _summed_grads(model), ref_loss, ref_grads)
+
+            # anything else as labels= is refused by name, never shifted again silently
+            with pytest.raises(UnsupportedArgument) as info:
+                model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=mine, use_cache=False)
+            assert info.value.parameter == "labels" and "shard_inputs" in info.value.fix
+    model = build_model("mixtral")
+    with hfpatch.apply(group, model=model) as patch:
+        batch = patch.shard_inputs(ids, labels=ids)
+        with pytest.raises(UnsupportedArgument) as info:
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                  output_router_logits=True, use_cache=False)
+        assert info.value.parameter == "output_router_logits"
+
+
+def _gpt2_fp32(rank, world):
+    """GPT-2 projects with transformers' Conv1D (no nn.Linear): its fp32 flash path trains exactly under CP."""
+    from hfpatch.sweep.catalog import flash_causal_lm_classes
+    from hfpatch.sweep.run import check_class
+
+    entries = [e for e in flash_causal_lm_classes() if e.class_name == "GPT2LMHeadModel"]
+    if not entries:
+        return None
+    verdict = check_class(entries[0], dist.group.WORLD)
+    assert verdict.verdict == "exact", verdict
+    return verdict.verdict
+
+
+def _world(rank, world):
+    _refusals(rank, world)
+    _labels(rank, world)
+    return _gpt2_fp32(rank, world)
+
+
+def test_whole_model_2_ranks():
+    import transformers
+
+    if not hasattr(transformers, "Lfm2Config") or not hasattr(transformers, "BartForCausalLM"):
+        pytest.skip("needs Lfm2 (transformers >= 4.54)")
+    run_world(2, _world)
