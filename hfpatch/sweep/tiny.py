@@ -18,14 +18,16 @@ gets identical weights, in ``dtype`` and train mode; ``NotBuilt`` (a ``RuntimeEr
 cannot. An eager forward on (2, 32) token ids drawn from ``range(TINY_VOCAB)`` gives finite logits of shape
 (2, 32, TINY_VOCAB) for every built class (``tests/test_sweep_tiny.py``).
 
-Not built on transformers 5.23 (<= 5 % of the catalog; ``_NOT_BUILT`` holds the reasons):
+Not built on transformers 5.23 (3 of 147, <= 5 % of the catalog; ``_NOT_BUILT`` holds the reasons):
 
-    model_type      class                          why
-    (filled in below, see _NOT_BUILT)
+    model_type                 class                                    why
+    gemma3n                    Gemma3nForConditionalGeneration          timm vision tower (timm + PIL; no tiny
+                                                                        size); text stack built as gemma3n_text
+    gemma4_assistant           Gemma4AssistantForCausalLM               speculative-decoding drafter: forward
+    gemma4_unified_assistant   Gemma4UnifiedAssistantForCausalLM        takes the backbone's embeddings and K/V
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -191,6 +193,14 @@ _RECIPES: dict[str, dict[str, Any]] = {
     # (mixer, MLP) pair but two occurs and each mixer meets each MLP kind.
     "lfm2_moe": dict(num_hidden_layers=4, num_dense_layers=2,
                      layer_types=["full_attention", "conv", "conv", "full_attention"]),
+    # LongCat-Flash adds "zero-computation" experts (identity) to the routed ones: 2 beside the 4.
+    "longcat_flash": dict(zero_expert_num=2),
+    # Phi-4-multimodal's audio encoder (built, never run on text) has its own width names.
+    "phi4_multimodal_audio": dict(num_blocks=1, nemo_conv_channels=_HIDDEN, ext_pw_out_channel=_HIDDEN,
+                                  depthwise_separable_out_channel=_HIDDEN),
+    # RoCBert embeds glyph shape and pronunciation ids beside the token ids, with vocabularies of their own.
+    "roc_bert": dict(shape_vocab_size=TINY_VOCAB, shape_embed_dim=16, pronunciation_vocab_size=TINY_VOCAB,
+                     pronunciation_embed_dim=16),
     # Musicgen decoders read (batch x codebooks, seq) ids; one codebook makes that (batch, seq).
     "musicgen_decoder": dict(num_codebooks=1),
     "musicgen_melody_decoder": dict(num_codebooks=1),

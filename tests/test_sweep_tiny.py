@@ -1,0 +1,142 @@
+"""The sweep's tiny builds: every catalog class of the installed transformers builds tiny within the time budget
+(or is ``NotBuilt`` with a reason, at most 5 % of the catalog), runs an eager forward on (2, 32) token ids to
+finite logits of shape (2, 32, TINY_VOCAB), and a hybrid keeps an attention layer and every mixer kind it has.
+
+Each class is built once (module cache) and shared by the tests that need it.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hfpatch.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+from hfpatch.sweep.tiny import (
+    HYBRID_KINDS, TINY_VOCAB, NotBuilt, build_tiny, layer_kinds, tiny_config)
+
+# Measured on 2 shared CPU cores (transformers 5.23): median ~0.02 s, max ~0.4 s. The budget leaves room for
+# a loaded machine; a class that takes seconds has a size the shrink missed.
+BUILD_BUDGET_S = 3.0
+NOT_BUILT_SHARE = 0.05
+BATCH, SEQ = 2, 32
+ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "hybrid"}
+
+CATALOG = flash_causal_lm_classes()
+_BUILDS: dict[CatalogEntry, tuple[torch.nn.Module | None, float, str | None]] = {}
+
+
+def _build(entry: CatalogEntry):
+    """(model or None, seconds, NotBuilt reason or None), built once per entry."""
+    if entry not in _BUILDS:
+        start = time.perf_counter()
+        try:
+            model, reason = build_tiny(entry), None
+        except NotBuilt as exc:
+            model, reason = None, exc.reason
+        _BUILDS[entry] = (model, time.perf_counter() - start, reason)
+    return _BUILDS[entry]
+
+
+def _ids(entry: CatalogEntry):
+    return pytest.param(entry, id=f"{entry.model_type}-{entry.class_name}")
+
+
+ENTRIES = [_ids(e) for e in CATALOG]
+
+
+def test_catalog_is_sorted_unique_and_keeps_import_errors():
+    keys = [(e.model_type, e.class_name) for e in CATALOG]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    assert len(CATALOG) >= 40
+    for entry in CATALOG:
+        assert entry.config_class_name, entry
+        if entry.import_error is None:
+            assert entry.model_class().__name__ == entry.class_name
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_builds_within_budget_or_says_why(entry):
+    model, seconds, reason = _build(entry)
+    if model is None:
+        assert reason and reason.strip(), entry
+        return
+    assert seconds < BUILD_BUDGET_S, f"{entry.class_name} took {seconds:.2f} s to build"
+    assert type(model).__name__ == entry.class_name
+    assert model.training
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_not_built_share():
+    not_built = {e.model_type: _build(e)[2] for e in CATALOG if _build(e)[0] is None}
+    assert len(not_built) <= NOT_BUILT_SHARE * len(CATALOG), not_built
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_eager_forward_gives_finite_logits(entry):
+    model, _, reason = _build(entry)
+    if model is None:
+        pytest.skip(f"not built: {reason}")
+    ids = torch.randint(0, TINY_VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1234))
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    assert tuple(logits.shape) == (BATCH, SEQ, TINY_VOCAB)
+    assert torch.isfinite(logits).all()
+    # initializer_range 0.2: logits far from uniform (a wrong mask or window would change the loss visibly).
+    assert logits.float().std() > 1e-3
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_tiny_config_is_tiny_and_consistent(entry):
+    model, _, reason = _build(entry)
+    if model is None:
+        pytest.skip(f"not built: {reason}")
+    config = model.config
+    text = getattr(config, "text_config", None) or config
+    assert getattr(text, "use_cache", False) is False
+    vocab = getattr(text, "vocab_size", TINY_VOCAB)
+    assert vocab == TINY_VOCAB
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(text, name, None)
+        for tid in value if isinstance(value, list) else [value]:
+            assert tid is None or 0 <= tid < vocab, (name, tid)
+    for name, value in text.to_dict().items():
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+            assert value == 0.0, (name, value)
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
+
+
+@pytest.mark.parametrize("entry", [_ids(e) for e in CATALOG if e.model_type in HYBRID_KINDS])
+def test_hybrid_keeps_attention_and_every_mixer_kind(entry):
+    try:
+        config = tiny_config(entry)
+    except NotBuilt as exc:
+        pytest.skip(f"not built: {exc.reason}")
+    kinds = set(layer_kinds(config))
+    assert kinds & ATTENTION_KINDS, kinds
+    assert HYBRID_KINDS[entry.model_type] <= kinds, (HYBRID_KINDS[entry.model_type], kinds)
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    entry = next(e for e in CATALOG if e.model_type == "llama")
+    a, b, c = build_tiny(entry, seed=3), build_tiny(entry, seed=3), build_tiny(entry, seed=4)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+    assert not all(torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
+    # The generator outside is untouched (fork_rng).
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    build_tiny(entry)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_dtype_is_honoured():
+    entry = next(e for e in CATALOG if e.model_type == "llama")
+    model = build_tiny(entry, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_not_built_carries_reason():
+    exc = NotBuilt("because")
+    assert isinstance(exc, RuntimeError) and exc.reason == "because" and "because" in str(exc)
