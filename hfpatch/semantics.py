@@ -730,7 +730,7 @@ def local_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: Ring
                               softmax_scale=call.get("softmax_scale"),
                               window_size=_window_size(call.get("sliding_window"), q.shape[1]),
                               softcap=float(call.get("softcap") or 0.0), cu_seqlens=cu)
-    return out
+    return out.contiguous()  # as flash-attn returns it: some models .view() the output
 
 
 def _original_on_whole(call, extra, ctx: RingContext, gathered, cu) -> Optional[torch.Tensor]:
