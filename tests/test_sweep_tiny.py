@@ -48,7 +48,7 @@ ENTRIES = [_ids(e) for e in CATALOG]
 def test_catalog_is_sorted_unique_and_keeps_import_errors():
     keys = [(e.model_type, e.class_name) for e in CATALOG]
     assert keys == sorted(keys) and len(set(keys)) == len(keys)
-    assert len(CATALOG) >= 40
+    assert len(CATALOG) >= 20  # 30 on 4.43.4, 42 on 4.48.3, 147 on 5.23
     for entry in CATALOG:
         assert entry.config_class_name, entry
         if entry.import_error is None:
@@ -73,17 +73,26 @@ def test_not_built_share():
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
-def test_eager_forward_gives_finite_logits(entry):
+def test_eager_forward_gives_finite_logits_and_gradients(entry):
     model, _, reason = _build(entry)
     if model is None:
         pytest.skip(f"not built: {reason}")
     ids = torch.randint(0, TINY_VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1234))
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, use_cache=False).logits
     assert tuple(logits.shape) == (BATCH, SEQ, TINY_VOCAB)
     assert torch.isfinite(logits).all()
     # initializer_range 0.2: logits far from uniform (a wrong mask or window would change the loss visibly).
     assert logits.float().std() > 1e-3
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, TINY_VOCAB), ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    # Train mode and still deterministic: no dropout, layer drop, router jitter or sampling left.
+    with torch.no_grad():
+        again = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(again, logits.detach())
+    model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
@@ -103,6 +112,8 @@ def test_tiny_config_is_tiny_and_consistent(entry):
     for name, value in text.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             assert value == 0.0, (name, value)
+        if name in ("sliding_window", "attention_window_size", "window_size") and value:
+            assert value <= 8, (name, value)  # active on the CP test's 32-64 tokens
     assert sum(p.numel() for p in model.parameters()) < 5_000_000
 
 

@@ -80,6 +80,8 @@ _SHRINK: dict[str, Any] = {
                      "max_source_positions", "max_seq_len"), _POSITIONS),
     **dict.fromkeys(("initializer_range", "init_std"), 0.2),
     **dict.fromkeys(("use_cache", "output_router_logits", "add_cross_attention", "apply_spec_augment"), False),
+    # The torch Mamba path on every machine (4.4x refuses to run Jamba without the CUDA kernels otherwise).
+    "use_mamba_kernels": False,
     # BERT-style classes attend bidirectionally unless told they are a decoder.
     "is_decoder": True,
     # MoE: few experts, top-2, one group, no jitter (deterministic routing).
@@ -92,9 +94,11 @@ _SHRINK: dict[str, Any] = {
     # Dense first layer, then sparse: a 2-layer MoE model keeps both MLP kinds.
     "first_k_dense_replace": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
     # Multi-head latent attention.
-    # (head_dim follows qk_rope_head_dim there: the rotary tables are built from head_dim; see _derived.)
-    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    "qk_head_dim": 16,
+    # Multi-head latent attention, Q/K head 24 (16 without + 8 with rotary) over V head 16: the released
+    # models' 192 / 128 asymmetry (HF's flash path pads V up to the Q/K width), kept. head_dim follows
+    # qk_rope_head_dim there (the rotary tables are built from head_dim; see _derived).
+    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "qk_head_dim": 24,
     # Partial rotary by an absolute width (GPT-J, ...): within head_dim 16.
     "rotary_dim": 8,
     # Mamba / Mamba2: 4 heads of 32 over expand 2 x hidden 64, chunks of 16 (several chunks on 32-64 tokens).
@@ -140,7 +144,8 @@ def _shrinkable(name: str, value) -> bool:
 
 
 def _is_dropout(name: str) -> bool:
-    return "dropout" in name or "pdrop" in name or name.endswith("layerdrop") or name in (
+    """Every randomness of a train-mode forward, by name: dropouts, layer drop, router jitter, SpecAugment."""
+    return "dropout" in name or "pdrop" in name or "jitter" in name or name.endswith("layerdrop") or name in (
         "mask_time_prob", "mask_feature_prob")
 
 
@@ -160,8 +165,10 @@ _RECIPES: dict[str, dict[str, Any]] = {
     # rope_theta that the attention sub-config does not define by default, and clamps Q/K/V by clip_qkv
     # unconditionally (None fails; 8 is the released checkpoints' value).
     "dbrx": dict(attn_config=dict(kv_n_heads=_KV_HEADS, clip_qkv=8.0, rope_theta=10000.0),
-                 ffn_config=dict(hidden_size=_HIDDEN, ffn_hidden_size=_INTERMEDIATE, moe_num_experts=_EXPERTS,
-                                 moe_top_k=_TOP_K, moe_jitter_eps=None)),
+                 ffn_config=dict(ffn_hidden_size=_INTERMEDIATE, moe_num_experts=_EXPERTS, moe_top_k=_TOP_K,
+                                 moe_jitter_eps=None)),
+    # GPT-Neo expands attention_types ([[kinds, repeats]]) into attention_layers: one (global, local) pair.
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], attention_layers=_UNSET),
     # dots1's defaults leave the expert counts unset.
     "dots1": dict(n_shared_experts=1),
     # Gemma3n: the last num_kv_shared_layers layers reuse the K/V of the last earlier layer of their type, so the
@@ -201,6 +208,10 @@ _RECIPES: dict[str, dict[str, Any]] = {
     # RoCBert embeds glyph shape and pronunciation ids beside the token ids, with vocabularies of their own.
     "roc_bert": dict(shape_vocab_size=TINY_VOCAB, shape_embed_dim=16, pronunciation_vocab_size=TINY_VOCAB,
                      pronunciation_embed_dim=16),
+    # MiMo-V2-Flash: Q/K heads wider than V heads (192 / 128 released: 24 / 16 tiny, so that the partial
+    # rotary factor 0.334 gives an even rotary width, 8); sliding layers carry attention sinks and twice the
+    # K/V heads of the full layers (its own code).
+    "mimo_v2_flash": dict(head_dim=24, v_head_dim=16),
     # Musicgen decoders read (batch x codebooks, seq) ids; one codebook makes that (batch, seq).
     "musicgen_decoder": dict(num_codebooks=1),
     "musicgen_melody_decoder": dict(num_codebooks=1),
@@ -399,9 +410,8 @@ def _merge(kwargs: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
     for name, value in recipe.items():
         if value is _UNSET:
             out.pop(name, None)
-        elif isinstance(value, dict) and _is_config(out.get(name)):
-            sub = out[name]
-            out[name] = type(sub)(**{**sub.to_dict(), **value})
+        elif isinstance(value, dict) and isinstance(out.get(name), dict) and "model_type" in out[name]:
+            out[name] = {**out[name], **value}
         else:
             out[name] = value
     return out
@@ -428,9 +438,11 @@ def _shrunk_kwargs(config_cls, model_type: str) -> dict[str, Any]:
     return _merge(kwargs, {k: v for k, v in recipe.items() if k in kwargs and "token" in k})
 
 
-def _tiny_sub_config(sub):
+def _tiny_sub_config(sub) -> dict[str, Any]:
+    """The shrunk sub-config as a dict with its ``model_type``: every release's composite configs take the dict
+    form (4.4x's Moshi and Musicgen take only that), few take an instance."""
     sub_type = getattr(sub, "model_type", "")
-    return type(sub)(**_shrunk_kwargs(type(sub), sub_type))
+    return type(sub)(**_shrunk_kwargs(type(sub), sub_type)).to_dict()
 
 
 def _own_config_class(entry: CatalogEntry):
@@ -441,9 +453,11 @@ def _own_config_class(entry: CatalogEntry):
     own = getattr(entry.model_class(), "config_class", None)
     if own is None or issubclass(mapped, own):
         return mapped
-    # `sub_configs` (class attribute, 4.47+) names the composite's parts.
-    parts = getattr(mapped, "sub_configs", None) or {}
-    return own if own in parts.values() else mapped
+    parts = getattr(mapped, "sub_configs", None)  # class attribute naming the composite's parts, 4.47+
+    if parts is not None:
+        return own if own in parts.values() else mapped
+    # Before 4.47: transformers names a composite's parts "<composite>_<part>" ("musicgen_decoder").
+    return own if str(getattr(own, "model_type", "")).startswith(f"{mapped.model_type}_") else mapped
 
 
 def tiny_config(entry: CatalogEntry):
