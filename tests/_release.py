@@ -1,0 +1,35 @@
+"""Which test modules depend on the installed transformers release (CI's rule; see docs/ci.md and tox.ini).
+
+Every test module is *release-dependent* unless it is listed in ``RELEASE_INDEPENDENT`` below: conftest.py
+marks each test of an unlisted module ``release_dependent``, and every older tox env runs only those
+(``pytest -m release_dependent``); the whole suite runs once, on the newest release, in the CI venv. So a new
+test module (the model sweep, say) runs under every release without anyone remembering a marker; leaving a
+module out of the older envs is a decision written here, with its reason.
+
+A module may be listed only when nothing it runs can see transformers: it exercises ``ring_kernels`` (which
+knows nothing of transformers or hfpatch), the test harness, or benchmark scripts built on those.
+tests/test_ci_selection.py checks that statically for every listed module and the local modules it imports
+(tests/, benchmarks/, ring_kernels/): no import of ``hfpatch`` or ``transformers`` anywhere in them.
+"""
+from __future__ import annotations
+
+MARKER = "release_dependent"
+
+# module path relative to tests/ -> why the transformers release cannot change its outcome
+RELEASE_INDEPENDENT = {
+    "test_backends.py": "ring_kernels' block-attention backends against a plain reference",
+    "test_benchmarks_cpu.py": "benchmarks/ (ring_bench, native_cp, cpu_peak_memory) on ring_kernels; the release "
+                              "is only a version string in the result stamp",
+    "test_dist_harness.py": "the gloo test harness tests/_dist.py",
+    "test_host_syncs.py": "benchmarks/host_path.py's host-op counter on ring_kernels' varlen path",
+    "test_layout.py": "ring_kernels.layout shard / unshard",
+    "test_merge.py": "ring_kernels' LSE merge (eager and the fused Triton kernels under the interpreter)",
+    "test_ring_batch.py": "ring_kernels' batch ring / zigzag / stripe engines on gloo worlds",
+    "test_ring_varlen.py": "ring_kernels' varlen ring / zigzag / llama3 engines on gloo worlds",
+    "test_transport.py": "ring_kernels' transport and ring exchange",
+    "test_triton_backend.py": "ring_kernels' Triton kernel under the interpreter (hfpatch never picks a backend "
+                              "by release)",
+    "gpu/test_ring_gpu.py": "ring_kernels on CUDA (skipped on CPU)",
+    "gpu/test_transport_gpu.py": "ring_kernels' transports on CUDA (skipped on CPU)",
+    "gpu/test_triton_gpu.py": "ring_kernels' Triton kernel on CUDA (skipped on CPU)",
+}
