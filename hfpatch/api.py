@@ -65,6 +65,8 @@ class Patch:
         self._previous_switch = previous_switch
         self._model_switches: list = []
         self._hooks: list = []
+        # Why model(labels=) is refused under CP for the model of apply(model=) (set by the whole-model probe).
+        self.labels_refusal: Optional[str] = None
         self._removed = False
 
     # ------------------------------------------------------------------------------------ inspection
@@ -429,7 +431,7 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
         if verify is True and model is not None:
             from hfpatch.model_probe import probe_model
 
-            probe_model(model, patch.ctx)
+            patch.labels_refusal = probe_model(model, patch.ctx).labels_refusal
         patch._dispatcher.reset()  # the probes' calls are not the user's
     except ModelDivergence as exc:
         _remove_quietly(patch)
@@ -477,7 +479,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
         if model is not None:
             patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
             patch.track(model)
-            patch._hooks.extend(install_labels_hook(model, patch.live_ctx_or_none))
+            patch._hooks.extend(install_labels_hook(model, patch.live_ctx_or_none, lambda: patch.labels_refusal))
         verify_module.identity(installation)
     except BaseException:
         _remove_quietly(patch)

@@ -19,6 +19,8 @@ whole batch. ``apply(model=)`` therefore hooks the model's forward:
 - ``output_router_logits=True`` with labels is refused: the model would add a load-balancing loss computed from
   this rank's tokens only.
 - in switch mode ``"local"`` (the model run on the whole sequence, no CP) the model's own loss is left alone.
+- a model whose own loss is not that cross-entropy (the whole-model probe checks: one that shifts twice or adds a
+  term) has its labels refused under CP, with the probe's reason.
 
 With an inactive patch (no CP) the same hook makes the already-shifted labels of ``shard_inputs`` (an identity
 split that still shifts) give the plain non-CP loss, and leaves every other call to the model untouched.
@@ -48,9 +50,11 @@ class _Pending(threading.local):
         self.entry: Optional[tuple] = None
 
 
-def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> list:
+def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
+                        refusal_of: Callable[[], Optional[str]] = lambda: None) -> list:
     """Hook ``model``'s forward as the module docstring says; returns the hook handles (``.remove()`` each).
-    ``ctx_of()``: the ``RingContext`` of the step (None when the patch is inactive or removed)."""
+    ``ctx_of()``: the ``RingContext`` of the step (None when the patch is inactive or removed); ``refusal_of()``:
+    why this model's labels cannot be honoured under CP (set from the whole-model probe), or None."""
     pending = _Pending()
     try:
         parameters = inspect.signature(model.forward).parameters
@@ -83,6 +87,13 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> li
                 "pass the labels returned by patch.shard_inputs(input_ids, labels=...) (already shifted), or "
                 "transformers' shift_labels=<already shifted labels of this rank>; or compute the loss with "
                 "hfpatch.inputs.token_loss_sum + patch.reduce_loss.",
+            )
+        refusal = refusal_of() if active else None
+        if refusal is not None:
+            raise UnsupportedArgument(
+                "labels", labels if labels is not None else shift, refusal,
+                "compute the standard causal-LM loss yourself from the logits (hfpatch.inputs.token_loss_sum + "
+                "patch.reduce_loss), or train this model without CP if its own loss is what you need.",
             )
         if active and kwargs.get("output_router_logits"):
             raise UnsupportedArgument(

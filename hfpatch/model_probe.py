@@ -44,12 +44,15 @@ _SEED = 20261124  # the same token ids on every rank, whatever the global seed
 @dataclass(frozen=True)
 class ProbeResult:
     """``worst``: the largest relative error over the compared modules (max over ranks); ``compared``: how many
-    module outputs were compared; ``tokens``: the probe's whole sequence length; ``dtype``: the model's dtype."""
+    module outputs were compared; ``tokens``: the probe's whole sequence length; ``dtype``: the model's dtype;
+    ``labels_refusal``: why ``model(labels=)`` cannot be made equal to the model's own non-CP loss (its loss is
+    not the token-mean causal-LM cross-entropy of its logits), or None."""
 
     worst: float
     compared: int
     tokens: int
     dtype: torch.dtype
+    labels_refusal: Optional[str] = None
 
 
 class _Recorder:
@@ -79,10 +82,12 @@ class _Recorder:
 
 
 def _first_tensor(output: Any) -> Optional[torch.Tensor]:
-    """The tensor a module returned: the output itself, the first element of a tuple, or the first field of a
-    ModelOutput (logits for a causal LM without labels)."""
+    """The tensor a module returned: the output itself, the first element of a tuple, the logits of a ModelOutput
+    that has them, or its first field."""
     if isinstance(output, torch.Tensor):
         return output
+    if isinstance(getattr(output, "logits", None), torch.Tensor):
+        return output.logits
     if isinstance(output, (tuple, list)) and output:
         return output[0] if isinstance(output[0], torch.Tensor) else None
     if hasattr(output, "to_tuple"):
@@ -159,6 +164,8 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
             with _switch.switch("local"), _named_failure(model, "non-CP"):
                 whole = recorder.run(model, seq, input_ids=ids, position_ids=torch.arange(seq, device=device)[None],
                                      use_cache=False)
+            recorder.seq_len = None  # record nothing during the labels forward
+            labels_refusal = _own_loss_check(model, ids, tolerance=tolerance)
             batch = _inputs.shard_inputs(ctx, ids)
             with _switch.switch("ring"), _named_failure(model, "CP"):
                 local = recorder.run(model, batch["input_ids"].shape[1], input_ids=batch["input_ids"],
@@ -178,7 +185,32 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
         raise ModelDivergence(_message(model, paths[i], classes[i], errors[i].item(), tolerance, dtype, ctx),
                               module_path=paths[i], module_class=classes[i], error=errors[i].item(),
                               tolerance=tolerance, dtype=dtype)
-    return ProbeResult(worst=max(errors.tolist(), default=0.0), compared=len(paths), tokens=seq, dtype=dtype)
+    return ProbeResult(worst=max(errors.tolist(), default=0.0), compared=len(paths), tokens=seq, dtype=dtype,
+                       labels_refusal=labels_refusal)
+
+
+def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float) -> Optional[str]:
+    """None when the model's own non-CP ``model(ids, labels=ids).loss`` is the token-mean cross-entropy of its
+    logits with HF's one-token shift -- the loss ``hfpatch.labels`` computes under CP; else the reason it is not
+    (a model that shifts twice, adds a term, or fails with labels)."""
+    try:
+        with _switch.switch("local"):
+            output = model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None],
+                           labels=ids, use_cache=False)
+    except Exception as exc:  # the model's own labels path; CP's loss path is ours
+        return f"model(labels=...) fails even without CP ({type(exc).__name__}: {exc})"
+    loss = getattr(output, "loss", None) if not isinstance(output, tuple) else output[0]
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        return None  # no loss of its own to match: hfpatch's loss is the causal-LM loss
+    loss_sum, count = _inputs.token_loss_sum(output.logits if hasattr(output, "logits") else output[1],
+                                             _inputs.shift_labels(ids))
+    expected = (loss_sum / count.clamp(min=1)).item()
+    error = abs(loss.item() - expected) / max(abs(expected), 1e-30)
+    if error <= tolerance:
+        return None
+    return (f"{type(model).__name__}'s own loss for labels= ({loss.item():.6g}) is not the token-mean causal-LM "
+            f"cross-entropy of its logits with a one-token shift ({expected:.6g}): it shifts differently or adds a "
+            "term, which hfpatch cannot reproduce across a sharded sequence.")
 
 
 @contextlib.contextmanager

@@ -200,9 +200,14 @@ def _guard_target_dtype(model: torch.nn.Module, record: ModelSwitch) -> None:
         except ImportError:  # before 4.48: no shared integration
             return
     original = integration.__dict__.get("get_target_dtype")
-    if original is None or getattr(original, "__hfpatch_guard__", False):
+    if original is not None and getattr(original, "__hfpatch_guard__", False):
         return
-    if all(any(isinstance(m, torch.nn.Linear) for m in module.modules()) for _, module in attention_modules(model)):
+    without_linear = [name for name, module in attention_modules(model)
+                      if not any(isinstance(m, torch.nn.Linear) for m in module.modules())]
+    if not without_linear:
+        return
+    if original is None:  # 4.48 until get_target_dtype: the same lookup inline, nothing to guard
+        _refuse_fp32_without_linear(model, without_linear[0])
         return
 
     def get_target_dtype(query, module):
@@ -216,6 +221,21 @@ def _guard_target_dtype(model: torch.nn.Module, record: ModelSwitch) -> None:
     get_target_dtype.__wrapped__ = original
     integration.get_target_dtype = get_target_dtype
     record.replaced.append((integration, "get_target_dtype", original, get_target_dtype))
+
+
+def _refuse_fp32_without_linear(model: torch.nn.Module, attention: str) -> None:
+    """Releases whose flash integration looks up an fp32 query's dtype inline (``next(...nn.Linear...)``) raise a
+    bare ``StopIteration`` there for an attention module without ``nn.Linear``: refused by name instead."""
+    if not any(p.dtype == torch.float32 for p in model.parameters()):
+        return
+    raise UnsupportedArgument(
+        "model", type(model).__name__,
+        f"in fp32, this transformers release's flash-attention integration takes the query's target dtype from an "
+        f"nn.Linear inside the attention module, and {attention} has none (it projects with transformers' Conv1D): "
+        "the model's flash path fails with a bare StopIteration before any attention runs.",
+        "train in bf16 or fp16 (model.to(torch.bfloat16)), or use a transformers release whose flash integration "
+        "has get_target_dtype (hfpatch guards that lookup there).",
+    )
 
 
 def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) -> ModelSwitch:

@@ -241,8 +241,28 @@ def _labels(rank, world):
             with pytest.raises(UnsupportedArgument) as info:
                 model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=mine, use_cache=False)
             assert info.value.parameter == "labels" and "shard_inputs" in info.value.fix
+    # a model whose own loss is not the causal-LM cross-entropy (here: an extra term) has its labels refused under
+    # CP, with the whole-model probe's reason; its forward without labels still runs the ring
+    model = build_model("llama")
+
+    def extra_term(module, args, output):
+        if getattr(output, "loss", None) is not None:
+            output["loss"] = output.loss + 1.0
+        return output
+
+    model.register_forward_hook(extra_term)
+    with hfpatch.apply(group, model=model) as patch:
+        assert patch.labels_refusal is not None and "own loss" in patch.labels_refusal
+        batch = patch.shard_inputs(ids, labels=ids)
+        with pytest.raises(UnsupportedArgument) as info:
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                  use_cache=False)
+        assert info.value.parameter == "labels" and "own loss" in info.value.reason
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+
     model = build_model("mixtral")
     with hfpatch.apply(group, model=model) as patch:
+        assert patch.labels_refusal is None
         batch = patch.shard_inputs(ids, labels=ids)
         with pytest.raises(UnsupportedArgument) as info:
             model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],

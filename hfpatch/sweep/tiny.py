@@ -213,8 +213,9 @@ _RECIPES: dict[str, dict[str, Any]] = {
     # K/V heads of the full layers (its own code).
     "mimo_v2_flash": dict(head_dim=24, v_head_dim=16),
     # Musicgen decoders read (batch x codebooks, seq) ids; one codebook makes that (batch, seq).
-    "musicgen_decoder": dict(num_codebooks=1),
-    "musicgen_melody_decoder": dict(num_codebooks=1),
+    # Their init std is initializer_factor (0.02), not initializer_range.
+    "musicgen_decoder": dict(num_codebooks=1, initializer_factor=0.2),
+    "musicgen_melody_decoder": dict(num_codebooks=1, initializer_factor=0.2),
     # Zamba: Mamba layers, and hybrid layers that run ONE shared attention block (tied across them) before
     # their Mamba mixer; the tie needs two hybrid layers: [M, H, M, H] (period 2, offset 1). The shared
     # block attends over the concatenation [hidden, embeddings]: width 2 x 64 = 4 heads of 32.
