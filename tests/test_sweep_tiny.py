@@ -26,6 +26,19 @@ CATALOG = flash_causal_lm_classes()
 _BUILDS: dict[CatalogEntry, tuple[torch.nn.Module | None, float, str | None]] = {}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _quiet_transformers():
+    """Tiny configs trip many harmless warnings; one of them (4.48's "use_cache False but cache_implementation
+    hybrid", Gemma2/Cohere2) passes arguments its format string has no place for, which pytest's log capture
+    turns into a TypeError. Errors only, restored after the module."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    yield
+    hf_logging.set_verbosity(before)
+
+
 def _build(entry: CatalogEntry):
     """(model or None, seconds, NotBuilt reason or None), built once per entry."""
     if entry not in _BUILDS:
