@@ -93,7 +93,6 @@ _SHRINK: dict[str, Any] = {
     **dict.fromkeys(("router_jitter_noise", "input_jitter_noise"), 0.0),
     # Dense first layer, then sparse: a 2-layer MoE model keeps both MLP kinds.
     "first_k_dense_replace": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    # Multi-head latent attention.
     # Multi-head latent attention, Q/K head 24 (16 without + 8 with rotary) over V head 16: the released
     # models' 192 / 128 asymmetry (HF's flash path pads V up to the Q/K width), kept. head_dim follows
     # qk_rope_head_dim there (the rotary tables are built from head_dim; see _derived).
@@ -118,15 +117,16 @@ _SHRINK: dict[str, Any] = {
     **dict.fromkeys(("sliding_window", "attention_window_size", "window_size"), _WINDOW),
 }
 # None here means "derive it" and some families then derive it wrongly at a tiny size (or not at all).
+# (GPT-2, GPT-J, GPT-Neo, BigCode: MLP width None means 4 x hidden.)
 _EVEN_IF_NONE = frozenset({"num_key_value_heads", "head_dim", "n_routed_experts", "num_experts_per_tok",
-                           "n_group", "topk_group"})
+                           "n_group", "topk_group", "n_inner", "intermediate_size"})
 
 # 0 here is a count, not "off": all-MoE stacks get one dense first layer so that both MLP kinds are built.
 _ZERO_IS_A_SIZE = frozenset({"first_k_dense_replace"})
 
 # Sub-config attributes shrunk recursively (vision/audio towers are built, never run, but must be small).
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "vq_config", "audio_encoder_config",
-                "depth_decoder_config", "decoder", "text_encoder", "audio_encoder", "per_layer_config")
+                "depth_decoder_config", "decoder", "text_encoder", "audio_encoder")
 
 _LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 
@@ -248,7 +248,11 @@ _NOT_BUILT: dict[str, str] = {
 # config shows (some defaults are degenerate: LFM2 all attention, Bamba and Granite 4 all Mamba). Kinds:
 # full/sliding_attention; linear_attention (any recurrent mixer: Mamba/Mamba2, gated delta net, lightning
 # attention, RG-LRU -- transformers' own convention); conv (short convolution); hybrid (attention and Mamba
-# in one layer).
+# in one layer). Tiny patterns where the generic compression gives them (5.23; L linear/recurrent mixer, A full
+# and S sliding attention, C conv, H hybrid): bailing_hybrid and kimi_linear [L, L, A] (dense then sparse
+# MLPs), lfm3 [C, A, S], minimax [A, L], olmo_hybrid, qwen3_5*, qwen3_next [L, A], zamba2 [M, H], falcon_h1
+# [H, H] (attention and Mamba2 side by side in every layer), nemotron_h "ME*-" (its default is already 4
+# layers: Mamba2, experts, attention, MLP). The others are in their recipe.
 HYBRID_KINDS: dict[str, frozenset[str]] = {
     family: frozenset(kinds) for family, kinds in {
         "bailing_hybrid": ("linear_attention", "full_attention"),
@@ -315,9 +319,11 @@ def _stored_attrs(config) -> dict[str, Any]:
 
 
 def _is_config(value) -> bool:
-    from transformers import PretrainedConfig
+    import transformers
 
-    return isinstance(value, PretrainedConfig)
+    # 5.x spells the base class PreTrainedConfig (PretrainedConfig stays as an alias); 4.x only PretrainedConfig.
+    base = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
+    return isinstance(value, base)
 
 
 def _layer_count(attrs: dict[str, Any]) -> tuple[str | None, int]:
