@@ -33,3 +33,10 @@ RELEASE_INDEPENDENT = {
     "gpu/test_transport_gpu.py": "ring_kernels' transports on CUDA (skipped on CPU)",
     "gpu/test_triton_gpu.py": "ring_kernels' Triton kernel on CUDA (skipped on CPU)",
 }
+
+# Modules that must run on the same pytest-xdist worker (tests/conftest.py's scheduler, `--dist loadscope`): they
+# share one gloo world per session (tests/_compat_world.py), which each worker would otherwise start again.
+SAME_WORKER = {
+    "tests/test_compat_axolotl.py": "tests/_compat_world.py",
+    "tests/test_compat_ring_flash_attn.py": "tests/_compat_world.py",
+}

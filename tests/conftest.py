@@ -6,9 +6,16 @@ import pytest
 # Spawned children unpickle test functions by module name: make tests/ importable for them.
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _release import MARKER, RELEASE_INDEPENDENT  # noqa: E402
+from _release import MARKER, RELEASE_INDEPENDENT, SAME_WORKER  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # Under pytest-xdist the workers share the cores: one worker's in-process torch ops get its share of them, not
+    # all (CPU oversubscription slows every worker). The gloo ranks tests spawn use one thread each anyway.
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,3 +25,19 @@ def pytest_collection_modifyitems(config, items):
         module = os.path.relpath(str(item.path), _TESTS).replace(os.sep, "/")
         if module not in RELEASE_INDEPENDENT:
             item.add_marker(getattr(pytest.mark, MARKER))
+
+
+@pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook: absent without the plugin (-p no:xdist)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` (scripts/run_tests.sh): whole modules per worker, so a module-scoped fixture (the model
+    sweep, the CPU benchmark world) runs once, and the modules of _release.SAME_WORKER share a worker."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return SAME_WORKER.get(module, module)
+
+    return _ModuleScheduling(config, log)
