@@ -63,23 +63,33 @@ def test_tox_shares_torch_and_records_results():
     assert ".ci/share_torch.py" in testenv["install_command"]
     assert "torch" not in testenv["deps"].replace("share_torch", "")  # never installed per env
     assert "hfpatch compat --record {env_name}" in testenv["commands"]
-    assert "python -m pytest -q" in testenv["commands"]
+    assert "python -m pytest -q -p no:cacheprovider -m release_dependent" in testenv["commands"]
 
 
 def test_ci_runs_the_readme_command_then_the_compat_check_then_the_matrix():
-    """.ci/run installs the CPU torch, runs exactly the README's test command, the offline COMPAT.md check, then the
-    release matrix (every tox env, records written to .tox/results) and the check of its fresh records."""
+    """.ci/run installs the CPU torch, runs the README's test command (scripts/setup_and_test.sh runs .ci/run up to
+    that step; the command itself is scripts/run_tests.sh) recorded as the newest release's matrix entry, the offline
+    COMPAT.md check, then the release matrix (records written to .tox/results, the README run's env skipped) and the
+    check of its fresh records, printing each step's time."""
     ci = (ROOT / ".ci" / "run").read_text()
     lines = [line.strip() for line in ci.splitlines() if line.strip() and not line.strip().startswith("#")]
     assert "python -m pip install -q torch==2.13.0" in lines
-    readme = (ROOT / "README.md").read_text()
-    assert "python -m pytest -q" in readme
+    assert "bash scripts/setup_and_test.sh" in (ROOT / "README.md").read_text()
+    assert "python -m pytest -q" in (ROOT / "scripts" / "run_tests.sh").read_text()
+    raw = ci.splitlines()
+    step = next(i for i, line in enumerate(raw) if line.startswith("# The README's test command"))
+    readme = raw[step + 1].strip()   # the line scripts/setup_and_test.sh ends with
+    assert readme == 'hfpatch compat --record "tf$newest" --results-dir .tox/results -- bash scripts/run_tests.sh'
     matrix = next(i for i, line in enumerate(lines) if "tox run-parallel" in line)
     assert "HFPATCH_RESULTS_DIR=$PWD/.tox/results" in lines[matrix]
-    order = [lines.index("python -m pytest -q"), lines.index("hfpatch compat --check"), matrix,
+    assert '--skip-env "^tf${newest//./\\\\.}\\$"' in lines[matrix + 1]
+    order = [lines.index(readme), lines.index("hfpatch compat --check"), matrix,
              lines.index("hfpatch compat --check --fresh-results .tox/results")]
     assert order == sorted(order)
     assert "set -euo pipefail" in lines      # a failing env fails CI
+    assert [line for line in lines if line.startswith("step_done ")] == [
+        "step_done setup", "step_done readme-suite", "step_done compat-check", "step_done tox-install",
+        "step_done matrix", "step_done matrix-check"]
 
 
 def test_share_torch_links_torch_behind_the_envs_own_packages(tmp_path):
