@@ -405,7 +405,7 @@ def _audit_model(model: torch.nn.Module, on_unsupported: str) -> Optional[str]:
     raise UnsupportedModel(message, findings=findings)
 
 
-def _install(group, kernel, verify, model, match, version, env_mode, on_unsupported) -> Patch:
+def _install(group, kernel, verify, model, match, version, env_mode, on_unsupported="raise") -> Patch:
     global _active
     from hfpatch import switch as switch_module
     from hfpatch import verify as verify_module
