@@ -10,21 +10,9 @@ import time
 
 import pytest
 
-# OPEN (issue "zero silent wrong results", item 6): on these releases the sweep's tiny builds or verdicts fail
-# (not-built share, falcon_h1 hybrid pattern, dbrx/gemma3/zamba2/modernbert builds) and are not fixed yet. This is
-# a known gap, listed here so the rest of the matrix runs; it is not a pass. Remove a release once it passes.
-_SWEEP_NOT_YET_PASSING = {"4.53.3", "4.54.1", "5.0.0", "5.19.0"}
+from _release import skip_if_sweep_not_yet_passing
 
-
-def _skip_unfinished_releases():
-    import transformers
-
-    if transformers.__version__ in _SWEEP_NOT_YET_PASSING:
-        pytest.skip(f"model sweep not yet passing on transformers {transformers.__version__} (open gap, see above)",
-                    allow_module_level=True)
-
-
-_skip_unfinished_releases()
+skip_if_sweep_not_yet_passing()
 import torch
 
 from hfpatch.sweep.catalog import CatalogEntry, flash_causal_lm_classes
