@@ -460,6 +460,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     from hfpatch import verify as verify_module
     from hfpatch.dispatch import Dispatcher
     from hfpatch.labels import install_labels_hook
+    from hfpatch.mixers import install_mixers
     from hfpatch.model_switch import switch_model
     from hfpatch.semantics import RingContext
 
@@ -478,6 +479,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     try:
         if model is not None:
             patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
+            patch._hooks.append(install_mixers(model, ctx))  # recognised sequence mixers under CP (hfpatch.mixers)
             patch.track(model)
             patch._hooks.extend(install_labels_hook(model, patch.live_ctx_or_none, lambda: patch.labels_refusal))
         verify_module.identity(installation)

@@ -8,7 +8,9 @@ sequence on a rank that holds a shard of it. ``audit(model)`` returns one ``Find
                      scans (Mamba, Mamba2/SSD), gated delta rules and other linear attention, recurrences
                      (RG-LRU), short convolutions. Recognised by class name (``MIXER_CLASS_PATTERN``) and
                      structurally: any ``nn.Conv1d`` outside such a module (a causal convolution over tokens).
-                     Under CP each rank would run it from a zero state on its own shard.
+                     Under CP each rank would run it from a zero state on its own shard. Modules the mixer
+                     registry recognises (``hfpatch.mixers.recognise``: class, forward fingerprint and kernel
+                     signatures of a known release) are no finding: ``apply`` runs them exactly under CP.
 ``positions``        the model's ``forward`` takes no ``position_ids`` while it has a position module (a learned
                      or sinusoidal table, rotary embeddings): positions then come from the input's length, so
                      rank r numbers its tokens from 0 (the BART-family decoders).
@@ -77,16 +79,22 @@ def describe(findings: list[Finding], model: torch.nn.Module) -> str:
 
 
 def _mixer_findings(model: torch.nn.Module) -> list[Finding]:
+    from hfpatch import mixers as _mixers
+
     found: list[Finding] = []
     flagged: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(outer + ".") for outer in flagged):
             continue
         cls = type(module).__name__
+        if _mixers.recognise(module) is not None:  # run exactly under CP by hfpatch.mixers: it and its children
+            flagged.append(name)
+            continue
         if MIXER_CLASS_PATTERN.search(cls):
             reason = (f"a sequence mixer (state-space scan, linear attention, recurrence or short convolution) "
                       f"carries a state along the sequence outside the patched attention; under CP each rank "
-                      f"would run it from a zero state on its own shard.")
+                      f"would run it from a zero state on its own shard, and hfpatch's mixer registry does not "
+                      f"recognise it: {_mixers.unrecognised_reason(module)}.")
         elif isinstance(module, torch.nn.Conv1d):
             reason = (f"a 1-D convolution over tokens (kernel {module.kernel_size[0]}) outside the patched "
                       f"attention: under CP the first tokens of each rank's shard would miss their predecessors.")

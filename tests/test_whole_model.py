@@ -26,7 +26,20 @@ def _lfm2(**overrides):
                                      num_attention_heads=4, num_key_value_heads=2,
                                      layer_types=["conv", "full_attention"], **overrides)
     torch.manual_seed(0)
-    return transformers.Lfm2ForCausalLM(config)
+    model = transformers.Lfm2ForCausalLM(config)
+    _unknown_to_the_mixer_registry(model.model.layers[0].conv)
+    return model
+
+
+def _unknown_to_the_mixer_registry(module):
+    """Stand-in for a mixer whose code hfpatch's mixer registry has not read (another release's forward): the
+    same class name and computation, a forward of its own, so the audit refuses it by name."""
+    base = type(module)
+
+    def forward(self, *args, **kwargs):
+        return base.forward(self, *args, **kwargs)
+
+    module.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
 
 
 def _bart():

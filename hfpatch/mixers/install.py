@@ -1,0 +1,141 @@
+"""Install the CP form of a model's sequence mixers, and take it out again.
+
+``install_mixers(model, ctx)`` finds every module the registry recognises, and rebinds each kernel name their
+modeling modules' forwards call (e.g. ``modeling_qwen3_next.causal_conv1d_fn``) to a wrapper. The wrapper reads
+the switch on every call, like the attention wrapper:
+
+``"ring"``                  the kernel's CP form (``SequenceKernel.run_cp``) over the step's ``SegmentPlan``;
+``"reference"``             the original kernel on the all-gathered sequence, this rank's tokens returned;
+``"original"``, ``"local"`` the original kernel on the tensors it was given.
+
+The step's layout is the one ``shard_inputs`` recorded in ``ctx.step`` (checked against the call's batch and
+length, as the attention checks it), or, without it, contiguous shards (what the attention assumes then too).
+Everything rebound is recorded; ``MixerInstallation.remove()`` restores each name that still holds its wrapper.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import torch
+
+from hfpatch import switch as _switch
+from hfpatch.errors import PatchError, UnsupportedArgument
+from hfpatch.mixers.kernel import KernelCall, SequenceKernel
+from hfpatch.mixers.kinds import KERNELS
+from hfpatch.mixers.registry import recognise
+from hfpatch.mixers.segments import SegmentPlan, segments_of_layout
+
+__all__ = ["MixerInstallation", "install_mixers"]
+
+logger = logging.getLogger("hfpatch")
+
+
+class MixerInstallation:
+    """What ``install_mixers`` did. ``modules``: (qualified name, class name, family name) of every recognised
+    mixer; ``sites``: "module.name" of every rebound kernel; ``calls``: Counter (kernel role, mode) -> calls."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.modules: list[tuple[str, str, str]] = []
+        self.calls: Counter = Counter()
+        self._rebound: list[tuple[Any, str, Callable, Callable]] = []  # (modeling module, name, original, wrapper)
+        self._plan_key: Any = None
+        self._plan: Optional[SegmentPlan] = None
+
+    @property
+    def sites(self) -> list[str]:
+        return [f"{module.__name__}.{name}" for module, name, _, _ in self._rebound]
+
+    def remove(self) -> None:
+        """Restore every rebound name that still holds its wrapper (newest first)."""
+        for module, name, original, wrapper in reversed(self._rebound):
+            if module.__dict__.get(name) is wrapper:
+                setattr(module, name, original)
+        self._rebound.clear()
+
+    # ------------------------------------------------------------------------------------------- the step
+    def plan(self, batch: int, seq_local: int, probe: torch.Tensor) -> SegmentPlan:
+        """The ``SegmentPlan`` of the current step for a call on (batch, seq_local) tokens; cached per step."""
+        ctx = self.ctx
+        step = ctx.step
+        if step is not None and (step.batch_size != batch or step.seq_len_local != seq_local):
+            raise UnsupportedArgument(
+                "hidden_states", probe,
+                f"shard_inputs prepared this step for batch {step.batch_size} x {step.seq_len_local} local tokens, "
+                f"but a sequence mixer now runs on batch {batch} x {seq_local}: the inputs are not the ones "
+                f"shard_inputs returned.",
+                "call patch.shard_inputs(...) for every batch and pass its input_ids and position_ids to the model.",
+            )
+        key = (id(step), step, batch, seq_local)
+        if self._plan is None or self._plan_key[1] is not step or self._plan_key[2:] != key[2:]:
+            layout = step.layout if step is not None else "contiguous"
+            cu = step.cu_seqlens if step is not None and step.packed else None
+            segments = segments_of_layout(layout, ctx.world_size, seq_local, cu if layout == "zigzag" else None)
+            self._plan = SegmentPlan(segments, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group,
+                                     layout=layout, cu_seqlens=cu)
+            self._plan_key = key
+        return self._plan
+
+    # ---------------------------------------------------------------------------------------- the wrapper
+    def wrap(self, original: Callable, kernel: SequenceKernel) -> Callable:
+        """The wrapper installed in place of ``original`` (same name and signature, ``__wrapped__`` set)."""
+        signature = inspect.signature(original)
+        installation = self
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            mode = _switch.current_mode()
+            installation.calls[(kernel.role, mode)] += 1
+            if mode in ("original", "local") or installation.ctx.world_size < 2:
+                return original(*args, **kwargs)
+            call = KernelCall(original, signature, args, kwargs)
+            kernel.check(call)
+            batch, seq_local = kernel.shape(call)
+            plan = installation.plan(batch, seq_local, call.arg(next(iter(kernel.token_args))))
+            if mode == "reference":
+                return kernel.reference(call, plan)
+            return kernel.run_cp(call, plan)
+
+        wrapper.__hfpatch_mixer__ = True
+        return wrapper
+
+    def rebind(self, module: Any, name: str, kernel: SequenceKernel) -> None:
+        original = module.__dict__[name]
+        if getattr(original, "__hfpatch_mixer__", False):
+            raise PatchError(f"{module.__name__}.{name} is already an hfpatch mixer wrapper from a patch that was not "
+                             "removed cleanly. Fix: restart the process.")
+        wrapper = self.wrap(original, kernel)
+        setattr(module, name, wrapper)
+        self._rebound.append((module, name, original, wrapper))
+
+
+def install_mixers(model: torch.nn.Module, ctx: Any) -> MixerInstallation:
+    """Rebind the kernels of every recognised mixer of ``model`` (see the module docstring); all-or-nothing.
+
+    Raises ``UnsupportedArgument`` (kernel) when the model has mixers and ``ctx`` pins the stripe layout.
+    """
+    installation = MixerInstallation(ctx)
+    targets: dict[tuple[int, str], tuple[Any, str, SequenceKernel]] = {}
+    for path, module in model.named_modules():
+        found = recognise(module)
+        if found is None:
+            continue
+        installation.modules.append((path, type(module).__name__, found.family.name))
+        for name, role in found.family.bindings:
+            targets.setdefault((id(found.module), name), (found.module, name, KERNELS[role]))
+    if targets and ctx.variant == "stripe":
+        segments_of_layout("stripe", ctx.world_size, 0)  # raises the named refusal
+    try:
+        for module, name, kernel in targets.values():
+            installation.rebind(module, name, kernel)
+    except BaseException:
+        installation.remove()
+        raise
+    if installation.modules:
+        logger.info("hfpatch: %d sequence mixers run under CP (%s)", len(installation.modules),
+                    ", ".join(sorted({family for _, _, family in installation.modules})))
+    return installation

@@ -1,0 +1,138 @@
+"""The versioned registry of sequence-mixer modules hfpatch runs exactly under CP.
+
+A mixer module is recognised the way ``_flash_attention_forward`` is: by what hfpatch relies on, never by name
+alone. For a module of class C defined in modeling module M, an entry of ``FAMILIES`` recognises it when
+
+1. C's name is one of the family's ``classes``;
+2. the fingerprint of C's ``forward`` (``forward_fingerprint``: a hash of its syntax tree, decorators dropped, so
+   formatting and comments do not count) is one the family lists -- the forward calls the kernels below by these
+   global names with these arguments, and nothing else in it mixes tokens;
+3. each of the family's ``bindings`` (global name in M -> kernel role) exists in M, and the parameters of the
+   function bound there (``parameter_spec``) are one of the role's ``KERNEL_PARAMETERS``.
+
+Anything else of a mixer-like class (another release's forward, a renamed kernel, a changed kernel signature)
+is not recognised: ``recognise`` returns None and ``unrecognised_reason`` says which check failed, and the audit
+refuses the module by name. Adding a release: run ``forward_fingerprint`` on the new class, read the forward to
+check that it still calls the kernels the same way, add the fingerprint (with the releases it covers) and prove it
+with the family's test on that release.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Tuple
+
+import torch
+
+__all__ = ["MixerFamily", "Recognised", "FAMILIES", "KERNEL_PARAMETERS", "recognise", "unrecognised_reason",
+           "forward_fingerprint", "parameter_spec"]
+
+
+@dataclass(frozen=True)
+class MixerFamily:
+    """``name``: the family; ``mixer``: what it is, in words; ``classes``: module class names; ``bindings``:
+    (global name in the class's modeling module, kernel role) pairs the forward calls; ``forwards``: forward
+    fingerprint -> the releases (and model types) it was read and tested on."""
+
+    name: str
+    mixer: str
+    classes: Tuple[str, ...]
+    bindings: Tuple[Tuple[str, str], ...]
+    forwards: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Recognised:
+    """A recognised mixer module: its ``family`` and the modeling ``module`` whose globals hfpatch rebinds."""
+
+    family: MixerFamily
+    module: object
+
+
+# Parameters of each kernel role, as ``parameter_spec`` writes them (names, kinds and defaults, no annotations).
+_CONV = ("hidden_states", "weight", "bias=None", "activation=None", "**kwargs")
+_DELTA = ("query", "key", "value", "g", "beta", "chunk_size=64", "initial_state=None", "output_final_state=False",
+          "use_qk_l2norm_in_kernel=False", "**kwargs")
+KERNEL_PARAMETERS: Mapping[str, Tuple[Tuple[str, ...], ...]] = {
+    "causal_conv1d": (_CONV,),
+    "chunk_gated_delta_rule": (_DELTA,),
+}
+
+FAMILIES: Tuple[MixerFamily, ...] = (
+    MixerFamily(
+        name="short-conv", mixer="gated short causal convolution (LFM2)",
+        classes=("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"),
+        bindings=(("causal_conv1d_fn", "causal_conv1d"),),
+        forwards={"9d25f6f80e2dfb9d": "5.23.0: lfm2, lfm2_moe, lfm3"},
+    ),
+    MixerFamily(
+        name="gated-deltanet", mixer="Gated DeltaNet (causal conv + gated delta rule)",
+        classes=("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
+        bindings=(("causal_conv1d_fn", "causal_conv1d"), ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule")),
+        forwards={"052c77b2f14ce8aa": "5.23.0: qwen3_next", "93cc9bac2962265d": "5.23.0: qwen3_5, qwen3_5_moe"},
+    ),
+)
+_BY_CLASS = {name: family for family in FAMILIES for name in family.classes}
+
+
+def forward_fingerprint(function: Callable) -> str:
+    """16 hex digits of the sha256 of ``function``'s syntax tree (decorators dropped, no positions); the
+    function is unwrapped first (``functools.wraps`` decorators such as ``force_accelerate_hooks``)."""
+    function = inspect.unwrap(function)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    node = next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    node.decorator_list = []
+    return hashlib.sha256(ast.dump(node, annotate_fields=False, include_attributes=False).encode()).hexdigest()[:16]
+
+
+def parameter_spec(function: Callable) -> Tuple[str, ...]:
+    """The parameters of ``function`` (its signature, following ``__wrapped__``): names with ``*``/``**`` and
+    ``=default`` for defaults, annotations left out."""
+    spec = []
+    for p in inspect.signature(function).parameters.values():
+        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(p.kind, "")
+        default = "" if p.default is inspect.Parameter.empty else f"={p.default!r}"
+        spec.append(f"{prefix}{p.name}{default}")
+    return tuple(spec)
+
+
+def _check(module: torch.nn.Module) -> Tuple[Optional[Recognised], str]:
+    cls = type(module)
+    family = _BY_CLASS.get(cls.__name__)
+    if family is None:
+        return None, f"{cls.__name__} is not a mixer class hfpatch's mixer registry knows"
+    try:
+        fingerprint = forward_fingerprint(cls.forward)
+    except (OSError, TypeError, StopIteration, SyntaxError) as exc:
+        return None, f"the source of {cls.__name__}.forward cannot be read ({type(exc).__name__})"
+    if fingerprint not in family.forwards:
+        known = "; ".join(family.forwards.values())
+        return None, (f"{cls.__name__}.forward (fingerprint {fingerprint}) is not a forward hfpatch has read and "
+                      f"tested for the {family.name} family (known: {known})")
+    modeling = sys.modules.get(cls.__module__)
+    for name, role in family.bindings:
+        function = getattr(modeling, name, None) if modeling is not None else None
+        if not callable(function):
+            return None, f"{cls.__module__} has no function {name} (the {role} kernel its forward calls)"
+        try:
+            spec = parameter_spec(function)
+        except (TypeError, ValueError):
+            return None, f"{cls.__module__}.{name} has no readable signature"
+        if spec not in KERNEL_PARAMETERS[role]:
+            return None, (f"{cls.__module__}.{name}{spec} does not have the parameters hfpatch's {role} kernel "
+                          f"expects {KERNEL_PARAMETERS[role][0]}")
+    return Recognised(family, modeling), ""
+
+
+def recognise(module: torch.nn.Module) -> Optional[Recognised]:
+    """The registry's verdict on ``module``: ``Recognised`` (hfpatch runs it exactly under CP) or None."""
+    return _check(module)[0]
+
+
+def unrecognised_reason(module: torch.nn.Module) -> str:
+    """Why ``recognise(module)`` is None, in one sentence ("" when it is recognised)."""
+    return _check(module)[1]
