@@ -1,6 +1,7 @@
 """Where and with what a run was made: device, GPU count, library versions, date, git commit."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -65,7 +66,17 @@ def _static(device_type: str, device_index: Optional[int]) -> dict:
     }
 
 
+def _ring_kernels_options() -> Optional[dict]:
+    """The ring_kernels options in effect (``ring_kernels.options``: set in code or by RING_KERNELS_*)."""
+    try:
+        from ring_kernels import get_options
+    except ImportError:
+        return None
+    return dataclasses.asdict(get_options())
+
+
 def stamp(device: torch.device, world_size: int) -> dict:
     """The stamp of a run on ``device`` with ``world_size`` ranks (date in UTC, ISO 8601)."""
     return dict(_static(device.type, device.index), world_size=world_size,
+                ring_kernels_options=_ring_kernels_options(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))

@@ -346,12 +346,22 @@ def cases():
                 yield variant, causal, mode
 
 
+def _skip_rank_check() -> None:
+    """ring_kernels' per-call cross-rank check off in this process (``tree`` may predate the options object)."""
+    try:
+        from ring_kernels import set_options
+    except ImportError:                               # an older tree: the environment is its only switch
+        os.environ["RING_KERNELS_SKIP_RANK_CHECK"] = "1"
+    else:
+        set_options(skip_rank_check=True)
+
+
 def measure_rank(group, rank: int, world: int, tokens: int, calls: int, fast_path: bool = True,
                  heads=(1, 1), head_dim: int = 8) -> List[dict]:
     """Every case on this rank: the counts of one steady-state call, then the times of ``calls`` calls."""
     import ring_kernels.llama3 as llama3
 
-    os.environ["RING_KERNELS_SKIP_RANK_CHECK"] = "1"     # as the benchmark times (--skip-rank-check)
+    _skip_rank_check()                                  # as the benchmark times (--skip-rank-check)
     docs, fns, rows = _documents(tokens, world), _functions(), []
     for variant, causal, mode in cases():
         cu, tensors = _inputs(variant, docs, group, heads, head_dim)

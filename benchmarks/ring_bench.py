@@ -47,8 +47,6 @@ import report  # noqa: E402
 from _summary import summarize  # noqa: E402
 
 SCHEMA = "hfpatch-ring-bench/1"
-# ring_kernels/_validate.py: "1" skips the per-call cross-rank shape check (for benchmarks of known-good setups).
-_SKIP_RANK_CHECK_ENV = "RING_KERNELS_SKIP_RANK_CHECK"
 # A hung collective fails after this instead of eating a 10-minute device call (no collective here takes
 # more than seconds; the longest wait is rank 0 computing the float64 reference or writing the plot).
 _COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=2)
@@ -93,7 +91,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--native-rotate", default="allgather", help="allgather and/or alltoall, comma-separated")
     p.add_argument("--no-nocomm", action="store_true", help="skip the runs without communication")
     p.add_argument("--skip-rank-check", action="store_true",
-                   help=f"time with {_SKIP_RANK_CHECK_ENV}=1 (no per-call cross-rank shape check: one all_gather "
+                   help="time with the option skip_rank_check (no per-call cross-rank shape check: one all_gather "
                         "and a host sync less per call); the correctness gate always runs with the check")
     p.add_argument("--warmup", type=int, default=None, help="default: 3 up to 8k tokens, 2 to 16k, 1 above")
     p.add_argument("--iters", type=int, default=None, help="default: 10 up to 8k tokens, 5 to 16k, 3 above")
@@ -231,16 +229,13 @@ def _attempt(bench: Bench, fn):
 
 @contextlib.contextmanager
 def _rank_check_skipped(skip: bool) -> Iterator[None]:
-    saved = os.environ.get(_SKIP_RANK_CHECK_ENV)
-    if skip:
-        os.environ[_SKIP_RANK_CHECK_ENV] = "1"
-    try:
+    """Within: ring_kernels' per-call cross-rank shape check off when ``skip`` (the option skip_rank_check)."""
+    if not skip:
         yield
-    finally:
-        if saved is None:
-            os.environ.pop(_SKIP_RANK_CHECK_ENV, None)
-        else:
-            os.environ[_SKIP_RANK_CHECK_ENV] = saved
+        return
+    from ring_kernels import use_options
+    with use_options(skip_rank_check=True):
+        yield
 
 
 def _timing_fields(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int]) -> dict:

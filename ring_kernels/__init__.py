@@ -7,10 +7,20 @@ call the matching attention function on every rank of the group, and ``unshard``
 Each call checks that every rank passes the same shapes and options (one small all_gather). A caller making many
 identical calls per step checks once per step and shape inside ``with rank_check_scope(seen):``, or, on a hot
 path, by setting ``RANK_CHECKED`` (a ``contextvars.ContextVar``) to ``seen`` and resetting it with the token in a
-``finally`` (see ``ring_kernels._validate``).
+``finally`` (see ``ring_kernels.validation``).
+
+Bad input raises ``RingInputError`` (a ``ValueError``). Process-wide knobs (transport, fused merge, the rank
+check, the forward's yield) are one options object: ``get_options`` / ``set_options`` / ``use_options``, with
+the environment only an override (``ring_kernels.options`` documents every option and its variable).
+
+Modules: ``engine`` (blocks, ring loops, autograd) and ``rounding`` (each row rounded once) under the batch
+layouts ``ring``, ``zigzag``, ``stripe``; ``documents`` (packed-document planning, the cu_seqlens cache) under
+``varlen`` (ring and zigzag over documents) and ``llama3`` (all-gathered K/V); ``backends`` compute blocks.
 """
 
-from ring_kernels._validate import RANK_CHECKED, rank_check_scope
+from ring_kernels.errors import RingInputError
+from ring_kernels.options import RingOptions, get_options, set_options, use_options
+from ring_kernels.validation import RANK_CHECKED, rank_check_scope
 from ring_kernels.layout import LAYOUTS, LocalVarlen, local_positions, local_varlen, shard, unshard
 from ring_kernels.ring import ring_attn_func
 from ring_kernels.stripe import stripe_attn_func
@@ -22,5 +32,5 @@ __all__ = [
     "ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func",
     "ring_attn_varlen_func", "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func",
     "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard", "rank_check_scope",
-    "RANK_CHECKED",
+    "RANK_CHECKED", "RingInputError", "RingOptions", "get_options", "set_options", "use_options",
 ]

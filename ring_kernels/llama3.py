@@ -7,7 +7,7 @@ and computes its queries of the matching query heads against them.
 
 Blocks, per document d overlapping our tokens [qa, qb): causally, keys [start(d), qa) are FULL and keys
 [qa, qb) are aligned CAUSAL; non-causally all keys of d are FULL; a window classifies them like the ring
-(``varlen._classify``), so there is no dense (S x S) mask in the standard cases. Key ranges are also cut at
+(``documents.classify``), so there is no dense (S x S) mask in the standard cases. Key ranges are also cut at
 our own token range: *local* blocks (keys this rank holds) need no gathered copy and run while the
 all-gather is in flight; only *remote* blocks (documents that cross a rank boundary) wait for it.
 
@@ -16,7 +16,7 @@ our own rows of a full-sequence partial buffer), the remote blocks (into the oth
 reduce-scatter of the partials back to their owners started, and the other half of the local blocks meanwhile
 (held, and added to our rows once the reduce-scatter has landed there).
 
-Rounding (``ring``'s rule: every value rounded to its output dtype once; fp32 only where a value gets >= 3
+Rounding (``rounding``'s rule: every value rounded to its output dtype once; fp32 only where a value gets >= 3
 contributions): out and dq are written in q's dtype, each row rounded once: a row with one block (most rows:
 only documents that cross a rank boundary have remote blocks) gets a copy of it, a second block merges (adds)
 into it with fp32 math, and only rows with >= 3 blocks use an fp32 accumulator. A K/V row gets one dK/dV
@@ -39,7 +39,7 @@ after their last use. So the backward's peak holds 4U of ring buffers where an f
 peaks: benchmarks/results/README.md, "llama3 memory".
 
 Per call, nothing is planned twice: the plan, the fast path's segments (cumulative lengths already on the
-device) and the rounding plans are cached with the cu_seqlens tensor (``varlen._cu_entry``: same object, same
+device) and the rounding plans are cached with the cu_seqlens tensor (``documents.CuEntry``: same object, same
 ``_version``), so a repeated call with the same cu_seqlens (every layer of a step) makes no device->host copy.
 
 Varlen fast path (CUDA, ``backends.torch_cuda_varlen``): the local blocks are aligned squares, one per local
@@ -56,12 +56,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _validate
+from . import validation
 from .backends import EMPTY, FULL, get_backend
 from .backends.base import CAUSAL, BlockBackend, BlockMask
 from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_rows, varlen_kernel_for
-from .ring import _RowPlan, _fold_grads, _fold_outputs, _plan_rows
-from .varlen import _classify, _documents_overlapping, _StepBuilder, _VarlenCall
+from .documents import StepBuilder, VarlenCall, classify, documents_overlapping
+from .rounding import RowPlan, fold_grads, fold_outputs, plan_rows
 
 __all__ = ["llama3_attn_varlen_func"]
 
@@ -75,7 +75,7 @@ class _Llama3Block:
     """One backend call: local query rows x key rows, of the local K/V (``local``) or of the gathered sequence.
 
     ``first``: the first block over these query rows (local blocks run first, and every query row has one: its
-    own position is always visible); the engine's rounding plan (``ring._plan_rows``) derives the same from the
+    own position is always visible); the engine's rounding plan (``rounding.plan_rows``) derives the same from the
     blocks' rows, and more: which rows get a second or a third contribution.
     """
 
@@ -105,17 +105,17 @@ def _split_at(ka: int, kb: int, cuts: Tuple[int, int]) -> List[Tuple[int, int]]:
 def _llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: bool,
                  window: Tuple[int, int]) -> _Llama3Plan:
     """Blocks of our queries (local rows) per document overlapping our tokens [q0, q0 + L)."""
-    builder = _StepBuilder()
+    builder = StepBuilder()
     q0, q1 = rank * local, (rank + 1) * local
     pieces: List[Tuple[slice, int, int, BlockMask]] = []
-    for d in _documents_overlapping(cu, q0, q1):
+    for d in documents_overlapping(cu, q0, q1):
         doc_a, doc_b = int(cu[d]), int(cu[d + 1])
         qa, qb = max(doc_a, q0), min(doc_b, q0 + local)
         # Causal: split at qa so that both parts are standard blocks (FULL before, aligned CAUSAL after);
         # then cut at our own range so that local keys need no gathered copy.
         key_ranges = [(doc_a, qa), (qa, qb)] if causal else [(doc_a, doc_b)]
         for ka, kb in (piece for kr in key_ranges for piece in _split_at(*kr, (q0, q1))):
-            kind, mask = _classify(qa, qb, ka, kb, causal, window)
+            kind, mask = classify(qa, qb, ka, kb, causal, window)
             if builder.keep(kind):
                 pieces.append((slice(qa - q0, qb - q0), ka, kb, mask))
     local_blocks, remote_blocks, seen = [], [], set()
@@ -177,7 +177,7 @@ def _local_fast_segments(plan: _Llama3Plan, local: int, device) -> Optional[_Seg
 
 
 class _Llama3Prepared:
-    """The host plan of one llama3 call (cached per cu_seqlens: ``varlen._CuEntry.get``): the ``plan``, the
+    """The host plan of one llama3 call (cached per cu_seqlens: ``documents.CuEntry.get``): the ``plan``, the
     local blocks' ``local_sizes`` (for ``varlen_kernel_for``), and, filled on first use, the fast path's
     segments per device (their cumulative lengths already on the device) and the rounding plans of the rows
     (``memo``, per fast path or not) -- so a repeated call plans nothing and copies nothing to the device."""
@@ -264,16 +264,16 @@ def _heads(j: int, cfg: _Llama3Config, group_size: int) -> Tuple[slice, slice]:
             slice(j * cfg.stride * group_size, (j + 1) * cfg.stride * group_size))
 
 
-def _rows_plan(ranges: List[slice], local: int) -> _RowPlan:
-    """The rounding plan (``ring._plan_rows``) of contributions over ``local`` query rows, in call order."""
-    return _plan_rows([(r.start, r.stop) for r in ranges], local)
+def _rows_plan(ranges: List[slice], local: int) -> RowPlan:
+    """The rounding plan (``rounding.plan_rows``) of contributions over ``local`` query rows, in call order."""
+    return plan_rows([(r.start, r.stop) for r in ranges], local)
 
 
 class _Result:
     """Out (1, L, H, D) in q's dtype and lse (1, H, L) fp32 filled head slice by head slice, each row rounded
-    once (``ring``'s rule): rows with one block get a copy, two blocks merge into out, >= 3 use ``acc`` (fp32)."""
+    once (``rounding``'s rule): rows with one block get a copy, two blocks merge into out, >= 3 use ``acc`` (fp32)."""
 
-    def __init__(self, q4: torch.Tensor, plan: _RowPlan):
+    def __init__(self, q4: torch.Tensor, plan: RowPlan):
         self.plan = plan
         self.out = torch.empty(q4.shape, dtype=q4.dtype, device=q4.device)
         self.lse = torch.empty((1, q4.shape[2], q4.shape[1]), dtype=torch.float32, device=q4.device)
@@ -285,7 +285,7 @@ class _Result:
 
     def fold(self, index: int, hq: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Contribution ``index`` of head slice ``hq``: out (1, Sb, h, D), lse (1, h, Sb)."""
-        _fold_outputs(self.plan.parts[index], out, lse, self.out[:, :, hq], self.lse[:, hq], self.acc[:, :, hq])
+        fold_outputs(self.plan.parts[index], out, lse, self.out[:, :, hq], self.lse[:, hq], self.acc[:, :, hq])
 
 
 def _forward_blocks(blocks, first: int, q4, k_rows, v_rows, hq, result: _Result, cfg: _Llama3Config) -> None:
@@ -344,7 +344,7 @@ def _disjoint(ranges: List[slice]) -> bool:
 
 
 def _kv_grad_dtype(cfg: _Llama3Config, dtype: torch.dtype) -> torch.dtype:
-    """dtype of the dK/dV results and partials: k's own for N <= 2, fp32 for N >= 3 (``ring``'s rule).
+    """dtype of the dK/dV results and partials: k's own for N <= 2, fp32 for N >= 3 (``rounding``'s rule).
 
     A K/V row of rank r gets one contribution per rank whose queries see it: one from r's local blocks (their
     key rows are disjoint: one query range per document, its keys cut into disjoint pieces) and one from each
@@ -448,9 +448,9 @@ class _KVGrads:
 
 
 class _QueryGrads:
-    """dq (1, L, H, D) in q's dtype, filled head slice by head slice with ring's rounding rule."""
+    """dq (1, L, H, D) in q's dtype, filled head slice by head slice with ``rounding``'s rule."""
 
-    def __init__(self, q4: torch.Tensor, plan: _RowPlan):
+    def __init__(self, q4: torch.Tensor, plan: RowPlan):
         self.plan = plan
         self.dq = torch.zeros_like(q4) if plan.untouched else torch.empty_like(q4)
         wide = plan.accumulates and q4.dtype != torch.float32
@@ -458,7 +458,7 @@ class _QueryGrads:
 
     def fold(self, index: int, hq: slice, dq: torch.Tensor) -> None:
         held = self.dq[:, :, hq]
-        _fold_grads(self.plan.parts[index], dq, held, held, self.acc[:, :, hq])
+        fold_grads(self.plan.parts[index], dq, held, held, self.acc[:, :, hq])
 
 
 def _backward_blocks(blocks, first: int, dout4, q4, out4, lse, k_rows, v_rows, hq, dq: _QueryGrads, sink,
@@ -581,7 +581,7 @@ def _check_stride(fn: str, heads_k_stride, nheads_k: int) -> int:
         raise TypeError(f"{fn}: heads_k_stride must be an int or None, got {type(heads_k_stride).__name__}")
     if heads_k_stride < 1 or nheads_k % heads_k_stride != 0:
         divisors = [s for s in range(1, nheads_k + 1) if nheads_k % s == 0]
-        raise _validate.RingInputError(
+        raise validation.RingInputError(
             f"{fn}: heads_k_stride={heads_k_stride} must divide nheads_k={nheads_k} (K/V heads are gathered "
             f"heads_k_stride at a time); use one of {divisors}, or None to gather all K/V heads at once")
     return heads_k_stride
@@ -600,7 +600,7 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     """
     fn = "llama3_attn_varlen_func"
     stride = _check_stride(fn, heads_k_stride, k.shape[-2] if isinstance(k, torch.Tensor) and k.dim() >= 3 else 1)
-    call = _VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
+    call = VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=12,
                        extra_fields=[("heads_k_stride", stride)])
     prepared = call.entry.get(("llama3", call.rank, call.world, call.local, call.causal, call.window),

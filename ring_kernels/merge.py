@@ -13,7 +13,7 @@ Shapes (batch layout; varlen uses B = 1):
 ``merge_(dst, a, lse_a, b, lse_b)`` writes ``dst = merge(a, b)`` and the merged LSE into ``lse_a``, in place;
 ``dst`` may be ``a`` itself. The arithmetic is fp32 whatever the dtypes, and the result is rounded once, to
 ``dst``'s dtype: a ring merges straight into its bf16 output when a row receives its last block, and keeps an
-fp32 accumulator only for rows with >= 3 blocks (``ring_kernels.ring``). ``add_(dst, a, b)`` is the same for
+fp32 accumulator only for rows with >= 3 blocks (``ring_kernels.rounding``). ``add_(dst, a, b)`` is the same for
 gradients: ``dst = a + b`` in fp32, rounded once to ``dst``'s dtype (``torch.add`` would round bf16 + bf16 to
 bf16 first when ``dst`` is fp32).
 
@@ -21,17 +21,18 @@ A row that has seen no key yet has ``lse = -inf`` and ``out = 0``; merging two s
 without NaN (``exp(-inf - -inf)`` is what a naive merge would compute).
 
 On CUDA with triton installed, ``merge_`` (and ``add_`` when it widens) runs one fused kernel: read a and b,
-write dst, each crossing memory once (eager PyTorch crosses them about four times). Elsewhere, when
-``RING_KERNELS_FUSED_MERGE=0``, or when the kernel fails to compile (a warning says why, once), they run the
-eager version, which computes the same formula.
+write dst, each crossing memory once (eager PyTorch crosses them about four times). Elsewhere, when the
+option ``fused_merge`` is off (``ring_kernels.options``), or when the kernel fails to compile (a warning says
+why, once), they run the eager version, which computes the same formula.
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Optional, Tuple
 
 import torch
+
+from .options import get_options
 
 __all__ = ["merge_", "add_", "safe_lse"]
 
@@ -104,14 +105,13 @@ def _add_eager_(dst, a, b) -> None:
 
 # ------------------------------------------------------------------------------------------ fused (triton)
 
-_FUSED_ENV = "RING_KERNELS_FUSED_MERGE"
 _kernels = None
 _fused_available: Optional[bool] = None
 
 
 def _use_fused() -> bool:
     global _fused_available
-    if os.environ.get(_FUSED_ENV, "1") == "0":
+    if not get_options().fused_merge:
         return False
     if _fused_available is None:
         try:
@@ -136,7 +136,8 @@ def _launch(fused, *args) -> bool:
     except Exception as exc:  # noqa: BLE001 - a Triton build/launch failure of any kind: the eager path is exact
         _fused_available = False
         warnings.warn(f"ring_kernels.merge: the fused Triton kernel failed ({type(exc).__name__}: {exc}); "
-                      f"using the eager merge from now on (set {_FUSED_ENV}=0 to skip the attempt)",
+                      f"using the eager merge from now on (the option fused_merge=False, or "
+                      f"RING_KERNELS_FUSED_MERGE=0, skips the attempt)",
                       RuntimeWarning, stacklevel=3)
         return False
 

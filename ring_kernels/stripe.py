@@ -12,11 +12,11 @@ from typing import List, Tuple
 
 import torch
 
-from ._validate import require_causal
 from .backends.base import BlockMask
-from .ring import _ALL, _Block, _positional_steps, _run
+from .engine import ALL, Block, positional_steps, run_batch
+from .validation import require_causal
 
-__all__ = ["stripe_attn_func", "stripe_positions"]
+__all__ = ["stripe_attn_func", "stripe_positions", "stripe_steps"]
 
 
 def stripe_positions(rank: int, world: int, seqlen_local: int) -> torch.Tensor:
@@ -24,16 +24,16 @@ def stripe_positions(rank: int, world: int, seqlen_local: int) -> torch.Tensor:
     return torch.arange(seqlen_local) * world + rank
 
 
-def _stripe_steps(rank: int, world: int, seqlen: int, causal: bool, window: Tuple[int, int]) -> List[List[_Block]]:
+def stripe_steps(rank: int, world: int, seqlen: int, causal: bool, window: Tuple[int, int]) -> List[List[Block]]:
     if window != (-1, -1):
-        return _positional_steps(lambda j: stripe_positions(j, world, seqlen), rank, world, causal, window)
+        return positional_steps(lambda j: stripe_positions(j, world, seqlen), rank, world, causal, window)
     steps = []
     for step in range(world):
         src = (rank - step) % world
         if src <= rank:
-            steps.append([_Block(_ALL, _ALL, BlockMask(causal=True))])
+            steps.append([Block(ALL, ALL, BlockMask(causal=True))])
         elif seqlen > 1:
-            steps.append([_Block(slice(1, seqlen), slice(0, seqlen - 1), BlockMask(causal=True))])
+            steps.append([Block(slice(1, seqlen), slice(0, seqlen - 1), BlockMask(causal=True))])
         else:
             steps.append([])
     return steps
@@ -48,6 +48,6 @@ def stripe_attn_func(q, k, v, *, group=None, causal=True, softmax_scale=None, ba
     """
     fn = "stripe_attn_func"
     require_causal(fn, causal)
-    return _run(fn, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, backend=backend,
-                window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=2,
-                make_steps=_stripe_steps)
+    return run_batch(fn, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, backend=backend,
+                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=2,
+                     make_steps=stripe_steps)

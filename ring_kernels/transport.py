@@ -35,7 +35,6 @@ rendezvouses symmetric memory: a collective that blocks the host once; every oth
 """
 from __future__ import annotations
 
-import os
 import socket
 import warnings
 import weakref
@@ -44,16 +43,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ._validate import RingInputError
 from .comm import RingExchange, group_rank_and_size
+from .errors import RingInputError
+from .options import ENVIRONMENT, SIGNALS, TRANSPORTS, get_options
 
 __all__ = ["CopyEngineExchange", "CopyEngineUnavailableError", "copy_engine_unavailable_reason",
            "make_exchange", "TRANSPORT_ENV", "TRANSPORTS"]
 
-TRANSPORT_ENV = "RING_KERNELS_TRANSPORT"
-TRANSPORTS = ("nccl", "copy_engine")
-SIGNAL_ENV = "RING_KERNELS_CE_SIGNAL"
-SIGNALS = ("barrier", "stream_memop")   # how copy-engine exchanges signal "filled"/"read" (see _Staging)
+TRANSPORT_ENV = ENVIRONMENT["transport"]
+SIGNAL_ENV = ENVIRONMENT["copy_engine_signal"]
 _MAX_TENSORS = 4
 _ALIGN = 256                    # byte alignment of each tensor in a staging (any dtype can view it)
 _GROW_GRANULE = 2 << 20         # stagings grow in 2 MiB steps: ring shapes are fixed, so little is wasted
@@ -457,7 +455,7 @@ class CopyEngineExchange:
     same tag may not (RuntimeError). ``timeout_ms``: how long a barrier waits for a peer before the kernel
     traps (the process fails instead of hanging); 0 waits forever. ``signal``: "barrier" (torch's one-block
     barrier kernel, with the timeout) or "stream_memop" (CUDA stream memory operations: no SM used, no
-    timeout); None reads the environment variable ``RING_KERNELS_CE_SIGNAL`` (default "barrier"). Which one
+    timeout); None takes the option ``copy_engine_signal`` (``ring_kernels.options``; default "barrier"). Which one
     hides the transfer better next to an SM-filling kernel is what benchmarks/transport_bench.py measures.
     """
 
@@ -489,7 +487,7 @@ class CopyEngineExchange:
             if reason:
                 raise CopyEngineUnavailableError(
                     f"CopyEngineExchange: the copy-engine transport cannot run here: {reason}. Use the NCCL "
-                    f"transport (ring_kernels.comm.RingExchange, or {TRANSPORT_ENV}=nccl)", reason=reason)
+                    f"transport (ring_kernels.comm.RingExchange, or the option transport='nccl')", reason=reason)
         self.signal = signal
         if self.world_size > 1 and signal == "stream_memop":
             _stream_memops()                    # the driver entry points, checked before anything is enqueued
@@ -557,29 +555,24 @@ class CopyEngineExchange:
 # ---------------------------------------------------------------------------------------------------------
 # choosing a transport
 
-def _choice(caller: str, name: str, given: Optional[str], choices, env: str, default: str) -> str:
-    """``given`` if not None, else the environment variable ``env`` (unset or blank: ``default``); either must be
-    one of ``choices`` (a ``RingInputError`` naming the argument or the variable otherwise)."""
+def _choice(caller: str, name: str, given: Optional[str], choices, option: str) -> str:
+    """``given`` if not None, else the option ``option`` (``ring_kernels.options``, validated there); ``given``
+    must be one of ``choices`` (a ``RingInputError`` naming the argument otherwise)."""
     if given is not None:
         if given not in choices:
             raise RingInputError(f"{caller}: {name}={given!r} is not one of {choices}; pass one of them or None "
-                                 f"(reads {env})", argument=name, value=given)
+                                 f"(the option {option}, environment {ENVIRONMENT[option]})",
+                                 argument=name, value=given)
         return given
-    value = os.environ.get(env, "").strip()
-    if not value:
-        return default
-    if value not in choices:
-        raise RingInputError(f"environment variable {env}={value!r} is not one of {choices}; set it to one of "
-                             f"them or unset it (default: {default})", argument=env, value=value)
-    return value
+    return getattr(get_options(), option)
 
 
 def _signal_choice(signal: Optional[str]) -> str:
-    return _choice("CopyEngineExchange", "signal", signal, SIGNALS, SIGNAL_ENV, "barrier")
+    return _choice("CopyEngineExchange", "signal", signal, SIGNALS, "copy_engine_signal")
 
 
 def _transport_choice(transport: Optional[str]) -> str:
-    return _choice("make_exchange", "transport", transport, TRANSPORTS, TRANSPORT_ENV, "nccl")
+    return _choice("make_exchange", "transport", transport, TRANSPORTS, "transport")
 
 
 def _group_on_cuda(group: Optional[dist.ProcessGroup]) -> bool:
@@ -597,8 +590,8 @@ def make_exchange(group: Optional[dist.ProcessGroup] = None, *, tag: int = 0, re
                   transport: Optional[str] = None):
     """A ring exchange for ``group``: ``RingExchange`` (NCCL/gloo P2P) or ``CopyEngineExchange``.
 
-    ``transport``: "nccl", "copy_engine", or None to read the environment variable ``RING_KERNELS_TRANSPORT``
-    (unset: "nccl"; another value: ValueError). "copy_engine" where it cannot run on a CUDA group raises
+    ``transport``: "nccl", "copy_engine", or None for the option ``transport`` (``ring_kernels.options``;
+    default "nccl"; another value: ValueError). "copy_engine" where it cannot run on a CUDA group raises
     ``CopyEngineUnavailableError`` (a RuntimeError) with the reason. On a group that is not on CUDA (gloo,
     CPU tensors, torch.distributed not initialised) or of one rank, the result is always ``RingExchange``,
     whatever was asked: copy engines are a GPU mechanism, and a CPU run of a configuration written for GPUs
@@ -612,5 +605,5 @@ def make_exchange(group: Optional[dist.ProcessGroup] = None, *, tag: int = 0, re
     if reason:
         raise CopyEngineUnavailableError(
             f"make_exchange: the copy_engine transport was requested but cannot run: {reason}. Set "
-            f"{TRANSPORT_ENV}=nccl (or pass transport='nccl')", reason=reason)
+            f"the option transport='nccl' ({TRANSPORT_ENV}=nccl), or pass transport='nccl'", reason=reason)
     return CopyEngineExchange(group, tag=tag, reverse=reverse)

@@ -13,11 +13,11 @@ from typing import List, Tuple
 
 import torch
 
-from ._validate import RingInputError, require_causal
 from .backends.base import BlockMask
-from .ring import _ALL, _Block, _positional_steps, _run
+from .engine import ALL, Block, positional_steps, run_batch
+from .validation import RingInputError, require_causal
 
-__all__ = ["zigzag_ring_attn_func", "zigzag_positions"]
+__all__ = ["zigzag_ring_attn_func", "zigzag_positions", "zigzag_steps"]
 
 
 def zigzag_positions(rank: int, world: int, seqlen_local: int) -> torch.Tensor:
@@ -26,19 +26,19 @@ def zigzag_positions(rank: int, world: int, seqlen_local: int) -> torch.Tensor:
     return torch.cat([torch.arange(c) + rank * c, torch.arange(c) + (2 * world - 1 - rank) * c])
 
 
-def _zigzag_steps(rank: int, world: int, seqlen: int, causal: bool, window: Tuple[int, int]) -> List[List[_Block]]:
+def zigzag_steps(rank: int, world: int, seqlen: int, causal: bool, window: Tuple[int, int]) -> List[List[Block]]:
     if window != (-1, -1):
-        return _positional_steps(lambda j: zigzag_positions(j, world, seqlen), rank, world, causal, window)
+        return positional_steps(lambda j: zigzag_positions(j, world, seqlen), rank, world, causal, window)
     half = seqlen // 2
     steps = []
     for step in range(world):
         src = (rank - step) % world
         if src == rank:
-            steps.append([_Block(_ALL, _ALL, BlockMask(causal=True))])
+            steps.append([Block(ALL, ALL, BlockMask(causal=True))])
         elif src < rank:
-            steps.append([_Block(_ALL, slice(0, half), BlockMask())])
+            steps.append([Block(ALL, slice(0, half), BlockMask())])
         else:
-            steps.append([_Block(slice(half, seqlen), _ALL, BlockMask())])
+            steps.append([Block(slice(half, seqlen), ALL, BlockMask())])
     return steps
 
 
@@ -57,6 +57,6 @@ def zigzag_ring_attn_func(q, k, v, *, group=None, causal=True, softmax_scale=Non
             f"{fn}: q has seqlen_local={seqlen}; the zigzag layout needs an even, non-zero local length "
             f"(two chunks per rank): make the global length a multiple of 2 * world_size (pad it)",
             argument="q", value=tuple(q.shape))
-    return _run(fn, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, backend=backend,
-                window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=1,
-                make_steps=_zigzag_steps)
+    return run_batch(fn, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, backend=backend,
+                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=1,
+                     make_steps=zigzag_steps)

@@ -611,7 +611,7 @@ def test_rank_checked_is_the_public_form_of_rank_check_scope(monkeypatch):
 
     import ring_kernels
     import torch.distributed as dist
-    from ring_kernels import _validate
+    from ring_kernels import validation as _validate
 
     assert "RANK_CHECKED" in ring_kernels.__all__ and isinstance(ring_kernels.RANK_CHECKED, contextvars.ContextVar)
     assert ring_kernels.RANK_CHECKED is _validate.RANK_CHECKED is _validate._CHECKED
@@ -621,7 +621,7 @@ def test_rank_checked_is_the_public_form_of_rank_check_scope(monkeypatch):
     assert ring_kernels.RANK_CHECKED.get() is None
     # check_ranks_agree reads it: a signature recorded in the set is not gathered again. (A "group" of 2 that no
     # process joins: a gather would fail, so returning proves the skip; outside the set it does try to gather.)
-    monkeypatch.delenv(_validate.SKIP_RANK_CHECK_ENV, raising=False)
+    monkeypatch.setattr(_validate, "get_options", ring_kernels.RingOptions)   # the defaults: checks on
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     gathered = []
     monkeypatch.setattr(_validate, "_gather_and_compare", lambda *args: gathered.append(args[0]))

@@ -89,24 +89,32 @@ def test_counter_counts_collectives_by_name_and_blocking(tmp_path):
 
 
 def test_forward_yield_setting_is_parsed_once_per_value(monkeypatch):
-    """The yield's setting and the device clock are looked up once per (setting, device), not on every call;
-    off CUDA the pause is always 0 cycles; a bad value is never cached: it raises on every call."""
-    from ring_kernels import ring
+    """The yield's setting is parsed once (when the options are read) and the device clock looked up once per
+    (setting, device), not on every call; off CUDA the pause is always 0 cycles; a bad environment value is
+    never cached: it raises on every call."""
+    from ring_kernels import engine, options
 
     parsed = []
-    real = ring._yield_us
-    monkeypatch.setattr(ring, "_yield_us", lambda: parsed.append(1) or real())
-    monkeypatch.setattr(ring, "_YIELD_CYCLES", {})
+    real = options.from_environment
+    monkeypatch.setattr(options, "from_environment", lambda *a: parsed.append(1) or real(*a))
+    monkeypatch.setattr(engine, "_YIELD_CYCLES", {})
+    monkeypatch.setenv(options.ENVIRONMENT["forward_yield_us"], "40")
+    options.reload_environment()
     cpu = torch.zeros(1)
-    for raw in ("", "40", "", "40"):
-        monkeypatch.setenv(ring.YIELD_ENV, raw)
-        ring._yield_to_transfer(cpu)
-    assert len(parsed) == 2 and ring._YIELD_CYCLES == {("", cpu.device): 0, ("40", cpu.device): 0}
-    monkeypatch.setenv(ring.YIELD_ENV, "fast")
-    for _ in range(2):
-        with pytest.raises(ValueError, match=ring.YIELD_ENV):
-            ring._yield_to_transfer(cpu)
-    assert ("fast", cpu.device) not in ring._YIELD_CYCLES
+    try:
+        for _ in range(2):
+            engine.yield_to_transfer(cpu)
+            with options.use_options(forward_yield_us=25):
+                engine.yield_to_transfer(cpu)
+        assert len(parsed) == 1 and engine._YIELD_CYCLES == {(40.0, cpu.device): 0, (25.0, cpu.device): 0}
+        monkeypatch.setenv(options.ENVIRONMENT["forward_yield_us"], "fast")
+        options.reload_environment()
+        for _ in range(2):
+            with pytest.raises(ValueError, match=options.ENVIRONMENT["forward_yield_us"]):
+                engine.yield_to_transfer(cpu)
+    finally:
+        monkeypatch.undo()
+        options.reload_environment()
 
 
 def test_flash_varlen_padded_lse_index_is_built_once_per_segments(monkeypatch):

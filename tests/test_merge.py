@@ -1,6 +1,6 @@
 """The rounding rule of the ring engine: counting contributions per row, and the merges/adds that use them.
 
-(a) ``ring._plan`` against a brute-force count written here, for every layout (ring, zigzag, stripe, ring/zigzag
+(a) ``engine.plan_steps`` against a brute-force count written here, for every layout (ring, zigzag, stripe, ring/zigzag
     varlen) x world 1..4 x causal / non-causal / window: each row's actions are FIRST, then LAST_OF_TWO (2 in
     all) or OPEN, MIDDLE..., CLOSE (>= 3); with 2 ranks no row of a standard layout gets more than 2, so
     neither the output, dq nor the dK/dV partial sums need an fp32 buffer.
@@ -21,11 +21,12 @@ import sys
 import pytest
 import torch
 
-from ring_kernels import merge, ring
-from ring_kernels.ring import CLOSE, FIRST, LAST_OF_TWO, MIDDLE, OPEN
-from ring_kernels.stripe import _stripe_steps
-from ring_kernels.varlen import _ring_varlen_steps, _zigzag_varlen_steps
-from ring_kernels.zigzag import _zigzag_steps
+from ring_kernels import engine, merge
+from ring_kernels.ring import ring_steps
+from ring_kernels.rounding import CLOSE, FIRST, LAST_OF_TWO, MIDDLE, OPEN
+from ring_kernels.stripe import stripe_steps
+from ring_kernels.varlen import ring_varlen_steps, zigzag_varlen_steps
+from ring_kernels.zigzag import zigzag_steps
 
 # ---------------------------------------------------------------------------------- (a) contribution plan
 
@@ -70,16 +71,16 @@ def _check_row_plan(plan, ranges, n, initial):
 
 def _steps_of(layout, rank, world, seqlen, causal, window):
     if layout == "ring":
-        return ring._ring_steps(rank, world, seqlen, causal, window)
+        return ring_steps(rank, world, seqlen, causal, window)
     if layout == "zigzag":
-        return _zigzag_steps(rank, world, seqlen, causal, window)
+        return zigzag_steps(rank, world, seqlen, causal, window)
     if layout == "stripe":
-        return _stripe_steps(rank, world, seqlen, causal, window)
+        return stripe_steps(rank, world, seqlen, causal, window)
     lengths = [4 * world, 2 * world, 6 * world, 4 * world]           # every document divisible by 2N
     cu = torch.tensor([0, *itertools.accumulate(lengths)])
     if layout == "ring_varlen":
-        return _ring_varlen_steps(cu, rank, world, int(cu[-1]) // world, causal, window)[0]
-    return _zigzag_varlen_steps(cu, rank, world, causal, window)[0]
+        return ring_varlen_steps(cu, rank, world, int(cu[-1]) // world, causal, window)[0]
+    return zigzag_varlen_steps(cu, rank, world, causal, window)[0]
 
 
 _LAYOUTS = {  # layout -> the (causal, window) options it supports
@@ -110,7 +111,7 @@ def test_contribution_plan_matches_brute_force(layout):
         standard = window == (-1, -1)
         for rank in range(world):
             steps = _steps_of(layout, rank, world, seqlen, causal, window)
-            plan = ring._plan(steps, seqlen, seqlen)
+            plan = engine.plan_steps(steps, seqlen, seqlen)
             q_ranges = [_bounds(b.q_rows, seqlen) for blocks in steps for b in blocks]
             most = _check_row_plan(plan.q, q_ranges, seqlen, 0)
             # the backward visits the steps in reverse order: dq and the dK/dV steps are planned in that order
@@ -131,7 +132,7 @@ def test_contribution_plan_matches_brute_force(layout):
 def test_contribution_counts_of_the_standard_layouts():
     """Known numbers: contributions per query row on each rank, N = 2 and 3 (S = 12)."""
     def counts(layout, rank, world, causal=True):
-        plan = ring._plan(_steps_of(layout, rank, world, 12, causal, (-1, -1)), 12, 12).q
+        plan = engine.plan_steps(_steps_of(layout, rank, world, 12, causal, (-1, -1)), 12, 12).q
         per_row = [0] * 12
         for parts in plan.parts:
             for part in parts:
@@ -145,7 +146,7 @@ def test_contribution_counts_of_the_standard_layouts():
     assert counts("zigzag", 1, 3) == [2] * 6 + [3] * 6            # first chunk: own + rank 0's
     assert counts("stripe", 0, 2) == [1] + [2] * 11 and counts("stripe", 1, 2) == [2] * 12
     # N = 3: the second query chunk of zigzag rank 1 opens an fp32 accumulator, the first never does
-    plan = ring._plan(_steps_of("zigzag", 1, 3, 12, True, (-1, -1)), 12, 12).q
+    plan = engine.plan_steps(_steps_of("zigzag", 1, 3, 12, True, (-1, -1)), 12, 12).q
     assert [[(p.rows.start, p.rows.stop, p.action) for p in parts] for parts in plan.parts] == [
         [(0, 12, FIRST)], [(0, 6, LAST_OF_TWO), (6, 12, OPEN)], [(6, 12, CLOSE)]]
     assert plan.adopt and plan.accumulates
@@ -296,9 +297,19 @@ def test_fused_kernels_match_eager_under_interpreter():
 
 
 def test_eager_path_when_fused_merge_is_off(monkeypatch):
-    """RING_KERNELS_FUSED_MERGE=0 keeps every merge and add eager (the only path on CPU as well)."""
+    """The option fused_merge=False (or RING_KERNELS_FUSED_MERGE=0) keeps every merge and add eager (the only
+    path on CPU as well)."""
+    from ring_kernels import options
+
+    with options.use_options(fused_merge=False):
+        assert not merge._use_fused()
     monkeypatch.setenv("RING_KERNELS_FUSED_MERGE", "0")
-    assert not merge._use_fused()
+    options.reload_environment()
+    try:
+        assert not merge._use_fused()
+    finally:
+        monkeypatch.undo()
+        options.reload_environment()
 
 
 # ---------------------------------------------------------------------------- (c) a world of one: no copy

@@ -60,7 +60,7 @@ def test_rank_check_scope_checks_each_signature_once():
 
 
 def test_rank_check_scope_restores_per_call_checking_on_exit():
-    from ring_kernels import _validate
+    from ring_kernels import validation as _validate
 
     with rk.rank_check_scope(set()) as seen:
         assert _validate._CHECKED.get() is seen

@@ -170,11 +170,11 @@ def _bf16_rounded_once(rank: int, world: int) -> None:
     and summed in fp32, cast once). Grads bit for bit; out to the bf16 rounding (fp32 operation order may move
     a handful of ties by one ulp), whereas a bf16 intermediate would change a large fraction of the values."""
     from ring_kernels.backends import get_backend
-    from ring_kernels.ring import _ring_steps
-    from ring_kernels.stripe import _stripe_steps
-    from ring_kernels.zigzag import _zigzag_steps
+    from ring_kernels.ring import ring_steps
+    from ring_kernels.stripe import stripe_steps
+    from ring_kernels.zigzag import zigzag_steps
 
-    steps_of = {"ring": _ring_steps, "zigzag": _zigzag_steps, "stripe": _stripe_steps}
+    steps_of = {"ring": ring_steps, "zigzag": zigzag_steps, "stripe": stripe_steps}
     impl = get_backend("torch_cpu", device="cpu", dtype=torch.bfloat16, head_dim=64, mask_kind="causal")
     b, s, h, hk, d, scale = 2, 10, 8, 2, 64, 0.125
     for variant, causal in (("ring", False), ("ring", True), ("zigzag", True), ("stripe", True)):
@@ -495,19 +495,17 @@ def test_ring_variants_match_reference(world):
     run_world(world, _world_cases, standard_cases(world) + extensions)
 
 
-def test_forward_yield_setting(monkeypatch):
-    """RING_KERNELS_FORWARD_YIELD_US: default 25 us, 0 turns the pause off, anything else is refused by name;
-    on CPU tensors no kernel is launched whatever the setting."""
-    from ring_kernels import ring
+def test_forward_yield_setting():
+    """The option forward_yield_us (RING_KERNELS_FORWARD_YIELD_US): default 25 us, 0 turns the pause off,
+    anything else is refused by name; on CPU tensors no kernel is launched whatever the setting."""
+    from ring_kernels import engine, options
 
-    monkeypatch.delenv(ring.YIELD_ENV, raising=False)
-    assert ring._yield_us() == ring.DEFAULT_YIELD_US == 25.0
+    variable = options.ENVIRONMENT["forward_yield_us"]
+    assert options.from_environment({}).forward_yield_us == options.RingOptions().forward_yield_us == 25.0
     for raw, value in (("0", 0.0), (" 40 ", 40.0), ("12.5", 12.5)):
-        monkeypatch.setenv(ring.YIELD_ENV, raw)
-        assert ring._yield_us() == value
+        assert options.from_environment({variable: raw}).forward_yield_us == value
     for raw in ("fast", "-1", "5000"):
-        monkeypatch.setenv(ring.YIELD_ENV, raw)
-        with pytest.raises(ValueError, match=ring.YIELD_ENV):
-            ring._yield_us()
-    monkeypatch.setenv(ring.YIELD_ENV, "25")
-    ring._yield_to_transfer(torch.zeros(1))       # CPU: nothing to hold, no error
+        with pytest.raises(ValueError, match=variable):
+            options.from_environment({variable: raw})
+    with options.use_options(forward_yield_us=25):
+        engine.yield_to_transfer(torch.zeros(1))       # CPU: nothing to hold, no error

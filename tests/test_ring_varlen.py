@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from _alloc import fp32_factories
 from _dist import run_world
+from ring_kernels import documents
 from ring_kernels.layout import shard
 from test_layout import subgroup_phases
 
@@ -248,11 +249,11 @@ def _check_varlen_calls(standin, cu, rank, n, local_tokens, case):
     documents (the halves around the remote blocks, when there are other ranks). ring/zigzag: one call per
     ring step that has any block, forward and backward."""
     from ring_kernels.llama3 import _halves, _llama3_plan
-    from ring_kernels.varlen import _ring_varlen_steps, _zigzag_varlen_steps
+    from ring_kernels.varlen import ring_varlen_steps, zigzag_varlen_steps
 
     if case["variant"] != "llama3":
-        steps, _ = (_zigzag_varlen_steps(cu.long(), rank, n, True, (-1, -1)) if case["variant"] == "zigzag"
-                    else _ring_varlen_steps(cu.long(), rank, n, local_tokens, case["causal"], (-1, -1)))
+        steps, _ = (zigzag_varlen_steps(cu.long(), rank, n, True, (-1, -1)) if case["variant"] == "zigzag"
+                    else ring_varlen_steps(cu.long(), rank, n, local_tokens, case["causal"], (-1, -1)))
         busy = sum(1 for step in steps if step)
         assert standin.forward_calls == standin.backward_calls == busy, (standin.forward_calls, busy, case)
         return
@@ -591,8 +592,8 @@ def test_packed_row_reaches_the_engine_without_a_view():
 
     q, k = torch.randn(1, 12, 4, 16), torch.randn(1, 12, 2, 16)
     cu = _cu([4, 8])
-    for fn, module, name in ((rk.ring_attn_varlen_func, varlen, "_RingAttention"),
-                             (rk.zigzag_ring_attn_varlen_func, varlen, "_RingAttention"),
+    for fn, module, name in ((rk.ring_attn_varlen_func, varlen, "RingAttention"),
+                             (rk.zigzag_ring_attn_varlen_func, varlen, "RingAttention"),
                              (rk.llama3_attn_varlen_func, llama3, "_Llama3Attention")):
         with _Recorded(module, name) as packed:
             out = fn(q, k, k, cu, causal=True, backend="torch_cpu")
@@ -610,29 +611,29 @@ def test_standard_blocks_need_no_dense_mask():
     exactly one document; windows may add GENERAL blocks, each still inside one document."""
     from ring_kernels.backends import CAUSAL, FULL
     from ring_kernels.llama3 import _llama3_plan
-    from ring_kernels.varlen import _ring_varlen_steps, _zigzag_varlen_steps
+    from ring_kernels.varlen import ring_varlen_steps, zigzag_varlen_steps
 
     n = 4
     cu_ring, cu_zig = _cu(_contiguous_docs(n)).long(), _cu(_zigzag_docs(n)).long()
     local = int(cu_ring[-1]) // n
     for rank in range(n):
         for causal in (True, False):
-            steps, kind = _ring_varlen_steps(cu_ring, rank, n, local, causal, (-1, -1))
+            steps, kind = ring_varlen_steps(cu_ring, rank, n, local, causal, (-1, -1))
             assert kind == (CAUSAL if causal else FULL)
             blocks = [b for step in steps for b in step]
             plan = _llama3_plan(cu_ring, rank, n, local, causal, (-1, -1))
             blocks += plan.local_blocks + plan.remote_blocks
             assert all(b.mask.kind(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start)
                        in (FULL, CAUSAL) for b in blocks)
-        steps, kind = _zigzag_varlen_steps(cu_zig, rank, n, True, (-1, -1))
+        steps, kind = zigzag_varlen_steps(cu_zig, rank, n, True, (-1, -1))
         assert kind == CAUSAL and all(len(step) == 4 for step in steps)  # one block per non-empty document
 
 
 def test_block_classification_matches_dense_mask():
-    """``_classify`` decides from interval ends alone; check it against the dense mask on every small case."""
+    """``classify`` decides from interval ends alone; check it against the dense mask on every small case."""
     from ring_kernels.backends import CAUSAL, EMPTY, FULL
     from ring_kernels.backends.base import BlockMask
-    from ring_kernels.varlen import _classify
+    from ring_kernels.documents import classify
 
     windows = [(-1, -1), (0, 0), (2, -1), (-1, 1), (3, 0), (1, 2), (6, 6)]
     for causal in (True, False):
@@ -641,7 +642,7 @@ def test_block_classification_matches_dense_mask():
                 for qb in range(qa + 1, 7):
                     for ka in range(0, 7):
                         for kb in range(ka + 1, 8):
-                            kind, mask = _classify(qa, qb, ka, kb, causal, window)
+                            kind, mask = classify(qa, qb, ka, kb, causal, window)
                             dense = BlockMask(causal=causal, q_start=qa, k_start=ka, window=window).dense(
                                 qb - qa, kb - ka, "cpu")
                             where = (qa, qb, ka, kb, causal, window, kind)
@@ -683,7 +684,7 @@ def test_llama3_plan_local_blocks_first_remote_blocks_only_for_crossing_document
 # ------------------------------------------------------------------------------ cu_seqlens host cache
 #
 # hfpatch passes the same cu_seqlens object to every layer of a step: the host copy (a device sync on CUDA),
-# its validation and the plans are made once per object and version (``varlen._cu_entry``). Identity, not
+# its validation and the plans are made once per object and version (``documents._cu_entry``). Identity, not
 # content, keys the cache: a new tensor with equal content is a miss.
 
 _CACHE_DOCS = {"ring": [3, 4, 2, 3], "zigzag": [2, 4, 0, 6], "llama3": [3, 4, 2, 3]}   # 12 tokens each
@@ -742,12 +743,12 @@ def _assert_matches_reference(got, q, k, v, dout, cu, what):
 
 @pytest.fixture
 def cu_cache():
-    """The cache, emptied before and after the test; yields ``varlen``'s module (its counters)."""
+    """The cache (``documents``), emptied before and after the test; yields the ``varlen`` module."""
     import ring_kernels.varlen as varlen
 
-    varlen._clear_cu_cache()
+    documents.clear_cu_cache()
     yield varlen
-    varlen._clear_cu_cache()
+    documents.clear_cu_cache()
 
 
 @pytest.mark.parametrize("standin", [False, True], ids=["blocks", "varlen_fast_path"])
@@ -760,10 +761,10 @@ def test_same_cu_seqlens_object_is_copied_and_planned_once(cu_cache, standin):
     for variant in _VARIANTS:
         q, k, v, dout = _cache_inputs(variant)
         cu = _cu(_CACHE_DOCS[variant])
-        before = dict(varlen._CU_CACHE_STATS)
-        with _Counted(varlen, "_check_cu_seqlens") as copies, _Counted(varlen, "_plan") as engine_plans, \
-                _Counted(varlen, "_ring_varlen_steps") as ring_plans, \
-                _Counted(varlen, "_zigzag_varlen_steps") as zigzag_plans, \
+        before = dict(documents._CU_CACHE_STATS)
+        with _Counted(documents, "_check_cu_seqlens") as copies, _Counted(varlen, "plan_steps") as engine_plans, \
+                _Counted(varlen, "ring_varlen_steps") as ring_plans, \
+                _Counted(varlen, "zigzag_varlen_steps") as zigzag_plans, \
                 _Counted(llama3, "_llama3_plan") as llama3_plans, \
                 _varlen_kernel(_PlainVarlenKernel() if standin else None):
             first = _cache_call(variant, cu, q, k, v, dout)
@@ -771,8 +772,8 @@ def test_same_cu_seqlens_object_is_copied_and_planned_once(cu_cache, standin):
         assert copies.calls == 1, (variant, copies.calls)
         assert ring_plans.calls + zigzag_plans.calls + llama3_plans.calls == 1, variant
         assert engine_plans.calls == (0 if variant == "llama3" else 1), (variant, engine_plans.calls)
-        assert varlen._CU_CACHE_STATS["misses"] - before["misses"] == 1, variant
-        assert varlen._CU_CACHE_STATS["hits"] - before["hits"] == 1, variant
+        assert documents._CU_CACHE_STATS["misses"] - before["misses"] == 1, variant
+        assert documents._CU_CACHE_STATS["hits"] - before["hits"] == 1, variant
         _assert_same(second, first, f"{variant}, cached call")
         _assert_matches_reference(second, q, k, v, dout, cu, f"{variant}, cached call")
 
@@ -785,10 +786,10 @@ def test_in_place_change_of_cu_seqlens_is_seen(cu_cache):
         q, k, v, dout = _cache_inputs(variant)
         cu = _cu(_CACHE_DOCS[variant]).clone()
         original = _cache_call(variant, cu, q, k, v, dout)
-        misses = varlen._CU_CACHE_STATS["misses"]
+        misses = documents._CU_CACHE_STATS["misses"]
         cu[1] += 2                                    # even: zigzag documents stay multiples of 2N = 2
         moved = _cache_call(variant, cu, q, k, v, dout)
-        assert varlen._CU_CACHE_STATS["misses"] == misses + 1, variant
+        assert documents._CU_CACHE_STATS["misses"] == misses + 1, variant
         assert not torch.equal(moved[0], original[0]), f"{variant}: the documents moved, so must the output"
         _assert_same(moved, _cache_call(variant, cu.clone(), q, k, v, dout), f"{variant}, after cu[1] += 2")
         cu[1] -= 2
@@ -811,11 +812,11 @@ def test_equal_content_is_a_miss_and_a_dead_tensor_never_hits(cu_cache):
     q, k, v, dout = _cache_inputs("ring")
     old = _cu([3, 1, 5, 3])
     _cache_call("ring", old, q, k, v, dout)
-    misses = varlen._CU_CACHE_STATS["misses"]
+    misses = documents._CU_CACHE_STATS["misses"]
     _cache_call("ring", old.clone(), q, k, v, dout)
-    assert varlen._CU_CACHE_STATS["misses"] == misses + 1
+    assert documents._CU_CACHE_STATS["misses"] == misses + 1
     # The rule itself: the entry's weak reference dies with the tensor, and a dead entry matches nothing.
-    address, entry = id(old), varlen._CU_CACHE[id(old)]
+    address, entry = id(old), documents._CU_CACHE[id(old)]
     del old
     gc.collect()
     assert entry.ref() is None
@@ -825,12 +826,12 @@ def test_equal_content_is_a_miss_and_a_dead_tensor_never_hits(cu_cache):
     # reuse produces (when it happens is up to the allocator, so the test plants the dead entry under the new id).
     reused = torch.tensor(new_content, dtype=torch.int32)
     assert reused._version == 0 and reused.shape == entry.shape and reused.dtype == entry.dtype
-    varlen._CU_CACHE.pop(address, None)
-    varlen._CU_CACHE[id(reused)] = entry
-    misses = varlen._CU_CACHE_STATS["misses"]
+    documents._CU_CACHE.pop(address, None)
+    documents._CU_CACHE[id(reused)] = entry
+    misses = documents._CU_CACHE_STATS["misses"]
     got = _cache_call("ring", reused, q, k, v, dout)
-    assert varlen._CU_CACHE_STATS["misses"] == misses + 1
-    assert varlen._CU_CACHE[id(reused)] is not entry            # the dead entry was replaced, never used
+    assert documents._CU_CACHE_STATS["misses"] == misses + 1
+    assert documents._CU_CACHE[id(reused)] is not entry            # the dead entry was replaced, never used
     _assert_same(got, _cache_call("ring", reused.clone(), q, k, v, dout), "a reused id")
 
 
@@ -842,21 +843,21 @@ def test_cache_stays_small_and_skips_inference_tensors(cu_cache):
     tensors = [_cu([3, 1, 5, 3]) for _ in range(10)]
     for cu in tensors:
         _cache_call("ring", cu, q, k, v, dout)
-    assert len(varlen._CU_CACHE) == 8 and id(tensors[0]) not in varlen._CU_CACHE
-    misses = varlen._CU_CACHE_STATS["misses"]
+    assert len(documents._CU_CACHE) == 8 and id(tensors[0]) not in documents._CU_CACHE
+    misses = documents._CU_CACHE_STATS["misses"]
     _cache_call("ring", tensors[0], q, k, v, dout)
     _cache_call("ring", tensors[-1], q, k, v, dout)
-    assert varlen._CU_CACHE_STATS["misses"] == misses + 1      # the oldest was evicted, the newest was not
+    assert documents._CU_CACHE_STATS["misses"] == misses + 1      # the oldest was evicted, the newest was not
     cu = tensors[-1]
     for left in range(20):                                       # 20 windows: 20 plans of one tensor
         _cache_call("ring", cu, q, k, v, dout, window_size=(left, 0))
-    assert len(varlen._CU_CACHE[id(cu)].derived) == 16
+    assert len(documents._CU_CACHE[id(cu)].derived) == 16
     with torch.inference_mode():
         frozen = _cu([3, 1, 5, 3])
-    size, misses = len(varlen._CU_CACHE), varlen._CU_CACHE_STATS["misses"]
+    size, misses = len(documents._CU_CACHE), documents._CU_CACHE_STATS["misses"]
     first = _cache_call("ring", frozen, q, k, v, dout)
     _assert_same(_cache_call("ring", frozen, q, k, v, dout), first, "inference-mode cu_seqlens")
-    assert varlen._CU_CACHE_STATS["misses"] == misses + 2 and len(varlen._CU_CACHE) == size
+    assert documents._CU_CACHE_STATS["misses"] == misses + 2 and len(documents._CU_CACHE) == size
 
 
 def _cached_calls_across_ranks(group, rank, n):
@@ -872,10 +873,10 @@ def _cached_calls_across_ranks(group, rank, n):
         q, k, v, dout = (torch.randn(t, heads, 16) for heads in (4, 2, 2, 4))
         layout = "zigzag" if variant == "zigzag" else "contiguous"
         q, k, v, dout = (shard(x, group, layout=layout, dim=0, cu_seqlens=cu) for x in (q, k, v, dout))
-        hits = varlen._CU_CACHE_STATS["hits"]
+        hits = documents._CU_CACHE_STATS["hits"]
         first = _cache_call(variant, cu, q, k, v, dout, group=group)
         second = _cache_call(variant, cu, q, k, v, dout, group=group)
-        assert varlen._CU_CACHE_STATS["hits"] == hits + 1, (rank, variant)
+        assert documents._CU_CACHE_STATS["hits"] == hits + 1, (rank, variant)
         _assert_same(second, first, f"rank {rank}/{n} {variant}, cached call")
 
 
@@ -928,7 +929,7 @@ def _host_syncs_of_repeated_calls(group, rank, n):
     if _BENCH not in sys.path:
         sys.path.insert(0, _BENCH)
     from host_path import HostOpCounter
-    from ring_kernels._validate import rank_check_scope
+    from ring_kernels.validation import rank_check_scope
 
     real_get_backend = varlen.get_backend
     for variant, stride, fast in (("llama3", None, True), ("llama3", 1, True), ("ring", None, True),
@@ -985,7 +986,7 @@ def _cuda_cached_calls_do_not_sync(rank, world):
     (its cross-rank check, a deliberate sync, ran in the first call), and gives the first call's results."""
     import ring_kernels as rk
     import ring_kernels.varlen as varlen
-    from ring_kernels._validate import rank_check_scope
+    from ring_kernels.validation import rank_check_scope
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -1005,7 +1006,7 @@ def _cuda_cached_calls_do_not_sync(rank, world):
                 for attempt in range(2):
                     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
                     torch.cuda.synchronize()
-                    hits = varlen._CU_CACHE_STATS["hits"]
+                    hits = documents._CU_CACHE_STATS["hits"]
                     torch.cuda.set_sync_debug_mode("error" if attempt else 0)
                     try:
                         out = _fn(variant)(*leaves, cu, group=group, causal=True, backend=backend)
@@ -1013,7 +1014,7 @@ def _cuda_cached_calls_do_not_sync(rank, world):
                     finally:
                         torch.cuda.set_sync_debug_mode(0)
                     results.append((out.detach(), *(x.grad for x in leaves)))
-                    assert not attempt or varlen._CU_CACHE_STATS["hits"] == hits + 1, (variant, backend)
+                    assert not attempt or documents._CU_CACHE_STATS["hits"] == hits + 1, (variant, backend)
             _assert_same(results[1], results[0], f"rank {rank} {variant} {backend}, cached call on cuda")
 
 

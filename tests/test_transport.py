@@ -8,8 +8,18 @@ import pytest
 import torch
 
 from _dist import run_world
+from ring_kernels import options
 from ring_kernels import transport as tr
 from ring_kernels.comm import RingExchange
+
+
+@pytest.fixture(autouse=True)
+def _options_read_from_this_tests_environment():
+    """The options read the environment at their first use: each test starts and ends with nothing read (this
+    fixture is set up before the test's monkeypatch, so its teardown runs after the environment is restored)."""
+    options.reload_environment()
+    yield
+    options.reload_environment()
 
 
 # --- transport choice ------------------------------------------------------------------------------------
@@ -234,6 +244,8 @@ def _make_exchange_cases(rank, world_size):
     out = {"reason_cpu": tr.copy_engine_unavailable_reason(None, torch.device("cpu")),
            "reason_default": tr.copy_engine_unavailable_reason()}   # no CUDA here: the CPU reason, no collective
     os.environ[tr.TRANSPORT_ENV] = "copy_engine"
+    from ring_kernels.options import reload_environment
+    reload_environment()
     for transport in (None, "nccl", "copy_engine"):
         for reverse in (False, True):
             ex = tr.make_exchange(None, tag=3, reverse=reverse, transport=transport)

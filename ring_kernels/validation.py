@@ -14,32 +14,16 @@ from __future__ import annotations
 
 import contextvars
 import math
-import os
 from typing import Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .errors import RingInputError
+from .options import get_options
+
 __all__ = ["RingInputError", "check_qkv", "check_options", "resolve_scale", "check_ranks_agree",
            "require_causal", "rank_check_scope", "RANK_CHECKED"]
-
-# Setting this to "1" skips the cross-rank shape check (one small all_gather and a host sync per call);
-# for benchmarks of a known-good setup only.
-SKIP_RANK_CHECK_ENV = "RING_KERNELS_SKIP_RANK_CHECK"
-
-
-class RingInputError(ValueError):
-    """Bad input to a ring_kernels function; the message says what was given and what is required.
-
-    ``argument`` names the offending argument (or metadata field) and ``value`` holds what was given, when
-    the check knows them (None otherwise), so callers can react without parsing the message.
-    """
-
-    def __init__(self, message: str, *, argument: Optional[str] = None, value=None):
-        super().__init__(message)
-        self.argument = argument
-        self.value = value
-
 
 def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool = False) -> None:
     """q (B, S, H, D) and k, v (B, S, Hk, D) consistent, H % Hk == 0. With ``varlen``: (T, H, D)/(T, Hk, D), or
@@ -142,7 +126,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.flo
 # see the module docstring (set/reset it with a token, or use rank_check_scope).
 RANK_CHECKED: contextvars.ContextVar[Optional[Set[tuple]]] = contextvars.ContextVar("ring_kernels_rank_checked",
                                                                                     default=None)
-_CHECKED = RANK_CHECKED  # the name this variable had before it was public
+_CHECKED = RANK_CHECKED  # a second name of the same variable, read by tests
 
 
 class rank_check_scope:  # noqa: N801 -- used like a function: ``with rank_check_scope(seen):``
@@ -175,10 +159,11 @@ def check_ranks_agree(fn: str, group, fields: Sequence[Tuple[str, float]], devic
     """One all_gather of (name, value) metadata; raise on every rank if any rank differs.
 
     ``fields`` are numbers (shapes, flags, scale); call on every rank with the same names in the same order.
-    Inside ``rank_check_scope`` a signature already checked is not checked again.
+    Inside ``rank_check_scope`` a signature already checked is not checked again; with the option
+    ``skip_rank_check`` (``ring_kernels.options``) nothing is checked.
     """
     world = dist.get_world_size(group)
-    if world == 1 or os.environ.get(SKIP_RANK_CHECK_ENV) == "1":
+    if world == 1 or get_options().skip_rank_check:
         return
     checked = RANK_CHECKED.get()
     key = (id(group), fn, tuple(fields))
