@@ -158,15 +158,72 @@ def _is_placeholder_token(name: str) -> bool:
 # A recipe value that removes the keyword (a pattern list the family derives itself from periods or indices).
 _UNSET = object()
 
+
+# What a release-dependent recipe value gives where the release needs no override (the generic shrink stands).
+_NO_OVERRIDE = object()
+
+
+class _PerRelease:
+    """A recipe value that depends on the installed release: ``pick(config_cls, default)`` returns the value
+    (``_UNSET`` removes the keyword, ``_NO_OVERRIDE`` leaves the generic shrink's), given the config class and
+    its default instance."""
+
+    def __init__(self, pick):
+        self.pick = pick
+
+
+def _layer_kinds_spelled(kinds: list[str]):
+    """A ``layer_types`` list in the spelling the installed release's config accepts: transformers' current
+    names ("linear_attention", "full_attention"), or the 4.x ones ("mamba", "attention") where the config
+    rejects the current ones (Granite 4 hybrid before 5.x)."""
+
+    def pick(config_cls, default):
+        try:
+            config_cls(num_hidden_layers=len(kinds), layer_types=kinds)
+            return kinds
+        except ValueError:
+            legacy = {modern: old for old, modern in _LEGACY_KINDS.items() if old != "recurrent"}
+            return [legacy.get(k, k) for k in kinds]
+
+    return _PerRelease(pick)
+
+
+def _as_dict(value) -> dict:
+    """A sub-config as a dict (DBRX's are config objects on some releases, dicts on others)."""
+    return value if isinstance(value, dict) else value.to_dict()
+
+
+def _default_rope_if_unset(config_cls, default):
+    """4.4x configs whose rotary embedding reads ``rope_scaling["rope_type"]`` but default it to None (Mllama's
+    text model): the plain rotary embedding; releases that default it already keep theirs."""
+    if "rope_scaling" in default.to_dict() and getattr(default, "rope_scaling", None) is None:
+        return {"rope_type": "default"}
+    return _NO_OVERRIDE
+
+
+def _sub_config_if_unset(name: str):
+    """A composite's sub-config that the default leaves None although the model builds it (4.53's
+    Phi-4-multimodal drops its default vision config): the sub-config class's default, shrunk."""
+
+    def pick(config_cls, default):
+        if getattr(default, name, None) is not None:
+            return _NO_OVERRIDE
+        return _tiny_sub_config(config_cls.sub_configs[name]())
+
+    return _PerRelease(pick)
+
 # Per-family overrides, applied after the generic shrink (a nested dict merges into that sub-config). A recipe
 # keyed by a sub-config's own model_type (e.g. "gemma3_text") also applies inside composite configs.
 _RECIPES: dict[str, dict[str, Any]] = {
     # DBRX keeps attention and FFN sizes in two sub-configs (plain dicts here); 5.x's attention reads a
     # rope_theta that the attention sub-config does not define by default, and clamps Q/K/V by clip_qkv
-    # unconditionally (None fails; 8 is the released checkpoints' value).
+    # unconditionally (None fails; 8 is the released checkpoints' value). The FFN sub-config of 5.x has a
+    # hidden_size of its own (4.x rejects the keyword), and 5.0's router reads ffn_hidden_size as its input
+    # width: an FFN as wide as the model keeps every release consistent.
     "dbrx": dict(attn_config=dict(kv_n_heads=_KV_HEADS, clip_qkv=8.0, rope_theta=10000.0),
-                 ffn_config=dict(ffn_hidden_size=_INTERMEDIATE, moe_num_experts=_EXPERTS, moe_top_k=_TOP_K,
-                                 moe_jitter_eps=None)),
+                 ffn_config=_PerRelease(lambda config_cls, default: dict(
+                     ffn_hidden_size=_HIDDEN, moe_num_experts=_EXPERTS, moe_top_k=_TOP_K, moe_jitter_eps=None,
+                     **({"hidden_size": _HIDDEN} if "hidden_size" in _as_dict(default.ffn_config) else {})))),
     # GPT-Neo expands attention_types ([[kinds, repeats]]) into attention_layers: one (global, local) pair.
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], attention_layers=_UNSET),
     # dots1's defaults leave the expert counts unset.
@@ -179,7 +236,8 @@ _RECIPES: dict[str, dict[str, Any]] = {
     # Bamba (Mamba2 hybrid): the default has no attention layer (attn_layer_indices None); tiny [M, A, M, A].
     "bamba": dict(num_hidden_layers=4, attn_layer_indices=[1, 3], layer_types=_UNSET, layers_block_type=_UNSET),
     # Granite 4 hybrid: the default is all Mamba2; tiny [M, A, M, A].
-    "granitemoehybrid": dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+    "granitemoehybrid": dict(num_hidden_layers=4,
+                             layer_types=_layer_kinds_spelled(["linear_attention", "full_attention"] * 2),
                              layers_block_type=_UNSET),
     # Jamba: attention every attn_layer_period layers, experts every expert_layer_period layers; tiny
     # [M+E, A, M+E, A] (M Mamba, A attention, +E mixture of experts instead of the dense MLP).
@@ -200,8 +258,14 @@ _RECIPES: dict[str, dict[str, Any]] = {
     # (mixer, MLP) pair but two occurs and each mixer meets each MLP kind.
     "lfm2_moe": dict(num_hidden_layers=4, num_dense_layers=2,
                      layer_types=["full_attention", "conv", "conv", "full_attention"]),
+    # ModernBERT decoder: 4.5x derive the window as local_attention // 2 (a window of 8 from 16).
+    "modernbert-decoder": dict(local_attention=2 * _WINDOW),
     # LongCat-Flash adds "zero-computation" experts (identity) to the routed ones: 2 beside the 4.
     "longcat_flash": dict(zero_expert_num=2),
+    # Mllama's text model: 4.4x's default leaves rope_scaling None, which its rotary embedding indexes.
+    "mllama_text_model": dict(rope_scaling=_PerRelease(_default_rope_if_unset)),
+    # Phi-4-multimodal: 4.53-4.54 forget to set the default vision config, which the model builds.
+    "phi4_multimodal": dict(vision_config=_sub_config_if_unset("vision_config")),
     # Phi-4-multimodal's audio encoder (built, never run on text) has its own width names.
     "phi4_multimodal_audio": dict(num_blocks=1, nemo_conv_channels=_HIDDEN, ext_pw_out_channel=_HIDDEN,
                                   depthwise_separable_out_channel=_HIDDEN),
@@ -222,6 +286,9 @@ _RECIPES: dict[str, dict[str, Any]] = {
     "zamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
                   layers_block_type=["linear_attention", "hybrid"] * 2, attention_hidden_size=2 * _HIDDEN,
                   attention_head_dim=2 * _HIDDEN // _HEADS),
+    # Zamba2 with rotary positions in its shared attention (use_mem_rope, as the released checkpoints): 5.0
+    # reads the rotary embedding that it builds only then.
+    "zamba2": dict(use_mem_rope=True),
     # ZAYA routes to one expert only (its config refuses more).
     "zaya": dict(num_experts_per_tok=1),
 }
@@ -279,6 +346,11 @@ HYBRID_KINDS: dict[str, frozenset[str]] = {
 
 # Older spellings of the kinds (4.x configs), as transformers' own remap_legacy_layer_types maps them.
 _LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention", "recurrent": "linear_attention"}
+# Families whose 4.x configs name a layer kind wrongly, as the current releases name it: RecurrentGemma's
+# "attention" is local (attention_window_size); Falcon-H1's 4.x property says "attention" for layers that run
+# Mamba2 beside attention.
+_FAMILY_KINDS = {"recurrent_gemma": {"attention": "sliding_attention"},
+                 "falcon_h1": {"attention": "hybrid"}}
 # Nemotron-H's hybrid_override_pattern characters: Mamba2, attention, MLP, mixture of experts.
 _PATTERN_CHARS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
@@ -297,7 +369,8 @@ def layer_kinds(config) -> list[str]:
             kinds = None
         if isinstance(kinds, (list, tuple)) and kinds:
             cycled = [kinds[i % len(kinds)] for i in range(count or len(kinds))]
-            return [_LEGACY_KINDS.get(k, k) for k in cycled]
+            family = _FAMILY_KINDS.get(getattr(config, "model_type", ""), {})
+            return [family.get(k, _LEGACY_KINDS.get(k, k)) for k in cycled]
     pattern = getattr(config, "hybrid_override_pattern", None)
     if isinstance(pattern, str):
         return [_PATTERN_CHARS.get(c, c) for c in pattern]
@@ -439,7 +512,9 @@ def _shrunk_kwargs(config_cls, model_type: str) -> dict[str, Any]:
             kwargs[name] = _tiny_sub_config(value)
     kwargs.update(_compress_layers(attrs, kwargs))
     kwargs.update(_derived(attrs, kwargs))
-    recipe = {k: v for k, v in recipe.items() if k != "__init__"}
+    recipe = {k: (v.pick(config_cls, default) if isinstance(v, _PerRelease) else v)
+              for k, v in recipe.items() if k != "__init__"}
+    recipe = {k: v for k, v in recipe.items() if v is not _NO_OVERRIDE}
     kwargs = _merge(kwargs, recipe)
     kwargs.update(_token_ids({**attrs, **kwargs}, kwargs.get("vocab_size", attrs.get("vocab_size"))))
     return _merge(kwargs, {k: v for k, v in recipe.items() if k in kwargs and "token" in k})
@@ -477,6 +552,10 @@ def tiny_config(entry: CatalogEntry):
         config = config_cls(**_shrunk_kwargs(config_cls, model_type))
     except Exception as exc:  # noqa: BLE001 -- any failure of the family's own config code is a reason, kept.
         raise NotBuilt(f"config: {type(exc).__name__}: {exc}", entry) from exc
+    if not hasattr(config, "pad_token_id"):
+        # 5.0.0's Phi, StableLM, JetMoe and Exaone4 configs define no pad_token_id, which their models read (a
+        # checkpoint's config.json supplies it): no padding row, as their defaults elsewhere.
+        config.pad_token_id = None
     _set_eager(config)
     return config
 
