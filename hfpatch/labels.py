@@ -22,14 +22,24 @@ whole batch. ``apply(model=)`` therefore hooks the model's forward:
 - a model whose own loss is not that cross-entropy (the whole-model probe checks: one that shifts twice or adds a
   term) has its labels refused under CP, with the probe's reason.
 
+Inside ``averaged_over_group()`` (what ``hfpatch.integrations`` wraps around a trainer's loss) each rank's loss is
+instead its SHARE, scaled so that the MEAN over the CP group is the non-CP loss: ``loss_sum / num_items_in_batch``
+with the divisor as the trainer passes it (transformers' Trainer passes the count of the global batch divided by
+the number of ranks that share a batch, the CP size), or ``world_size x loss_sum / count of the whole CP group``
+without it. Its gradient is ``world_size`` times this rank's share, so gradients AVERAGED over the CP group (DDP or
+FSDP over dp x cp, as accelerate reduces them) equal the non-CP gradient, and the trainer's mean of the logged loss
+over every rank equals the non-CP loss. There, a forward that scores pre-shifted ``shift_labels`` itself (TRL's
+fused LM head, ``fused_lm_head=True``, which divides by ``num_items_in_batch`` the same way) is left alone.
+
 With an inactive patch (no CP) the same hook makes the already-shifted labels of ``shard_inputs`` (an identity
 split that still shifts) give the plain non-CP loss, and leaves every other call to the model untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -38,9 +48,30 @@ from hfpatch import switch as _switch
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import is_shifted
 
-__all__ = ["install_labels_hook"]
+__all__ = ["install_labels_hook", "averaged_over_group"]
 
 _LABEL_NAMES = ("labels", "shift_labels", "num_items_in_batch")
+
+
+class _Reduction(threading.local):
+    """Per thread: True inside ``averaged_over_group()``."""
+
+    def __init__(self) -> None:
+        self.averaged = False
+
+
+_reduction = _Reduction()
+
+
+@contextlib.contextmanager
+def averaged_over_group() -> Iterator[None]:
+    """Inside it (this thread), ``model(labels=...)`` under CP gives each rank's share of the loss, scaled so that
+    the mean over the CP group is the non-CP loss (see the module docstring); restored on exit."""
+    previous, _reduction.averaged = _reduction.averaged, True
+    try:
+        yield
+    finally:
+        _reduction.averaged = previous
 
 
 class _Pending(threading.local):
@@ -76,6 +107,8 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
         ctx = ctx_of()
         # Switch mode "local" runs the model on the whole sequence without CP: its own loss is the non-CP loss.
         active = ctx is not None and ctx.world_size > 1 and _switch.current_mode() != "local"
+        if kwargs.get("fused_lm_head"):
+            return _fused_head(active, labels, shift)
         if shift is None and not is_shifted(labels):
             if not active:
                 return None  # no CP, labels of the caller's own: the model's loss is the non-CP loss
@@ -115,7 +148,7 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
         shifted, num_items = entry
         logits = output.logits if hasattr(output, "logits") else output[0]
         ctx = ctx_of() if _switch.current_mode() != "local" else None
-        loss = _loss(ctx, logits, shifted, num_items)
+        loss = _loss(ctx, logits, shifted, num_items, averaged=_reduction.averaged)
         if isinstance(output, tuple):
             return (loss,) + output
         fields = {key: value for key, value in output.items() if key != "loss"}
@@ -125,7 +158,30 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
             model.register_forward_hook(after, with_kwargs=True)]
 
 
-def _loss(ctx, logits: torch.Tensor, shifted: torch.Tensor, num_items: Any) -> torch.Tensor:
+def _fused_head(active: bool, labels, shift) -> None:
+    """TRL's fused LM head computes its own loss: under CP only from pre-shifted ``shift_labels`` (it scores them
+    without shifting) and only inside ``averaged_over_group()`` (its loss is this rank's share)."""
+    if not active:
+        return None
+    if labels is not None and shift is None:
+        raise UnsupportedArgument(
+            "labels", labels,
+            "with fused_lm_head=True the model shifts this rank's shard of the labels itself, dropping the target of "
+            "its last token (which lives on the next rank).",
+            "pass shift_labels=<already shifted labels of this rank> (hfpatch.integrations prepares them).",
+        )
+    if not _reduction.averaged:
+        raise UnsupportedArgument(
+            "fused_lm_head", True,
+            "the fused LM head divides this rank's loss sum by num_items_in_batch: a per-rank share, not the loss "
+            "of the whole CP group.",
+            "train through hfpatch.integrations.enable(trainer), or compute the loss from the logits "
+            "(hfpatch.inputs.token_loss_sum + patch.reduce_loss).",
+        )
+    return None
+
+
+def _loss(ctx, logits: torch.Tensor, shifted: torch.Tensor, num_items: Any, *, averaged: bool = False) -> torch.Tensor:
     if shifted.shape != logits.shape[:2]:
         raise UnsupportedArgument(
             "labels", shifted,
@@ -134,7 +190,22 @@ def _loss(ctx, logits: torch.Tensor, shifted: torch.Tensor, num_items: Any) -> t
             "pass the labels shard_inputs returned together with the input_ids it returned.",
         )
     loss_sum, count = inputs.token_loss_sum(logits, shifted)
+    if averaged:
+        return _averaged_share(ctx, loss_sum, count, num_items)
     if num_items is None:
         return inputs.reduce_loss(ctx, loss_sum, count)
     total = inputs.global_loss_sum(ctx, loss_sum)
     return total / torch.as_tensor(num_items, device=total.device).to(total.dtype)
+
+
+def _averaged_share(ctx, loss_sum: torch.Tensor, count: torch.Tensor, num_items: Any) -> torch.Tensor:
+    """This rank's share of the loss, scaled so that its mean over the CP group is the non-CP loss."""
+    if num_items is not None:
+        return loss_sum / torch.as_tensor(num_items, device=loss_sum.device).to(loss_sum.dtype)
+    world = ctx.world_size if ctx is not None and ctx.world_size > 1 else 1
+    total = count.detach().to(torch.float64).reshape(1)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=ctx.group)
+    return loss_sum * world / total[0].clamp(min=1).to(loss_sum.dtype)

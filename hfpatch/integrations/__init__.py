@@ -1,0 +1,16 @@
+"""hfpatch in the HuggingFace training stack: transformers' ``Trainer``, TRL's ``SFTTrainer`` and accelerate's
+``ParallelismConfig``.
+
+    args = TrainingArguments(..., parallelism_config=ParallelismConfig(dp_shard_size=dp, cp_size=cp))
+    trainer = Trainer(model=model, args=args, ...)          # or trl.SFTTrainer(...)
+    cp = hfpatch.integrations.enable(trainer)               # ring attention over the "cp" mesh dimension
+    trainer.train()
+
+On a CPU-only machine build the trainer inside ``parallelism_config_on_cpu()`` (accelerate refuses a
+``ParallelismConfig`` there; ``hfpatch.integrations.cpu`` says what that context changes). Supported releases:
+``hfpatch.integrations.requirements``. docs/training-stack.md has the whole story.
+"""
+from hfpatch.integrations.cpu import parallelism_config_on_cpu
+from hfpatch.integrations.trainer import TrainerCP, enable
+
+__all__ = ["enable", "TrainerCP", "parallelism_config_on_cpu"]

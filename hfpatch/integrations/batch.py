@@ -1,0 +1,153 @@
+"""One trainer batch -> this rank's part of it under context parallelism.
+
+A batch as transformers' and TRL's collators build it (every rank of a CP group holds the same one):
+``input_ids`` (B, S); ``labels`` (B, S, unshifted) or ``shift_labels`` (already shifted); optional
+``position_ids``; optional ``attention_mask`` (right padding only); TRL's padding-free extras ``cu_seq_lens_q/k``,
+``max_length_q/k``, ``seq_idx`` (one row of packed documents). ``prepare_batch`` returns the inputs of this rank:
+``input_ids`` and GLOBAL ``position_ids`` (within each document when packed) in the ring's layout, and
+``shift_labels`` (already shifted, recognised by the labels hook of ``hfpatch.labels`` and by TRL's fused LM
+head). Everything the ring derives itself is dropped after it has been checked:
+
+- ``attention_mask``: accepted when every row is ones followed by zeros (right padding) and every padded
+  token's label is -100; then, causally, no counted token sees a pad token and dropping the mask is exact.
+  Left padding or holes are refused (``UnsupportedArgument``).
+- ``cu_seq_lens_q/k``: must equal the documents the position ids give (HF's rule: a document starts where the
+  position is 0), else refused; ``max_length_q/k`` and ``seq_idx`` follow from them.
+
+The row is padded at its end to a multiple of 2 x the CP size (the zigzag layout's chunks) with token 0, label
+-100, positions continuing the row (a new document when packed): exact for causal models, and the count of
+labelled tokens (``num_items_in_batch``) is unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.inputs import IGNORE_INDEX
+from hfpatch.semantics import packed_cu_seqlens
+
+__all__ = ["prepare_batch", "PACKING_KEYS"]
+
+# TRL's padding-free collator (and transformers' DataCollatorWithFlattening): derived from the position ids.
+PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def prepare_batch(patch, inputs: Mapping[str, Any]) -> dict:
+    """This rank's inputs for the model (see the module docstring); ``patch``: an active ``hfpatch.Patch``."""
+    rest = dict(inputs)
+    input_ids = rest.pop("input_ids", None)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise UnsupportedArgument(
+            "input_ids", input_ids,
+            "context parallelism splits the token ids of each row; this batch has no 2-D input_ids "
+            f"(keys: {sorted(inputs)}).",
+            "feed token ids (batch, seq_len); inputs_embeds cannot be split by hfpatch.integrations.",
+        )
+    labels = _unshifted_labels(rest.pop("labels", None), rest.pop("shift_labels", None), input_ids)
+    positions = rest.pop("position_ids", None)
+    if positions is not None:
+        positions = positions.to(input_ids.device).expand(input_ids.shape)
+    _check_attention_mask(rest.pop("attention_mask", None), labels, input_ids)
+    packed = _check_packing(rest, positions, input_ids)
+    _refuse_other_sequences(rest, input_ids)
+    input_ids, labels, positions = _pad(input_ids, labels, positions, packed, 2 * patch.ctx.world_size)
+    shard = patch.shard_inputs(input_ids, labels=labels, position_ids=positions)
+    rest.update(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+    if shard["labels"] is not None:
+        rest["shift_labels"] = shard["labels"]
+    return rest
+
+
+def _unshifted_labels(labels, shift, input_ids) -> Optional[torch.Tensor]:
+    """The unshifted labels (HF convention) of the batch: ``labels``, or ``shift_labels`` shifted back."""
+    if shift is None:
+        return labels
+    if labels is not None and not torch.equal(shift[:, :-1], labels[:, 1:].to(shift.device)):
+        raise UnsupportedArgument(
+            "shift_labels", shift, "the batch holds labels and shift_labels that disagree (shift_labels[:, t] must "
+            "be labels[:, t + 1]).", "give one of them.")
+    if shift.shape != input_ids.shape or bool((shift[:, -1] != IGNORE_INDEX).any()):
+        raise UnsupportedArgument(
+            "shift_labels", shift,
+            f"expected shift_labels shaped like input_ids {tuple(input_ids.shape)} whose last position is -100 "
+            "(the last token has no next token).",
+            "pass the unshifted labels instead (HF convention).",
+        )
+    return torch.cat([torch.full_like(shift[:, :1], IGNORE_INDEX), shift[:, :-1]], dim=1)
+
+
+def _check_attention_mask(mask, labels, input_ids) -> None:
+    if mask is None:
+        return
+    mask = mask.to(input_ids.device)
+    if mask.shape != input_ids.shape:
+        raise UnsupportedArgument(
+            "attention_mask", mask, f"a {mask.dim()}-D mask of shape {tuple(mask.shape)}: only a (batch, seq_len) "
+            "padding mask can be checked and dropped under context parallelism.",
+            "let the model build its causal mask (no attention_mask), or pack documents with position ids.")
+    valid = mask != 0
+    right_padded = bool((valid[:, 1:] <= valid[:, :-1]).all())  # once a row has a zero, it has only zeros
+    if not right_padded:
+        raise UnsupportedArgument(
+            "attention_mask", mask,
+            "the mask has zeros before ones in a row (left padding or holes); ring attention runs causal attention "
+            "without a padding mask, so real tokens would attend to those padded ones.",
+            "pad on the right (tokenizer.padding_side = 'right'), or use TRL's padding_free=True.",
+        )
+    if bool(valid.all()):
+        return
+    if labels is None or bool((labels.to(mask.device)[~valid] != IGNORE_INDEX).any()):
+        raise UnsupportedArgument(
+            "attention_mask", mask,
+            "padded tokens (mask 0) have labels other than -100; without the mask they would be counted with "
+            "attention over the padding, unlike the non-CP run.",
+            "label padding -100 (DataCollatorForLanguageModeling and TRL's collators do).",
+        )
+
+
+def _check_packing(rest: dict, positions, input_ids) -> bool:
+    """Pop TRL's padding-free keys after checking them against the position ids; True for a packed row."""
+    found = {key: rest.pop(key) for key in PACKING_KEYS if key in rest}
+    cu = packed_cu_seqlens(positions[0]) if positions is not None and positions.shape[0] == 1 else None
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if key not in found:
+            continue
+        expected = cu if cu is not None else torch.tensor([0, input_ids.shape[1]], dtype=torch.int32)
+        given = found[key]
+        if input_ids.shape[0] != 1 or not torch.equal(given.to("cpu", torch.int64), expected.to("cpu", torch.int64)):
+            raise UnsupportedArgument(
+                key, given,
+                f"the documents it describes differ from those of the position ids ({expected.tolist()}); hfpatch "
+                "derives the documents from the global position ids (each starts at position 0).",
+                "give each document positions 0..len-1 in one row (TRL's padding-free collator does).",
+            )
+    return cu is not None
+
+
+def _refuse_other_sequences(rest: dict, input_ids) -> None:
+    for key, value in rest.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(input_ids.shape):
+            raise UnsupportedArgument(
+                key, value,
+                "a per-token input hfpatch.integrations does not split over the CP ranks (it splits input_ids, "
+                "labels and position_ids).",
+                "drop it from the batch (remove_unused_columns=True), or train without CP.",
+            )
+
+
+def _pad(input_ids, labels, positions, packed: bool, multiple: int):
+    """Pad the rows at their end to a multiple of ``multiple`` tokens (see the module docstring)."""
+    batch, seq = input_ids.shape
+    extra = -seq % multiple
+    if positions is None:
+        positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
+    if extra == 0:
+        return input_ids, labels, positions
+    input_ids = torch.cat([input_ids, input_ids.new_zeros(batch, extra)], dim=1)
+    if labels is not None:
+        labels = torch.cat([labels, labels.new_full((batch, extra), IGNORE_INDEX)], dim=1)
+    tail = torch.arange(extra, device=positions.device).unsqueeze(0).expand(batch, extra)
+    start = 0 if packed else positions[:, -1:] + 1
+    return input_ids, labels, torch.cat([positions, tail + start], dim=1)

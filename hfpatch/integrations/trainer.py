@@ -1,0 +1,195 @@
+"""``enable(trainer)``: context parallelism through hfpatch for transformers' ``Trainer`` and TRL's ``SFTTrainer``.
+
+What the stack keeps: accelerate's ``ParallelismConfig(dp_shard_size=D, cp_size=C)`` builds the mesh and gives every
+rank of a CP group the same batch; accelerate shards the model over dp x cp (FSDP2 on GPUs; DDP over every rank on
+CPU) and averages the gradients there. What ``enable`` replaces, on this trainer instance only (``remove()`` undoes
+it):
+
+- ``Trainer._prepare_context_parallel_inputs`` (SDPA only, PyTorch's ``context_parallel`` buffers) ->
+  ``hfpatch.integrations.batch.prepare_batch``: this rank's ``input_ids``, global ``position_ids`` and
+  ``shift_labels`` in the ring's layout, packed documents from the position ids (TRL's padding-free batches);
+- accelerate's ``_prepare_cp`` (PyTorch CP hooks that drop the attention mask and refuse every non-full-attention
+  layer) -> nothing: attention is hfpatch's ring, installed by ``hfpatch.apply(mesh["cp"], model=model)``;
+- ``trainer.compute_loss`` runs inside ``hfpatch.labels.averaged_over_group()``: each rank's loss is its share of
+  the token-weighted loss of the global batch, scaled so that the trainer's own reductions (the mean of the logged
+  loss over every rank, gradients averaged over dp x cp) give exactly the non-CP loss and gradient, with
+  ``num_items_in_batch`` and gradient accumulation as the trainer handles them without CP.
+
+Without CP (no ``ParallelismConfig``, or ``cp_size=1``) ``enable`` changes nothing: the same script trains without
+CP. With ``on_unsupported="fallback"`` and a model or release hfpatch refuses, every rank of a CP group computes
+the whole batch with the model's own attention, and the loss is rescaled so that the result is still the non-CP
+one (the CP ranks then only repeat work).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Optional
+
+import torch
+
+from hfpatch.errors import UnsupportedArgument
+
+__all__ = ["enable", "TrainerCP"]
+
+logger = logging.getLogger("hfpatch")
+
+_REPLACED = ("_prepare_context_parallel_inputs", "compute_loss")
+
+
+def _is_sft_trainer(trainer) -> bool:
+    trl = sys.modules.get("trl")
+    return trl is not None and isinstance(trainer, getattr(trl, "SFTTrainer", ()))
+
+
+class TrainerCP:
+    """What ``enable`` installed on one trainer. ``patch``: the ``hfpatch.Patch`` (inactive without CP);
+    ``cp_size``: the CP size of the trainer's ``ParallelismConfig`` (1 without); ``active``: True when the ring
+    runs (``patch.active``); ``fallback``: True when CP was asked for but hfpatch fell back (``patch.reason``)."""
+
+    def __init__(self, trainer, patch, cp_size: int) -> None:
+        self.trainer = trainer
+        self.patch = patch
+        self.cp_size = cp_size
+        self.active = bool(patch.active)
+        self.fallback = cp_size > 1 and not patch.active
+        self._installed: dict = {}
+        self._removed = False
+
+    def __repr__(self) -> str:
+        state = "ring" if self.active else ("fallback: " + str(self.patch.reason) if self.fallback else "no CP")
+        return f"<hfpatch.integrations.TrainerCP {type(self.trainer).__name__} cp={self.cp_size} {state}>"
+
+    # ------------------------------------------------------------------------------------------- install
+    def _install(self) -> None:
+        if self.cp_size == 1:
+            return
+        trainer = self.trainer
+        self._original_compute_loss = trainer.compute_loss
+        self._installed = {
+            (trainer, "_prepare_context_parallel_inputs"): self._prepare_inputs,
+            (trainer, "compute_loss"): self._compute_loss,
+            (trainer.accelerator, "_prepare_cp"): self._without_torch_cp,
+        }
+        for (owner, name), replacement in self._installed.items():
+            setattr(owner, name, replacement)
+
+    def remove(self) -> None:
+        """Restore the trainer's and the accelerator's own methods and remove the hfpatch patch. Twice: error."""
+        if self._removed:
+            raise RuntimeError(f"{self!r} was already removed")
+        self._removed = True
+        for (owner, name), replacement in self._installed.items():
+            if owner.__dict__.get(name) is replacement:
+                delattr(owner, name)
+        self.patch.remove()
+
+    # ------------------------------------------------------------------------------ the replaced steps
+    def _without_torch_cp(self, *args):
+        """accelerate's ``_prepare_cp`` attaches PyTorch CP hooks to the model; hfpatch's ring replaces them."""
+        return args
+
+    def _prepare_inputs(self, model, inputs):
+        import contextlib
+
+        from hfpatch.integrations.batch import prepare_batch
+
+        if not self.active:
+            return contextlib.nullcontext, inputs
+        return contextlib.nullcontext, prepare_batch(self.patch, inputs)
+
+    def _compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        from hfpatch.labels import averaged_over_group
+
+        if self.fallback:
+            return self._fallback_loss(model, inputs, return_outputs, num_items_in_batch)
+        if num_items_in_batch is None and _is_sft_trainer(self.trainer) and self.trainer.model.training:
+            raise UnsupportedArgument(
+                "num_items_in_batch", None,
+                "SFTTrainer divides each rank's loss by the local token count when the trainer passes no "
+                "num_items_in_batch; under CP that is a per-rank mean, not the loss of the global batch.",
+                "keep average_tokens_across_devices and a model whose forward accepts loss kwargs (every causal LM "
+                "of transformers 5 does).",
+            )
+        with averaged_over_group():
+            return self._original_compute_loss(model, inputs, return_outputs=return_outputs,
+                                               num_items_in_batch=num_items_in_batch)
+
+    def _fallback_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """Every CP rank holds the whole batch. The trainer divided ``num_items_in_batch`` by the CP size (for ranks
+        that share a batch) and, with ``average_tokens_across_devices``, multiplies the loss by the number of
+        processes (which counts the CP ranks): undo both, so the mean over every rank is the non-CP loss."""
+        cp = self.cp_size
+        if num_items_in_batch is not None:
+            num_items_in_batch = num_items_in_batch * cp
+        result = self._original_compute_loss(model, inputs, return_outputs=return_outputs,
+                                             num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is None or not self.trainer.args.average_tokens_across_devices:
+            return result
+        if return_outputs:
+            return result[0] / cp, result[1]
+        return result / cp
+
+
+def _cp_mesh(trainer):
+    """(the CP mesh or None, cp_size); refuses what the integration does not combine with CP."""
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is None or not pc.cp_enabled:
+        return None, 1
+    for name in ("tp_size", "sp_size"):
+        if getattr(pc, name, 1) and getattr(pc, name, 1) > 1:
+            raise UnsupportedArgument(
+                f"parallelism_config.{name}", getattr(pc, name),
+                "hfpatch.integrations combines context parallelism with data parallelism (dp_shard / "
+                "dp_replicate) only.", f"set {name}=1.")
+    return trainer.accelerator.torch_device_mesh["cp"], pc.cp_size
+
+
+def _refuse_unsupported_losses(trainer) -> None:
+    if getattr(trainer, "label_smoother", None) is not None:
+        raise UnsupportedArgument(
+            "label_smoothing_factor", trainer.args.label_smoothing_factor,
+            "the label smoother shifts this rank's shard of the labels itself under CP.", "set it to 0.")
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        raise UnsupportedArgument(
+            "compute_loss_func", trainer.compute_loss_func,
+            "it receives this rank's logits and the unshifted labels of a shard.",
+            "compute the loss in a compute_loss override from outputs.logits and inputs['shift_labels'] "
+            "(hfpatch.inputs.token_loss_sum), or train without CP.")
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise UnsupportedArgument(
+            "router_aux_loss_coef", getattr(trainer, "router_aux_loss_coef", None),
+            "the mixture-of-experts load-balancing loss would be computed from this rank's tokens only.",
+            "set router_aux_loss_coef=0.0 under CP.")
+
+
+def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", verify: Any = True) -> TrainerCP:
+    """Give ``trainer`` (a transformers ``Trainer`` or TRL ``SFTTrainer``, built, not yet trained) context
+    parallelism over the "cp" dimension of its ``ParallelismConfig``; returns the ``TrainerCP`` handle.
+
+    Call it on every rank after building the trainer and before ``trainer.train()``. ``kernel``,
+    ``on_unsupported`` and ``verify`` are ``hfpatch.apply``'s. Without a ``ParallelismConfig`` or with
+    ``cp_size=1`` it applies nothing and the trainer trains as it would without hfpatch.
+
+    Raises ``UnsupportedRelease`` for transformers / accelerate / TRL older than
+    ``hfpatch.integrations.requirements``; ``UnsupportedArgument`` for what it cannot combine with CP (tensor or
+    sequence parallelism, label smoothing, ``compute_loss_func``, a MoE auxiliary loss); ``RuntimeError`` when the
+    trainer was already prepared (``train()`` ran).
+    """
+    import hfpatch
+    from hfpatch.integrations.requirements import check_releases
+
+    check_releases(trl=_is_sft_trainer(trainer))
+    if getattr(trainer.accelerator, "_models", None):
+        raise RuntimeError("hfpatch.integrations.enable(trainer) must run before trainer.train(): the accelerator "
+                           "has already prepared the model. Fix: call it right after building the trainer.")
+    mesh, cp_size = _cp_mesh(trainer)
+    if cp_size > 1:
+        _refuse_unsupported_losses(trainer)
+    model = trainer.model
+    patch = hfpatch.apply(mesh, model=model, kernel=kernel, on_unsupported=on_unsupported, verify=verify)
+    handle = TrainerCP(trainer, patch, cp_size)
+    handle._install()
+    trainer.hfpatch_cp = handle
+    logger.info("hfpatch.integrations: %r", handle)
+    return handle

@@ -1,0 +1,130 @@
+"""Launched by tests/test_integrations.py with torchrun / accelerate launch (as a user launches a training script):
+runs several trainer cases in one launch and writes, per case, the logged loss and grad norm of every optimiser
+step and the final parameters (rank 0) to ``--out``.
+
+A case is ``model:kind:dp:cp``: model a tiny family of ``hfpatch._models``; kind ``trainer`` (transformers'
+Trainer, rows of one document, some labels -100), ``sft_plain`` (TRL SFTTrainer, right-padded rows of one
+document each, attention mask) or ``sft_packed`` (TRL SFTTrainer, padding-free rows of bin-packed documents:
+position ids and cu_seq_lens); the world must be dp x cp processes. cp == 1 is the non-CP run of the same script
+(same global batches); cp > 1 runs through ``hfpatch.integrations.enable``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+STEPS = 3
+BATCH = 2          # per device (per CP group)
+ACCUMULATION = 2   # micro-batches per optimiser step: num_items_in_batch spans both
+LR = 0.1
+VOCAB = 128
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
+                                   pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _documents(count: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 21, (count,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _dataset(kind: str):
+    from datasets import Dataset
+
+    if kind == "trainer":  # rows of 22 tokens (not a multiple of 2 x cp: padded by the integration)
+        docs = [(d * 5)[:22] for d in _documents(32, 1)]
+        return Dataset.from_dict({"input_ids": docs, "labels": [[-100] * 3 + d[3:] for d in docs]})
+    if kind == "sft_plain":
+        return Dataset.from_dict({"input_ids": _documents(32, 2)})
+    from trl import pack_dataset
+
+    return pack_dataset(Dataset.from_dict({"input_ids": _documents(96, 3)}), 32, strategy="bfd")
+
+
+def _arguments(kind: str, out: str, dp: int, cp: int):
+    common = dict(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR,
+                  gradient_accumulation_steps=ACCUMULATION,
+                  optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                  use_cpu=True, dataloader_drop_last=True, disable_tqdm=True, bf16=False)
+    if dp * cp > 1:
+        from accelerate import ParallelismConfig
+
+        common["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, cp_size=cp)
+    if kind == "trainer":
+        from transformers import TrainingArguments
+
+        return TrainingArguments(**common)
+    from trl import SFTConfig
+
+    return SFTConfig(**common, padding_free=kind == "sft_packed", max_length=None, dataset_num_proc=None)
+
+
+def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str):
+    import hfpatch.integrations
+    from hfpatch._models import build_model
+
+    model = build_model(model_name)
+    args = _arguments(kind, out, dp, cp)
+    dataset = _dataset(kind)
+    with hfpatch.integrations.parallelism_config_on_cpu():
+        if kind == "trainer":
+            from transformers import Trainer, default_data_collator
+
+            trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator)
+        else:
+            from trl import SFTTrainer
+
+            trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer())
+    return trainer, hfpatch.integrations.enable(trainer)
+
+
+def run_case(spec: str, out_dir: str) -> dict:
+    from accelerate.state import AcceleratorState, PartialState
+
+    model_name, kind, dp, cp = spec.split(":")
+    dp, cp = int(dp), int(cp)
+    trainer, handle = _trainer(model_name, kind, dp, cp, os.path.join(out_dir, "trainer"))
+    try:
+        trainer.train()
+    finally:
+        handle.remove()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    result = {"case": spec, "loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
+              "active": handle.active, "calls": sum(handle.patch.calls.values())}
+    if PartialState().process_index == 0:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+                   os.path.join(out_dir, spec.replace(":", "_") + ".pt"))
+    AcceleratorState._reset_state(reset_partial_state=False)
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("cases", nargs="+")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    results = [run_case(spec, args.out) for spec in args.cases]
+    from accelerate.state import PartialState
+
+    if PartialState().process_index == 0:
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

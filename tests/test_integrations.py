@@ -1,0 +1,113 @@
+"""``hfpatch.integrations`` end to end: transformers' Trainer and TRL's SFTTrainer with accelerate's
+``ParallelismConfig``, launched as a user launches them (``torchrun``, ``accelerate launch``), on gloo CPU processes.
+
+Every case of ``tests/_trainer_cases.py`` (model family x trainer kind) trains 3 optimiser steps of 2 accumulated
+micro-batches with SGD and gradient clipping, once with CP through ``hfpatch.integrations.enable`` and once
+without CP (the same script, same seed, same global batches: the trainer with ``cp_size=1``). Per step the logged
+loss and grad norm, and the final parameters, must be equal (fp32: loss and grad norm within 1e-5 relative,
+parameters within 2e-6; measured 1e-7 relative and 1.2e-7 absolute), and the CP run must have run the ring in
+every attention layer of every micro-batch.
+
+Three launches (the costly part is starting processes and building trainers, so each runs many cases):
+
+    torchrun --nproc-per-node 1        the non-CP runs of dp=1 (for the 1x2 cases)
+    accelerate launch --num_processes 2  dp=1 x cp=2 for every case, and the non-CP runs of dp=2
+    torchrun --nproc-per-node 4        dp=2 x cp=2, one kind per model family (every family and every kind once)
+
+``HFPATCH_TEST_TRAINER_FULL=1`` runs every case at 2x2 too (about 1.5 min more on 2 cores).
+Families: llama; gemma2 (sliding window on every other layer, attention and final logit softcapping); qwen2
+(biased q/k/v projections), all exact in MODELS.md. Kinds: ``trainer`` (Trainer, fixed-length rows padded by the
+integration, prompt labels -100), ``sft_plain`` (SFTTrainer, right-padded rows with an attention mask),
+``sft_packed`` (SFTTrainer, padding-free rows of bin-packed documents: position ids and cu_seq_lens).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="hfpatch.integrations needs accelerate (pip install 'hfpatch[trainer]')")
+pytest.importorskip("trl", reason="hfpatch.integrations' SFTTrainer cases need TRL (pip install 'hfpatch[trainer]')")
+pytest.importorskip("datasets", reason="the trainer cases build datasets (pip install 'hfpatch[trainer]')")
+
+from hfpatch.integrations import requirements  # noqa: E402
+
+for _name, _minimum in (("transformers", requirements.TRANSFORMERS_MIN), ("accelerate", requirements.ACCELERATE_MIN),
+                        ("trl", requirements.TRL_MIN)):
+    _found = requirements.installed(_name)
+    if _found is None or _found < _minimum:
+        pytest.skip(f"hfpatch.integrations supports {_name}>={_minimum}; {_found} is installed "
+                    "(tests/test_integrations_units.py checks the refusal)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "_trainer_cases.py"
+LOSS_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-5
+PARAM_ATOL = 2e-6
+MODELS = ("llama", "gemma2", "qwen2")
+KINDS = ("trainer", "sft_plain", "sft_packed")
+CASES = [f"{model}:{kind}" for model in MODELS for kind in KINDS]
+# 2x2: every family and every kind once (all nine with HFPATCH_TEST_TRAINER_FULL=1).
+CASES_2X2 = CASES if os.environ.get("HFPATCH_TEST_TRAINER_FULL") == "1" else \
+    ["llama:trainer", "gemma2:sft_packed", "qwen2:sft_plain"]
+LAYERS, MICRO_BATCHES = 2, 3 * 2   # tiny models: 2 layers; 3 steps x 2 accumulated micro-batches
+
+
+def _launch(launcher: list, cases: list, out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
+    command = [sys.executable, "-m", *launcher, str(SCRIPT), "--out", str(out), *cases]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=480)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-6000:]}")
+    return {r["case"]: dict(r, out=out) for r in json.loads((out / "results.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("trainer_cases")
+    results = {}
+    results.update(_launch(["torch.distributed.run", "--nproc-per-node", "1"],
+                           [f"{c}:1:1" for c in CASES], base / "world1"))
+    results.update(_launch(["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+                            "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+                           [f"{c}:1:2" for c in CASES] + [f"{c}:2:1" for c in CASES_2X2], base / "world2"))
+    results.update(_launch(["torch.distributed.run", "--nproc-per-node", "4"],
+                           [f"{c}:2:2" for c in CASES_2X2], base / "world4"))
+    return results
+
+
+def _parameters(run: dict) -> dict:
+    return torch.load(run["out"] / (run["case"].replace(":", "_") + ".pt"))
+
+
+def _compare(runs: dict, case: str, dp: int) -> None:
+    cp_run, reference = runs[f"{case}:{dp}:2"], runs[f"{case}:{dp}:1"]
+    assert cp_run["active"] and not reference["active"]
+    assert cp_run["calls"] == LAYERS * MICRO_BATCHES, "the ring did not run in every layer of every micro-batch"
+    assert len(cp_run["loss"]) == len(reference["loss"]) == 3
+    torch.testing.assert_close(torch.tensor(cp_run["loss"]), torch.tensor(reference["loss"]),
+                               rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(cp_run["grad_norm"]), torch.tensor(reference["grad_norm"]),
+                               rtol=GRAD_NORM_RTOL, atol=0)
+    cp_params, ref_params = _parameters(cp_run), _parameters(reference)
+    assert cp_params.keys() == ref_params.keys()
+    worst = max((cp_params[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    assert worst <= PARAM_ATOL, f"{case} dp={dp} cp=2: parameters differ by {worst:.3g} after 3 steps"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cp_1x2_equals_non_cp(runs, case):
+    _compare(runs, case, dp=1)
+
+
+@pytest.mark.parametrize("case", CASES_2X2)
+def test_cp_2x2_equals_non_cp(runs, case):
+    _compare(runs, case, dp=2)

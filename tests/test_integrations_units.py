@@ -1,0 +1,209 @@
+"""``hfpatch.integrations`` in one process: the release gates, the CPU-only accelerate context, the batch
+preparation's padding and refusals, the loss conventions of ``hfpatch.labels.averaged_over_group`` and TRL's fused
+LM head, and ``enable`` without CP (the trainer left exactly as it was). The multi-process equality of whole
+training runs is tests/test_integrations.py."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from hfpatch.errors import UnsupportedArgument, UnsupportedRelease
+from hfpatch.integrations import batch, requirements
+
+IGNORE = -100
+
+
+class _StubPatch:
+    """What prepare_batch reads of a Patch: ``ctx.world_size`` and ``shard_inputs`` (recorded, identity split)."""
+
+    def __init__(self, world_size: int = 2) -> None:
+        self.ctx = types.SimpleNamespace(world_size=world_size)
+        self.seen = None
+
+    def shard_inputs(self, input_ids, labels=None, position_ids=None):
+        self.seen = (input_ids, labels, position_ids)
+        shifted = None if labels is None else torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], 1)
+        return {"input_ids": input_ids, "position_ids": position_ids, "labels": shifted}
+
+
+# ----------------------------------------------------------------------------------------------- releases
+
+
+@pytest.mark.parametrize("distribution, minimum", [("transformers", requirements.TRANSFORMERS_MIN),
+                                                   ("accelerate", requirements.ACCELERATE_MIN),
+                                                   ("trl", requirements.TRL_MIN)])
+def test_older_release_is_refused_by_name(monkeypatch, distribution, minimum):
+    from packaging.version import Version
+
+    newest = {"transformers": Version("5.23.0"), "accelerate": Version("1.15.0"), "trl": Version("1.16.0")}
+    older = Version(f"{minimum.major}.{minimum.minor - 1}.0") if minimum.minor else Version(f"{minimum.major - 1}.99")
+    monkeypatch.setattr(requirements, "installed", lambda name: older if name == distribution else newest[name])
+    with pytest.raises(UnsupportedRelease, match=f"{distribution}>={minimum}") as info:
+        requirements.check_releases(trl=True)
+    assert info.value.requirement == f"{distribution}>={minimum}"
+    if distribution == "trl":
+        requirements.check_releases(trl=False)   # a plain Trainer does not need TRL
+
+
+def test_missing_package_is_refused(monkeypatch):
+    monkeypatch.setattr(requirements, "installed", lambda name: None if name == "accelerate" else
+                        requirements.Version("99.0"))
+    with pytest.raises(UnsupportedRelease, match="accelerate>=.*is not installed"):
+        requirements.check_releases(trl=False)
+
+
+# ---------------------------------------------------------------------------------------------------- CPU
+
+
+def test_cpu_context_restores_accelerate_by_identity():
+    pytest.importorskip("accelerate")
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hfpatch.integrations import parallelism_config_on_cpu
+
+    original = ParallelismConfig.__dict__["_validate_accelerator"]
+    with pytest.raises(KeyError):
+        with parallelism_config_on_cpu():
+            assert ParallelismConfig.__dict__["_validate_accelerator"].__wrapped__ is original
+            raise KeyError("inside")
+    assert ParallelismConfig.__dict__["_validate_accelerator"] is original
+
+
+# -------------------------------------------------------------------------------------------------- batch
+
+
+def test_rows_are_padded_to_the_zigzag_multiple_with_ignored_labels():
+    patch = _StubPatch(world_size=2)
+    ids = torch.arange(2 * 6).reshape(2, 6) + 3
+    out = batch.prepare_batch(patch, {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(2, 6)})
+    padded_ids, labels, positions = patch.seen
+    assert padded_ids.shape == (2, 8) and bool((padded_ids[:, 6:] == 0).all())
+    assert bool((labels[:, 6:] == IGNORE).all()) and torch.equal(labels[:, :6], ids)
+    assert torch.equal(positions, torch.arange(8).expand(2, 8))         # positions continue the row
+    assert set(out) == {"input_ids", "position_ids", "shift_labels"}    # the mask is dropped after the check
+
+
+def test_packed_row_keeps_documents_and_pads_with_a_new_document():
+    patch = _StubPatch(world_size=2)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
+    cu = torch.tensor([0, 3, 5, 10], dtype=torch.int32)
+    ids = torch.arange(10)[None] + 3
+    out = batch.prepare_batch(patch, {"input_ids": ids, "labels": ids, "position_ids": positions,
+                                      "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 5,
+                                      "max_length_k": 5, "seq_idx": torch.zeros(1, 10, dtype=torch.int32)})
+    assert torch.equal(patch.seen[2], torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 0, 1]]))
+    assert not set(out) & set(batch.PACKING_KEYS)
+
+
+def test_shift_labels_are_shifted_back_to_labels():
+    patch = _StubPatch(world_size=2)
+    labels = torch.tensor([[IGNORE, 5, 6, 7]])
+    shift = torch.tensor([[5, 6, 7, IGNORE]])
+    batch.prepare_batch(patch, {"input_ids": torch.tensor([[3, 4, 5, 6]]), "shift_labels": shift})
+    assert torch.equal(patch.seen[1], labels)
+
+
+@pytest.mark.parametrize("extra, parameter", [
+    ({"attention_mask": torch.tensor([[0, 1, 1, 1]])}, "attention_mask"),                   # left padding
+    ({"attention_mask": torch.tensor([[1, 1, 1, 0]])}, "attention_mask"),                   # pad token counted
+    ({"position_ids": torch.tensor([[0, 1, 0, 1]]),
+      "cu_seq_lens_q": torch.tensor([0, 3, 4], dtype=torch.int32)}, "cu_seq_lens_q"),       # other documents
+    ({"token_type_ids": torch.zeros(1, 4, dtype=torch.long)}, "token_type_ids"),            # unsplit per-token
+    ({"shift_labels": torch.tensor([[9, 9, 9, 9]])}, "shift_labels"),                       # disagrees with labels
+])
+def test_what_cannot_be_made_exact_is_refused_by_name(extra, parameter):
+    inputs = {"input_ids": torch.tensor([[3, 4, 5, 6]]), "labels": torch.tensor([[3, 4, 5, 6]]), **extra}
+    with pytest.raises(UnsupportedArgument) as info:
+        batch.prepare_batch(_StubPatch(), inputs)
+    assert info.value.parameter == parameter and info.value.fix
+
+
+def test_right_padding_with_ignored_labels_is_accepted():
+    inputs = {"input_ids": torch.tensor([[3, 4, 5, 0]]), "labels": torch.tensor([[3, 4, 5, IGNORE]]),
+              "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    assert "attention_mask" not in batch.prepare_batch(_StubPatch(), inputs)
+
+
+# ------------------------------------------------------------------------------------------------- labels
+
+
+def _hooked_model(world_size: int):
+    from hfpatch._models import build_model
+    from hfpatch.labels import install_labels_hook
+
+    model = build_model("llama")
+    ctx = types.SimpleNamespace(world_size=world_size, group=None)
+    return model, install_labels_hook(model, lambda: ctx)
+
+
+def test_averaged_share_without_cp_is_the_model_loss():
+    from hfpatch.labels import averaged_over_group
+
+    model, hooks = _hooked_model(world_size=1)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], 1)
+    own = model(input_ids=ids, labels=ids).loss
+    with averaged_over_group():
+        share = model(input_ids=ids, shift_labels=shift).loss
+        counted = model(input_ids=ids, shift_labels=shift, num_items_in_batch=torch.tensor(15.0)).loss
+    torch.testing.assert_close(share, own)
+    torch.testing.assert_close(counted, own * 30 / 15)      # the trainer's divisor, as given
+    for hook in hooks:
+        hook.remove()
+
+
+def test_fused_lm_head_under_cp_needs_shift_labels_and_the_averaged_convention():
+    from hfpatch.labels import averaged_over_group
+
+    model, hooks = _hooked_model(world_size=2)
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(UnsupportedArgument) as info:
+        model(input_ids=ids, shift_labels=ids, fused_lm_head=True)
+    assert info.value.parameter == "fused_lm_head"
+    with averaged_over_group(), pytest.raises(UnsupportedArgument) as info:
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert info.value.parameter == "labels"
+    for hook in hooks:
+        hook.remove()
+
+
+# ------------------------------------------------------------------------------------------------- enable
+
+
+def test_enable_without_cp_leaves_the_trainer_as_it_was(tmp_path):
+    pytest.importorskip("accelerate")
+    for name, minimum in (("transformers", requirements.TRANSFORMERS_MIN),
+                          ("accelerate", requirements.ACCELERATE_MIN)):
+        found = requirements.installed(name)
+        if found is None or found < minimum:
+            pytest.skip(f"hfpatch.integrations supports {name}>={minimum}; {found} is installed")
+    from transformers import Trainer, TrainingArguments
+
+    import hfpatch.integrations
+    from hfpatch._models import build_model
+
+    trainer = Trainer(model=build_model("llama"), args=TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1))
+    handle = hfpatch.integrations.enable(trainer)
+    assert not handle.active and not handle.fallback and handle.cp_size == 1
+    assert "compute_loss" not in vars(trainer) and "_prepare_context_parallel_inputs" not in vars(trainer)
+    assert trainer.hfpatch_cp is handle
+    handle.remove()
+    with pytest.raises(RuntimeError, match="already removed"):
+        handle.remove()
+
+
+def test_losses_that_see_a_shard_are_refused():
+    from hfpatch.integrations.trainer import _refuse_unsupported_losses
+
+    base = dict(label_smoother=None, compute_loss_func=None, aux_loss_enabled=False,
+                args=types.SimpleNamespace(label_smoothing_factor=0.1))
+    _refuse_unsupported_losses(types.SimpleNamespace(**base))
+    for field, value, parameter in (("label_smoother", object(), "label_smoothing_factor"),
+                                    ("compute_loss_func", len, "compute_loss_func"),
+                                    ("aux_loss_enabled", True, "router_aux_loss_coef")):
+        with pytest.raises(UnsupportedArgument) as info:
+            _refuse_unsupported_losses(types.SimpleNamespace(**{**base, field: value}))
+        assert info.value.parameter == parameter
