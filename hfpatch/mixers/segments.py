@@ -98,6 +98,20 @@ class _AllGather(torch.autograd.Function):
         return grad[ctx.rank], None, None, None
 
 
+class _Tie(torch.autograd.Function):
+    """``state`` unchanged; its backward also gives ``anchor`` a zero gradient, so that a rank whose outputs read
+    no other rank's summary (rank 0 of the contiguous layout) still runs the all-gather's backward collective."""
+
+    @staticmethod
+    def forward(ctx, state, anchor):
+        ctx.anchor_shape, ctx.anchor_dtype = anchor.shape, anchor.dtype
+        return state.view_as(state)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_zeros(ctx.anchor_shape, dtype=ctx.anchor_dtype)
+
+
 def all_gather_differentiable(x: torch.Tensor, group, rank: int, world_size: int) -> torch.Tensor:
     """Every rank's ``x`` stacked in rank order: (world, *x.shape). Collective; differentiable (the backward is
     one all-reduce of the gradient, then this rank's slice)."""
@@ -152,7 +166,7 @@ class SegmentPlan:
         summaries: one per local segment (local order): a tensor or tuple of tensors, same shapes and dtype for
                    every segment and rank (the segment's zero-start summary).
         compose:   ``(state entering a segment, that segment's summary as a tuple, the Segment) -> state leaving
-                   it``; applied in global order from ``initial`` (the state before the first token).
+                   it``; applied in global order from ``initial`` (a tensor: the state before the first token).
         One all-gather; differentiable through the summaries, ``compose`` and ``initial``.
         """
         rows = [_as_tuple(s) for s in summaries]
@@ -163,7 +177,8 @@ class SegmentPlan:
         gathered = all_gather_differentiable(flat, self.group, self.rank, self.world_size)
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         entering: dict[int, Any] = {}
-        state = initial
+        # Every rank's outputs depend on the gathered tensor, so every rank joins its backward all-reduce.
+        state = _Tie.apply(initial, gathered) if torch.is_grad_enabled() and gathered.requires_grad else initial
         last = max(s.global_start for s in self.local)
         for segment in self.segments:
             if segment.rank == self.rank:
