@@ -5,7 +5,8 @@ Every case of ``tests/_trainer_cases.py`` (model family x trainer kind) trains 3
 micro-batches with SGD and gradient clipping, once with CP through ``hfpatch.integrations.enable`` and once
 without CP (the same script, same seed, same global batches: the trainer with ``cp_size=1``). Per step the logged
 loss and grad norm, and the final parameters, must be equal (fp32: loss and grad norm within 1e-5 relative,
-parameters within 2e-6; measured 1e-7 relative and 1.2e-7 absolute), and the CP run must have run the ring in
+parameters within 2e-6; measured over all 18 pairs: loss 1.7e-7 and grad norm 3.6e-7 relative, parameters
+1.2e-7 absolute), and the CP run must have run the ring in
 every attention layer of every micro-batch.
 
 Three launches (the costly part is starting processes and building trainers, so each runs many cases):
@@ -14,7 +15,7 @@ Three launches (the costly part is starting processes and building trainers, so 
     accelerate launch --num_processes 2  dp=1 x cp=2 for every case, and the non-CP runs of dp=2
     torchrun --nproc-per-node 4        dp=2 x cp=2, one kind per model family (every family and every kind once)
 
-``HFPATCH_TEST_TRAINER_FULL=1`` runs every case at 2x2 too (about 1.5 min more on 2 cores).
+``HFPATCH_TEST_TRAINER_FULL=1`` runs every case at 2x2 too (175 s instead of 155 s on 2 cores).
 Families: llama; gemma2 (sliding window on every other layer, attention and final logit softcapping); qwen2
 (biased q/k/v projections), all exact in MODELS.md. Kinds: ``trainer`` (Trainer, fixed-length rows padded by the
 integration, prompt labels -100), ``sft_plain`` (SFTTrainer, right-padded rows with an attention mask),
