@@ -137,9 +137,10 @@ def _cp_mesh(trainer):
     if pc is None or not pc.cp_enabled:
         return None, 1
     for name in ("tp_size", "sp_size"):
-        if getattr(pc, name, 1) and getattr(pc, name, 1) > 1:
+        size = getattr(pc, name, None) or 1
+        if size > 1:
             raise UnsupportedArgument(
-                f"parallelism_config.{name}", getattr(pc, name),
+                f"parallelism_config.{name}", size,
                 "hfpatch.integrations combines context parallelism with data parallelism (dp_shard / "
                 "dp_replicate) only.", f"set {name}=1.")
     return trainer.accelerator.torch_device_mesh["cp"], pc.cp_size
