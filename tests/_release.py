@@ -42,18 +42,3 @@ SAME_WORKER = {
     "tests/test_compat_ring_flash_attn.py": "tests/_compat_world.py",
 }
 
-
-# OPEN (the zero-silent issue, item 6): on these releases the model sweep's tiny builds or verdicts fail (not-built
-# share, falcon_h1 hybrid pattern, dbrx/gemma3/zamba2/modernbert builds) and are not fixed yet. A known gap listed so
-# the rest of the matrix runs; it is not a pass. Remove a release once its sweep passes.
-SWEEP_NOT_YET_PASSING = {"4.53.3", "4.54.1", "5.0.0", "5.19.0"}
-
-
-def skip_if_sweep_not_yet_passing() -> None:
-    """Skip the calling sweep test module on a release in ``SWEEP_NOT_YET_PASSING`` (module level)."""
-    import pytest
-    import transformers
-
-    if transformers.__version__ in SWEEP_NOT_YET_PASSING:
-        pytest.skip(f"model sweep not yet passing on transformers {transformers.__version__} (open gap: "
-                    "tests/_release.py)", allow_module_level=True)

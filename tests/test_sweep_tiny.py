@@ -10,14 +10,11 @@ import time
 
 import pytest
 
-from _release import skip_if_sweep_not_yet_passing
-
-skip_if_sweep_not_yet_passing()
 import torch
 
 from hfpatch.sweep.catalog import CatalogEntry, flash_causal_lm_classes
 from hfpatch.sweep.tiny import (
-    HYBRID_KINDS, TINY_VOCAB, NotBuilt, build_tiny, layer_kinds, tiny_config)
+    HYBRID_KINDS, TINY_VOCAB, NotBuilt, build_tiny, layer_kinds, tiny_config, training_inputs)
 
 # Measured on 2 shared CPU cores (transformers 5.23): median ~0.02 s, max ~0.4 s. The budget leaves room for
 # a loaded machine; a class that takes seconds has a size the shrink missed.
@@ -96,7 +93,7 @@ def test_eager_forward_gives_finite_logits_and_gradients(entry):
         pytest.skip(f"not built: {reason}")
     ids = torch.randint(0, TINY_VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1234))
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, use_cache=False).logits
+    logits = model(input_ids=ids, use_cache=False, **training_inputs(model, ids)).logits
     assert tuple(logits.shape) == (BATCH, SEQ, TINY_VOCAB)
     assert torch.isfinite(logits).all()
     # initializer_range 0.2: logits far from uniform (a wrong mask or window would change the loss visibly).
@@ -107,7 +104,7 @@ def test_eager_forward_gives_finite_logits_and_gradients(entry):
     assert grads and all(torch.isfinite(g).all() for g in grads)
     # Train mode and still deterministic: no dropout, layer drop, router jitter or sampling left.
     with torch.no_grad():
-        again = model(input_ids=ids, use_cache=False).logits
+        again = model(input_ids=ids, use_cache=False, **training_inputs(model, ids)).logits
     assert torch.equal(again, logits.detach())
     model.zero_grad(set_to_none=True)
 

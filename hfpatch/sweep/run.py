@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hfpatch.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+from hfpatch.sweep.tiny import training_inputs
 
 __all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "check_class", "run_sweep"]
 
@@ -120,7 +121,8 @@ def _non_cp_step(model, ids) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
     with hfpatch.switch("local"):
-        loss = _loss_of(model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False))
+        loss = _loss_of(model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False,
+                              **training_inputs(model, ids)))
         loss.backward()
     return loss.item(), _grads(model)
 
@@ -129,7 +131,7 @@ def _cp_step(patch, model, ids, group) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     batch = patch.shard_inputs(ids, labels=ids)
     loss = _loss_of(model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                          use_cache=False))
+                          use_cache=False, **training_inputs(model, batch["input_ids"])))
     loss.backward()
     return loss.item(), _grads(model, group)
 

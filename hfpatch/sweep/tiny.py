@@ -34,7 +34,8 @@ import torch
 
 from hfpatch.sweep.catalog import CatalogEntry
 
-__all__ = ["TINY_VOCAB", "HYBRID_KINDS", "NotBuilt", "tiny_config", "build_tiny", "layer_kinds"]
+__all__ = ["TINY_VOCAB", "HYBRID_KINDS", "NotBuilt", "tiny_config", "build_tiny", "layer_kinds",
+           "training_inputs"]
 
 TINY_VOCAB = 128
 _HIDDEN = 64
@@ -299,6 +300,21 @@ _AFTER_BUILD: dict[str, Any] = {
     "xmod": lambda model: model.set_default_language(model.config.default_language or next(
         iter(model.config.languages))),
 }
+
+# Inputs beside the token ids that a family's forward requires in train mode, each as zeros shaped like the ids:
+# 5.0's Gemma 3 (multimodal) refuses to train without token_type_ids (0 marks a text token).
+_TRAINING_INPUTS: dict[str, tuple[str, ...]] = {"gemma3": ("token_type_ids",)}
+
+
+def training_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The keyword inputs beside ``ids`` that ``model``'s family needs to train on text (``_TRAINING_INPUTS``),
+    for the tokens ``ids`` (a rank's shard under CP: zeros are the same on every layout)."""
+    import inspect
+
+    names = _TRAINING_INPUTS.get(getattr(model.config, "model_type", ""), ())
+    accepted = inspect.signature(model.forward).parameters
+    return {name: torch.zeros_like(ids) for name in names if name in accepted}
+
 
 # Families that are not built, with the reason (checked before any work).
 _NOT_BUILT: dict[str, str] = {
