@@ -186,6 +186,7 @@ def test_segments_of_layout_cover_the_sequence_once():
 FAMILY_CLASSES = {
     "Lfm2ForCausalLM": "Lfm2ShortConv",
     "Lfm2MoeForCausalLM": "Lfm2MoeShortConv",
+    "Lfm3ForCausalLM": "Lfm3ShortConv",
     "Qwen3NextForCausalLM": "Qwen3NextGatedDeltaNet",
     "Qwen3_5ForCausalLM": "Qwen3_5GatedDeltaNet",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeGatedDeltaNet",
@@ -334,8 +335,26 @@ def _refusals(rank, world, entry):
     assert {n: getattr(modeling, n) for n in before} == before, "remove() restores every rebound kernel"
 
 
+def _reference_mode(rank, world, entry):
+    """Switch mode "reference" (the original kernels on the all-gathered sequence) gives the ring's logits."""
+    import hfpatch
+    from hfpatch.sweep.tiny import build_tiny
+
+    model = build_tiny(entry).eval()
+    ids = torch.randint(0, 128, (2, 8 * world), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    with hfpatch.apply(dist.group.WORLD, model=model) as patch:
+        batch = patch.shard_inputs(ids)
+        for mode in ("ring", "reference"):
+            with torch.no_grad(), hfpatch.switch(mode):
+                logits[mode] = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                     use_cache=False).logits
+    torch.testing.assert_close(logits["ring"], logits["reference"], rtol=1e-4, atol=1e-4)
+
+
 def _packed_world(rank, world):
     entries = {e.class_name: e for e in _entries()}
+    _reference_mode(rank, world, entries["Qwen3NextForCausalLM"])
     ran = {kernel: _packed_step(rank, world, entries["Qwen3NextForCausalLM"], kernel) for kernel in ("auto", "zigzag")}
     ran["lfm2"] = _packed_step(rank, world, entries["Lfm2ForCausalLM"], "zigzag")
     _refusals(rank, world, entries["Qwen3NextForCausalLM"])
