@@ -456,7 +456,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     everything it did is undone before the error propagates."""
     import transformers.modeling_flash_attention_utils as mfau
 
-    from hfpatch import codegen, patcher
+    from hfpatch import codegen, model_positions, patcher
     from hfpatch import verify as verify_module
     from hfpatch.dispatch import Dispatcher
     from hfpatch.labels import install_labels_hook
@@ -479,6 +479,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     try:
         if model is not None:
             patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
+            patch._hooks.extend(model_positions.install(model, patch.live_ctx_or_none))  # global positions
             patch._hooks.append(install_mixers(model, ctx))  # recognised sequence mixers under CP (hfpatch.mixers)
             patch.track(model)
             patch._hooks.extend(install_labels_hook(model, patch.live_ctx_or_none, lambda: patch.labels_refusal))

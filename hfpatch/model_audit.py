@@ -12,8 +12,10 @@ sequence on a rank that holds a shard of it. ``audit(model)`` returns one ``Find
                      registry recognises (``hfpatch.mixers.recognise``: class, forward fingerprint and kernel
                      signatures of a known release) are no finding: ``apply`` runs them exactly under CP.
 ``positions``        the model's ``forward`` takes no ``position_ids`` while it has a position module (a learned
-                     or sinusoidal table, rotary embeddings): positions then come from the input's length, so
-                     rank r numbers its tokens from 0 (the BART-family decoders).
+                     or sinusoidal table, rotary embeddings) that ``hfpatch.model_positions`` does not recognise:
+                     positions then come from the input's length, so rank r would number its tokens from 0. The
+                     recognised ones (the BART-family, Whisper and MusicGen decoders' tables) are fed each rank's
+                     global positions instead.
 ``router-aux-loss``  ``output_router_logits`` is on: the mixture-of-experts load-balancing loss is a product of
                      per-token means, computed from each rank's tokens only.
 
@@ -113,16 +115,22 @@ def _accepts_position_ids(model: torch.nn.Module) -> bool:
 
 
 def _position_findings(model: torch.nn.Module) -> list[Finding]:
+    """The first position module that numbers tokens by the input's length and that ``hfpatch.model_positions``
+    does not recognise (a recognised one is fed each rank's global positions by ``apply``)."""
     if _accepts_position_ids(model):
         return []
+    from hfpatch import model_positions
+
     for name, module in model.named_modules():
         cls = type(module).__name__
         if name.rsplit(".", 1)[-1] in _POSITION_NAMES or any(part in cls for part in _POSITION_CLASS_PARTS):
+            if model_positions.recognise(model, module) is not None:
+                continue
             return [Finding(
                 name, cls, "positions",
                 f"{type(model).__name__}.forward takes no position_ids, so this module numbers the tokens by the "
                 f"input's length: under CP every rank's shard would get positions 0, 1, ... instead of its global "
-                f"ones.",
+                f"ones; {model_positions.why_unrecognised(model, module)}",
                 _FALLBACK_FIX,
             )]
     return []

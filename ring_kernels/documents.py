@@ -217,8 +217,9 @@ class VarlenCall:
     skipped (a world of one, or ``rank_check_scope``)."""
 
     def __init__(self, fn: str, q, k, v, cu_seqlens, *, group, causal, softmax_scale, window_size, softcap,
-                 dropout_p, layout_code: int, extra_fields: Sequence[Tuple[str, float]] = ()):
+                 dropout_p, sink, layout_code: int, extra_fields: Sequence[Tuple[str, float]] = ()):
         validation.check_qkv(fn, q, k, v, varlen=True)
+        validation.check_sink(fn, sink, q.shape[-2], q.device)
         self.window = validation.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
         self.scale = validation.resolve_scale(fn, softmax_scale, q.shape[-1])
         self.softcap = float(softcap)
@@ -233,7 +234,7 @@ class VarlenCall:
                   ("softmax_scale", self.scale), ("softcap", self.softcap), ("window_left", self.window[0]),
                   ("window_right", self.window[1]), ("cu_seqlens length", self.cu.numel()),
                   ("cu_seqlens[-1]", self.entry.total), ("cu_seqlens fingerprint", self.entry.fingerprint),
-                  *extra_fields]
+                  ("sink", int(sink is not None)), *extra_fields]
         if self.world > 1:
             validation.check_ranks_agree(fn, group, fields, q.device)
         # Checked after the ranks agreed on the shapes, so that every rank raises (none waits in a collective).

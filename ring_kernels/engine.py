@@ -8,6 +8,10 @@ out of every query's reach) still pass K/V and partial sums along: every rank is
 exchanges. ``run_batch`` is the batch front end (validate, build the steps, pick the backend, run); ``varlen``
 builds its steps from documents and calls ``RingAttention`` itself.
 
+Attention sinks: an optional per-head logit joins every query's softmax as an extra key of value 0. The ring
+computes the attention without it; ``fold_sink`` folds it into the final (out, lse) once, and the backward
+runs unchanged on the folded (out, lse) -- which are the probabilities with the sink -- plus ``sink_grad``.
+
 Forward: step s computes our queries against the K/V block of rank (r - s) mod N while the next block is
 already in flight (``transport.make_exchange``: NCCL/gloo P2P by default, r -> r+1) and merges each block's
 (out, lse) by their log-sum-exp (``merge``). After the last step rank r holds the block of rank (r + 1) mod N;
@@ -53,7 +57,7 @@ from .rounding import Part, RowPlan, accumulator, adoptable, fold_grads, fold_ou
 from .transport import make_exchange
 
 __all__ = ["ALL", "Block", "RingConfig", "Plan", "plan_steps", "backward_order", "RingAttention", "run_batch",
-           "positional_steps", "yield_to_transfer"]
+           "positional_steps", "yield_to_transfer", "fold_sink", "sink_grad"]
 
 ALL = slice(None)     # every row of a block
 
@@ -341,22 +345,57 @@ def _refetch_last(k: torch.Tensor, v: torch.Tensor, cfg: RingConfig) -> Tuple[to
     return again
 
 
+# ------------------------------------------------------------------------------------------------ sinks
+
+def fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Fold an attention sink into a finished result: ``out`` (B, S, H, D) is rescaled in place and the new
+    lse (B, H, S) fp32 returned; ``sink`` (H,) is one logit per query head, an extra key of value 0 in every
+    query's softmax: lse' = logaddexp(lse, sink), out' = out * exp(lse - lse') (fp32 math; in half precision
+    this is out's second rounding). A row that saw no key (lse = -inf) keeps out = 0 and gets lse' = sink."""
+    s = sink.detach().to(torch.float32).view(1, -1, 1)
+    folded = torch.logaddexp(lse, s)
+    weight = torch.exp(lse - folded).transpose(1, 2).unsqueeze(-1)
+    if out.dtype == torch.float32:
+        out.mul_(weight)
+    else:
+        out.copy_(out.float() * weight)
+    return folded
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink (H,) in sink's dtype, summed over this rank's queries, from the *folded* out (B, S, H, D)
+    and lse (B, H, S): -sum over (b, s) of exp(sink - lse') * rowsum(dout * out'). (The q/k/v gradients need
+    nothing else: the usual backward with the folded out and lse' is the backward with the sink.)"""
+    s = sink.detach().to(torch.float32).view(1, -1, 1)
+    delta = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
+    return (-(torch.exp(s - lse) * delta).sum(dim=(0, 2))).to(sink.dtype)
+
+
 class RingAttention(torch.autograd.Function):
+    """q (B, S, H, D), k, v (B, S, Hk, D), sink (H,) or None -> out (B, S, H, D): the ring of ``cfg.steps``."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cfg: RingConfig):
+    def forward(ctx, q, k, v, sink, cfg: RingConfig):
         out, lse, last = _forward(q, k, v, cfg)      # out already in q's dtype, each row rounded once
+        if sink is not None:
+            lse = fold_sink(out, lse, sink)
         ctx.cfg = cfg
         # The last K/V block (one extra K/V block, freed after backward) saves the backward's first hop. It is a
         # saved tensor (not a ctx attribute) so that activation checkpointing drops and recomputes it.
-        ctx.save_for_backward(q, k, v, out, lse, *(last if last is not None else ()))
+        # Saved: q, k, v, out, lse, then the kept K/V block (2 tensors, N > 1), then the sink (when given).
+        ctx.has_sink = sink is not None
+        ctx.save_for_backward(q, k, v, out, lse, *(last or ()), *((sink,) if ctx.has_sink else ()))
         ctx.last_reused = False                       # set by a backward that received into the kept block
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, *last = ctx.saved_tensors
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        sink = rest.pop() if ctx.has_sink else None
         cfg = ctx.cfg
-        last = tuple(last) or None
+        last = tuple(rest) or None
+        dout = dout.contiguous()
+        dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[3] else None
         if last is not None and ctx.last_reused:      # retain_graph: the first backward overwrote the kept block
             last = _refetch_last(k, v, cfg)
         # With 2 ranks the kept block is dead after the backward's first step: its memory receives the partial sum.
@@ -364,8 +403,8 @@ class RingAttention(torch.autograd.Function):
         if last is not None and cfg.world == 2:
             first_recv = tuple(_alias(t) for t in last)
             ctx.last_reused = True
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, last, cfg, first_recv)
-        return dq, dk, dv, None
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, last, cfg, first_recv)
+        return dq, dk, dv, dsink, None
 
 
 # ------------------------------------------------------------------------------------ batch front end
@@ -408,27 +447,26 @@ def _positions_to(steps: List[List[Block]], device: torch.device) -> List[List[B
     return [[Block(b.q_rows, b.kv_rows, moved(b.mask)) for b in blocks] for blocks in steps]
 
 
-def run_batch(fn: str, q, k, v, *, group, causal, softmax_scale, backend, window_size, softcap, dropout_p,
-         layout_code: int, make_steps: Callable[[int, int, int, bool, Tuple[int, int]], List[List[Block]]]):
+def run_batch(fn: str, q, k, v, *, group, causal, softmax_scale, backend, window_size, softcap, dropout_p, sink,
+              layout_code: int, make_steps: Callable[[int, int, int, bool, Tuple[int, int]], List[List[Block]]]):
     """Validate, build the per-step blocks for this rank, pick the backend, and run the autograd ring."""
     validation.check_qkv(fn, q, k, v)
     window = validation.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
     scale = validation.resolve_scale(fn, softmax_scale, q.shape[-1])
-    rank, world = group_rank_and_size(group)
     b, s, h, d = q.shape
+    validation.check_sink(fn, sink, h, q.device)
+    rank, world = group_rank_and_size(group)
     if s == 0 or b == 0:
         raise validation.RingInputError(
             f"{fn}: q has shape {tuple(q.shape)}; batch and seqlen_local must be >= 1 on every rank")
     fields = [("layout", layout_code), ("batch", b), ("seqlen_local", s), ("nheads", h), ("nheads_k", k.shape[2]),
               ("headdim", d), ("dtype", validation.dtype_code(q.dtype)), ("causal", int(bool(causal))),
               ("softmax_scale", scale), ("softcap", float(softcap)), ("window_left", window[0]),
-              ("window_right", window[1])]
+              ("window_right", window[1]), ("sink", int(sink is not None))]
     if world > 1:
         validation.check_ranks_agree(fn, group, fields, q.device)
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=d,
                          mask_kind=_mask_kind(causal, window), softcap=float(softcap))
     steps = _positions_to(make_steps(rank, world, s, bool(causal), window), q.device)
     cfg = RingConfig(steps, chosen, scale, float(softcap), group, rank, world)
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
-
-
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sink, cfg)

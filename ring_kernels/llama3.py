@@ -61,6 +61,7 @@ from .backends import EMPTY, FULL, get_backend
 from .backends.base import CAUSAL, BlockBackend, BlockMask
 from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_rows, varlen_kernel_for
 from .documents import StepBuilder, VarlenCall, classify, documents_overlapping
+from .engine import fold_sink, sink_grad
 from .rounding import RowPlan, fold_grads, fold_outputs, plan_rows
 
 __all__ = ["llama3_attn_varlen_func"]
@@ -558,20 +559,26 @@ def _backward(dout4, q4, k4, v4, out4, lse, cfg: _Llama3Config):
 
 
 class _Llama3Attention(torch.autograd.Function):
-    """q (1, L, H, D), k, v (1, L, Hk, D) -> out (1, L, H, D); the entry point adds/drops the batch dim."""
+    """q (1, L, H, D), k, v (1, L, Hk, D), sink (H,) or None -> out (1, L, H, D); the entry point adds/drops the
+    batch dim. A sink is folded into the finished (out, lse) as the ring engine does (``engine.fold_sink``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cfg: _Llama3Config):
+    def forward(ctx, q, k, v, sink, cfg: _Llama3Config):
         out, lse = _forward(q, k, v, cfg)             # in q's dtype, each row rounded once
+        if sink is not None:
+            lse = fold_sink(out, lse, sink)
         ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *((sink,) if sink is not None else ()))
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None
+        q, k, v, out, lse, *sink = ctx.saved_tensors
+        sink = sink[0] if sink else None
+        dout = dout.contiguous()
+        dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[3] else None
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.cfg)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dsink, None
 
 
 def _check_stride(fn: str, heads_k_stride, nheads_k: int) -> int:
@@ -589,7 +596,7 @@ def _check_stride(fn: str, heads_k_stride, nheads_k: int) -> int:
 
 def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, softmax_scale=None,
                             backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0,
-                            heads_k_stride: Optional[int] = None):
+                            heads_k_stride: Optional[int] = None, sink=None):
     """Attention over packed documents sharded contiguously, by all-gathering K/V (Llama 3 style).
 
     q: (T_local, H, D); k, v: (T_local, Hk, D), H % Hk == 0 — or all three as HF's packed row (1, T_local,
@@ -597,12 +604,17 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     described by ``cu_seqlens`` (int32 (num_docs + 1,), identical on every rank). ``heads_k_stride`` K/V heads
     are gathered at a time (None = all; it must divide Hk): peak extra memory is 2 x 2 x (N*T_local,
     heads_k_stride, D). Returns out (T_local, H, D), or (1, T_local, H, D) for 4-D q; differentiable.
+    ``window_size`` (left, right) and ``softcap`` follow flash-attn; ``dropout_p`` must be 0.
+    ``sink``: None, or attention-sink logits (H,) -- any float dtype, on q's device, may require grad: every
+    query's softmax gets one extra key per head with this logit and value 0 (gpt-oss's ``s_aux``). Its
+    gradient on each rank is the partial sum over that rank's queries; the sum over the group is the whole
+    gradient (what the usual gradient all-reduce computes). Every rank passes a sink or none does.
     """
     fn = "llama3_attn_varlen_func"
     stride = _check_stride(fn, heads_k_stride, k.shape[-2] if isinstance(k, torch.Tensor) and k.dim() >= 3 else 1)
     call = VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
-                       window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=12,
-                       extra_fields=[("heads_k_stride", stride)])
+                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=12,
+                      extra_fields=[("heads_k_stride", stride)])
     prepared = call.entry.get(("llama3", call.rank, call.world, call.local, call.causal, call.window),
                               lambda: _Llama3Prepared(_llama3_plan(call.cu, call.rank, call.world, call.local,
                                                                    call.causal, call.window), call.local))
@@ -615,7 +627,7 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     cfg = _Llama3Config(plan, chosen, call.scale, call.softcap, group, call.rank, call.world, stride, fast,
                         prepared.memos[fast is not None])
     if q.dim() == 4:                                  # HF's packed row (1, T, H, D): the kernel's own layout
-        return _Llama3Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
+        return _Llama3Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sink, cfg)
     out = _Llama3Attention.apply(q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0),
-                                 v.contiguous().unsqueeze(0), cfg)
+                                 v.contiguous().unsqueeze(0), sink, cfg)
     return out.squeeze(0)

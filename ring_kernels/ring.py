@@ -36,14 +36,18 @@ def ring_steps(rank: int, world: int, seqlen: int, causal: bool, window: Tuple[i
 
 
 def ring_attn_func(q, k, v, *, group=None, causal=False, softmax_scale=None, backend="auto",
-                   window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
+                   window_size=(-1, -1), softcap=0.0, dropout_p=0.0, sink=None):
     """Attention over a sequence sharded contiguously across ``group`` (layout ``"contiguous"``).
 
     q: (B, S_local, H, D); k, v: (B, S_local, Hk, D) with H % Hk == 0; rank r holds global tokens
     [r*S_local, (r+1)*S_local). Returns out (B, S_local, H, D) in q's dtype; differentiable in q, k, v.
     ``window_size`` (left, right) and ``softcap`` follow flash-attn; ``dropout_p`` must be 0.
     Causal work is unbalanced across ranks with this layout; prefer ``zigzag_ring_attn_func`` for causal.
+    ``sink``: None, or attention-sink logits (H,) -- any float dtype, on q's device, may require grad: every
+    query's softmax gets one extra key per head with this logit and value 0 (gpt-oss's ``s_aux``). Its
+    gradient on each rank is the partial sum over that rank's queries; the sum over the group is the whole
+    gradient (what the usual gradient all-reduce computes). Every rank passes a sink or none does.
     """
     return run_batch("ring_attn_func", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
                      backend=backend, window_size=window_size, softcap=softcap, dropout_p=dropout_p,
-                     layout_code=0, make_steps=ring_steps)
+                     sink=sink, layout_code=0, make_steps=ring_steps)

@@ -40,14 +40,18 @@ def stripe_steps(rank: int, world: int, seqlen: int, causal: bool, window: Tuple
 
 
 def stripe_attn_func(q, k, v, *, group=None, causal=True, softmax_scale=None, backend="auto",
-                     window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
+                     window_size=(-1, -1), softcap=0.0, dropout_p=0.0, sink=None):
     """Causal ring attention on the ``"stripe"`` layout (see the module docstring).
 
     q: (B, S_local, H, D), k, v: (B, S_local, Hk, D). Returns out like q. ``causal=False`` raises
-    (use ``ring_attn_func``).
+    (use ``ring_attn_func``). ``window_size``, ``softcap``: as flash-attn.
+    ``sink``: None, or attention-sink logits (H,) -- any float dtype, on q's device, may require grad: every
+    query's softmax gets one extra key per head with this logit and value 0 (gpt-oss's ``s_aux``). Its
+    gradient on each rank is the partial sum over that rank's queries; the sum over the group is the whole
+    gradient (what the usual gradient all-reduce computes). Every rank passes a sink or none does.
     """
     fn = "stripe_attn_func"
     require_causal(fn, causal)
     return run_batch(fn, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, backend=backend,
-                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=2,
+                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=2,
                      make_steps=stripe_steps)

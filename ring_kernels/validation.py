@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .errors import RingInputError
 from .options import get_options
 
-__all__ = ["RingInputError", "check_qkv", "check_options", "resolve_scale", "check_ranks_agree",
+__all__ = ["RingInputError", "check_qkv", "check_options", "check_sink", "resolve_scale", "check_ranks_agree",
            "require_causal", "rank_check_scope", "RANK_CHECKED"]
 
 def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool = False) -> None:
@@ -100,6 +100,23 @@ def check_options(fn: str, *, window_size, softcap, dropout_p) -> Tuple[int, int
         raise RingInputError(f"{fn}: softcap={softcap!r}; expected a float >= 0 (0 disables it)",
                              argument="softcap", value=softcap)
     return int(left), int(right)
+
+
+def check_sink(fn: str, sink, nheads: int, device: torch.device) -> None:
+    """``sink`` is None or a floating tensor (nheads,) on q's device (metadata only: no device sync)."""
+    if sink is None:
+        return
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"{fn}: sink must be a torch.Tensor of shape (nheads,) or None, got {type(sink).__name__}")
+    if sink.shape != (nheads,):
+        raise RingInputError(f"{fn}: sink has shape {tuple(sink.shape)}; expected (nheads,) = ({nheads},): one "
+                             f"logit per query head", argument="sink", value=tuple(sink.shape))
+    if not sink.is_floating_point():
+        raise RingInputError(f"{fn}: sink has dtype {sink.dtype}; expected a floating dtype (the per-head logits)",
+                             argument="sink", value=str(sink.dtype))
+    if sink.device != device:
+        raise RingInputError(f"{fn}: sink is on {sink.device} but q is on {device}; move it to q's device",
+                             argument="sink", value=str(sink.device))
 
 
 def require_causal(fn: str, causal: bool, alternative: str = "ring_attn_func") -> None:

@@ -271,7 +271,7 @@ def _zigzag_prepared(fn: str, call: VarlenCall) -> _RingPrepared:
         *zigzag_varlen_steps(call.cu, call.rank, call.world, call.causal, call.window), call.local))
 
 
-def _run_ring_varlen(q, k, v, call: VarlenCall, prepared: _RingPrepared, backend: str, group):
+def _run_ring_varlen(q, k, v, sink, call: VarlenCall, prepared: _RingPrepared, backend: str, group):
     """Pick the backend for the most general block kind and run the ring engine on batch 1 (plans from
     ``prepared``: the engine's ``RingConfig.plan`` is passed in, not recomputed)."""
     kind = prepared.kind
@@ -286,14 +286,14 @@ def _run_ring_varlen(q, k, v, call: VarlenCall, prepared: _RingPrepared, backend
         steps, plan = prepared.per_block()
     cfg = RingConfig(steps, chosen, call.scale, call.softcap, group, call.rank, call.world, plan=plan)
     if q.dim() == 4:                                  # a packed row (1, T, H, D) is the engine's own layout
-        return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cfg)
+        return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sink, cfg)
     out = RingAttention.apply(q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0),
-                               v.contiguous().unsqueeze(0), cfg)
+                              v.contiguous().unsqueeze(0), sink, cfg)
     return out.squeeze(0)
 
 
 def ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, softmax_scale=None, backend="auto",
-                          window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
+                          window_size=(-1, -1), softcap=0.0, dropout_p=0.0, sink=None):
     """Ring attention over packed documents sharded contiguously (layout ``"contiguous"``).
 
     q: (T_local, H, D); k, v: (T_local, Hk, D), H % Hk == 0 — or all three as HF's packed row (1, T_local, H|Hk,
@@ -301,25 +301,33 @@ def ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, soft
     described by ``cu_seqlens`` (int32 (num_docs + 1,), identical on every rank; documents may cross rank
     boundaries). Returns out (T_local, H, D), or (1, T_local, H, D) for 4-D q, in q's dtype; differentiable.
     ``window_size`` (left, right) and ``softcap`` follow flash-attn; ``dropout_p`` must be 0.
+    ``sink``: None, or attention-sink logits (H,) -- any float dtype, on q's device, may require grad: every
+    query's softmax gets one extra key per head with this logit and value 0 (gpt-oss's ``s_aux``). Its
+    gradient on each rank is the partial sum over that rank's queries; the sum over the group is the whole
+    gradient (what the usual gradient all-reduce computes). Every rank passes a sink or none does.
     """
     fn = "ring_attn_varlen_func"
     call = VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
-                       window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=10)
-    return _run_ring_varlen(q, k, v, call, _ring_prepared(call), backend, group)
+                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=10)
+    return _run_ring_varlen(q, k, v, sink, call, _ring_prepared(call), backend, group)
 
 
 def zigzag_ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=True, softmax_scale=None,
-                                 backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
+                                 backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0, sink=None):
     """Causal ring attention over packed documents in the varlen ``"zigzag"`` layout.
 
     Every document of the global ``cu_seqlens`` is cut into 2N chunks; rank r holds chunk r then chunk 2N-1-r
     of each document, documents in order (``ring_kernels.shard(x, layout="zigzag", dim=0, cu_seqlens=...)``).
     q: (T_local, H, D); k, v: (T_local, Hk, D) — or all three 4-D with batch 1 (HF's packed row, no view);
     out has q's shape. Each document length must be divisible by 2N.
-    ``causal=False`` raises (use ``ring_attn_varlen_func``).
+    ``causal=False`` raises (use ``ring_attn_varlen_func``). ``window_size``, ``softcap``: as flash-attn.
+    ``sink``: None, or attention-sink logits (H,) -- any float dtype, on q's device, may require grad: every
+    query's softmax gets one extra key per head with this logit and value 0 (gpt-oss's ``s_aux``). Its
+    gradient on each rank is the partial sum over that rank's queries; the sum over the group is the whole
+    gradient (what the usual gradient all-reduce computes). Every rank passes a sink or none does.
     """
     fn = "zigzag_ring_attn_varlen_func"
     validation.require_causal(fn, causal, alternative="ring_attn_varlen_func")
     call = VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
-                       window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=11)
-    return _run_ring_varlen(q, k, v, call, _zigzag_prepared(fn, call), backend, group)
+                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=11)
+    return _run_ring_varlen(q, k, v, sink, call, _zigzag_prepared(fn, call), backend, group)

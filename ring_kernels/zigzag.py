@@ -43,11 +43,15 @@ def zigzag_steps(rank: int, world: int, seqlen: int, causal: bool, window: Tuple
 
 
 def zigzag_ring_attn_func(q, k, v, *, group=None, causal=True, softmax_scale=None, backend="auto",
-                          window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
+                          window_size=(-1, -1), softcap=0.0, dropout_p=0.0, sink=None):
     """Causal ring attention on the ``"zigzag"`` layout (see the module docstring).
 
     q: (B, S_local, H, D), k, v: (B, S_local, Hk, D); S_local = 2c must be even. Returns out like q.
-    ``causal=False`` raises (use ``ring_attn_func``).
+    ``causal=False`` raises (use ``ring_attn_func``). ``window_size``, ``softcap``: as flash-attn.
+    ``sink``: None, or attention-sink logits (H,) -- any float dtype, on q's device, may require grad: every
+    query's softmax gets one extra key per head with this logit and value 0 (gpt-oss's ``s_aux``). Its
+    gradient on each rank is the partial sum over that rank's queries; the sum over the group is the whole
+    gradient (what the usual gradient all-reduce computes). Every rank passes a sink or none does.
     """
     fn = "zigzag_ring_attn_func"
     require_causal(fn, causal)
@@ -58,5 +62,5 @@ def zigzag_ring_attn_func(q, k, v, *, group=None, causal=True, softmax_scale=Non
             f"(two chunks per rank): make the global length a multiple of 2 * world_size (pad it)",
             argument="q", value=tuple(q.shape))
     return run_batch(fn, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, backend=backend,
-                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, layout_code=1,
+                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=1,
                      make_steps=zigzag_steps)

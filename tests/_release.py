@@ -26,6 +26,7 @@ RELEASE_INDEPENDENT = {
     "test_merge.py": "ring_kernels' LSE merge (eager and the fused Triton kernels under the interpreter)",
     "test_ring_batch.py": "ring_kernels' batch ring / zigzag / stripe engines on gloo worlds",
     "test_ring_options.py": "ring_kernels' options object (defaults, setter, scope, environment override)",
+    "test_ring_sinks.py": "ring_kernels' attention sinks in every variant on gloo worlds",
     "test_ring_varlen.py": "ring_kernels' varlen ring / zigzag / llama3 engines on gloo worlds",
     "test_transport.py": "ring_kernels' transport and ring exchange",
     "test_triton_backend.py": "ring_kernels' Triton kernel under the interpreter (hfpatch never picks a backend "
