@@ -1,56 +1,53 @@
-"""hfpatch's own per-call overhead on CPU: a patched ``_flash_attention_forward`` call against calling the ring
-kernel directly with the arguments hfpatch passes it (issue 8, item 5; target <= 2 us added per call).
+"""hfpatch's own time per patched ``_flash_attention_forward`` call on CPU, side by side with calling the ring kernel
+directly, in one run (target: <= 2 us added per call).
 
-Run: ``python benchmarks/patched_call_overhead.py [--number N] [--repeat R] [--out FILE]``. Not a test (timings
-vary with the machine and its load); ``tests/test_call_overhead.py`` runs it at tiny counts so it cannot rot.
+Run: ``python benchmarks/patched_call_overhead.py [--number N] [--repeat R] [--layers L] [--out FILE]``. Not a test
+(timings vary with the machine and its load); ``tests/test_call_overhead.py`` runs it at tiny counts so that it
+cannot rot, and guards the budget with a ratio measured the same way.
 
-What is compared, in one process and one run (a gloo world of one rank, in-process store):
+What is timed -- the real path, through public seams only:
 
-1. The installed release, through the real patched function, called the way transformers' integration
-   (``integrations/flash_attention.py``) calls it: 4 positional arguments, then ``query_length``, ``is_causal``,
-   ``dropout=0.0``, ``softmax_scale``, ``sliding_window=None``, ``softcap=None`` and the rest that release passes,
-   from a function whose local ``module`` is the attention module (where hfpatch finds the calling layer).
-   Steps: ``batch`` (position ids 0..S-1, B=1) and ``packed`` (position ids restarting: three documents).
-   Kernels: the real ring kernel, and a trivial function that returns its first argument, swapped into
-   ``ring_kernels`` for BOTH paths, so that "added" is hfpatch's Python overhead, not kernel noise.
-   The direct path calls the very function hfpatch resolved with the very arguments it passed (recorded from a
-   patched call first); on the packed step those are HF's (1, T, H, D) tensors themselves (the varlen kernels
-   take the packed row as is) and the step's global ``cu_seqlens``.
-2. Where the installed release's added time goes ("stage" rows, batch and packed steps, trivial kernel): the
-   patched call with its fast path cut short after each stage -- ``_staged_fast_call`` is a copy of
-   ``Dispatcher.fast_call`` and of ``semantics.fast_ring_attention``'s common case, returning the query at the
-   given stage -- so each row's "added" is the cumulative cost up to that stage and the difference between two
-   rows the cost of one stage. The last stage is the real fast path (the kernel call included).
-3. Every registry entry (each signature generation), with a wrapper rendered for it and the same dispatcher
-   path (not installed: only one release is importable): the wrapper alone (handler returns at once, against
-   calling the handler with a prebuilt call dict), and the whole patched call with the trivial kernel.
+- hfpatch is installed the way ``hfpatch.apply`` installs it (``apply`` itself returns an inactive Patch on a group
+  of one rank, so this runs its install step, ``api._install``, over an in-process gloo world of one rank).
+- A model of ``L`` attention layers (``_Model``; each an ``nn.Module`` with a ``layer_idx``) whose forward calls,
+  for each layer, a function shaped like transformers 5.23's ``integrations/flash_attention.flash_attention_forward``
+  (same parameters and locals) that calls ``_flash_attention_forward`` exactly as that release does. One forward is
+  ``L`` patched calls; the time per call is the forward's time / ``L``.
+- The baseline is the same model whose integration function calls the kernel hfpatch resolved, with the arguments
+  hfpatch passed it (recorded from a patched call first) -- on the packed step HF's (1, T, H, D) tensors and the
+  step's global ``cu_seqlens``.
+- Paths: ``model=`` (the model tracked by ``Patch.track``, as ``apply(model=)`` does: the layer is known from its
+  bound call site) and ``stack`` (an untracked model: the layer is found on the stack); steps ``batch`` (position
+  ids 0..S-1) and ``packed`` (three documents); kernels: the real one, and a trivial function returning its first
+  argument swapped into ``ring_kernels`` for BOTH sides, so that "added" is hfpatch's Python, not kernel noise.
+- ``floor``: a function with the live signature and an empty body, against calling nothing: what binding the
+  caller's arguments costs (any replacement of ``_flash_attention_forward``, and the original, pays it).
 
-Timing: CPU time of this process (``time.process_time``), best of ``repeat`` runs of ``number`` calls, the direct
-and patched runs interleaved so that both see the same load. B=1, S=64, H=4, D=16, fp32.
+Timing: CPU time of this process (``time.process_time``) of ``number`` forwards, ``repeat`` times, the direct and
+patched runs interleaved so that both see the same load; min and median per call. B=1, S=64, H=4, D=16, fp32.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import os
 import platform
+import statistics
 import sys
 import time
-import timeit
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "render"]
 
 KERNEL_NAMES = ("ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func", "ring_attn_varlen_func",
                 "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func")
 SHAPE = dict(batch=1, seq=64, heads=4, head_dim=16)
 PACKED_DOCS = (24, 8, 32)  # a packed row: position ids restart at each document
-_REAL_KERNEL_RUN_S = 0.2  # a timed run of the real kernel (~1 ms a call on CPU) stops at about this many seconds
+_REAL_KERNEL_RUN_S = 0.05  # a timed run of real kernels (~0.1-0.3 ms a call on CPU) stops at about this many seconds
 
 
 # --------------------------------------------------------------------------------------------- set-up
@@ -71,9 +68,8 @@ def _world_of_one() -> Iterator[dist.ProcessGroup]:
 
 @contextmanager
 def _installed(group) -> Iterator:
-    """hfpatch installed over ``group`` the way ``hfpatch.apply`` installs it. ``apply`` itself returns an
-    inactive Patch on a group of one rank (there is nothing to split), so this runs what ``apply`` runs after
-    that check: match the live signature, install at every binding site, the numeric probe (``api._install``)."""
+    """hfpatch installed over ``group`` by ``apply``'s install step (match the live signature, install at every
+    binding site, the numeric probe)."""
     from hfpatch import api
 
     match, version, _ = api._match_live_signature("raise")
@@ -117,87 +113,51 @@ def _inputs(step: str):
     return q, k, v, position_ids
 
 
-def _hf_call(module, q, k, v, position_ids) -> tuple:
-    """(args, kwargs) of transformers' integration call ``flash_attention_forward(module, q, k, v, mask, ...)``."""
-    kwargs = dict(dropout=0.0, scaling=q.shape[-1] ** -0.5, sliding_window=None, softcap=None, is_causal=True,
-                  position_ids=position_ids)
-    return (module, q, k, v, None), kwargs
-
-
-class _AttentionModule(torch.nn.Module):
-    """What transformers' integration holds as ``module``: an attention layer with a ``layer_idx``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer_idx = 0
-
-
-def _hf_kwargs(sig: inspect.Signature, q: torch.Tensor, position_ids: torch.Tensor) -> dict:
-    """The keyword arguments transformers' integration passes, limited to what ``sig`` accepts (5.23 passes
-    them all; an older release's signature has fewer, and no ``**kwargs`` before 4.48)."""
-    head_dim = q.shape[-1]
-    wanted = dict(query_length=q.shape[1], is_causal=True, dropout=0.0, softmax_scale=head_dim ** -0.5,
-                  sliding_window=None, softcap=None, use_top_left_mask=False, target_dtype=None,
-                  attn_implementation="flash_attention_2", layer_idx=0, s_aux=None, position_ids=position_ids)
-    params = sig.parameters
-    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return {name: value for name, value in wanted.items() if name in params or open_kwargs}
-
-
-# Both paths are called through a function shaped like transformers 5.23's integrations/flash_attention.py
-# ``flash_attention_forward``: the same parameters and locals (hfpatch reads the calling module from this frame,
-# and the cost of that grows with the frame's locals), none of its tensor work (the transposes would be the same
-# in both paths). Only the line that calls the attention differs.
-
-
+# The integration function of transformers 5.23 (integrations/flash_attention.py), minus its tensor work (the same
+# in both paths): its parameters, its locals, and its call. Older releases take fewer keywords: the call passes those
+# the installed signature takes, as that release's code does.
 _INTEGRATION_KEYWORDS = ("query_length", "is_causal", "dropout", "softmax_scale", "sliding_window", "softcap",
                          "use_top_left_mask", "target_dtype", "attn_implementation", "layer_idx", "s_aux")
 
 
-def _integration_like(fa: Callable, query_length: int) -> Callable:
-    """A caller of the patched function ``fa`` exactly as the 5.23 integration calls ``_flash_attention_forward``.
-    Where the installed release's signature does not take all of those keywords (before 5.x; the tox matrix runs
-    this benchmark's test on every release), the caller passes the ones it takes, as that release's code does."""
+def _integration_like(fa: Callable) -> Callable:
+    import inspect
+
     params = inspect.signature(fa).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    # 5.x takes every one of them (the ones it does not name land in its **kwargs): the exact 5.23 call.
-    if not all(name in params or takes_any for name in _INTEGRATION_KEYWORDS):
-        return _older_integration_like(fa, query_length, params, takes_any)
+    if all(name in params or takes_any for name in _INTEGRATION_KEYWORDS):
+        def flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                    sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
+            seq_len = query.shape[1]
+            head_dim = v_head_dim = None
+            target_dtype = None
+            attn_output = fa(
+                query, key, value, attention_mask, query_length=seq_len, is_causal=is_causal, dropout=dropout,
+                softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap, use_top_left_mask=False,
+                target_dtype=target_dtype, attn_implementation="flash_attention_2", layer_idx=module.layer_idx,
+                s_aux=s_aux, **kwargs,
+            )
+            return attn_output, head_dim, v_head_dim
 
-    def flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                                sliding_window=None, softcap=None, is_causal=None, s_aux=None, cache=None, **kwargs):
-        seq_len = query_length
-        head_dim = v_head_dim = None
-        target_dtype = None
-        attn_output = fa(
-            query, key, value, attention_mask, query_length=seq_len, is_causal=is_causal, dropout=dropout,
-            softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap, use_top_left_mask=False,
-            target_dtype=target_dtype, attn_implementation="flash_attention_2", layer_idx=module.layer_idx,
-            s_aux=s_aux, **kwargs,
-        )
-        return attn_output, head_dim, v_head_dim
+        return flash_attention_forward
 
-    return flash_attention_forward
-
-
-def _older_integration_like(fa: Callable, query_length: int, params, takes_any: bool) -> Callable:
-    def flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                                sliding_window=None, softcap=None, is_causal=None, s_aux=None, cache=None, **kwargs):
-        offered = dict(query_length=query_length, is_causal=is_causal, dropout=dropout, softmax_scale=scaling,
+    def older_flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                      sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
+        offered = dict(query_length=query.shape[1], is_causal=is_causal, dropout=dropout, softmax_scale=scaling,
                        sliding_window=sliding_window, softcap=softcap, use_top_left_mask=False, target_dtype=None,
                        attn_implementation="flash_attention_2", layer_idx=module.layer_idx, s_aux=s_aux, **kwargs)
         taken = {name: value for name, value in offered.items() if name in params or takes_any}
         return fa(query, key, value, attention_mask, **taken), None, None
 
-    return flash_attention_forward
+    return older_flash_attention_forward
 
 
-def _direct_like(kernel: Callable, args: tuple, kernel_kwargs: dict, query_length: int) -> Callable:
+def _direct_like(kernel: Callable, args: tuple, kernel_kwargs: dict) -> Callable:
     """The baseline, shaped like ``_integration_like``: calls ``kernel`` with the arguments hfpatch passed it."""
 
     def flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                                sliding_window=None, softcap=None, is_causal=None, s_aux=None, cache=None, **kwargs):
-        seq_len = query_length
+                                sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
+        seq_len = query.shape[1]
         head_dim = v_head_dim = None
         target_dtype = None
         attn_output = kernel(*args, **kernel_kwargs)
@@ -206,15 +166,33 @@ def _direct_like(kernel: Callable, args: tuple, kernel_kwargs: dict, query_lengt
     return flash_attention_forward
 
 
-def _generic_caller(module: torch.nn.Module, fa: Callable, q, k, v, kwargs: dict):
-    """For the registry entries (older releases passed other keywords): ``fa(q, k, v, None, **kwargs)`` from a
-    frame whose local ``module`` is the attention module."""
-    return fa(q, k, v, None, **kwargs)
+class _Attention(torch.nn.Module):
+    """An attention layer as transformers' integration sees it: a module with a ``layer_idx``."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+
+
+class _Model(torch.nn.Module):
+    """``layers`` attention layers; its forward calls ``attention(layer, q, k, v, None, **kwargs)`` once per layer."""
+
+    def __init__(self, layers: int, attention: Callable) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Attention(i) for i in range(layers))
+        self.attention = attention
+
+    def forward(self, q, k, v, position_ids):
+        out = None
+        attention = self.attention
+        for layer in self.layers:
+            out = attention(layer, q, k, v, None, dropout=0.0, scaling=q.shape[-1] ** -0.5, sliding_window=None,
+                            softcap=None, is_causal=True, position_ids=position_ids)[0]
+        return out
 
 
 def _empty_body(wrapper: Callable) -> Callable:
-    """A function with exactly ``wrapper``'s (the live) signature and an empty body: what binding the caller's
-    arguments costs, which any replacement of ``_flash_attention_forward`` -- and the original -- pays."""
+    """A function with exactly ``wrapper``'s (the live) signature and an empty body."""
     from hfpatch import codegen
 
     source = codegen.wrapper_source(wrapper)
@@ -229,31 +207,30 @@ def _empty_body(wrapper: Callable) -> Callable:
 # -------------------------------------------------------------------------------------------- timing
 
 
-def _best_pair(direct: Callable[[], object], patched: Callable[[], object], number: int,
-               repeat: int) -> tuple[float, float]:
-    """Best-of-``repeat`` CPU seconds per call of each, runs interleaved (direct, patched, direct, ...)."""
-    timers = [timeit.Timer(fn, timer=time.process_time) for fn in (direct, patched)]
-    best = [float("inf"), float("inf")]
+def _times(fns: list, number: int, repeat: int) -> list[list[float]]:
+    """CPU seconds per call of each of ``fns``: ``repeat`` samples of ``number`` calls each, runs interleaved."""
+    samples: list[list[float]] = [[] for _ in fns]
+    clock = time.process_time
     for _ in range(repeat):
-        for i, timer in enumerate(timers):
-            best[i] = min(best[i], timer.timeit(number) / number)
-    return best[0], best[1]
+        for i, fn in enumerate(fns):
+            start = clock()
+            for _ in range(number):
+                fn()
+            samples[i].append((clock() - start) / number)
+    return samples
 
 
-def _calls_within(fn: Callable[[], object], number: int, seconds: float) -> int:
-    """At most ``number`` calls, fewer when ``number`` calls of ``fn`` would take longer than ``seconds``."""
-    fn()  # warm-up (first-call allocations, backend selection)
-    per_call = timeit.Timer(fn, timer=time.process_time).timeit(3) / 3
-    return max(1, min(number, int(seconds / max(per_call, 1e-9))))
-
-
-def _row(entry: str, step: str, path: str, direct_s: float, patched_s: float) -> dict:
-    return dict(entry=entry, step=step, path=path, direct_us=direct_s * 1e6, patched_us=patched_s * 1e6,
-                added_us=(patched_s - direct_s) * 1e6, ratio=patched_s / direct_s)
+def _row(path: str, step: str, kernel: str, direct: list[float], patched: list[float], calls: int) -> dict:
+    """Per-call microseconds (``calls`` attention calls per timed function call): min and median of each side,
+    and hfpatch's added time (patched - direct) at both."""
+    dmin, dmed = min(direct) / calls * 1e6, statistics.median(direct) / calls * 1e6
+    pmin, pmed = min(patched) / calls * 1e6, statistics.median(patched) / calls * 1e6
+    return dict(path=path, step=step, kernel=kernel, direct_min_us=dmin, direct_median_us=dmed, patched_min_us=pmin,
+                patched_median_us=pmed, added_min_us=pmin - dmin, added_median_us=pmed - dmed, ratio=pmin / dmin)
 
 
 def _record_kernel_call(call_once: Callable[[], object]):
-    """(kernel name, args, kwargs) that one patched call (``call_once``) passes to ``ring_kernels``."""
+    """(kernel name, args, kwargs) of the one kernel call ``call_once`` (one patched call) makes."""
     seen = []
 
     def recorder(name):
@@ -264,248 +241,78 @@ def _record_kernel_call(call_once: Callable[[], object]):
 
     with _kernels(recorder):
         call_once()
-    assert len(seen) == 1, f"one patched call should make one kernel call, made {seen}"
+    if len(seen) != 1:
+        raise AssertionError(f"one patched call should make one kernel call, made {len(seen)}")
     return seen[0]
 
 
-def _installed_rows(entry_id: str, fa: Callable, number: int, repeat: int) -> list[dict]:
-    """Direct vs patched for the installed release: batch and packed steps, real and trivial kernels; then the
-    floor: binding the live signature (an empty body)."""
+def _rows(patch, fa: Callable, number: int, repeat: int, layers: int) -> list[dict]:
+    """Every "model=" and "stack" row, batch and packed, real and trivial kernel; then the floor."""
     import ring_kernels
 
     rows = []
-    module = _AttentionModule()
+    integration = _integration_like(fa)
+    tracked, untracked = _Model(layers, integration), _Model(layers, integration)
+    patch.track(tracked)  # what apply(model=) does for its model
     for step in ("batch", "packed"):
         q, k, v, position_ids = _inputs(step)
-        hf_args, hf_kwargs = _hf_call(module, q, k, v, position_ids)
-        patched_caller = _integration_like(fa, q.shape[1])
-        name, args, kernel_kwargs = _record_kernel_call(lambda: patched_caller(*hf_args, **hf_kwargs))
+        probe = _Model(1, integration)
+        name, args, kernel_kwargs = _record_kernel_call(lambda: probe(q, k, v, position_ids))
         real = getattr(ring_kernels, name)
-        # The patched call computes what the kernel computes (packed: the (T, H, D) result as one row).
         want = real(*args, **kernel_kwargs)
-        got = patched_caller(*hf_args, **hf_kwargs)[0]
+        got = tracked(q, k, v, position_ids)
         if not torch.equal(got.reshape(want.shape), want):
             raise AssertionError(f"{step}: the patched call differs from {name} called directly")
         for label, kernel in ((name, real), ("trivial", _trivial)):
-            direct_caller = _direct_like(kernel, args, kernel_kwargs, q.shape[1])
+            direct = _Model(layers, _direct_like(kernel, args, kernel_kwargs))
             with _kernels(None if kernel is real else (lambda _name: _trivial)):
-                direct = lambda: direct_caller(*hf_args, **hf_kwargs)  # noqa: E731
-                calls = number if kernel is _trivial else _calls_within(direct, number, _REAL_KERNEL_RUN_S)
-                t_direct, t_patched = _best_pair(direct, lambda: patched_caller(*hf_args, **hf_kwargs), calls, repeat)
-            rows.append(_row(entry_id, step, f"kernel={label}", t_direct, t_patched))
+                fns = [lambda: direct(q, k, v, position_ids), lambda: tracked(q, k, v, position_ids),
+                       lambda: untracked(q, k, v, position_ids)]
+                for fn in fns:
+                    fn()  # warm-up: the first call of each site builds its plan
+                runs = number
+                if kernel is real:
+                    start = time.process_time()
+                    fns[0]()
+                    runs = max(1, min(number, int(_REAL_KERNEL_RUN_S / max(time.process_time() - start, 1e-9))))
+                t_direct, t_tracked, t_stack = _times(fns, runs, repeat)
+            rows.append(_row("model=", step, label, t_direct, t_tracked, layers))
+            rows.append(_row("stack", step, label, t_direct, t_stack, layers))
     q, k, v, position_ids = _inputs("batch")
-    hf_args, hf_kwargs = _hf_call(module, q, k, v, position_ids)
-    nothing = _direct_like(lambda: None, (), {}, q.shape[1])
-    empty = _integration_like(_empty_body(fa), q.shape[1])
-    t_direct, t_patched = _best_pair(lambda: nothing(*hf_args, **hf_kwargs), lambda: empty(*hf_args, **hf_kwargs),
-                                     number, repeat)
-    rows.append(_row(entry_id, "batch", "floor: live signature, empty body", t_direct, t_patched))
+    nothing = _Model(layers, _direct_like(lambda: None, (), {}))
+    empty = _Model(layers, _integration_like(_empty_body(fa)))
+    t_direct, t_empty = _times([lambda: nothing(q, k, v, position_ids), lambda: empty(q, k, v, position_ids)],
+                               number, repeat)
+    rows.append(_row("floor", "batch", "live signature, empty body", t_direct, t_empty, layers))
     return rows
 
 
-# The stages of the fast path, in order: the label of the row, and what the call has done when it stops there.
-STAGES = (
-    "stage 1: wrapper binds the live signature, calls fast_call",
-    "stage 2: + compile check, removal, switch",
-    "stage 3: + calling module (frame.f_locals)",
-    "stage 4: + layer key, counting",
-    "stage 5: + refusal tests (q.shape, k.shape)",
-    "stage 6: + step memo",
-    "stage 7: + plan lookup",
-    "stage 8: + rank-check scope (ContextVar)",
-    "stage 9: + kernel call (the real fast path)",
-)
-
-
-def _staged_fast_call(dispatcher, stop: int) -> Callable:
-    """``dispatcher.fast_call`` (and ``semantics.fast_ring_attention``'s common case, stages 5-8) returning the
-    query after stage ``stop`` (1-based, see ``STAGES``); ``stop == len(STAGES)`` is the real ``fast_call``.
-    A copy for timing only: it assumes the common call (no refusal, a cached plan), which the caller checks."""
-    import ring_kernels
-    from hfpatch import dispatch, switch
-
-    if stop == len(STAGES):
-        return dispatcher.fast_call
-    # Bound as the real closure binds them (cells, not attribute reads), so that each stage costs what it does there.
-    ctx, local, holders, kernels = dispatcher.ctx, switch._local, dispatch._holders, vars(ring_kernels)
-    is_compiling, graph_task_id, calling_module = dispatch._is_compiling, dispatch._graph_task_id, dispatch._calling_module
-    thread_counts, getframe, module_type, rank_checked = dispatcher._counts, sys._getframe, torch.nn.Module, \
-        ring_kernels.RANK_CHECKED
-
-    def fast_call(q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra):
-        if stop == 1:
-            return q
-        if is_compiling() or dispatcher.removed:
-            return None
-        stack = local.stack
-        if (stack[-1] if stack else switch._default_mode) != "ring" or stop == 2:
-            return q
-        frame = getframe(2)
-        code = frame.f_code
-        entry = holders.get(id(code))
-        module = None
-        if entry is not None and entry[0] is code and entry[1]:
-            f_locals = frame.f_locals
-            for name in entry[1]:
-                candidate = f_locals.get(name)
-                if isinstance(candidate, module_type):
-                    module = candidate
-                    break
-        if module is None:
-            module = calling_module(3)
-        if stop == 3:
-            return q
-        layer_idx = extra.get("layer_idx") if extra else None
-        if layer_idx is None and module is not None:
-            layer_idx = getattr(module, "layer_idx", None)
-        slot = (layer_idx, None if module is None else id(module)) if type(layer_idx) is int else \
-            dispatch._slot(layer_idx, module)
-        if graph_task_id() != -1:
-            counts = thread_counts.recomputed
-        else:
-            counts = thread_counts.ring
-            dispatcher._forward[slot] = "ring"
-        counts[slot] = counts.get(slot, 0) + 1
-        if stop == 4:
-            return q
-        q_shape = q.shape
-        if (mask is not None or dropout or k.shape[1] != q_shape[1] or (window is not None and type(window) is not int)
-                or (extra and (extra.get("s_aux") is not None or extra.get("cache") is not None
-                               or extra.get("cache_seqlens") is not None))) or stop == 5:
-            return q
-        memo = ctx._fast_step if ctx.step is None else None
-        if (memo is None or memo[0] is not position_ids or memo[2] != q_shape[0] or memo[3] != q_shape[1]
-                or (position_ids is not None and memo[1] != position_ids._version)) or stop == 6:
-            return q
-        step = memo[4]
-        plan = ctx._plans.get((causal, scale, window, softcap)) if ctx._plan_step is step else None
-        kernel = kernels[plan.kernel]  # noqa: F841 -- timed: the real fast path looks its kernel up here
-        if stop == 7:
-            return q
-        token = rank_checked.set(step.rank_checked)
-        try:
-            return q
-        finally:
-            rank_checked.reset(token)
-
-    return fast_call
-
-
-def _stage_rows(entry_id: str, fa: Callable, dispatcher, number: int, repeat: int) -> list[dict]:
-    """The "stage" rows (see the module docstring): batch and packed steps, trivial kernel, each stage timed
-    against the same direct call, all interleaved in one loop."""
-    module = _AttentionModule()
-    rows = []
-    real = fa.__globals__["_hfpatch_fast"]
-    if real is not dispatcher.fast_call:
-        raise RuntimeError("the installed wrapper does not call this dispatcher's fast_call; update _stage_rows")
-    for step in ("batch", "packed"):
-        q, k, v, position_ids = _inputs(step)
-        hf_args, hf_kwargs = _hf_call(module, q, k, v, position_ids)
-        patched_caller = _integration_like(fa, q.shape[1])
-        name, args, kernel_kwargs = _record_kernel_call(lambda: patched_caller(*hf_args, **hf_kwargs))
-        if dispatcher.ctx._fast_step is None:
-            raise RuntimeError("the stages assume a derived step memoised by the fast path")
-        direct_caller = _direct_like(_trivial, args, kernel_kwargs, q.shape[1])
-        staged = [_staged_fast_call(dispatcher, stop) for stop in range(1, len(STAGES) + 1)]
-
-        def run(fast):
-            def call():
-                fa.__globals__["_hfpatch_fast"] = fast
-                try:
-                    return patched_caller(*hf_args, **hf_kwargs)
-                finally:
-                    fa.__globals__["_hfpatch_fast"] = real
-            return call
-
-        calls = [lambda: direct_caller(*hf_args, **hf_kwargs)] + [run(fast) for fast in staged]
-        with _kernels(lambda _name: _trivial):
-            for call in calls:
-                call()
-            best = _best_of(calls, number, repeat)
-        rows += [_row(entry_id, step, label, best[0], t) for label, t in zip(STAGES, best[1:])]
-    return rows
-
-
-def _best_of(fns: list, number: int, repeat: int) -> list[float]:
-    """Best-of-``repeat`` CPU seconds per call of each of ``fns``, runs interleaved."""
-    timers = [timeit.Timer(fn, timer=time.process_time) for fn in fns]
-    best = [float("inf")] * len(fns)
-    for _ in range(repeat):
-        for i, timer in enumerate(timers):
-            best[i] = min(best[i], timer.timeit(number) / number)
-    return best
-
-
-def _entry_rows(entry, ctx, number: int, repeat: int) -> list[dict]:
-    """One registry entry: the rendered wrapper alone, and the whole patched call with the trivial kernel."""
-    from hfpatch import codegen
-    from hfpatch.dispatch import Dispatcher
-    from hfpatch.signatures.registry import match
-
-    sig = entry.signature()
-    found = match(sig)
-    module = _AttentionModule()
-    q, k, v, position_ids = _inputs("batch")
-    kwargs = _hf_kwargs(sig, q, position_ids)
-
-    captured = {}
-
-    def capture(call, extra):
-        captured.update(call=call, extra=extra)
-        return q
-
-    _generic_caller(module, codegen.render(found, capture), q, k, v, kwargs)
-    call, extra = captured["call"], captured["extra"]
-
-    def handler(call, extra):
-        return q
-
-    wrapper_only = codegen.render(found, handler)
-    # The baseline replaces the wrapper by a function that calls the handler with the call dict built ahead.
-    direct, patched = _best_pair(lambda: _generic_caller(module, lambda *a: handler(call, extra), q, k, v, {}),
-                                 lambda: _generic_caller(module, wrapper_only, q, k, v, kwargs), number, repeat)
-    rows = [_row(entry.id, "batch", "rendered: wrapper only", direct, patched)]
-    dispatcher = Dispatcher(original=_trivial, match=found, ctx=ctx)
-    whole = codegen.render(found, dispatcher)
-    with _kernels(lambda _name: _trivial):
-        name, args, kernel_kwargs = _record_kernel_call(lambda: _generic_caller(module, whole, q, k, v, kwargs))
-        # _trivial(q, k, v, None, **kernel_kwargs): the same caller frame, the kernel's own arguments.
-        assert name == "ring_attn_func" and args == (q, k, v), (name, args)
-        direct, patched = _best_pair(lambda: _generic_caller(module, _trivial, q, k, v, kernel_kwargs),
-                                     lambda: _generic_caller(module, whole, q, k, v, kwargs), number, repeat)
-    rows.append(_row(entry.id, "batch", "rendered: kernel=trivial", direct, patched))
-    return rows
-
-
-def measure(*, number: int = 20_000, repeat: int = 7, entries: str = "all") -> dict:
-    """Every row of the comparison (see the module docstring) and a stamp. ``entries``: "all" or "installed"."""
+def measure(*, number: int = 2000, repeat: int = 15, layers: int = 16) -> dict:
+    """Every row (see the module docstring) and a stamp."""
     import transformers.modeling_flash_attention_utils as mfau
-
-    from hfpatch.signatures.registry import load_registry
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the real kernels' intra-op threads would add scheduling noise on a shared machine
+    load_before = os.getloadavg()
     try:
         with _world_of_one() as group, _installed(group) as patch:
-            rows = _installed_rows(patch.signature_id, mfau._flash_attention_forward, number, repeat)
-            rows += _stage_rows(patch.signature_id, mfau._flash_attention_forward, patch._dispatcher, number, repeat)
-            if entries == "all":
-                for entry in load_registry():
-                    rows += _entry_rows(entry, patch.ctx, number, repeat)
+            rows = _rows(patch, mfau._flash_attention_forward, number, repeat, layers)
+            signature_id = patch.signature_id
     finally:
         torch.set_num_threads(threads)
-    return dict(stamp=_stamp(number, repeat), rows=rows)
+    return dict(stamp=_stamp(number, repeat, layers, signature_id, load_before), rows=rows)
 
 
-def _stamp(number: int, repeat: int) -> dict:
+def _stamp(number: int, repeat: int, layers: int, signature_id: str, load_before) -> dict:
     import importlib.metadata
 
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 python=platform.python_version(), torch=torch.__version__,
-                transformers=importlib.metadata.version("transformers"), machine=platform.machine(),
-                cpus=os.cpu_count(), load_average=tuple(round(x, 2) for x in os.getloadavg()),
-                number=number, repeat=repeat, shape=dict(SHAPE), packed_docs=PACKED_DOCS)
+                transformers=importlib.metadata.version("transformers"), signature=signature_id,
+                machine=platform.machine(), cpus=os.cpu_count(),
+                load_before=tuple(round(x, 2) for x in load_before),
+                load_after=tuple(round(x, 2) for x in os.getloadavg()),
+                number=number, repeat=repeat, layers=layers, shape=dict(SHAPE), packed_docs=PACKED_DOCS)
 
 
 def render(result: dict) -> str:
@@ -513,30 +320,33 @@ def render(result: dict) -> str:
     st = result["stamp"]
     lines = [
         "hfpatch per-call overhead on CPU (benchmarks/patched_call_overhead.py)",
-        f"date {st['date']}  python {st['python']}  torch {st['torch']}  transformers {st['transformers']}  "
-        f"{st['machine']} x{st['cpus']}  load average {st['load_average']}",
-        f"best of {st['repeat']} x {st['number']} calls, CPU time (process_time); B={st['shape']['batch']} "
-        f"S={st['shape']['seq']} H={st['shape']['heads']} D={st['shape']['head_dim']} fp32; packed documents "
-        f"{st['packed_docs']}",
+        f"date {st['date']}  python {st['python']}  torch {st['torch']}  transformers {st['transformers']} "
+        f"({st['signature']})  {st['machine']} x{st['cpus']}  load average before {st['load_before']} "
+        f"after {st['load_after']}",
+        f"{st['repeat']} samples x {st['number']} forwards of {st['layers']} attention calls, CPU time per call "
+        f"(process_time), min and median; B={st['shape']['batch']} S={st['shape']['seq']} H={st['shape']['heads']} "
+        f"D={st['shape']['head_dim']} fp32; packed documents {st['packed_docs']}",
         "",
-        f"{'entry':<12} {'step':<7} {'path':<58} {'direct us':>10} {'patched us':>11} {'added us':>9} {'ratio':>7}",
+        f"{'path':<7} {'step':<7} {'kernel':<27} {'direct us':>16} {'patched us':>16} {'added us':>16} {'ratio':>6}",
+        f"{'':<43} {'min':>7} {'median':>8} {'min':>7} {'median':>8} {'min':>7} {'median':>8}",
     ]
     for r in result["rows"]:
-        lines.append(f"{r['entry']:<12} {r['step']:<7} {r['path']:<58} {r['direct_us']:>10.2f} "
-                     f"{r['patched_us']:>11.2f} {r['added_us']:>9.2f} {r['ratio']:>7.2f}")
+        lines.append(f"{r['path']:<7} {r['step']:<7} {r['kernel']:<27} {r['direct_min_us']:>7.2f} "
+                     f"{r['direct_median_us']:>8.2f} {r['patched_min_us']:>7.2f} {r['patched_median_us']:>8.2f} "
+                     f"{r['added_min_us']:>7.2f} {r['added_median_us']:>8.2f} {r['ratio']:>6.2f}")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--number", type=int, default=20_000, help="calls per timed run")
-    parser.add_argument("--repeat", type=int, default=7, help="timed runs per path (best is kept)")
-    parser.add_argument("--entries", choices=("all", "installed"), default="all")
+    parser.add_argument("--number", type=int, default=2000, help="forwards per timed sample")
+    parser.add_argument("--repeat", type=int, default=15, help="timed samples per path")
+    parser.add_argument("--layers", type=int, default=16, help="attention calls per forward")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
-    if args.number < 1 or args.repeat < 1:
-        parser.error(f"--number={args.number} and --repeat={args.repeat} must be >= 1")
-    text = render(measure(number=args.number, repeat=args.repeat, entries=args.entries))
+    if args.number < 1 or args.repeat < 1 or args.layers < 1:
+        parser.error(f"--number={args.number}, --repeat={args.repeat} and --layers={args.layers} must be >= 1")
+    text = render(measure(number=args.number, repeat=args.repeat, layers=args.layers))
     print(text, end="")
     if args.out:
         with open(args.out, "w") as f:

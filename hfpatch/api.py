@@ -119,8 +119,7 @@ class Patch:
         (``apply(model=...)`` does this for its model)."""
         if self._dispatcher is None:
             return
-        dispatcher = self._dispatcher
-        self._hooks.append(model.register_forward_pre_hook(lambda module, args: dispatcher.begin_forward()))
+        self._hooks.extend(self._dispatcher.track(model))  # also binds its attention layers' call sites
 
     def layers_seen(self) -> list:
         """Layer keys (layer index, or "Class@id") that ran the ring in the last forward of a tracked model
@@ -471,7 +470,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     ctx = RingContext.for_group(group, kernel=kernel)
     dispatcher = Dispatcher(original=original, match=match, ctx=ctx)
     ctx.call_original = dispatcher.call_original
-    wrapper = codegen.render(match, dispatcher, original=original)
+    wrapper = codegen.render(match, dispatcher.entry, original=original)
     wrapper.__hfpatch_wrapper__ = True  # lets a later apply recognise a wrapper left behind
     installation = patcher.install(patcher.plan(original), wrapper)  # all-or-nothing by itself
     patch = Patch(active=True, reason=None, signature_id=match.id, ctx=ctx, installation=installation,

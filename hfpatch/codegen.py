@@ -1,20 +1,24 @@
 """Generate the installed wrapper: a function with exactly the live ``_flash_attention_forward`` signature.
 
 The wrapper is written as Python source, compiled, and its source registered in ``linecache`` under a readable
-pseudo-filename (``<hfpatch wrapper S5-4.53.3 fast>``), so tracebacks, ``pdb`` and ``inspect.getsource`` show it.
-It does one thing: gather its arguments *by role* and hand them to the handler. The common call (no paged KV
-cache, no ``cu_seq_lens_*``) goes by position to the handler's fast entry, which takes the hot roles as locals;
-anything it declines, and every call of a handler without one, goes as ``call = {role: value}`` to
-``handler(call, extra_kwargs)``. Example (S4, abridged)::
+pseudo-filename (``<hfpatch wrapper S5-4.53.3>``), so tracebacks, ``pdb`` and ``inspect.getsource`` show it.
+It does one thing: pass the value of every role (``ROLE_ORDER``; None for a role this release's function does
+not have) and the ``**kwargs`` dict to the handler, by position -- no dict to build per call. Example (S4,
+abridged)::
 
     def _flash_attention_forward(query_states, key_states, value_states, attention_mask, query_length,
                                  is_causal, dropout=_hfpatch_d6, ..., target_dtype=_hfpatch_d17, **kwargs):
-        if cu_seq_lens_q is None and cu_seq_lens_k is None:
-            _hfpatch_out = _hfpatch_fast(query_states, key_states, value_states, attention_mask, is_causal,
-                                         dropout, softmax_scale, sliding_window, softcap, position_ids, kwargs)
-            if _hfpatch_out is not _hfpatch_declined:
-                return _hfpatch_out
-        return _hfpatch_handler({'query': query_states, 'key': key_states, ...}, kwargs)
+        return _hfpatch_handler(
+            query_states,  # query
+            key_states,  # key
+            ...
+            None,  # implementation: not a parameter of this release
+            ...
+            kwargs,  # extra_kwargs
+        )
+
+A handler that wants the arguments as ``{role: value}`` is wrapped by ``by_role(match, fn)``; ``role_call``
+turns the positional values back into that dict (the roles of the signature only).
 
 Defaults are bound by reference (``_hfpatch_d6`` *is* the original default object, never re-evaluated) and the
 annotations are the original objects, so ``inspect.signature(wrapper, follow_wrapped=False) == live``. A
@@ -32,37 +36,28 @@ from typing import Any, Callable
 
 from hfpatch.errors import PatchError, UnsupportedArgument
 from hfpatch.signatures.registry import Match, _same_value
-from hfpatch.signatures.roles import EXTRA_KWARGS_ROLE, UNKNOWN_ROLE
+from hfpatch.signatures.roles import EXTRA_KWARGS_ROLE, ROLES, UNKNOWN_ROLE
 
-__all__ = ["render", "original_kwargs", "wrapper_source", "DECLINED", "FAST_ROLES"]
+__all__ = ["render", "original_kwargs", "wrapper_source", "ROLE_ORDER", "ABSENT", "role_call", "role_args", "by_role"]
+
+# The positional arguments of a handler, in this order, then the ``**kwargs`` dict (``{}`` for a release without).
+ROLE_ORDER: tuple[str, ...] = tuple(role for role in ROLES if role != EXTRA_KWARGS_ROLE)
+_INDEX = {role: i for i, role in enumerate(ROLE_ORDER)}
 
 
-class _Declined:
-    """The type of ``DECLINED``."""
+class _Absent:
+    """The type of ``ABSENT``."""
 
     __slots__ = ()
 
     def __repr__(self) -> str:
-        return "hfpatch.codegen.DECLINED"
+        return "hfpatch.codegen.ABSENT"
 
 
-# What a handler's ``fast_call`` returns when it does not take the call: the wrapper then builds the role dict and
-# calls the handler (the generic path).
-DECLINED = _Declined()
+# A role value that ``role_args`` passes for a role its call dict does not hold, and ``role_call`` leaves out.
+ABSENT = _Absent()
 
-# The roles a handler's ``fast_call`` takes, in this order, as positional arguments (a role the live signature
-# lacks is passed as its neutral value, the one ``semantics`` reads for an absent role), then the ``**kwargs`` dict.
-FAST_ROLES: tuple[tuple[str, str], ...] = (
-    ("query", "None"), ("key", "None"), ("value", "None"), ("attention_mask", "None"), ("is_causal", "True"),
-    ("dropout", "0.0"), ("softmax_scale", "None"), ("sliding_window", "None"), ("softcap", "None"),
-    ("position_ids", "None"),
-)
-# Roles that change what the semantics do but are rarely passed: the fast call is taken only when each one the
-# signature has is None (the generic path handles, or refuses, the rest). Every other role is ignored by the ring
-# path (query_length, use_top_left_mask, deterministic, max_length_*, target_dtype, implementation).
-_RARE_ROLES = ("cu_seq_lens_q", "cu_seq_lens_k", "block_table", "k_cache", "v_cache")
-
-Handler = Callable[[dict, dict], Any]
+Handler = Callable[..., Any]  # handler(*<ROLE_ORDER values>, extra_kwargs)
 
 _DEFAULT_NAME = "_flash_attention_forward"
 _DEFAULT_MODULE = "transformers.modeling_flash_attention_utils"
@@ -72,15 +67,12 @@ P = inspect.Parameter
 
 
 def render(match: Match, handler: Handler, *, original: Callable | None = None, name: str | None = None) -> FunctionType:
-    """Build the wrapper for ``match.signature`` that calls ``handler(call, extra_kwargs)``.
+    """Build the wrapper for ``match.signature`` that returns ``handler(*values, extra_kwargs)``, ``values``
+    the caller's argument of each role in ``ROLE_ORDER`` (None for a role the signature lacks).
 
     ``original``: the function being replaced; it becomes ``__wrapped__`` and gives ``__name__``,
     ``__qualname__``, ``__module__`` and ``__doc__``. ``name`` overrides the function name.
     Raises ``PatchError`` for an unsupported match (there is no safe mapping to generate).
-
-    When ``handler`` has a ``fast_call`` attribute (``hfpatch.dispatch.Dispatcher``), the wrapper first calls
-    ``handler.fast_call(<FAST_ROLES>, extra_kwargs)`` -- if every rare role it has (paged KV cache,
-    ``cu_seq_lens_*``) is None -- and returns its result unless it is ``DECLINED``.
     """
     if not isinstance(match, Match):
         raise TypeError(f"render(match=...) needs a hfpatch.signatures.registry.Match, got {type(match).__name__}")
@@ -90,7 +82,8 @@ def render(match: Match, handler: Handler, *, original: Callable | None = None, 
             f"registry.require() explains what differs:\n{match.diff}"
         )
     if not callable(handler):
-        raise TypeError(f"render(handler=...) must be callable as handler(call, extra_kwargs), got {handler!r}")
+        raise TypeError(f"render(handler=...) must be callable as handler(*role values, extra_kwargs) (see "
+                        f"codegen.by_role for a handler of a role dict), got {handler!r}")
     func_name = name or getattr(original, "__name__", None) or _DEFAULT_NAME
     if not func_name.isidentifier():
         raise ValueError(f"render(name={func_name!r}): a function name must be a Python identifier")
@@ -99,35 +92,27 @@ def render(match: Match, handler: Handler, *, original: Callable | None = None, 
     if clash:
         raise PatchError(f"live parameters {clash} use the prefix {_PREFIX!r} reserved for generated code")
 
-    fast_call = getattr(handler, "fast_call", None)
-    source, namespace = _generate(func_name, params, match, fast=fast_call is not None)
+    source, namespace = _generate(func_name, params, match)
     namespace["_hfpatch_handler"] = handler
-    if fast_call is not None:
-        if not callable(fast_call):
-            raise TypeError(f"render(handler=...): handler.fast_call must be callable, got {fast_call!r}")
-        namespace["_hfpatch_fast"] = fast_call
-    # The two forms of one entry's wrapper (with and without the fast call) are different sources: different names.
-    filename = _register_source(match.id + (" fast" if fast_call is not None else ""), source)
+    filename = _register_source(match.id, source)
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated source
     wrapper = namespace[func_name]
     _decorate(wrapper, match, original, source)
     return wrapper
 
 
-def _generate(func_name: str, params: list[inspect.Parameter], match: Match, *, fast: bool = False) -> tuple[str, dict]:
-    """The wrapper's source and the namespace its names resolve in (defaults, helpers). ``fast``: render the
-    call to ``_hfpatch_fast`` (see ``render``)."""
+def _generate(func_name: str, params: list[inspect.Parameter], match: Match) -> tuple[str, dict]:
+    """The wrapper's source and the namespace its names resolve in (defaults, helpers)."""
     namespace: dict[str, Any] = {
         "__builtins__": builtins,
         # No "__name__": torch.compile (Dynamo) imports the module a function's globals name in order to guard on
         # them; a made-up module name fails that import. Without it, Dynamo guards on this dict itself.
         "_hfpatch_differs": _differs,
         "_hfpatch_refuse": _refuse_unknown,
-        "_hfpatch_declined": DECLINED,
     }
     header: list[str] = []  # one line per parameter (or `*` / `/` marker), without the trailing comma
     checks: list[str] = []
-    items: list[str] = []
+    name_of: dict[str, str] = {}  # role -> parameter name
     extra = "{}"
     star_done = False
     for index, param in enumerate(params):
@@ -155,7 +140,7 @@ def _generate(func_name: str, params: list[inspect.Parameter], match: Match, *, 
             if role == UNKNOWN_ROLE:
                 checks.append(_unknown_check(param.name, default_name))
         if role != UNKNOWN_ROLE:
-            items.append(f"{role!r}: {param.name},")
+            name_of[role] = param.name
         if param.kind is P.POSITIONAL_ONLY and (
             index + 1 == len(params) or params[index + 1].kind is not P.POSITIONAL_ONLY
         ):
@@ -163,34 +148,14 @@ def _generate(func_name: str, params: list[inspect.Parameter], match: Match, *, 
     # One parameter and one role per line: this is the text a traceback or debugger shows.
     lines = [f"def {func_name}("]
     lines += [f"    {text}" for text in header]
-    lines += ["):", f"    # generated by hfpatch.codegen for {match.id}: arguments by role -> handler(call, extra)"]
+    lines += ["):", f"    # generated by hfpatch.codegen for {match.id}: every role by position -> handler"]
     lines += checks
-    if fast:
-        lines += _fast_branch(params, match, extra)
-    lines += ["    return _hfpatch_handler(", "        {"]
-    lines += [f"            {item}" for item in items]
-    lines += ["        },", f"        {extra},", "    )"]
+    lines += ["    return _hfpatch_handler("]
+    lines += [f"        {name_of[role]},  # {role}" if role in name_of else
+              f"        None,  # {role}: not a parameter of this release" for role in ROLE_ORDER]
+    lines += [f"        {extra},  # {EXTRA_KWARGS_ROLE}", "    )"]
     source = "\n".join(lines) + "\n"
     return source, namespace
-
-
-def _fast_branch(params: list[inspect.Parameter], match: Match, extra: str) -> list[str]:
-    """Lines that hand the common call to ``_hfpatch_fast`` by position (see ``render``)."""
-    name_of = {match.roles[p.name]: p.name for p in params
-               if p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD) and match.roles[p.name] != UNKNOWN_ROLE}
-    if not all(role in name_of for role in ("query", "key", "value")):
-        return []  # no safe positional mapping: every call takes the generic path
-    args = ", ".join(name_of.get(role, neutral) for role, neutral in FAST_ROLES)
-    rare = [f"{name_of[role]} is None" for role in _RARE_ROLES if role in name_of]
-    indent = "    "
-    lines = [f"    # the common call: roles by position to the handler's fast path; DECLINED -> the role dict below"]
-    if rare:
-        lines.append(f"    if {' and '.join(rare)}:")
-        indent = "        "
-    lines += [f"{indent}_hfpatch_out = _hfpatch_fast({args}, {extra})",
-              f"{indent}if _hfpatch_out is not _hfpatch_declined:",
-              f"{indent}    return _hfpatch_out"]
-    return lines
 
 
 def _short(value: Any) -> str:
@@ -287,3 +252,38 @@ def wrapper_source(fn: Callable) -> str:
     if source is None:
         raise TypeError(f"{fn!r} is not a wrapper generated by hfpatch.codegen.render (no __hfpatch_source__)")
     return source
+
+
+def role_call(match: Match, values: tuple) -> dict:
+    """``{role: value}`` of the roles ``match``'s signature has, from a handler's positional ``values``
+    (``ROLE_ORDER``); an ``ABSENT`` value is left out."""
+    return {role: values[_INDEX[role]] for role in _roles_of(match) if values[_INDEX[role]] is not ABSENT}
+
+
+def role_args(call: dict) -> tuple:
+    """A handler's positional values (``ROLE_ORDER``) from ``{role: value}``; ``ABSENT`` for a role not given."""
+    return tuple(call.get(role, ABSENT) for role in ROLE_ORDER)
+
+
+def by_role(match: Match, fn: Callable[[dict, dict], Any]) -> Handler:
+    """A handler for ``render`` that calls ``fn(call, extra_kwargs)`` with ``call = role_call(match, values)``."""
+    if not callable(fn):
+        raise TypeError(f"by_role(fn=...) must be callable as fn(call, extra_kwargs), got {fn!r}")
+
+    def handler(*values):
+        return fn(role_call(match, values[:-1]), values[-1])
+
+    handler.__name__ = handler.__qualname__ = f"by_role({getattr(fn, '__name__', type(fn).__name__)})"
+    return handler
+
+
+def _roles_of(match: Match) -> tuple:
+    """The roles of ``match``'s signature, in ``ROLE_ORDER`` (cached on the match's identity)."""
+    found = _ROLES_OF.get(id(match))
+    if found is None or found[0] is not match:
+        present = set(match.roles.values())
+        found = _ROLES_OF[id(match)] = (match, tuple(role for role in ROLE_ORDER if role in present))
+    return found[1]
+
+
+_ROLES_OF: dict = {}  # id(match) -> (match, roles); the match is kept, so its id is not reused while cached

@@ -1,25 +1,28 @@
-"""The handler behind every generated wrapper: read the switch, route the call, count it.
+"""The handler behind every generated wrapper: find the call site, run its plan, count the call.
 
-``codegen.render(match, dispatcher)`` builds a wrapper with exactly the live signature of
-``_flash_attention_forward`` that calls ``dispatcher(call, extra_kwargs)`` with ``call`` keyed by role
-(``query``, ``key``, ``value``, ``attention_mask``, ...). Per call the dispatcher:
+``codegen.render(match, dispatcher.entry)`` builds a wrapper with exactly the live signature of
+``_flash_attention_forward`` that calls ``dispatcher.entry(<each role of codegen.ROLE_ORDER>, extra_kwargs)``.
+Per call:
 
-1. reads ``switch.current_mode()`` (per-thread override over the process-wide default);
-2. routes: ``"ring"`` -> ``semantics.ring_attention``; ``"original"`` -> the original transformers function,
-   re-called by parameter name (``codegen.original_kwargs``); ``"reference"`` -> ``semantics.reference_attention``
-   (all-gather, plain attention on the whole sequence, this rank's slice); ``"local"`` ->
-   ``semantics.local_attention`` (no CP: plain attention on the tensors given);
-3. counts the call under its layer, so that ``Patch`` can say which attention layers ran the ring in the last
-   forward and which did not.
+1. The call site: the attention layer that made the call, as a ``Site`` (one per layer, kept for the patch's life).
+   A model given to ``track`` (``apply(model=)`` does) has its attention modules' sites bound once, by
+   ``layer_idx``, and used while that model's forward runs on this thread (transformers passes ``layer_idx`` from
+   4.54 on); any other call finds its module on the stack (``_calling_module``).
+2. The site's plan: the ``semantics.RingPlan`` a ring call of its configuration ran. When this call is one that
+   plan computes --
+   switch "ring", nothing to refuse or derive (no mask, dropout, cache, sink or ``cu_seq_lens``), the same step,
+   the same position ids (object and version), shape and configuration -- the call is counted and
+   ``plan.run(q, k, v)`` computes it.
+3. Anything else is planned (``plan_and_run``): the role dict, the mode (``switch.current_mode()``), the call
+   counted, then ``run_mode``: ``"ring"`` -> ``semantics.ring_attention`` (every refusal, the step, the plan,
+   which runs it), after which the site keeps that plan; ``"original"`` -> the original transformers function,
+   re-called by parameter name; ``"reference"``/``"local"`` -> ``semantics``. While Dynamo traces
+   (torch.compile) the call is one opaque operator (``hfpatch._opaque``).
 
-This runs once per attention layer per step, so it is kept cheap (benchmarks/patched_call_overhead.py): the
-common eager ring call arrives at ``fast_call`` with the hot roles as positional arguments (no role dict; see
-``hfpatch.codegen``) and does the same three things inline; no lock per call (each thread counts into its own
-dict; readers sum them); the calling module is read from the one frame whose code can hold it
-(``frame.f_locals`` copies every local of a frame, so other frames are skipped by their code object).
-
-After ``Patch.remove()`` a wrapper may still be referenced somewhere (a user variable): it then calls the
-original function, exactly what the restored binding sites call.
+Counts live per thread (no lock per call; readers sum every thread's), under the call's site, so that ``Patch``
+can say which attention layers ran the ring in the last forward and which did not. After ``Patch.remove()`` a
+wrapper may still be referenced somewhere (a user variable): it then calls the original function, exactly what
+the restored binding sites call.
 """
 from __future__ import annotations
 
@@ -35,8 +38,9 @@ from hfpatch import _opaque
 from hfpatch import codegen as _codegen
 from hfpatch import semantics as _semantics
 from hfpatch import switch as _switch
+from hfpatch.model_switch import attention_modules
 
-__all__ = ["Dispatcher", "LayerRecord"]
+__all__ = ["Dispatcher", "LayerRecord", "Site"]
 
 # How far up the stack to look for the attention module that made the call: wrapper -> INTEG's
 # flash_attention_forward(module, ...) (4.48+) or the *FlashAttention2.forward(self, ...) method (4.43-4.47).
@@ -56,6 +60,13 @@ _RECOMPUTED = "<recomputed>"  # the kind under which a recomputed call is counte
 # object is kept in the entry, so its id cannot be reused while cached (code objects hash slowly, hence the id).
 _holders: dict = {}
 _MAX_HOLDERS = 4096
+_MAX_SITES = 4096  # call sites kept per dispatcher (a model has one per attention layer); beyond this, restart
+_MAX_SITE_PLANS = 8  # configurations kept per site (a layer has one); beyond this, restart
+
+# Positions in codegen.ROLE_ORDER of the roles a site's plan is checked against.
+_AT = {role: i for i, role in enumerate(_codegen.ROLE_ORDER)}
+_CAUSAL, _SCALE, _WINDOW, _SOFTCAP, _POSITIONS = (_AT[r] for r in (
+    "is_causal", "softmax_scale", "sliding_window", "softcap", "position_ids"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,30 @@ class LayerRecord:
     key: Hashable
     module_id: int | None
     mode: str
+
+
+class Site:
+    """One call site -- an attention layer -- and the ring plans its ring calls ran.
+
+    key, module_id:  what its calls are counted and recorded under (see ``LayerRecord``).
+    plans:           (is_causal, softmax_scale, sliding_window, softcap), as the wrapper passed them -> the
+                     ``semantics.RingPlan`` to reuse; a plan is valid while ``plan.step is ctx.plan_step`` and the
+                     call has the step inputs the plans were built from:
+    position_ids, version:  the position ids tensor (identity) and its ``_version`` (None: no position ids, or a
+                     step from ``shard_inputs``, which states its layout itself);
+    batch, seq:      the query's (B, S_local).
+    """
+
+    __slots__ = ("key", "module_id", "plans", "position_ids", "version", "batch", "seq")
+
+    def __init__(self, key: Hashable, module_id: int | None) -> None:
+        self.key = key
+        self.module_id = module_id
+        self.plans: dict = {}
+        self.position_ids = self.version = self.batch = self.seq = None
+
+    def __repr__(self) -> str:
+        return f"<Site {self.key!r} module={self.module_id} plans={[p.kernel for p in self.plans.values()]}>"
 
 
 def _holder_names(code) -> tuple:
@@ -92,7 +127,7 @@ def _slot(layer_idx: Any, module: torch.nn.Module | None) -> tuple:
 def _calling_module(depth: int = 2) -> torch.nn.Module | None:
     """The ``nn.Module`` whose code called the wrapper: the ``module`` argument of transformers'
     ``flash_attention_forward`` or the ``self`` of an attention ``forward``, found within ``_MAX_FRAMES`` frames
-    from ``depth`` (2: skip this function and ``Dispatcher.__call__``; the first frame is the wrapper's).
+    from ``depth`` (the frame that called the dispatcher's entry; 0 is this function's own frame).
     ``_flash_attention_forward`` is never given the module itself on any release, and ``layer_idx`` only from 4.54
     on, so the stack is the one release-independent source."""
     frame = sys._getframe(depth)
@@ -113,20 +148,22 @@ def _calling_module(depth: int = 2) -> torch.nn.Module | None:
 
 
 class _ThreadCounts(threading.local):
-    """This thread's call counts: ``by_kind[kind][(key, module_id)] -> calls``, kind a switch mode or
-    ``_RECOMPUTED``. Only its own thread writes its dicts, so counting takes no lock; readers sum every thread's.
-    ``ring`` and ``recomputed`` are the two dicts the fast path writes, held as attributes so that a call reads
-    one attribute and hashes its slot once (no ``(kind, slot)`` tuple to build and hash)."""
+    """This thread's state: call counts ``by_kind[kind][site] -> calls`` (kind a switch mode or ``_RECOMPUTED``;
+    only its own thread writes them, so counting takes no lock; readers sum every thread's), and ``bound``, the
+    sites of the tracked model whose forward runs on this thread (layer_idx -> Site; None outside one)."""
 
     def __init__(self, every_thread: list) -> None:
         self.ring: dict = {}
         self.recomputed: dict = {}
         self.by_kind: dict = {"ring": self.ring, _RECOMPUTED: self.recomputed}
+        self.bound: dict | None = None
+        self.outer_bound: list = []  # the bindings of enclosing tracked forwards (a tracked model inside another)
         every_thread.append(self.by_kind)  # list.append is atomic; a thread's dicts outlive the thread
 
 
 class Dispatcher:
-    """Callable ``(call, extra_kwargs) -> Tensor`` given to ``codegen.render``.
+    """The handler of one patch. ``entry`` is what ``codegen.render`` is given; calling the dispatcher itself,
+    ``dispatcher(call, extra)``, is the same entry with the arguments as a role dict.
 
     ``original``: the transformers function the wrapper replaces; ``match``: the registry match (for
     ``codegen.original_kwargs``); ``ctx``: the ``semantics.RingContext``. Counters (each a fresh ``Counter``
@@ -142,87 +179,103 @@ class Dispatcher:
         self._every_thread: list = []
         self._counts = _ThreadCounts(self._every_thread)
         self.opaque_token = _opaque.register_dispatcher(self)  # how torch.compile's opaque operator finds us
-        # (key, module_id) -> the mode of its last call in the current forward (one item store per call: atomic).
-        self._forward: dict[tuple, str] = {}
-        self._lock = threading.Lock()  # for the readers and reset, never taken per call
-        self.fast_call = self._make_fast_call()
+        self._sites: dict[tuple, Site] = {}
+        # Site -> the mode of its last call in the current forward (one item store per call: atomic).
+        self._forward: dict[Site, str] = {}
+        self._lock = threading.Lock()  # for the readers, reset and the site table, never taken per call
+        self.entry = self._make_entry()
 
-    # ------------------------------------------------------------------------------------- the fast call
-    def _make_fast_call(self) -> Callable:
-        """The wrapper's entry for the common call (``codegen`` renders a call to ``fast_call`` when the rarely
-        used roles are None): the roles as positional arguments, no role dict. It returns
-        ``codegen.DECLINED`` -- and the wrapper then calls ``self(call, extra)``, the generic path -- unless the
-        call is an eager ring call: not compiling, not removed, switch "ring". Otherwise it does what
-        ``__call__`` does, in the same order: find the calling module, count, ``semantics`` (whose own fast path
-        falls back to ``ring_attention`` for anything it does not run itself).
-
-        A closure, not a method: its constants are cells (no attribute reads per call)."""
-        ring = _semantics.fast_ring_attention
+    # ------------------------------------------------------------------------------------------ the call
+    def _make_entry(self) -> Callable:
+        """The wrapper's handler: ``entry(<each role of codegen.ROLE_ORDER>, extra)`` (see the module docstring).
+        A closure, not a method: what it reads on every call are cells, not attribute lookups."""
+        dispatcher = self
         ctx = self.ctx
-        declined = _codegen.DECLINED
+        thread = self._counts
+        forward = self._forward
         switch_state = _switch._local  # the per-thread override stack (switch.current_mode, inlined)
         switch_module = _switch
-        thread_counts = self._counts
-        getframe = sys._getframe
-        holders = _holders
-        module_type = torch.nn.Module
+        site_from_stack = self._site_from_stack
+        plan_and_run = self.plan_and_run
 
-        def fast_call(q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra):
-            if _is_compiling() or self.removed:
-                return declined
-            stack = switch_state.stack
-            if (stack[-1] if stack else switch_module._default_mode) != "ring":
-                return declined
-            # The calling module: the frame above the wrapper is transformers' flash_attention_forward(module, ...)
-            # on 4.48+ (else the walk of _calling_module, from the same frame).
-            frame = getframe(2)
-            code = frame.f_code
-            entry = holders.get(id(code))
-            module = None
-            if entry is not None and entry[0] is code and entry[1]:
-                local = frame.f_locals
-                for name in entry[1]:
-                    candidate = local.get(name)
-                    if isinstance(candidate, module_type):
-                        module = candidate
-                        break
-            if module is None:
-                module = _calling_module(3)
-            layer_idx = extra.get("layer_idx") if extra else None
-            if layer_idx is None and module is not None:
-                layer_idx = getattr(module, "layer_idx", None)
-            if type(layer_idx) is int:
-                slot = (layer_idx, None if module is None else id(module))
-            else:
-                slot = _slot(layer_idx, module)
-            if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
-                counts = thread_counts.recomputed
-            else:
-                counts = thread_counts.ring
-                self._forward[slot] = "ring"
-            counts[slot] = counts.get(slot, 0) + 1
-            return ring(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
+        def entry(query, key, value, attention_mask, query_length, is_causal, dropout, position_ids, softmax_scale,
+                  sliding_window, use_top_left_mask, softcap, deterministic, cu_seq_lens_q, cu_seq_lens_k,
+                  max_length_q, max_length_k, target_dtype, implementation, block_table, k_cache, v_cache, extra):
+            site = None
+            if not _is_compiling() and not dispatcher.removed:
+                bound = thread.bound
+                if bound is not None and extra:
+                    site = bound.get(extra.get("layer_idx"))
+                if site is None:
+                    site = site_from_stack(extra)
+                plan = site.plans.get((is_causal, softmax_scale, sliding_window, softcap))
+                stack = switch_state.stack
+                if (plan is not None and (stack[-1] if stack else switch_module._default_mode) == "ring"
+                        and plan.step is ctx.plan_step and attention_mask is None and not dropout
+                        and position_ids is site.position_ids
+                        and (site.version is None or position_ids._version == site.version)
+                        and (sliding_window is None or type(sliding_window) is int)  # True == 1, but refused
+                        and cu_seq_lens_q is None and cu_seq_lens_k is None
+                        and block_table is None and k_cache is None and v_cache is None
+                        and not (extra and (extra.get("s_aux") is not None or extra.get("cache") is not None
+                                            or extra.get("cache_seqlens") is not None))):
+                    shape = query.shape
+                    if shape[0] == site.batch and shape[1] == site.seq and key.shape[1] == shape[1]:
+                        if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
+                            counts = thread.recomputed
+                        else:
+                            counts = thread.ring
+                            forward[site] = "ring"
+                        counts[site] = counts.get(site, 0) + 1
+                        return plan.run(query, key, value)
+            return plan_and_run(site, (
+                query, key, value, attention_mask, query_length, is_causal, dropout, position_ids, softmax_scale,
+                sliding_window, use_top_left_mask, softcap, deterministic, cu_seq_lens_q, cu_seq_lens_k,
+                max_length_q, max_length_k, target_dtype, implementation, block_table, k_cache, v_cache), extra)
 
-        return fast_call
+        return entry
 
-    # ------------------------------------------------------------------------------------- the call
     def __call__(self, call: dict, extra: dict) -> torch.Tensor:
+        """``entry`` with the arguments as ``{role: value}`` (roles not in ``call`` are not passed on)."""
+        return self.entry(*_codegen.role_args(call), extra)
+
+    def plan_and_run(self, site: Site | None, values: tuple, extra: dict) -> torch.Tensor:
+        """A call the site's plan does not compute as is: route it by the switch, count it, and keep the ring plan
+        that ran for the site's next call. ``values``: the roles in ``codegen.ROLE_ORDER``; ``site``: the call
+        site (None while compiling or after removal)."""
+        call = _codegen.role_call(self.match, values)
         if _is_compiling():
             # Dynamo cannot trace the ring (P2P, data-dependent checks): one opaque operator that runs the rest
-            # of this method at run time (hfpatch/_opaque.py).
+            # at run time (hfpatch/_opaque.py).
             return _opaque.compiled_call(self, call, extra)
         if self.removed:
             return self.call_original(call, extra)
         mode = _current_mode()
-        module = _calling_module()  # (fast_call, when it declined, has returned: the wrapper is the caller)
-        layer_idx = extra.get("layer_idx") if isinstance(extra, dict) else None
-        if layer_idx is None and module is not None:
-            layer_idx = getattr(module, "layer_idx", None)
-        key, module_id = _slot(layer_idx, module)
-        self._count(mode, key, module_id)
+        self._count(mode, site)
+        out = self.run_mode(mode, call, extra)
         if mode == "ring":
-            return _semantics.ring_attention(call, extra, self.ctx)
-        return self.run_mode(mode, call, extra)
+            self._keep_plan(site, values, call)
+        return out
+
+    def _keep_plan(self, site: Site, values: tuple, call: dict) -> None:
+        """Keep on ``site`` the plan that computed this ring call, if it built one to reuse (``semantics.
+        current_plan``); plans kept for other step inputs (position ids, shape) are dropped."""
+        get = call.get
+        plan = _semantics.current_plan(self.ctx, get("is_causal", True), get("softmax_scale"),
+                                       get("sliding_window"), get("softcap"))
+        if plan is None:
+            return
+        shape = values[0].shape
+        positions = values[_POSITIONS]
+        derived = getattr(self.ctx, "step", None) is None  # a derived step depends on the positions' contents
+        version = positions._version if derived and isinstance(positions, torch.Tensor) else None
+        plans = site.plans
+        if (positions is not site.position_ids or version != site.version or shape[0] != site.batch
+                or shape[1] != site.seq or len(plans) >= _MAX_SITE_PLANS):
+            plans = {}  # a new dict, not cleared: another thread may be reading the old one
+            site.position_ids, site.version, site.batch, site.seq = positions, version, shape[0], shape[1]
+        plans[(values[_CAUSAL], values[_SCALE], values[_WINDOW], values[_SOFTCAP])] = plan
+        site.plans = plans
 
     def compiled_forward(self, call: dict, extra: dict) -> str:
         """Run-time part of a compiled call: the mode to run, counted like an eager call (the caller module is
@@ -231,7 +284,7 @@ class Dispatcher:
             return "original"
         mode = _switch.current_mode()
         layer_idx = extra.get("layer_idx") if isinstance(extra, dict) else None
-        self._count(mode, layer_idx if isinstance(layer_idx, int) else "<compiled>", None)
+        self._count(mode, self._site((layer_idx if isinstance(layer_idx, int) else "<compiled>", None)))
         return mode
 
     def run_mode(self, mode: str, call: dict, extra: dict) -> torch.Tensor:
@@ -246,14 +299,55 @@ class Dispatcher:
 
     def call_original(self, call: dict, extra: dict) -> torch.Tensor:
         """Re-call the original transformers function with this call's arguments, by parameter name."""
-        from hfpatch import codegen
+        return self.original(**_codegen.original_kwargs(self.match, call, extra))
 
-        return self.original(**codegen.original_kwargs(self.match, call, extra))
+    # ------------------------------------------------------------------------------------- call sites
+    def _site(self, slot: tuple) -> Site:
+        site = self._sites.get(slot)
+        if site is None:
+            with self._lock:
+                if len(self._sites) >= _MAX_SITES:
+                    self._sites.clear()
+                site = self._sites.setdefault(slot, Site(*slot))
+        return site
+
+    def _site_from_stack(self, extra: dict) -> Site:
+        """The site of the module found on the stack (depth 3: this frame, ``entry``, then its caller)."""
+        module = _calling_module(3)
+        layer_idx = extra.get("layer_idx") if extra else None
+        if layer_idx is None and module is not None:
+            layer_idx = getattr(module, "layer_idx", None)
+        return self._site(_slot(layer_idx, module))
+
+    def track(self, model: torch.nn.Module) -> list:
+        """Make each forward of ``model`` a new "last forward" (``begin_forward``), and bind its attention modules'
+        sites by ``layer_idx`` for the calls made while that forward runs on this thread (an index shared by two
+        of its attention modules is left to the stack). Returns the hook handles (``.remove()`` undoes)."""
+        by_index: dict = {}
+        for _name, module in attention_modules(model):
+            index = getattr(module, "layer_idx", None)
+            if type(index) is int:
+                by_index.setdefault(index, []).append(module)
+        sites = {index: self._site((index, id(found[0]))) for index, found in by_index.items() if len(found) == 1}
+        thread = self._counts
+
+        def begin(module, args):
+            if _is_compiling():
+                return  # compiled calls keep one record per layer and are counted by layer_idx (hfpatch/_opaque.py)
+            self.begin_forward()
+            thread.outer_bound.append(thread.bound)
+            thread.bound = sites
+
+        def end(module, args, output):
+            if _is_compiling() or not thread.outer_bound:
+                return
+            thread.bound = thread.outer_bound.pop()
+
+        return [model.register_forward_pre_hook(begin), model.register_forward_hook(end, always_call=True)]
 
     # ------------------------------------------------------------------------------------- counting
-    def _count(self, mode: str, key: Hashable, module_id: int | None) -> None:
-        # Two modules with the same layer index (an encoder and a decoder) stay apart by module identity.
-        slot = (key, module_id)
+    def _count(self, mode: str, site: Site) -> None:
+        # Two modules with the same layer index (an encoder and a decoder) are two sites: they stay apart.
         if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
             counts = self._counts.recomputed
         else:
@@ -261,20 +355,20 @@ class Dispatcher:
             counts = by_kind.get(mode)
             if counts is None:
                 counts = by_kind[mode] = {}  # dict item store: atomic; only this thread writes by_kind
-            self._forward[slot] = mode
-        counts[slot] = counts.get(slot, 0) + 1
+            self._forward[site] = mode
+        counts[site] = counts.get(site, 0) + 1
 
     def _tally(self, want: Callable[[str], bool]) -> Counter:
-        """layer key (or mode, for ``want=None``) -> calls, summed over every thread's counts."""
+        """layer key -> calls of the kinds ``want`` accepts, summed over every thread's counts."""
         out: Counter = Counter()
         for kind, counts in self._snapshot():
             if want(kind):
-                for (key, _module_id), n in counts.items():
-                    out[key] += n
+                for site, n in counts.items():
+                    out[site.key] += n
         return out
 
     def _snapshot(self) -> list:
-        """[(kind, {slot: calls})] of every thread, copied (``dict()`` copies in C: no torn reads)."""
+        """[(kind, {site: calls})] of every thread, copied (``dict()`` copies in C: no torn reads)."""
         with self._lock:
             return [(kind, dict(counts)) for by_kind in self._every_thread for kind, counts in list(by_kind.items())]
 
@@ -304,19 +398,18 @@ class Dispatcher:
         if torch.compiler.is_compiling():
             return  # a lock cannot be traced; compiled calls keep one record per layer (hfpatch/_opaque.py)
         with self._lock:
-            self._forward = {}
+            self._forward.clear()
 
     def reset(self) -> None:
         """Clear every counter and the per-forward record."""
         with self._lock:
             for by_kind in self._every_thread:
                 for counts in list(by_kind.values()):
-                    counts.clear()  # the dicts themselves stay: the fast path holds the thread's ring/recomputed
-            self._forward = {}
+                    counts.clear()  # the dicts themselves stay: the entry holds the thread's ring/recomputed
+            self._forward.clear()
 
     def forward_records(self) -> list[LayerRecord]:
-        """The calls of the current forward (since the last ``begin_forward``/``reset``), one per layer."""
+        """The calls of the current forward (since the last ``begin_forward``/``reset``), one per site."""
         with self._lock:
             forward = dict(self._forward)
-        return [LayerRecord(key, module_id, mode) for (key, module_id), mode in forward.items()]
-
+        return [LayerRecord(site.key, site.module_id, mode) for site, mode in forward.items()]

@@ -2,7 +2,9 @@
 ``_flash_attention_forward`` means under context parallelism, and how it reaches ``ring_kernels``.
 
 The wrapper (``hfpatch.codegen``) maps the caller's arguments, by name, onto roles (``hfpatch.signatures.roles``)
-and calls the dispatcher, which calls ``ring_attention(call, extra, ctx)`` here. ``call`` maps role -> value,
+and calls the dispatcher, which calls ``ring_attention(call, extra, ctx)`` here -- ``ring_plan`` (every refusal,
+the step, the kernel's arguments) and ``RingPlan.run`` -- and keeps the plan per call site for the calls it computes
+as is (``hfpatch.dispatch``). ``call`` maps role -> value,
 ``extra`` holds the trailing ``**kwargs`` (4.48+). Shapes (flash-attn layout, this rank's shard):
 
     query:            (B, S_local, H,  D)
@@ -57,8 +59,10 @@ __all__ = [
     "RingContext",
     "parse_kernel",
     "plan_step",
+    "RingPlan",
+    "ring_plan",
+    "current_plan",
     "ring_attention",
-    "fast_ring_attention",
     "reference_attention",
 ]
 
@@ -68,9 +72,9 @@ _AUTO = "auto"
 # Kwargs that HF's own function would act on; every other kwarg is ignored by it and by us.
 _PAGED_KWARGS = ("cache", "cache_seqlens")
 
-# RingContext fields that a cached _Plan depends on: assigning any of them invalidates the plans.
+# RingContext fields that a cached RingPlan depends on: assigning any of them invalidates the plans.
 _PLAN_INPUTS = frozenset({"group", "rank", "world_size", "variant", "backend", "heads_k_stride", "step"})
-_NO_PLANS = object()  # a _plan_step no step is: the next call builds a new plan table
+_NO_PLANS = object()  # a plan_step no step is: the next call builds a new plan table
 _MAX_PLANS = 64  # distinct call configurations per step (a model has a handful); beyond this the table restarts
 _EMPTY: Mapping[str, Any] = {}
 
@@ -138,18 +142,16 @@ class RingContext:
     # source -> the StepState last derived from HF's arguments (no shard_inputs): one object per step, so that its
     # identity can key the plans below.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # The plans of ``_plan_step`` (the StepState they were built for): (causal, scale, window, softcap) -> _Plan.
-    # A call whose step is another object starts a new table; assigning a field a plan bakes in drops it.
+    # The plans of ``plan_step`` (the StepState they were built for): (causal, scale, window, softcap) -> RingPlan.
+    # A call whose step is another object starts a new table; assigning a field a plan bakes in drops it. A plan is
+    # current while ``plan.step is ctx.plan_step`` (what a caller that keeps plans, ``hfpatch.dispatch``, checks).
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _plan_step: Any = field(default=None, init=False, repr=False, compare=False)
-    # The fast path's memo of the last derived step: (position_ids, its _version, batch, seq_local, StepState).
-    _fast_step: Any = field(default=None, init=False, repr=False, compare=False)
+    plan_step: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
         if name in _PLAN_INPUTS:  # the group, variant, backend, stride or step a plan was built from changed
-            object.__setattr__(self, "_plan_step", _NO_PLANS)
-            object.__setattr__(self, "_fast_step", None)
+            object.__setattr__(self, "plan_step", _NO_PLANS)
             derived = self.__dict__.get("_derived")
             if derived:  # derived states bake in the variant and the world size
                 derived.clear()
@@ -174,7 +176,7 @@ class RingContext:
 
     def set_step(self, step: Optional[StepState]) -> None:
         """Install the state of a new step (None: derive it from each call's arguments again)."""
-        self.step = step  # drops the plans, the derived states and the fast path's memo too (__setattr__)
+        self.step = step  # drops the plans and the derived states too (__setattr__)
         self._seen.clear()
 
 
@@ -505,33 +507,36 @@ _VARLEN_KERNELS = {"zigzag": "zigzag_ring_attn_varlen_func", "ring": "ring_attn_
                    "llama3": "llama3_attn_varlen_func"}
 
 
-# The keyword arguments every ring_kernels function takes, in the order of ``_Plan.args`` (llama3 adds heads_k_stride).
-_KERNEL_KEYWORDS = ("group", "causal", "softmax_scale", "backend", "window_size", "softcap")
+# ring_kernels' namespace: a plan looks its kernel up here per call (a dict subscript), so a replaced
+# ``ring_kernels.<name>`` (setattr writes this very dict) takes effect on the next call.
+_KERNELS = vars(ring_kernels)
+# The kernels' once-per-step cross-rank check is scoped by ring_kernels' public context variable RANK_CHECKED, set and
+# reset around each kernel call (``rank_check_scope`` does the same through a context-manager object).
+_RANK_CHECKED = ring_kernels.RANK_CHECKED
 
 
-class _Plan:
+class RingPlan:
     """What every call of one configuration in one step runs: the ring_kernels function (by name: looked up per
     call, so a replaced ``ring_kernels`` attribute takes effect) and its keyword arguments. Built once per
-    (step, causal, softmax_scale, sliding_window, softcap); the kernel receives ``**kwargs``, its own copy.
+    (step, causal, softmax_scale, sliding_window, softcap) by ``ring_plan``; ``run`` is the only place hfpatch
+    calls a ring kernel.
 
-    args:        the values of ``kwargs`` in ``_KERNEL_KEYWORDS`` order, for the fast path, which passes them by
-                 name (``kernel(q, k, v, group=..., ...)``): a call with ``**kwargs`` copies the dict on the
-                 caller's side and unpacks it on the callee's (~0.2 us a call; the same arguments either way).
-    has_stride:  ``kwargs`` also holds ``heads_k_stride`` (llama3).
-    cu_seqlens:  packed steps only, the step's GLOBAL int32 cu_seqlens, one copy per device it was needed on.
+    step:        the StepState it was built for (current while ``step is ctx.plan_step``).
+    kernel:      the ring_kernels function name; ``kwargs``: its keyword arguments (the kernel gets its own copy).
+    packed:      the step is one packed row: the kernel also takes the step's GLOBAL int32 ``cu_seqlens``, kept
+                 here as one copy per device it was needed on.
     """
 
-    __slots__ = ("kernel", "kwargs", "packed", "cu_seqlens", "args", "has_stride")
+    __slots__ = ("step", "kernel", "kwargs", "packed", "cu_seqlens", "rank_checked")
 
-    def __init__(self, kernel: str, kwargs: dict, packed: bool, cu_seqlens: Optional[torch.Tensor]) -> None:
+    def __init__(self, step: StepState, kernel: str, kwargs: dict, packed: bool,
+                 cu_seqlens: Optional[torch.Tensor]) -> None:
+        self.step = step
         self.kernel = kernel
         self.kwargs = kwargs
         self.packed = packed
         self.cu_seqlens = {} if cu_seqlens is None else {cu_seqlens.device: cu_seqlens}
-        self.args = tuple(kwargs[name] for name in _KERNEL_KEYWORDS)
-        self.has_stride = "heads_k_stride" in kwargs
-        # args + heads_k_stride must be all of kwargs, or the fast path would drop one (internal invariant).
-        assert set(kwargs) == set(_KERNEL_KEYWORDS) | ({"heads_k_stride"} if self.has_stride else set()), kwargs
+        self.rank_checked = step.rank_checked
 
     def cu_on(self, device: torch.device) -> torch.Tensor:
         cu = self.cu_seqlens.get(device)
@@ -539,12 +544,26 @@ class _Plan:
             cu = self.cu_seqlens[device] = next(iter(self.cu_seqlens.values())).to(device)
         return cu
 
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The kernel on this rank's q (B, S_local, H, D), k/v (B, S_local, Hk, D) -> (B, S_local, H, D), inside the
+        step's rank-check scope (the kernels' cross-rank shape check runs once per step and shape, not per layer).
+        A packed row (1, T, H, D) goes to the varlen kernel as is and comes back as (1, T, H, D)."""
+        kernel = _KERNELS[self.kernel]
+        token = _RANK_CHECKED.set(self.rank_checked)
+        try:
+            if self.packed:
+                cu = self.cu_seqlens.get(q.device)
+                return kernel(q, k, v, self.cu_on(q.device) if cu is None else cu, **self.kwargs)
+            return kernel(q, k, v, **self.kwargs)
+        finally:
+            _RANK_CHECKED.reset(token)
 
-def _plan_for(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext) -> _Plan:
-    """The cached ``_Plan`` of this step and call configuration (built on the first call that needs it)."""
-    if ctx._plan_step is not step:  # a new step (or a changed context): the old plans are stale
+
+def _plan_for(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext) -> RingPlan:
+    """The cached ``RingPlan`` of this step and call configuration (built on the first call that needs it)."""
+    if ctx.plan_step is not step:  # a new step (or a changed context): the old plans are stale
         ctx._plans = {}
-        ctx._plan_step = step
+        ctx.plan_step = step
     key = (causal, scale, window, softcap)
     plan = ctx._plans.get(key)
     if plan is None:
@@ -554,7 +573,7 @@ def _plan_for(step: StepState, causal: Any, scale: Any, window: Any, softcap: An
     return plan
 
 
-def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext) -> _Plan:
+def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext) -> RingPlan:
     kwargs = dict(
         group=ctx.group,
         causal=bool(causal),
@@ -568,7 +587,7 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
             kwargs["heads_k_stride"] = ctx.heads_k_stride
         name = _VARLEN_KERNELS[step.kernel]
         _kernel(name)  # fails now, with the name, if this ring_kernels lacks it
-        return _Plan(name, kwargs, True, step.cu_seqlens)
+        return RingPlan(step, name, kwargs, True, step.cu_seqlens)
     kernel = step.kernel
     if not kwargs["causal"] and kwargs["window_size"] == (-1, -1):
         # Full attention does not depend on where the keys sit, so the contiguous ring computes it for any layout
@@ -576,7 +595,30 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
         kernel = "ring"
     name = _BATCH_KERNELS[kernel]
     _kernel(name)
-    return _Plan(name, kwargs, False, None)
+    return RingPlan(step, name, kwargs, False, None)
+
+
+def ring_plan(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> RingPlan:
+    """The plan that computes this call: every refusal runs (``UnsupportedArgument`` for what ring attention cannot
+    honour), the step's layout comes from ``ctx.step`` or is derived once per step, and the kernel's arguments are
+    built once per step and configuration. ``call``: role -> value; ``extra``: the caller's other keywords."""
+    q, k = call["query"], call["key"]
+    get = call.get
+    window, softcap = get("sliding_window"), get("softcap")
+    q_shape = q.shape
+    _refuse(call, extra or _EMPTY, q_shape, k, ctx, window, softcap)
+    step = _step_for_call(call, q, ctx, q_shape)
+    return _plan_for(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx)
+
+
+def current_plan(ctx: Any, causal: Any, scale: Any, window: Any, softcap: Any) -> Optional[RingPlan]:
+    """The cached plan of this configuration for ``ctx``'s current step, if a call built one (None otherwise, and
+    for a context that is not a ``RingContext``). What ``hfpatch.dispatch`` keeps per call site after a call."""
+    plans = ctx._plans if isinstance(ctx, RingContext) else None
+    if not plans or ctx.plan_step is _NO_PLANS:
+        return None
+    plan = plans.get((causal, scale, window, softcap))
+    return plan if plan is not None and plan.step is ctx.plan_step else None
 
 
 def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> torch.Tensor:
@@ -584,101 +626,11 @@ def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingC
 
     ``call``: role -> value (``query`` (B, S_local, H, D), ``key``/``value`` (B, S_local, Hk, D), ...);
     ``extra``: the caller's other keyword arguments. Returns (B, S_local, H, D) in the query's dtype.
-    No collective outside the kernels' own, no Python loop over tokens; the step state is derived once per step
-    and the kernel's arguments once per step and configuration (``_Plan``); every refusal runs on every call.
+    ``ring_plan(call, extra, ctx).run(q, k, v)``: no collective outside the kernels' own, no Python loop over
+    tokens; every refusal runs on every call.
     """
-    q, k, v = call["query"], call["key"], call["value"]
-    get = call.get
-    window, softcap = get("sliding_window"), get("softcap")
-    q_shape = q.shape
-    _refuse(call, extra or _EMPTY, q_shape, k, ctx, window, softcap)
-    step = _step_for_call(call, q, ctx, q_shape)
-    plan = _plan_for(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx)
-    kernel = getattr(ring_kernels, plan.kernel)  # per call: a replaced ring_kernels function takes effect
-    with ring_kernels.rank_check_scope(step.rank_checked):
-        if plan.packed:  # HF's packed row (1, T, H, D) as is: the varlen kernels take it and return (1, T, H, D)
-            return kernel(q, k, v, plan.cu_on(q.device), **plan.kwargs)
-        return kernel(q, k, v, **plan.kwargs)
+    return ring_plan(call, extra, ctx).run(call["query"], call["key"], call["value"])
 
-
-# The kernels' once-per-step cross-rank check is scoped by ring_kernels' public context variable RANK_CHECKED, set and
-# reset directly on the fast path: ``rank_check_scope``'s object and its two Python methods cost ~1 us a call.
-_RANK_CHECKED = ring_kernels.RANK_CHECKED
-# ring_kernels' namespace: the fast path looks its kernel up here per call (a dict subscript, half of a getattr), so
-# a replaced ``ring_kernels.<name>`` (setattr writes this very dict) still takes effect on the next call.
-_KERNELS = vars(ring_kernels)
-
-
-def fast_ring_attention(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, causal: Any,
-                        dropout: Any, scale: Any, window: Any, softcap: Any, position_ids: Any,
-                        extra: Mapping[str, Any]) -> torch.Tensor:
-    """``ring_attention`` for the common call, with the roles as arguments instead of a dict (the generated
-    wrapper calls this through ``Dispatcher.fast_call`` when the rarely used roles -- paged KV cache,
-    ``cu_seq_lens_*`` -- are None). Shapes as ``ring_attention``: q (B, S_local, H, D), k/v (B, S_local, Hk, D).
-
-    It runs the kernel itself only when nothing needs refusing or deriving and the step's plan is cached: no
-    mask, no dropout, equal query/key lengths, an ``int`` (or no) window, no sink/cache kwarg, a step that is
-    ``ctx.step`` (same shape, its own position ids) or the derived step memoised for this very ``position_ids``
-    tensor at this version and shape. Anything else -- including the first call of each plan -- goes through
-    ``ring_attention`` itself, so the refusals, derivations and plan building exist once. A cached plan implies
-    its (causal, scale, window, softcap) passed the refusals before: the window is checked to be an ``int`` (so
-    ``True`` never reuses the plan of ``1``) and the others are refused by value.
-    """
-    q_shape = q.shape
-    if (mask is not None or dropout or k.shape[1] != q_shape[1]
-            or (window is not None and type(window) is not int)
-            or (extra and (extra.get("s_aux") is not None or extra.get("cache") is not None
-                           or extra.get("cache_seqlens") is not None))):
-        return _ring_attention_of(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
-    step = ctx.step
-    if step is None:
-        memo = ctx._fast_step
-        if (memo is None or memo[0] is not position_ids or memo[2] != q_shape[0] or memo[3] != q_shape[1]
-                or (position_ids is not None and memo[1] != position_ids._version)):
-            return _ring_attention_of(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids,
-                                      extra)
-        step = memo[4]
-    elif (step.batch_size != q_shape[0] or step.seq_len_local != q_shape[1]
-          or (position_ids is not None and step.position_ids is not None and position_ids is not step.position_ids)):
-        return _ring_attention_of(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
-    plan = ctx._plans.get((causal, scale, window, softcap)) if ctx._plan_step is step else None
-    if plan is None:
-        return _ring_attention_of(ctx, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids, extra)
-    kernel = _KERNELS[plan.kernel]  # per call: a replaced ring_kernels function takes effect
-    group, causal_, scale_, backend, window_size, softcap_ = plan.args  # plan.kwargs, by name (see _Plan)
-    token = _RANK_CHECKED.set(step.rank_checked)
-    try:
-        if not plan.packed:
-            return kernel(q, k, v, group=group, causal=causal_, softmax_scale=scale_, backend=backend,
-                          window_size=window_size, softcap=softcap_)
-        # HF's packed row (1, T, H, D) as is: the varlen kernels take it and return (1, T, H, D).
-        device = q.device
-        cu = plan.cu_seqlens.get(device)  # (plan.cu_on without its call)
-        if cu is None:
-            cu = plan.cu_on(device)
-        if plan.has_stride:
-            return kernel(q, k, v, cu, group=group, causal=causal_, softmax_scale=scale_, backend=backend,
-                          window_size=window_size, softcap=softcap_, heads_k_stride=plan.kwargs["heads_k_stride"])
-        return kernel(q, k, v, cu, group=group, causal=causal_, softmax_scale=scale_, backend=backend,
-                      window_size=window_size, softcap=softcap_)
-    finally:
-        _RANK_CHECKED.reset(token)
-
-
-def _ring_attention_of(ctx: RingContext, q, k, v, mask, causal, dropout, scale, window, softcap, position_ids,
-                       extra) -> torch.Tensor:
-    """The fast path's way out: the same call as a role dict through ``ring_attention`` (the roles the wrapper
-    did not pass are None, which is what ``ring_attention`` reads for an absent role); then memoise the derived
-    step for the next layer."""
-    call = {"query": q, "key": k, "value": v, "attention_mask": mask, "is_causal": causal, "dropout": dropout,
-            "softmax_scale": scale, "sliding_window": window, "softcap": softcap, "position_ids": position_ids}
-    out = ring_attention(call, extra, ctx)
-    if ctx.step is None:  # the call succeeded, so this derived step is the one _step_for_call returns for it
-        shape = q.shape
-        state = _step_for_call(call, q, ctx, shape)
-        ctx._fast_step = (position_ids, None if position_ids is None else position_ids._version, shape[0], shape[1],
-                          state)
-    return out
 
 
 # ------------------------------------------------------------------------------------ reference attention

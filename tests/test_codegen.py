@@ -19,6 +19,11 @@ def _capture(call, extra):
     return call, extra
 
 
+def _render(m, fn, **kwargs):
+    """The wrapper for ``m`` around ``fn(call, extra)``: the role dict the wrapper's positional roles make."""
+    return codegen.render(m, codegen.by_role(m, fn), **kwargs)
+
+
 def _original_with(sig: inspect.Signature):
     """A stand-in for HF's function: a named function carrying ``sig``."""
 
@@ -43,7 +48,7 @@ def test_wrapper_has_exactly_the_entry_signature_and_identity(entry_id):
     entry = ENTRIES[entry_id]
     sig = entry.signature()
     original = _original_with(sig)
-    wrapper = codegen.render(match(sig), _capture, original=original)
+    wrapper = _render(match(sig), _capture, original=original)
     assert inspect.signature(wrapper, follow_wrapped=False) == sig
     assert str(inspect.signature(wrapper, follow_wrapped=False)) == str(sig)  # annotations included
     # Defaults are the very same objects (bound by reference, never re-evaluated).
@@ -61,7 +66,7 @@ def test_wrapper_has_exactly_the_entry_signature_and_identity(entry_id):
 def test_arguments_land_in_their_roles_positionally_by_keyword_and_mixed(entry_id):
     entry = ENTRIES[entry_id]
     sig = entry.signature()
-    wrapper = codegen.render(match(sig), _capture)
+    wrapper = _render(match(sig), _capture)
     tokens = _tokens(sig)
     expected = _expected_call(entry, tokens)
     names = list(tokens)
@@ -82,7 +87,7 @@ def test_arguments_land_in_their_roles_positionally_by_keyword_and_mixed(entry_i
 def test_extra_keywords_go_to_extra_or_are_refused_like_the_original(entry_id):
     entry = ENTRIES[entry_id]
     sig = entry.signature()
-    wrapper = codegen.render(match(sig), _capture)
+    wrapper = _render(match(sig), _capture)
     tokens = _tokens(sig)
     if "extra_kwargs" in entry.roles.values():
         call, extra = wrapper(**tokens, layer_idx=3, s_aux=None)
@@ -100,7 +105,7 @@ def test_original_kwargs_maps_a_call_back_to_the_live_names(entry_id):
     entry = ENTRIES[entry_id]
     sig = entry.signature()
     m = match(sig)
-    wrapper = codegen.render(m, _capture)
+    wrapper = _render(m, _capture)
     tokens = _tokens(sig)
     extra_in = {"layer_idx": 7} if "extra_kwargs" in entry.roles.values() else {}
     kwargs = codegen.original_kwargs(m, *wrapper(**tokens, **extra_in))
@@ -125,7 +130,7 @@ def test_unknown_parameter_at_default_passes_and_non_default_is_refused_naming_i
     sig = _compatible_s7()
     m = match(sig)
     assert m.verdict == "compatible" and m.roles["s_aux"] == m.roles["alpha"] == "unknown"
-    wrapper = codegen.render(m, _capture)
+    wrapper = _render(m, _capture)
     assert inspect.signature(wrapper, follow_wrapped=False) == sig
     tokens = _tokens(sig)
     del tokens["s_aux"], tokens["alpha"]
@@ -151,15 +156,15 @@ def test_source_is_readable_in_linecache_getsource_and_tracebacks():
         raise RuntimeError("handler failed")
 
     original = _original_with(sig)
-    wrapper = codegen.render(match(sig), failing, original=original)
+    wrapper = _render(match(sig), failing, original=original)
     source = codegen.wrapper_source(wrapper)
     filename = wrapper.__code__.co_filename
     assert "".join(linecache.getlines(filename)) == source
     # inspect.getsource(fn) follows __wrapped__ to the original (Python's rule); the code object is ours.
     assert inspect.getsource(wrapper.__code__) == source
-    unwrapped = codegen.render(match(sig), failing)
+    unwrapped = _render(match(sig), failing)
     assert inspect.getsource(unwrapped) == codegen.wrapper_source(unwrapped)
-    assert "'query': query_states," in source and "'target_dtype': target_dtype," in source
+    assert "query_states,  # query" in source and "target_dtype,  # target_dtype" in source
     with pytest.raises(RuntimeError) as info:
         wrapper(*_tokens(sig).values())
     frames = traceback.extract_tb(info.value.__traceback__)
@@ -169,11 +174,11 @@ def test_source_is_readable_in_linecache_getsource_and_tracebacks():
 
 def test_render_name_and_missing_original():
     sig = ENTRIES["S2-4.44.2"].signature()
-    wrapper = codegen.render(match(sig), _capture, name="my_attention")
+    wrapper = _render(match(sig), _capture, name="my_attention")
     assert wrapper.__name__ == wrapper.__qualname__ == "my_attention"
     assert wrapper.__module__ == "transformers.modeling_flash_attention_utils"
     assert not hasattr(wrapper, "__wrapped__")
-    plain = codegen.render(match(sig), _capture)
+    plain = _render(match(sig), _capture)
     assert plain.__name__ == "_flash_attention_forward"
 
 
@@ -181,17 +186,17 @@ def test_render_refuses_what_it_cannot_map():
     s7 = ENTRIES["S7-5.19.0"].signature()
     broken = s7.replace(parameters=[p for p in s7.parameters.values() if p.name != "softcap"])
     with pytest.raises(PatchError, match="unsupported"):
-        codegen.render(match(broken), _capture)
+        _render(match(broken), _capture)
     with pytest.raises(TypeError, match="handler"):
         codegen.render(match(s7), None)
     with pytest.raises(TypeError, match="Match"):
         codegen.render(s7, _capture)
     with pytest.raises(ValueError, match="identifier"):
-        codegen.render(match(s7), _capture, name="not a name")
+        _render(match(s7), _capture, name="not a name")
     clash = s7.replace(parameters=list(s7.parameters.values())[:-1]
                        + [P("_hfpatch_handler", P.KEYWORD_ONLY, default=None), P("kwargs", P.VAR_KEYWORD)])
     with pytest.raises(PatchError, match="reserved"):
-        codegen.render(match(clash), _capture)
+        _render(match(clash), _capture)
     with pytest.raises(TypeError, match="not a wrapper"):
         codegen.wrapper_source(len)
 
@@ -206,9 +211,9 @@ def test_original_kwargs_refuses_collisions_and_extras_without_var_keyword():
 
 
 def test_two_renders_with_different_source_get_distinct_filenames():
-    a = codegen.render(match(ENTRIES["S7-5.19.0"].signature()), _capture)
-    b = codegen.render(match(_compatible_s7()), _capture)
-    c = codegen.render(match(ENTRIES["S7-5.19.0"].signature()), _capture)
+    a = _render(match(ENTRIES["S7-5.19.0"].signature()), _capture)
+    b = _render(match(_compatible_s7()), _capture)
+    c = _render(match(ENTRIES["S7-5.19.0"].signature()), _capture)
     assert a.__code__.co_filename == c.__code__.co_filename != b.__code__.co_filename
     assert inspect.getsource(b) == codegen.wrapper_source(b)
 
@@ -218,7 +223,7 @@ def test_wrapper_for_the_installed_transformers_function():
 
     live = mfau._flash_attention_forward
     m = match(inspect.signature(live))
-    wrapper = codegen.render(m, _capture, original=live)
+    wrapper = _render(m, _capture, original=live)
     assert inspect.signature(wrapper, follow_wrapped=False) == inspect.signature(live)
     assert wrapper.__wrapped__ is live
     assert (wrapper.__name__, wrapper.__qualname__, wrapper.__module__) == (
