@@ -459,6 +459,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     from hfpatch import verify as verify_module
     from hfpatch.dispatch import Dispatcher
     from hfpatch.labels import install_labels_hook
+    from hfpatch.model_inputs import install_inputs_guard
     from hfpatch.mixers import install_mixers
     from hfpatch.model_switch import switch_model
     from hfpatch.semantics import RingContext
@@ -482,6 +483,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
             patch._hooks.append(install_mixers(model, ctx))  # recognised sequence mixers under CP (hfpatch.mixers)
             patch.track(model)
             patch._hooks.extend(install_labels_hook(model, patch.live_ctx_or_none, lambda: patch.labels_refusal))
+            patch._hooks.extend(install_inputs_guard(model, patch.live_ctx_or_none))  # images/audio refused
         verify_module.identity(installation)
     except BaseException:
         _remove_quietly(patch)

@@ -84,9 +84,9 @@ def _mixer_findings(model: torch.nn.Module) -> list[Finding]:
     from hfpatch import mixers as _mixers
 
     found: list[Finding] = []
-    flagged: list[str] = []
+    flagged: list[str] = list(modality_towers(model))  # their sub-trees never see the token sequence
     for name, module in model.named_modules():
-        if any(name.startswith(outer + ".") for outer in flagged):
+        if name in flagged or any(name.startswith(outer + ".") for outer in flagged):
             continue
         cls = type(module).__name__
         if _mixers.recognise(module) is not None:  # run exactly under CP by hfpatch.mixers: it and its children
@@ -107,11 +107,40 @@ def _mixer_findings(model: torch.nn.Module) -> list[Finding]:
     return found
 
 
+def modality_towers(model: torch.nn.Module) -> list[str]:
+    """Paths of the sub-models that encode another modality (vision, audio): a ``PreTrainedModel`` inside
+    ``model`` whose config is neither the model's nor its text config. They read pixels or audio features,
+    which hfpatch never shards (every rank encodes them whole), not the token sequence; the token-mixing rules
+    do not apply inside them."""
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [name for name, module in model.named_modules()
+            if name and isinstance(module, PreTrainedModel)
+            and getattr(module, "config", None) is not None
+            and module.config is not config and module.config is not text
+            and type(module.config) is not type(text) and type(module.config) is not type(config)]
+
+
 def _accepts_position_ids(model: torch.nn.Module) -> bool:
+    """``model.forward`` takes ``position_ids``: by name, or through ``**kwargs`` handed on to a text model
+    that takes them by name (composite models: MOSS-Transcribe-Diarize's ``language_model``)."""
     try:
-        return "position_ids" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # no introspectable signature: assume it does, the probe still checks
         return True
+    if "position_ids" in parameters:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return False
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(module is not model and isinstance(module, PreTrainedModel) and module.config is text
+               and "position_ids" in inspect.signature(module.forward).parameters
+               for module in model.modules())
 
 
 def _position_findings(model: torch.nn.Module) -> list[Finding]:
@@ -121,7 +150,10 @@ def _position_findings(model: torch.nn.Module) -> list[Finding]:
         return []
     from hfpatch import model_positions
 
+    towers = modality_towers(model)  # their positions number audio frames or patches, never shards of tokens
     for name, module in model.named_modules():
+        if any(name == tower or name.startswith(tower + ".") for tower in towers):
+            continue
         cls = type(module).__name__
         if name.rsplit(".", 1)[-1] in _POSITION_NAMES or any(part in cls for part in _POSITION_CLASS_PARTS):
             if model_positions.recognise(model, module) is not None:
