@@ -93,6 +93,15 @@ class Patch:
         layer); kept out of ``calls``, ``mode_calls`` and the per-forward record."""
         return self._dispatcher.recomputed if self._dispatcher is not None else Counter()
 
+    @property
+    def backend_choices(self) -> list:
+        """Which block backend ring_kernels chose for which shape class, why, and how many calls made each choice
+        (``ring_kernels.backends.choices()``: ``BackendChoice`` records of this process, since it started or
+        ``ring_kernels.backends.reset_choices()``; a backend's own fallback has ``fallback=True``)."""
+        from ring_kernels.backends import choices
+
+        return choices()
+
     def reset_calls(self) -> None:
         """Clear ``calls``, ``mode_calls`` and the per-forward record."""
         if self._dispatcher is not None:

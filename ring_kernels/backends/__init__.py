@@ -3,15 +3,25 @@
 Every backend computes one (query block, key block) pair and returns ``(out, lse)``; ``backward`` takes the
 merged output and LSE. Backends are created lazily: importing this package imports no optional dependency.
 
-Order of ``"auto"`` (first that supports the device, dtype, head dim, mask kind and softcap wins):
+Order of ``"auto"`` (``auto_ranking``: the first that is present and supports the device, dtype, head dim,
+mask kind and softcap wins):
 
 - CPU: ``torch_cpu`` (aten's fused flash kernel for CPU, FULL/CAUSAL without a mask tensor, GENERAL with an
   additive mask), then ``reference`` (the only one that does softcap, and any dtype). ``triton`` exists on CPU
   only under ``TRITON_INTERPRET=1`` (for tests) and comes last.
 - CUDA: ``torch_cudnn`` (fastest measured on H100/H200: ~2x torch's flash, see
-  shared/reference/gpu-measurements.md), ``flash_attn`` (the flash-attn package: window and softcap natively),
-  ``torch_flash`` (FlashAttention-2 built into torch), ``triton`` (our kernel, when triton is importable),
-  ``torch_efficient`` (slowest, but fp32 and arbitrary additive masks), ``reference`` (anything, slowly).
+  shared/reference/gpu-measurements.md), ``torch_flash`` (FlashAttention-2 built into torch), ``triton`` (our
+  kernel, when triton is importable: the fast one that does softcap), ``torch_efficient`` (slowest, but fp32 and
+  arbitrary additive masks: windows, documents), ``reference`` (anything, slowly).
+
+Chosen by name only: ``flash_attn`` (the flash-attn package). Its adapter has been tested against a stand-in
+module with the parameter names of flash-attn 2.6 and 2.7 (tests/test_backends.py), never against the real
+library on a GPU, so ``"auto"`` does not pick it; ``backend="flash_attn"`` does, and ``available_backends``
+lists it after auto's ranking where it is importable.
+
+Every choice (``"auto"``'s with the reason the faster backends could not, a name's, the varlen kernel's, and a
+backend's own fallback) is noted in ``choices`` (``choices()``, ``reset_choices()``, ``recording()``) and logged
+once per shape class and reason on the ``ring_kernels.backends`` logger.
 """
 from __future__ import annotations
 
@@ -23,9 +33,11 @@ from typing import Dict, List
 import torch
 
 from .base import CAUSAL, EMPTY, FULL, GENERAL, BlockBackend, BlockMask
+from .choices import BackendChoice, choices, note, recording, reset_choices, shape_class
 
-__all__ = ["get_backend", "available_backends", "BlockBackend", "BlockMask", "UnknownBackendError",
-           "UnsupportedBackendError", "FULL", "CAUSAL", "EMPTY", "GENERAL"]
+__all__ = ["get_backend", "available_backends", "auto_ranking", "BlockBackend", "BlockMask", "UnknownBackendError",
+           "UnsupportedBackendError", "FULL", "CAUSAL", "EMPTY", "GENERAL", "BackendChoice", "choices",
+           "reset_choices", "recording"]
 
 
 class UnknownBackendError(ValueError):
@@ -50,8 +62,10 @@ _REGISTRY: Dict[str, tuple] = {
 _AUTO_ORDER = {
     # triton on CPU only under its interpreter (tests); after reference, so "auto" never picks it there.
     "cpu": ["torch_cpu", "reference", "triton"],
-    "cuda": ["torch_cudnn", "flash_attn", "torch_flash", "triton", "torch_efficient", "reference"],
+    "cuda": ["torch_cudnn", "torch_flash", "triton", "torch_efficient", "reference"],
 }
+# Present where their dependency is, chosen only by name: untested against the real library (module docstring).
+_BY_NAME_ONLY = {"cuda": ["flash_attn"]}
 
 _INSTANCES: Dict[str, BlockBackend] = {}
 _MASK_KINDS = (FULL, CAUSAL, EMPTY, GENERAL)
@@ -92,10 +106,16 @@ def _instance(name: str) -> BlockBackend:
     return _INSTANCES[name]
 
 
+def auto_ranking(device) -> List[str]:
+    """The order in which ``"auto"`` tries backends on ``device`` (a device or its type), present or not."""
+    return list(_AUTO_ORDER.get(_device_type(device), ["reference"]))
+
+
 def available_backends(device) -> List[str]:
-    """Names of the backends usable on ``device`` (a device or its type), in the order ``"auto"`` tries them."""
+    """Names of the backends usable on ``device`` (a device or its type): those of ``auto_ranking`` that are
+    present, in that order, then the present ones that are chosen by name only (``flash_attn``)."""
     dt = _device_type(device)
-    order = _AUTO_ORDER.get(dt, ["reference"])
+    order = auto_ranking(dt) + _BY_NAME_ONLY.get(dt, [])
     return [n for n in order if _is_present(n, dt)]
 
 
@@ -112,15 +132,17 @@ def get_backend(name_or_auto: str, *, device, dtype: torch.dtype, head_dim: int,
     dt = _device_type(device)
     query = dict(device=torch.device(device), dtype=dtype, head_dim=head_dim, mask_kind=mask_kind, softcap=softcap)
     if name_or_auto == "auto":
-        reasons = []
-        for name in available_backends(dt):
+        skipped = []
+        for name in (n for n in auto_ranking(dt) if _is_present(n, dt)):
             reason = _instance(name).unsupported_reason(**query)
             if reason is None:
+                _note_auto(name, tuple(skipped), dt, dtype, head_dim, mask_kind, softcap)
                 return _instance(name)
-            reasons.append(f"{name}: {reason}")
+            skipped.append((name, reason))
+        reasons = "; ".join(f"{n}: {r}" for n, r in skipped)
         raise UnsupportedBackendError(
             f"backend='auto': no backend on {dt} supports dtype={dtype}, head_dim={head_dim}, "
-            f"mask={mask_kind}, softcap={softcap} ({'; '.join(reasons)})")
+            f"mask={mask_kind}, softcap={softcap} ({reasons})")
     if name_or_auto not in _REGISTRY:
         raise UnknownBackendError(
             f"backend={name_or_auto!r} is not a known backend; choose 'auto' or one of {sorted(_REGISTRY)}")
@@ -133,4 +155,23 @@ def get_backend(name_or_auto: str, *, device, dtype: torch.dtype, head_dim: int,
     if reason is not None:
         raise UnsupportedBackendError(
             f"backend={name_or_auto!r} cannot compute these blocks: {reason}; use backend='auto' or 'reference'")
+    _note_named(name_or_auto, dt, dtype, head_dim, mask_kind, softcap)
     return backend
+
+
+def _note_auto(name: str, skipped: tuple, dt: str, dtype, head_dim: int, mask_kind: str, softcap: float) -> None:
+    """Note ``"auto"``'s choice of ``name``; ``skipped``: ((faster backend, why it cannot), ...)."""
+    def describe():
+        if skipped:
+            reason = "auto: higher-ranked backends cannot: " + "; ".join(f"{n}: {r}" for n, r in skipped)
+        else:
+            reason = f"auto: the first present and capable backend of {dt}'s ranking {auto_ranking(dt)}"
+        return name, "auto", reason, shape_class(dt, dtype, head_dim, mask_kind, softcap > 0.0)
+
+    note(("auto", name, tuple(n for n, _ in skipped), dt, dtype, head_dim, mask_kind, softcap > 0.0), describe)
+
+
+def _note_named(name: str, dt: str, dtype, head_dim: int, mask_kind: str, softcap: float) -> None:
+    note(("named", name, dt, dtype, head_dim, mask_kind, softcap > 0.0),
+         lambda: (name, name, f"requested by name (backend={name!r})",
+                  shape_class(dt, dtype, head_dim, mask_kind, softcap > 0.0)))

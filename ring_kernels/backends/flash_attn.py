@@ -6,6 +6,10 @@ changed parameter names between 2.x releases (``window_size`` became ``window_si
 and ``rng_state`` appeared), so they are called by keyword with only the names the installed release has.
 
 Mask kinds: FULL and aligned CAUSAL (EMPTY skipped). Windowed or document blocks go to other backends.
+
+Untested against the real library: this adapter's argument mapping is tested against a stand-in module with
+flash-attn 2.6's and 2.7's parameter names and return tuples (tests/test_backends.py), never against an
+installed flash-attn on a GPU. ``backend="auto"`` therefore never picks it; only ``backend="flash_attn"`` does.
 """
 from __future__ import annotations
 
@@ -41,7 +45,10 @@ def _call_by_name(fn, **kwargs):
 
 
 class FlashAttnBackend:
-    """``flash_attn.flash_attn_interface._flash_attn_forward/_backward``: fp16/bf16, head_dim <= 256, softcap."""
+    """``flash_attn.flash_attn_interface._flash_attn_forward/_backward``: fp16/bf16, head_dim <= 256, softcap.
+
+    Chosen by name only (``backend="flash_attn"``), untested against the real flash-attn library (module
+    docstring)."""
 
     name = "flash_attn"
 

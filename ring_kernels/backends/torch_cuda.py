@@ -12,8 +12,11 @@ Per-op facts handled here (checked against the ops' meta kernels; see shared/ref
 - efficient: lse padded to a multiple of 32 rows; fp32 supported; an additive ``attn_bias`` gives GENERAL masks
   (its last dimension must be 16-element aligned, hence the padded allocation).
 
-GQA: the ops take fewer K/V heads on recent torch. If an op refuses (older releases), K/V are expanded to the
-query heads *inside this backend* for that call and dK/dV summed back over each group; nothing repeated travels.
+GQA: the ops take fewer K/V heads on recent torch. If an op refuses (older releases: a ``RuntimeError`` on the
+first GQA call), K/V are expanded to the query heads *inside this backend* and dK/dV summed back over each group;
+nothing repeated travels. The backend keeps expanding for every later GQA call; that fallback is logged once at
+WARNING with the op's error text and noted in ``choices`` (counted on every expanded call). If the expanded
+call fails too, the error was not a GQA refusal: it propagates and the backend stays undecided.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .base import CAUSAL, EMPTY, FULL, GENERAL, BlockMask
+from .choices import note, shape_class
 from .reference import ReferenceBackend
 
 __all__ = ["TorchFlashBackend", "TorchCudnnBackend", "TorchEfficientBackend"]
@@ -63,6 +67,7 @@ class _TorchCudaBackend:
 
     def __init__(self):
         self._native_gqa: Optional[bool] = None          # learnt on the first GQA call
+        self._gqa_refusal: Optional[str] = None          # the op's error that made this backend expand K/V
         self._philox: Dict[torch.device, tuple] = {}     # from the last forward, per device
 
     def unsupported_reason(self, *, device, dtype, head_dim, mask_kind, softcap) -> Optional[str]:
@@ -90,9 +95,29 @@ class _TorchCudaBackend:
                 return result, False
             except torch.cuda.OutOfMemoryError:
                 raise                                    # not a GQA refusal: expanding would need more memory
-            except RuntimeError:
+            except RuntimeError as exc:
+                # Raises (chained to exc) when expanding does not help either: then exc was no GQA refusal.
+                result = call(_expand_kv(k, groups), _expand_kv(v, groups))
                 self._native_gqa = False
+                self._gqa_refusal = f"{type(exc).__name__}: {exc}"
+                self._note_expanded(q, k)
+                return result, True
+        self._note_expanded(q, k)
         return call(_expand_kv(k, groups), _expand_kv(v, groups)), True
+
+    def _note_expanded(self, q, k) -> None:
+        """Note one call computed with repeated K/V (logged the first time per shape class: at WARNING when it
+        is a fallback after the op's error, at INFO when this op never takes fewer K/V heads)."""
+        refusal = self._gqa_refusal
+        h, hk = q.shape[2], k.shape[2]
+        note(("gqa expanded", self.name, refusal, q.device.type, q.dtype, q.shape[3], h, hk),
+             lambda: (self.name, self.name,
+                      f"repeats K/V heads inside the backend for grouped-query attention ({h} query heads over "
+                      f"{hk} K/V heads: {h // hk}x the K/V memory and reads of each call) because "
+                      + (f"the op refused fewer K/V heads on the first GQA call: {refusal}" if refusal else
+                         "the op needs as many K/V heads as query heads"),
+                      shape_class(q.device.type, q.dtype, q.shape[3], "any", False)),
+             fallback=refusal is not None)
 
     def forward(self, q, k, v, *, scale: float, mask: BlockMask, softcap: float = 0.0):
         sq, sk = q.shape[1], k.shape[1]

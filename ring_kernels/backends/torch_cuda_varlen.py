@@ -16,7 +16,8 @@ Checked against the ops' schemas and meta kernels on torch 2.13 (outputs 3/4 are
 only ``scale`` is passed by keyword, so the same call works on both).
 
 A ``VarlenSegments`` describes one call's documents; ``varlen_kernel_for`` says whether this path serves a
-backend choice (the ``"torch_flash"`` backend, or ``"auto"`` when its per-document calls would cost more).
+backend choice (the ``"torch_flash"`` backend, or ``"auto"`` when its per-document calls would cost more), and
+notes each time it does in ``choices`` (backend ``"torch_flash_varlen"``, mask ``documents``).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
+
+from .choices import note, shape_class
 
 __all__ = ["VarlenSegments", "VarlenKernel", "TorchFlashVarlen", "varlen_kernel_for", "segments_from_rows",
            "segments_from_lengths"]
@@ -222,7 +225,17 @@ def varlen_kernel_for(requested: str, chosen_name: str, *, device, dtype: torch.
     if not _op_available(device) or dtype not in _HALF or head_dim % 8 or head_dim > 256 or softcap > 0.0:
         return None
     if chosen_name == "torch_flash":
+        _note_varlen(requested, "one torch flash varlen call per step for all packed documents (the same kernel "
+                                "as torch_flash's per-document calls)", device, dtype, head_dim)
         return _flash_varlen()
     if requested == "auto" and chosen_name == "torch_cudnn" and _per_block_calls_cost_more(document_lengths):
+        _note_varlen(requested, "auto: one torch flash varlen call estimated faster than per-document torch_cudnn "
+                                "calls for these documents (many and short)", device, dtype, head_dim)
         return _flash_varlen()
     return None
+
+
+def _note_varlen(requested: str, reason: str, device, dtype, head_dim: int) -> None:
+    dt = torch.device(device).type
+    note(("varlen", requested, reason, dt, dtype, head_dim),
+         lambda: ("torch_flash_varlen", requested, reason, shape_class(dt, dtype, head_dim, "documents", False)))
