@@ -46,7 +46,7 @@ from hfpatch import switch as _switch
 from hfpatch.errors import UnsupportedArgument
 
 __all__ = ["PositionEntry", "RECOGNISED", "MAX_RUNS", "recognise", "why_unrecognised", "signature_text",
-           "global_positions", "install"]
+           "global_positions", "install", "position_kwargs"]
 
 FEEDS = ("position_ids", "past_length")
 # Switch modes whose attention treats this rank's tokens as a shard of the whole row.
@@ -163,6 +163,18 @@ def why_unrecognised(model: torch.nn.Module, module: torch.nn.Module) -> str:
     known = " or ".join(f"({e.signature})" for e in entries)
     return (f"its forward is not the one hfpatch recognises for {cls.__name__}: found ({found}), known {known}; "
             f"hfpatch does not feed positions into code it has not read.")
+
+
+def position_kwargs(model: torch.nn.Module, positions: torch.Tensor) -> dict:
+    """``{"position_ids": positions}`` for ``model(...)``, or ``{}`` when its forward takes neither
+    ``position_ids`` nor ``**kwargs`` (the BART-family, Whisper and MusicGen causal LMs before 5.0: there the
+    positions come from the input's length, fed by ``install`` under CP)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: pass them, as a caller would
+        return {"position_ids": positions}
+    takes = any(p.name == "position_ids" or p.kind is p.VAR_KEYWORD for p in parameters)
+    return {"position_ids": positions} if takes else {}
 
 
 # ---------------------------------------------------------------------------------------- global positions
@@ -325,10 +337,15 @@ def _owner(model: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
 def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> list:
     """Hook every recognised position module of ``model`` (module docstring); returns the hook handles
     (``.remove()`` each). ``ctx_of()``: the live ``RingContext`` (None once the patch is inactive or removed)."""
+    from hfpatch.model_audit import modality_towers
+
+    towers = modality_towers(model)  # vision/audio encoders: their positions number frames, never token shards
     handles: list = []
     owners: dict[int, _OwnerPositions] = {}
     try:
         for name, module in model.named_modules():
+            if any(name == tower or name.startswith(tower + ".") for tower in towers):
+                continue
             entry = recognise(model, module)
             if entry is None:
                 continue

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hfpatch import inputs as _inputs
+from hfpatch.model_positions import position_kwargs
 from hfpatch import switch as _switch
 from hfpatch.errors import HfpatchError, ModelDivergence, VerificationError
 
@@ -162,14 +163,14 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
         model.eval()
         with torch.no_grad():
             with _switch.switch("local"), _named_failure(model, "non-CP"):
-                whole = recorder.run(model, seq, input_ids=ids, position_ids=torch.arange(seq, device=device)[None],
-                                     use_cache=False)
+                whole = recorder.run(model, seq, input_ids=ids, use_cache=False,
+                                     **position_kwargs(model, torch.arange(seq, device=device)[None]))
             recorder.seq_len = None  # record nothing during the labels forward
             labels_refusal = _own_loss_check(model, ids, tolerance=tolerance)
             batch = _inputs.shard_inputs(ctx, ids)
             with _switch.switch("ring"), _named_failure(model, "CP"):
                 local = recorder.run(model, batch["input_ids"].shape[1], input_ids=batch["input_ids"],
-                                     position_ids=batch["position_ids"], use_cache=False)
+                                     use_cache=False, **position_kwargs(model, batch["position_ids"]))
         index = batch["position_ids"][0]  # the global token indices this rank holds, in its order
     finally:
         recorder.remove()
@@ -195,8 +196,8 @@ def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float) -> Optional[s
     (a model that shifts twice, adds a term, or fails with labels)."""
     try:
         with _switch.switch("local"):
-            output = model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None],
-                           labels=ids, use_cache=False)
+            output = model(input_ids=ids, labels=ids, use_cache=False,
+                           **position_kwargs(model, torch.arange(ids.shape[1], device=ids.device)[None]))
     except Exception as exc:  # the model's own labels path; CP's loss path is ours
         return f"model(labels=...) fails even without CP ({type(exc).__name__}: {exc})"
     loss = getattr(output, "loss", None) if not isinstance(output, tuple) else output[0]

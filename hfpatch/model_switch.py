@@ -185,6 +185,13 @@ def _switch_module_copies(model: torch.nn.Module, record: ModelSwitch) -> None:
         if isinstance(previous, str) and previous != FLASH_IMPLEMENTATION:
             record.module_impls.append((module, previous))
             module.__dict__["_attn_implementation"] = FLASH_IMPLEMENTATION
+        # The same copy under other names (4.43-4.52 decoders whose flash branch drops the all-ones mask): Bart's
+        # and Whisper's flag ``_use_flash_attention_2``, MusicGen's ``attn_implementation``.
+        for name, value in (("_use_flash_attention_2", True), ("attn_implementation", FLASH_IMPLEMENTATION)):
+            previous = module.__dict__.get(name, _UNSET)
+            if previous is False or previous in ("eager", "sdpa"):
+                record.replaced.append((module, name, previous, value))
+                module.__dict__[name] = value
 
 
 def _guard_target_dtype(model: torch.nn.Module, record: ModelSwitch) -> None:

@@ -107,7 +107,19 @@ def _case_skip(model, packed: bool, pass_positions: bool):
     if (packed or pass_positions) and not _takes_position_ids(model):
         return (f"{type(model).__name__}.forward takes no position_ids (nor **kwargs) on this release: "
                 + ("packed documents cannot be expressed to it" if packed else "nothing to pass"))
+    if packed and not _uses_position_ids(model):
+        return (f"{type(model).__name__} drops the position_ids it is given on this release (its output does not "
+                f"change with them): packed documents cannot be expressed to it")
     return None
+
+
+def _uses_position_ids(model) -> bool:
+    import hfpatch
+
+    ids, positions = _inputs(True)
+    with torch.no_grad(), hfpatch.switch("local"):
+        return not torch.equal(model(input_ids=ids, use_cache=False).logits,
+                               model(input_ids=ids, position_ids=positions, use_cache=False).logits)
 
 
 def _cases_of(name):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hfpatch.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+from hfpatch.model_positions import position_kwargs
 from hfpatch.sweep.tiny import training_inputs
 
 __all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "check_class", "run_sweep"]
@@ -121,7 +122,7 @@ def _non_cp_step(model, ids) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
     with hfpatch.switch("local"):
-        loss = _loss_of(model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False,
+        loss = _loss_of(model(input_ids=ids, labels=ids, use_cache=False, **position_kwargs(model, positions),
                               **training_inputs(model, ids)))
         loss.backward()
     return loss.item(), _grads(model)
@@ -130,8 +131,9 @@ def _non_cp_step(model, ids) -> tuple[float, dict]:
 def _cp_step(patch, model, ids, group) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     batch = patch.shard_inputs(ids, labels=ids)
-    loss = _loss_of(model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                          use_cache=False, **training_inputs(model, batch["input_ids"])))
+    local = batch["input_ids"]
+    loss = _loss_of(model(input_ids=local, labels=batch["labels"], use_cache=False,
+                          **position_kwargs(model, batch["position_ids"]), **training_inputs(model, local)))
     loss.backward()
     return loss.item(), _grads(model, group)
 
