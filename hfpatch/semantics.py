@@ -363,6 +363,18 @@ def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext,
                 f"returned.",
                 "call patch.shard_inputs(...) for every batch and pass its input_ids and position_ids to the model.",
             )
+        if step.packed and step.source == "shard_inputs" and call.get("position_ids") is None \
+                and call.get("cu_seq_lens_q") is None and call.get("cu_seq_lens_k") is None:
+            raise UnsupportedArgument(
+                "position_ids", None,
+                "shard_inputs found several documents in this packed row (position ids that restart), but this "
+                "attention call carries neither position_ids nor cu_seq_lens: without CP the model's attention "
+                "would run the row as one sequence (documents attending to each other) while the ring keeps them "
+                "apart, so the results would differ.",
+                "pass the position_ids returned by patch.shard_inputs(...) to the model; a model whose attention "
+                "never receives them cannot train packed rows the same way under CP -- give it padded rows (one "
+                "document per row, labels -100 on the padding) instead.",
+            )
         _check_step_position_ids(call.get("position_ids"), step, ctx)
         _check_step_cu_seq_lens(call, step, ctx)
         return step

@@ -31,9 +31,11 @@ _WINDOW_EXTRA = 0 if _INSTALLED is None or _INSTALLED >= _compat.TRANSFORMERS_SL
 # ------------------------------------------------------------------------------------------ reference
 
 
-def _expected(q, k, v, *, causal, scale=None, window=None, softcap=None, docs=None):
+def _expected(q, k, v, *, causal, scale=None, window=None, softcap=None, docs=None, sink=None):
     """Plain attention in float64, one document at a time. ``window`` is HF's sliding_window (a window of that many
-    tokens including the current one, transformers >= 4.56); docs: list of document lengths (one row)."""
+    tokens including the current one, transformers >= 4.56); docs: list of document lengths (one row); sink (H,):
+    attention sinks as HF's eager sink attention (gpt-oss) computes them -- one more logit per head in every row's
+    softmax, dropped after it."""
     q, k, v = (t.double() for t in (q, k, v))
     heads, dim = q.shape[2], q.shape[3]
     k = k.repeat_interleave(heads // k.shape[2], dim=2)
@@ -52,7 +54,12 @@ def _expected(q, k, v, *, causal, scale=None, window=None, softcap=None, docs=No
         if window is not None:
             ok &= (i[:, None] - i[None, :]).abs() < window + _WINDOW_EXTRA
         s = s.masked_fill(~ok, float("-inf"))
-        out[:, lo:hi] = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v[:, lo:hi])
+        if sink is not None:
+            column = sink.double().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+            probs = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(s, -1)
+        out[:, lo:hi] = torch.einsum("bhqk,bkhd->bqhd", probs, v[:, lo:hi])
     return out
 
 
@@ -106,8 +113,23 @@ def _global_tensors(packed: bool, seed: int):
     return q, k, v, dout, pos
 
 
+# The same forms with attention sinks (``s_aux``): every kernel variant, batch and packed, every source of the layout.
+SINK_CASES = [
+    ("sinks zigzag causal GQA", "auto", "batch", True, None, None, None, "shard_inputs"),
+    ("sinks zigzag window+softcap", "zigzag", "batch", True, 6, 5.0, None, "shard_inputs"),
+    ("sinks stripe causal scale", "stripe", "batch", True, None, None, 0.3, "shard_inputs"),
+    ("sinks ring non-causal", "ring", "batch", False, None, None, None, "shard_inputs"),
+    ("sinks derived batch window", "auto", "batch", True, 5, None, None, "derived"),
+    ("sinks packed llama3", "auto", "packed", True, None, None, None, "shard_inputs"),
+    ("sinks packed ring varlen window", "ring", "packed", True, 4, 3.0, None, "shard_inputs"),
+    ("sinks packed zigzag varlen", "zigzag", "packed", True, None, None, None, "shard_inputs"),
+    ("sinks packed from global cu_seq_lens", "auto", "packed", True, None, None, None, "cu"),
+]
+
+
 def _run_case(case, fn, rank, world):
     name, variant, kind, causal, window, softcap, scale, mode = case
+    with_sink = name.startswith("sinks ")
     packed = kind == "packed"
     q, k, v, dout, pos = _global_tensors(packed, seed=sum(map(ord, name)))
     ctx = RingContext(group=None, rank=rank, world_size=world, variant=variant)
@@ -121,8 +143,11 @@ def _run_case(case, fn, rank, world):
         per = seq // world
         index = torch.arange(rank * per, (rank + 1) * per)
         local_pos = pos[:, index]
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ql, kl, vl = (t.index_select(1, index) for t in leaves)
+    sink = torch.randn(q.shape[2], generator=torch.Generator().manual_seed(len(name))) if with_sink else None
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v) + ((sink,) if with_sink else ())]
+    ql, kl, vl = (t.index_select(1, index) for t in leaves[:3])
+    if with_sink:
+        extra = {"s_aux": leaves[3]}
     more = {}
     if mode == "cu":
         cu = torch.tensor([0] + list(torch.tensor(_DOCS).cumsum(0)), dtype=torch.int32)
@@ -135,12 +160,12 @@ def _run_case(case, fn, rank, world):
     grads = [t.grad.clone() for t in leaves]
     for g in grads:
         dist.all_reduce(g)  # each rank holds the gradient of its own slice's outputs: sum them
-    ref_leaves = [t.clone().double().requires_grad_(True) for t in (q, k, v)]
-    want = _expected(*ref_leaves, causal=causal, scale=scale, window=window, softcap=softcap,
-                     docs=_DOCS if packed else None)
+    ref_leaves = [t.clone().double().requires_grad_(True) for t in (q, k, v) + ((sink,) if with_sink else ())]
+    want = _expected(*ref_leaves[:3], causal=causal, scale=scale, window=window, softcap=softcap,
+                     docs=_DOCS if packed else None, sink=ref_leaves[3] if with_sink else None)
     (want * dout.double()).sum().backward()
     _close(f"{name} [{fn.__name__}] out", out, want.index_select(1, index))
-    for label, got, ref in zip("qkv", grads, ref_leaves):
+    for label, got, ref in zip(("q", "k", "v", "s_aux"), grads, ref_leaves):
         _close(f"{name} [{fn.__name__}] d{label}", got, ref.grad)
 
 
@@ -193,9 +218,10 @@ def _two_rank_world(rank, world, cases, fns):
 
 
 def test_semantics_2_ranks():
-    """One world (spawning costs seconds): ring and reference attention vs plain attention for every case,
-    shard_inputs/reduce_loss, and one derivation of the packing per step."""
-    run_world(2, _two_rank_world, _CASES, ["ring_attention", "reference_attention"])
+    """One world (spawning costs seconds): ring and reference attention vs plain attention for every case, with
+    and without attention sinks (forward, dq/dk/dv and d s_aux summed over the ranks), shard_inputs/reduce_loss,
+    and one derivation of the packing per step."""
+    run_world(2, _two_rank_world, _CASES + SINK_CASES, ["ring_attention", "reference_attention"])
 
 
 # The same cases on 4 ranks run inside the 4-rank world of test_e2e_models (one world fewer to spawn).
@@ -236,13 +262,49 @@ def test_refusals_name_the_parameter_value_reason_and_fix(role, value, words):
         assert err.fix, "a refusal of something a user can change must say how"
 
 
-@pytest.mark.parametrize("name, value", [("s_aux", torch.zeros(4)), ("cache", object()),
-                                         ("cache_seqlens", torch.zeros(1))])
+@pytest.mark.parametrize("name, value", [("cache", object()), ("cache_seqlens", torch.zeros(1))])
 def test_refused_kwargs(name, value):
     q, k, v = _qkv()
     with pytest.raises(UnsupportedArgument) as info:
         ring_attention(_call(q, k, v), {name: value}, _local_ctx())
     assert info.value.parameter == name
+
+
+@pytest.mark.parametrize("value, words", [
+    (torch.zeros(2), "expected (num_heads,) = (4,)"),      # one per K/V head, not per query head
+    (torch.zeros(1, 4), "expected (num_heads,) = (4,)"),
+    (torch.zeros(4, dtype=torch.long), "floating dtype"),
+    ([0.0] * 4, "must be a tensor"),
+])
+@pytest.mark.parametrize("fn", [ring_attention, reference_attention, semantics.local_attention])
+def test_malformed_sinks_are_refused_by_name(fn, value, words):
+    q, k, v = _qkv()
+    with pytest.raises(UnsupportedArgument, match=r"s_aux") as info:
+        fn(_call(q, k, v), {"s_aux": value}, _local_ctx())
+    assert info.value.parameter == "s_aux" and info.value.value is value and words in info.value.reason
+
+
+@pytest.mark.parametrize("fn", [ring_attention, reference_attention, semantics.local_attention])
+@pytest.mark.parametrize("packed", [False, True])
+def test_sinks_in_a_world_of_one_and_in_local_mode(fn, packed):
+    """Every mode honours the sinks exactly as HF's eager sink attention: forward and the gradients of q, k, v and
+    the sinks, batch and a packed row (documents told by position_ids)."""
+    q, k, v = _qkv(batch=1 if packed else 2, seq=8)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    docs = [3, 5] if packed else None
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]) if packed else None
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
+    out = fn(_call(*leaves[:3], position_ids=pos), {"s_aux": leaves[3]}, _local_ctx())
+    ref = [t.clone().double().requires_grad_(True) for t in (q, k, v, sink)]
+    want = _expected(*ref[:3], causal=True, docs=docs, sink=ref[3])
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
+    (out * dout).sum().backward()
+    (want * dout.double()).sum().backward()
+    _close("out", out, want)
+    for label, got, r in zip(("q", "k", "v", "s_aux"), leaves, ref):
+        _close(f"d{label}", got.grad, r.grad)
+    no_sink = fn(_call(q, k, v, position_ids=pos), {"s_aux": None}, _local_ctx())
+    _close("s_aux=None", no_sink, _expected(q, k, v, causal=True, docs=docs))
 
 
 def test_kv_cache_decode_is_refused():
@@ -260,11 +322,43 @@ def test_all_ones_mask_is_dropped_and_ignored_kwargs_change_nothing():
     _close("world of one", plain, _expected(q, k, v, causal=True))
 
 
-def test_fp32_inputs_are_computed_in_fp32_despite_target_dtype():
+@pytest.mark.parametrize("fn", [ring_attention, reference_attention, semantics.local_attention])
+def test_target_dtype_casts_as_the_installed_release(fn):
+    """HF's flash path casts q, k and v to ``target_dtype`` when the query (before 4.49: the value) is fp32 -- e.g.
+    an fp32 model under autocast, where RoPE leaves q/k fp32 and v bf16; every mode does the same."""
     q, k, v = _qkv()
-    out = ring_attention(_call(q, k, v, target_dtype=torch.bfloat16), {}, _local_ctx())
-    assert out.dtype == torch.float32
-    _close("fp32", out, _expected(q, k, v, causal=True))
+    by_query = _INSTALLED is None or _INSTALLED >= _compat.TRANSFORMERS_TARGET_DTYPE_BY_QUERY
+    mixed_v = v.to(torch.bfloat16)
+    if by_query:
+        out = fn(_call(q, k, mixed_v, target_dtype=torch.bfloat16), {}, _local_ctx())
+        want = fn(_call(*(t.to(torch.bfloat16) for t in (q, k, v)), target_dtype=None), {}, _local_ctx())
+        assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    out = fn(_call(q, k, v, target_dtype=torch.bfloat16), {}, _local_ctx())
+    assert out.dtype == torch.bfloat16
+    assert fn(_call(q, k, v, target_dtype=torch.float32), {}, _local_ctx()).dtype == torch.float32
+    assert fn(_call(q, k, v, target_dtype=None), {}, _local_ctx()).dtype == torch.float32
+    half = [t.to(torch.bfloat16) for t in (q, k, v)]
+    assert fn(_call(*half, target_dtype=torch.float16), {}, _local_ctx()).dtype == torch.bfloat16  # only fp32 is cast
+
+
+def test_the_release_rule_of_target_dtype(monkeypatch):
+    from packaging.version import Version
+
+    q, k, v = _qkv()
+    mixed = (q, k, v.to(torch.bfloat16))
+    try:
+        for version, cast in (("4.48.3", False), ("4.49.0", True), ("5.23.0", True)):
+            monkeypatch.setattr(semantics._compat, "installed_transformers_version", lambda: Version(version))
+            semantics._target_dtype_by_query.cache_clear()
+            got = semantics.cast_to_target(torch.bfloat16, *mixed)
+            assert [t.dtype for t in got] == ([torch.bfloat16] * 3 if cast else [t.dtype for t in mixed]), version
+            # before 4.49 the value's dtype decides: an fp32 value with a bf16 query casts all three
+            got = semantics.cast_to_target(torch.bfloat16, q.to(torch.bfloat16), k, v)
+            assert [t.dtype for t in got] == ([torch.bfloat16, torch.float32, torch.float32] if cast
+                                              else [torch.bfloat16] * 3), version
+    finally:
+        monkeypatch.undo()
+        semantics._target_dtype_by_query.cache_clear()
 
 
 def test_sliding_window_follows_the_installed_release(monkeypatch):
@@ -305,6 +399,21 @@ def test_local_cu_seq_lens_are_refused():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(UnsupportedArgument, match="GLOBAL packed row"):
         ring_attention(_call(q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu), {}, ctx)
+
+
+def test_packed_step_without_positions_in_the_call_is_refused():
+    """A packed row from shard_inputs, but an attention call that carries neither position_ids nor cu_seq_lens
+    (a model whose attention never receives them): non-CP attention would run the row as one sequence, the ring
+    would keep the documents apart -- refused, never run."""
+    ctx = RingContext(rank=0, world_size=2)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    ctx.set_step(semantics.StepState(kernel="llama3", layout="contiguous", packed=True, batch_size=1,
+                                     seq_len_global=16, seq_len_local=8,
+                                     cu_seqlens=torch.tensor([0, 3, 16], dtype=torch.int32), position_ids=positions))
+    q, k, v = _qkv(seq=8)
+    with pytest.raises(UnsupportedArgument, match="neither position_ids nor cu_seq_lens") as info:
+        ring_attention(_call(q, k, v), {}, ctx)
+    assert info.value.parameter == "position_ids" and "padded rows" in info.value.fix
 
 
 def test_parse_kernel_and_plan():
