@@ -1,20 +1,49 @@
 #!/usr/bin/env bash
-# The 2-GPU device run behind benchmarks/results/: profiles, then the ring benchmark at 8k tokens per GPU (every
-# batch variant x cuDNN/flash/Triton, native CP peers), 32k tokens, the MHA config and the varlen variants.
-# Run from the repository root on a 2-GPU machine: OUT=<dir> [TAG=<commit>] bash benchmarks/device_suite.sh
-# (TAG ends the result files' names; the committed files use the commit of the tree that ran, default: the UTC date).
+# The device run behind benchmarks/results/ on NGPU GPUs: profiles, then the ring benchmark at 8k tokens per GPU
+# (every batch variant x cuDNN/flash/Triton, native CP peers), 32k tokens, the MHA config and the varlen variants.
+#
+#   # in the git checkout that sends the tree (the GPU machine receives it without .git):
+#   eval "export $(python benchmarks/_stamp.py --export)"        # HFPATCH_COMMIT and HFPATCH_SOURCE_HASH of HEAD
+#   # on the machine, from the repository root, with both variables passed along:
+#   HFPATCH_COMMIT=... HFPATCH_SOURCE_HASH=... OUT=<dir> bash benchmarks/device_suite.sh NGPU
+#
+# Every result file's stamp names that commit only if the tree that ran is the commit's (benchmarks/_stamp.py
+# compares source hashes); otherwise it is stamped "uncommitted-tree" with the tree's source hash, and the file
+# names end in the same tag (TAG overrides it). The machine part of the names is NGPUx<GPU model>, e.g. 4xH200.
 # Each step has its own time limit so that one slow step cannot take the others' time; results are written as
 # each case group finishes. The per-call cross-rank shape check is off while timing (--skip-rank-check): hfpatch
 # runs it once per step (ring_kernels.rank_check_scope) and PyTorch's native CP has none; its cost is measured
 # separately in profile_2xH200_rank_check_and_nccl_knobs_94c6b18.log.
 set -u
+NGPU=${1:-}
+if ! [[ "$NGPU" =~ ^[0-9]+$ ]] || (( NGPU < 2 )); then
+  echo "usage: [HFPATCH_COMMIT=<sha> HFPATCH_SOURCE_HASH=<hash>] [OUT=<dir>] bash benchmarks/device_suite.sh NGPU" \
+       "(NGPU >= 2: the GPUs to run on; got '${NGPU}')" >&2
+  exit 2
+fi
+export PYTHONPATH=$PWD NGPU
+export HFPATCH_COMMIT=${HFPATCH_COMMIT:-} HFPATCH_SOURCE_HASH=${HFPATCH_SOURCE_HASH:-}
 OUT=${OUT:-benchmarks/results}
-TAG=${TAG:-$(date -u +%Y%m%d)}
-export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 log() { echo "## $(date -u +%H:%M:%S) $*"; }
-profile() { timeout 45 torchrun --nproc-per-node 2 benchmarks/profile_ring.py --backend torch_cudnn --iters 10 --top 0 \
-  "$@" 2>&1 | grep -E "^--- rank 0|attention \(cudnn|nccl  "; }
+
+GPU=$(python -c "
+import sys, torch
+n = torch.cuda.device_count()
+if n < $NGPU:
+    sys.exit(f'device_suite.sh: {$NGPU} GPUs asked for, {n} visible')
+print(torch.cuda.get_device_name(0).split()[-1])") || exit 2
+MACHINE="${NGPU}x${GPU}"
+if [[ -z "$HFPATCH_COMMIT" ]]; then
+  log "WARNING: HFPATCH_COMMIT is not set: every result of this run is stamped uncommitted-tree (see the usage above)"
+fi
+log "provenance of this tree:"
+python benchmarks/_stamp.py --describe || exit 2
+TAG=${TAG:-$(python benchmarks/_stamp.py --tag)}
+log "machine $MACHINE, file tag $TAG, results in $OUT"
+
+profile() { timeout 45 torchrun --nproc-per-node "$NGPU" benchmarks/profile_ring.py --backend torch_cudnn --iters 10 \
+  --top 0 "$@" 2>&1 | grep -E "^--- rank 0|attention \(cudnn|nccl  "; }
 step() { grep -o "step [0-9.]*" "$1" | head -1 | cut -d' ' -f2; }
 
 # NCCL settings a user can choose (environment, read when the process group is created): the default and a
@@ -41,17 +70,17 @@ PY
 log "profile step sums (ms): ${sums[*]}; benchmarks run with [${SETTINGS[$best]:-default NCCL settings}]"
 for kv in ${SETTINGS[$best]}; do export "$kv"; done
 
-B="torchrun --nproc-per-node 2 benchmarks/ring_bench.py --skip-rank-check --out $OUT"
+B="torchrun --nproc-per-node $NGPU benchmarks/ring_bench.py --skip-rank-check --out $OUT"
 log "8k batch, llama3-8b"
 timeout 250 $B --tokens 8192 --layouts batch --configs llama3-8b --variants ring,zigzag,stripe \
-  --backends torch_cudnn,torch_flash,triton --native cudnn,flash --max-minutes 3.2 --tag ring_bench_2xH200_8k_batch_$TAG
+  --backends torch_cudnn,torch_flash,triton --native cudnn,flash --max-minutes 3.2 --tag ring_bench_${MACHINE}_8k_batch_$TAG
 log "32k batch, llama3-8b, fwd+bwd"
 timeout 90 $B --tokens 32768 --layouts batch --configs llama3-8b --variants ring,zigzag --backends torch_cudnn \
-  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 1 --tag ring_bench_2xH200_32k_batch_$TAG
+  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 1 --tag ring_bench_${MACHINE}_32k_batch_$TAG
 log "8k batch, MHA, fwd+bwd"
 timeout 70 $B --tokens 8192 --layouts batch --configs mha --variants ring,zigzag --backends torch_cudnn \
-  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 0.8 --tag ring_bench_2xH200_8k_mha_$TAG
+  --native cudnn --modes fwd_bwd --no-nocomm --max-minutes 0.8 --tag ring_bench_${MACHINE}_8k_mha_$TAG
 log "8k varlen, llama3-8b"
 timeout 90 $B --tokens 8192 --layouts varlen --configs llama3-8b --variants llama3,ring_varlen,zigzag_varlen \
-  --backends torch_flash,torch_cudnn --native '' --no-nocomm --max-minutes 1 --tag ring_bench_2xH200_8k_varlen_$TAG
+  --backends torch_flash,torch_cudnn --native '' --no-nocomm --max-minutes 1 --tag ring_bench_${MACHINE}_8k_varlen_$TAG
 log "done"

@@ -11,8 +11,10 @@ On CPU (gloo; what the test suite runs, at toy sizes):
 
 Every (variant, backend, causal, config) first passes a correctness gate against plain float64 attention
 on the unsharded inputs (``_check``); only then is it timed. One JSON file (raw results + derived summary,
-stamped with device and versions) and a markdown table are written under ``--out``; a plot too when
-matplotlib is importable (else run ``python benchmarks/report.py FILE.json`` where it is).
+stamped with device, versions and the commit that ran: ``benchmarks/_stamp.py``) and a markdown table are written
+under ``--out``; a plot too when matplotlib is importable (else run ``python benchmarks/report.py FILE.json``).
+Every row that ring_kernels computed names the block backends that ran (``block_backends``) and why
+(``block_backend_choices``, from ``ring_kernels.backends.recording()``).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from _nocomm import no_communication, nocomm_unavailable_reason  # noqa: E402
 from _runners import (Inputs, input_bytes, make_backend_step, make_inputs,  # noqa: E402
                       make_ring_step, make_varlen_single_step, ring_outputs_and_grads, shard_inputs,
                       shard_tensors)
-from _stamp import stamp  # noqa: E402
+from _stamp import backend_choices, stamp  # noqa: E402
 from _timing import peak_memory_bytes, time_callable  # noqa: E402
 import native_cp  # noqa: E402
 import report  # noqa: E402
@@ -52,6 +54,8 @@ SCHEMA = "hfpatch-ring-bench/1"
 _COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=2)
 # Exceptions by which the library (or torch) declines a combination: recorded as "refused", not "failed".
 _REFUSALS = (ValueError, TypeError, NotImplementedError, LookupError)
+# Result kinds computed by ring_kernels (their rows name the block backends that ran); the others are torch's SDPA.
+_RING_KERNELS_KINDS = ("single", "ring", "ring_nocomm")
 
 
 # ------------------------------------------------------------------------------------------- arguments
@@ -318,18 +322,39 @@ def run_group(bench: Bench, cfg: AttnConfig, layout: str, causal: bool, tokens: 
     bench.free(collect=bench.device.type == "cuda")
 
 
+def _ran(*recorders) -> dict:
+    """A row's block backends: the distinct backends ring_kernels chose while the step was built and timed
+    (``block_backends``) and those choices in full (backend, requested, reason, shape class, calls)."""
+    rows: Dict[tuple, dict] = {}
+    for recorder in recorders:
+        for c in backend_choices(recorder):
+            key = (c["backend"], c["requested"], c["reason"], c["shape_class"])
+            if key in rows:
+                rows[key]["calls"] += c["calls"]
+            else:
+                rows[key] = dict(c)
+    return {"block_backends": list(dict.fromkeys(c["backend"] for c in rows.values())),
+            "block_backend_choices": list(rows.values())}
+
+
 def _measure(bench: Bench, make, local: Inputs, base: dict, doc_lengths, tag: str) -> None:
-    """Time ``make()``'s step in every mode and record it (or record why it could not run)."""
-    step, err = _attempt(bench, make)
+    """Time ``make()``'s step in every mode and record it (or record why it could not run), with the block
+    backends that ran (``_ran``)."""
+    from ring_kernels.backends import recording
+
+    with recording() as built:
+        step, err = _attempt(bench, make)
     for mode in bench.args.modes:
         fields = dict(base, mode=mode)
         if err is None:
             flops = attention_flops(doc_lengths, nheads=local.q.shape[-2], head_dim=local.q.shape[-1],
                                     causal=base["causal"], mode=mode)
-            timing, err_t = _attempt(bench, lambda: _timing_fields(bench, step, mode, base["tokens_per_rank"],
-                                                                    flops, _mem_baseline(bench, local)))
+            with recording() as timed:
+                timing, err_t = _attempt(bench, lambda: _timing_fields(
+                    bench, step, mode, base["tokens_per_rank"], flops, _mem_baseline(bench, local)))
             if err_t is None:
-                bench.record(**fields, status="ok", **timing)
+                ran = _ran(built, timed) if base["kind"] in _RING_KERNELS_KINDS else {}
+                bench.record(**fields, status="ok", **timing, **ran)
                 bench.log(f"{tag} {base['kind']} {base['variant']}/{base['backend']} {mode}: "
                           f"{timing['time_ms']['median_ms']:.3f} ms, {timing['tflops_per_gpu']:.3g} TFLOP/s/GPU")
                 continue

@@ -22,6 +22,7 @@ _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _BENCH)
 
 from _summary import summarize  # noqa: E402
+import _stamp  # noqa: E402
 import report  # noqa: E402
 
 RING_VARIANTS = {"batch": {"ring", "zigzag", "stripe"}, "varlen": {"ring_varlen", "zigzag_varlen", "llama3"}}
@@ -99,9 +100,17 @@ def test_stamp_and_settings(bench_doc):
     assert bench_doc["schema"] == "hfpatch-ring-bench/1" and bench_doc["complete"] is True
     st = bench_doc["stamp"]
     for key in ("device_name", "device_type", "gpu_count", "world_size", "torch", "triton", "transformers",
-                "date", "git_commit"):
+                "date", "git_commit", "based_on_commit", "source_hash", "source_files", "provenance",
+                "block_backend_choices"):
         assert key in st, key
     assert st["device_type"] == "cpu" and st["world_size"] == 2
+    # This checkout: its HEAD, checked against the tree's source hash, or "uncommitted-tree" saying why not.
+    assert st["source_hash"].startswith("sha256:") and st["source_files"] > 50
+    if st["git_commit"] == _stamp.UNCOMMITTED:
+        assert "differs from commit" in st["provenance"] or "no git checkout" in st["provenance"]
+    else:
+        assert st["git_commit"] == st["based_on_commit"] and len(st["git_commit"]) == 40
+    assert {c["backend"] for c in st["block_backend_choices"]} == set(BACKENDS)
     assert bench_doc["settings"]["backends"] == list(BACKENDS) and bench_doc["settings"]["backends_left_out"] == {}
     assert bench_doc["settings"]["configs"] == [{"name": "tiny", "nheads": 4, "nheads_k": 2, "head_dim": 32}]
 
@@ -111,6 +120,10 @@ def test_every_variant_and_backend_measured_after_passing_the_gate(bench_doc):
     seen = set()
     for r in ring:
         assert r["status"] == "ok", r
+        # The block backend that ran, from ring_kernels' own record: the one named, by name.
+        assert r["block_backends"] == [r["backend"]], r
+        (choice,) = r["block_backend_choices"]
+        assert choice["requested"] == r["backend"] and choice["calls"] >= 1 and not choice["fallback"]
         check = r["check"]
         assert check["passed"] is True and check["tokens_per_rank"] == 64
         for name in ("out", "dq", "dk", "dv"):
@@ -128,6 +141,8 @@ def test_single_baselines_and_nocomm_runs(bench_doc):
     res = bench_doc["results"]
     singles = {(r["layout"], r["backend"], r["causal"], r["mode"]) for r in res
                if r["kind"] == "single" and r["status"] == "ok"}
+    assert all(r["block_backends"] == [r["backend"]] for r in res if r["kind"] in ("single", "ring_nocomm")
+               and r["status"] == "ok")
     assert singles == {(lay, b, c, m) for lay in ("batch", "varlen") for b in BACKENDS for c in (True, False)
                        for m in ("fwd", "fwd_bwd")}
     nocomm = [r for r in res if r["kind"] == "ring_nocomm"]
@@ -261,3 +276,121 @@ def test_cpu_peak_memory_script_reports_every_case():
     for row in rows:
         fwd, bwd = map(float, re.fullmatch(r".*: forward ([0-9.]+) U \| backward ([0-9.]+) U", row).groups())
         assert fwd > 0 and bwd > 0, row
+
+
+# ------------------------------------------------------------------------------------------- provenance
+
+
+def _git(cwd, *args):
+    import subprocess
+
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args],
+                          cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _write(root, files):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.fixture
+def tiny_repo(tmp_path, monkeypatch):
+    """A git repository with a few source files, results and a cache; ``_stamp`` pointed at it."""
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    for var in ("HFPATCH_COMMIT", "HFPATCH_SOURCE_HASH"):
+        monkeypatch.delenv(var, raising=False)
+    repo = tmp_path / "repo"
+    _write(repo, {"ring_kernels/engine.py": "x = 1\n", "hfpatch/api.py": "y = 2\n", "benchmarks/b.py": "z = 3\n",
+                  "benchmarks/results/r.json": "{}\n", "README.md": "r\n", ".gitignore": "__pycache__/\n"})
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "c")
+    monkeypatch.setattr(_stamp, "_REPO", str(repo))
+    return repo, _git(repo, "rev-parse", "HEAD")
+
+
+def test_stamp_names_its_own_checkouts_commit_only_while_the_source_is_committed(tiny_repo):
+    repo, head = tiny_repo
+    committed, count = _stamp.committed_source_hash(head)
+    assert count == 3 and _stamp.source_hash() == (committed, 3)     # results, README, caches not counted
+    got = _stamp.provenance()
+    assert got["git_commit"] == head and got["source_hash"] == committed and "equals the tree's" in got["provenance"]
+
+    _write(repo, {"benchmarks/results/new.json": "{}\n", "hfpatch/__pycache__/api.cpython-311.pyc": "bytes",
+                  "README.md": "edited\n"})
+    assert _stamp.provenance()["git_commit"] == head                   # none of these is source
+
+    _write(repo, {"ring_kernels/engine.py": "x = 2\n"})                # an uncommitted edit
+    got = _stamp.provenance()
+    assert got["git_commit"] == _stamp.UNCOMMITTED and got["based_on_commit"] == head
+    assert got["source_hash"] != committed and f"differs from commit {head}" in got["provenance"]
+    _write(repo, {"ring_kernels/engine.py": "x = 1\n", "ring_kernels/extra.py": "\n"})   # an untracked file
+    assert _stamp.provenance()["git_commit"] == _stamp.UNCOMMITTED
+    (repo / "ring_kernels/extra.py").unlink()
+    assert _stamp.provenance()["git_commit"] == head
+    with pytest.raises(ValueError, match="is not the source hash of commit"):
+        _stamp.provenance(expected_hash="sha256:00")                    # contradicts git: refused
+
+
+def test_stamp_of_a_tree_without_git_needs_the_commit_and_its_hash(tiny_repo, tmp_path, monkeypatch):
+    """The GPU machine's case: a copy without .git, inside an unrelated checkout (whose HEAD must not be used)."""
+    import shutil
+
+    repo, head = tiny_repo
+    committed, _ = _stamp.committed_source_hash(head)
+    outer = tmp_path / "outer"
+    _write(outer, {"other.txt": "o\n"})
+    _git(outer, "init", "-q")
+    _git(outer, "add", ".")
+    _git(outer, "commit", "-q", "-m", "unrelated")
+    plain = outer / "tree"
+    shutil.copytree(repo, plain, ignore=shutil.ignore_patterns(".git"))
+    monkeypatch.setattr(_stamp, "_REPO", str(plain))
+
+    got = _stamp.provenance()
+    assert got["git_commit"] == _stamp.UNCOMMITTED and got["based_on_commit"] is None
+    assert "no commit given" in got["provenance"] and got["source_hash"] == committed
+    monkeypatch.setenv("HFPATCH_COMMIT", head)
+    got = _stamp.provenance()
+    assert got["git_commit"] == _stamp.UNCOMMITTED and got["based_on_commit"] == head
+    assert "without HFPATCH_SOURCE_HASH" in got["provenance"]
+    monkeypatch.setenv("HFPATCH_SOURCE_HASH", committed)
+    assert _stamp.provenance()["git_commit"] == head
+    assert _stamp._short_tag(_stamp.provenance()) == head[:7]
+    _write(plain, {"hfpatch/api.py": "y = 3\n"})                      # the tree sent was not the commit
+    got = _stamp.provenance()
+    assert got["git_commit"] == _stamp.UNCOMMITTED and "differs from commit" in got["provenance"]
+    assert _stamp._short_tag(got) == "uncommitted-tree-" + got["source_hash"][len("sha256:"):][:12]
+    monkeypatch.setenv("HFPATCH_COMMIT", "unknown")
+    with pytest.raises(ValueError, match="HFPATCH_COMMIT='unknown' is not a commit id"):
+        _stamp.provenance()
+
+
+def test_stamp_export_prints_what_the_device_needs(tiny_repo, capsys):
+    repo, head = tiny_repo
+    assert _stamp.main(["--export"]) == 0
+    out = capsys.readouterr()
+    committed, _ = _stamp.committed_source_hash(head)
+    assert out.out.strip() == f"HFPATCH_COMMIT={head} HFPATCH_SOURCE_HASH={committed}" and out.err == ""
+    _write(repo, {"benchmarks/b.py": "z = 4\n"})
+    assert _stamp.main(["--export"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == f"HFPATCH_COMMIT={head} HFPATCH_SOURCE_HASH={committed}"
+    assert "differs from HEAD" in out.err and "uncommitted-tree" in out.err
+
+
+def test_device_suite_takes_the_gpu_count():
+    import subprocess
+
+    suite = os.path.join(_BENCH, "device_suite.sh")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    for args, message in (([], "usage:"), (["two"], "got 'two'"), (["1"], "NGPU >= 2"),
+                          (["64"], "64 GPUs asked for")):
+        done = subprocess.run(["bash", suite, *args], cwd=os.path.dirname(_BENCH), env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
