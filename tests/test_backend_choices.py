@@ -239,7 +239,8 @@ def test_gqa_fallback_logs_a_warning_records_it_and_stays_exact(monkeypatch, cap
     mask = BlockMask(causal=True)
     out, lse = impl.forward(q, k, v, scale=0.25, mask=mask)
     want_out, want_lse = ReferenceBackend().forward(q, k, v, scale=0.25, mask=mask)
-    torch.testing.assert_close(out, want_out) and torch.testing.assert_close(lse, want_lse)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
     assert seen == [2, 4]                                       # refused with 2 K/V heads, then expanded to 4
 
     dout = torch.randn_like(out)
