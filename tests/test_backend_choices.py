@@ -306,8 +306,7 @@ def _patch_world(rank, world_size):
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(1))
     reset_choices()
-    with hfpatch.apply(dist.group.WORLD, kernel="zigzag:reference", model=model) as patch:
-        reset_choices()                                  # drop the numeric probe's calls
+    with hfpatch.apply(dist.group.WORLD, kernel="zigzag:reference", model=model, verify=False) as patch:
         batch = patch.shard_inputs(ids)
         with torch.no_grad():
             model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
