@@ -67,6 +67,7 @@ class Patch:
         self._hooks: list = []
         # Why model(labels=) is refused under CP for the model of apply(model=) (set by the whole-model probe).
         self.labels_refusal: Optional[str] = None
+        self.labels_alignment: str = "shifted"  # the model's own loss: "shifted" or "aligned" (model_probe)
         self._removed = False
 
     # ------------------------------------------------------------------------------------ inspection
@@ -439,7 +440,8 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
         if verify is True and model is not None:
             from hfpatch.model_probe import probe_model
 
-            patch.labels_refusal = probe_model(model, patch.ctx).labels_refusal
+            probed = probe_model(model, patch.ctx)
+            patch.labels_refusal, patch.labels_alignment = probed.labels_refusal, probed.labels_alignment
         patch._dispatcher.reset()  # the probes' calls are not the user's
     except ModelDivergence as exc:
         _remove_quietly(patch)
@@ -491,7 +493,8 @@ def _install_here(group, kernel, model, match, version) -> Patch:
             patch._hooks.extend(model_positions.install(model, patch.live_ctx_or_none))  # global positions
             patch._hooks.append(install_mixers(model, ctx))  # recognised sequence mixers under CP (hfpatch.mixers)
             patch.track(model)
-            patch._hooks.extend(install_labels_hook(model, patch.live_ctx_or_none, lambda: patch.labels_refusal))
+            patch._hooks.extend(install_labels_hook(model, patch.live_ctx_or_none, lambda: patch.labels_refusal,
+                                                   lambda: patch.labels_alignment))
             patch._hooks.extend(install_inputs_guard(model, patch.live_ctx_or_none))  # images/audio refused
         verify_module.identity(installation)
     except BaseException:

@@ -26,7 +26,7 @@ from hfpatch.errors import UnsupportedArgument
 from hfpatch.semantics import RingContext, StepState, packed_cu_seqlens, plan_step
 
 __all__ = ["IGNORE_INDEX", "shard_inputs", "reduce_loss", "global_loss_sum", "shift_labels", "token_loss_sum",
-           "mark_shifted", "is_shifted"]
+           "mark_shifted", "is_shifted", "aligned_labels"]
 
 IGNORE_INDEX = -100
 
@@ -35,11 +35,19 @@ IGNORE_INDEX = -100
 _shifted: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
-def mark_shifted(labels: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Record ``labels`` as already shifted by ``shard_inputs``; returns it."""
+def mark_shifted(labels: Optional[torch.Tensor], aligned: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Record ``labels`` as already shifted by ``shard_inputs``; returns it. ``aligned``: the same tokens' labels
+    before the shift (what a model whose own loss does not shift scores them against; ``aligned_labels``)."""
     if labels is not None:
         _shifted[id(labels)] = labels
+        labels._hfpatch_aligned = aligned
     return labels
+
+
+def aligned_labels(labels: torch.Tensor) -> Optional[torch.Tensor]:
+    """The unshifted labels of the tokens of ``labels`` (a tensor ``shard_inputs`` returned), in the same layout,
+    or None when not recorded."""
+    return getattr(labels, "_hfpatch_aligned", None) if is_shifted(labels) else None
 
 
 def is_shifted(labels) -> bool:
@@ -138,7 +146,7 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
     cu = _packing(positions)
     shifted = shift_labels(labels) if labels is not None else None
     if not _active(ctx):
-        return {"input_ids": input_ids, "position_ids": positions, "labels": mark_shifted(shifted)}
+        return {"input_ids": input_ids, "position_ids": positions, "labels": mark_shifted(shifted, labels)}
 
     from ring_kernels.layout import local_positions
 
@@ -160,7 +168,8 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
     return {
         "input_ids": input_ids.index_select(1, index),
         "position_ids": local_pos,
-        "labels": mark_shifted(shifted.index_select(1, index)) if shifted is not None else None,
+        "labels": (mark_shifted(shifted.index_select(1, index), labels.index_select(1, index))
+                   if shifted is not None else None),
     }
 
 

@@ -19,8 +19,12 @@ whole batch. ``apply(model=)`` therefore hooks the model's forward:
 - ``output_router_logits=True`` with labels is refused: the model would add a load-balancing loss computed from
   this rank's tokens only.
 - in switch mode ``"local"`` (the model run on the whole sequence, no CP) the model's own loss is left alone.
-- a model whose own loss is not that cross-entropy (the whole-model probe checks: one that shifts twice or adds a
-  term) has its labels refused under CP, with the probe's reason.
+- a model whose own loss scores each position against its own label, without the shift (the BART-family and
+  Whisper causal LMs; the whole-model probe tells, ``Patch.labels_alignment == "aligned"``) gets that loss: the
+  unshifted labels of the same tokens, which ``shard_inputs`` keeps beside the shifted ones
+  (``inputs.aligned_labels``); ``shift_labels=`` is refused for it.
+- a model whose own loss is neither (the probe checks: one that shifts twice or adds a term) has its labels
+  refused under CP, with the probe's reason.
 
 Inside ``averaged_over_group()`` (what ``hfpatch.integrations`` wraps around a trainer's loss) each rank's loss is
 instead its SHARE, scaled so that the MEAN over the CP group is the non-CP loss: ``loss_sum / num_items_in_batch``
@@ -31,8 +35,9 @@ FSDP over dp x cp, as accelerate reduces them) equal the non-CP gradient, and th
 over every rank equals the non-CP loss. There, a forward that scores pre-shifted ``shift_labels`` itself (TRL's
 fused LM head, ``fused_lm_head=True``, which divides by ``num_items_in_batch`` the same way) is left alone.
 
-With an inactive patch (no CP) the same hook makes the already-shifted labels of ``shard_inputs`` (an identity
-split that still shifts) give the plain non-CP loss, and leaves every other call to the model untouched.
+With an inactive patch (no CP) the same hook hands the model the caller's own labels in place of the
+already-shifted ones ``shard_inputs`` returned (an identity split that still shifts), so the model's own loss is
+the plain non-CP loss whatever its convention, and leaves every other call to the model untouched.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ import torch
 from hfpatch import inputs
 from hfpatch import switch as _switch
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.inputs import is_shifted
+from hfpatch.inputs import aligned_labels, is_shifted
 
 __all__ = ["install_labels_hook", "averaged_over_group"]
 
@@ -82,10 +87,12 @@ class _Pending(threading.local):
 
 
 def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
-                        refusal_of: Callable[[], Optional[str]] = lambda: None) -> list:
+                        refusal_of: Callable[[], Optional[str]] = lambda: None,
+                        alignment_of: Callable[[], str] = lambda: "shifted") -> list:
     """Hook ``model``'s forward as the module docstring says; returns the hook handles (``.remove()`` each).
     ``ctx_of()``: the ``RingContext`` of the step (None when the patch is inactive or removed); ``refusal_of()``:
-    why this model's labels cannot be honoured under CP (set from the whole-model probe), or None."""
+    why this model's labels cannot be honoured under CP (set from the whole-model probe), or None;
+    ``alignment_of()``: how the model's own loss pairs logits with labels ("shifted" or "aligned", from the probe)."""
     pending = _Pending()
     try:
         parameters = inspect.signature(model.forward).parameters
@@ -135,7 +142,21 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
                 "tokens only, which differs from the non-CP loss.",
                 "call the model with output_router_logits=False under CP.",
             )
+        if not active and shift is None:
+            # No CP: the labels shard_inputs returned stand for the caller's own labels; the model's own loss on
+            # those is the non-CP loss, whatever its convention.
+            kwargs["labels"] = aligned_labels(labels) if aligned_labels(labels) is not None else labels
+            return (args, kwargs) if aligned_labels(labels) is not None else None
         shifted = shift if shift is not None else labels
+        if active and alignment_of() == "aligned":
+            if labels is None:
+                raise UnsupportedArgument(
+                    "shift_labels", shift,
+                    f"{type(module).__name__}'s own loss scores each position against its own label (no shift), so "
+                    "pre-shifted shift_labels do not describe its loss.",
+                    "pass the labels returned by patch.shard_inputs(input_ids, labels=...) as labels=.",
+                )
+            shifted = aligned_labels(labels)
         pending.entry = (shifted, kwargs.get("num_items_in_batch"))
         for name in _LABEL_NAMES:
             kwargs.pop(name, None)

@@ -47,13 +47,16 @@ class ProbeResult:
     """``worst``: the largest relative error over the compared modules (max over ranks); ``compared``: how many
     module outputs were compared; ``tokens``: the probe's whole sequence length; ``dtype``: the model's dtype;
     ``labels_refusal``: why ``model(labels=)`` cannot be made equal to the model's own non-CP loss (its loss is
-    not the token-mean causal-LM cross-entropy of its logits), or None."""
+    not the token-mean cross-entropy of its logits), or None; ``labels_alignment``: how the model's own loss pairs
+    logits with labels -- "shifted" (HF's causal-LM one-token shift) or "aligned" (each position scored against its
+    own label, no shift: the BART-family and Whisper causal LMs)."""
 
     worst: float
     compared: int
     tokens: int
     dtype: torch.dtype
     labels_refusal: Optional[str] = None
+    labels_alignment: str = "shifted"
 
 
 class _Recorder:
@@ -166,7 +169,7 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
                 whole = recorder.run(model, seq, input_ids=ids, use_cache=False,
                                      **position_kwargs(model, torch.arange(seq, device=device)[None]))
             recorder.seq_len = None  # record nothing during the labels forward
-            labels_refusal = _own_loss_check(model, ids, tolerance=tolerance)
+            labels_alignment, labels_refusal = _own_loss_check(model, ids, tolerance=tolerance)
             batch = _inputs.shard_inputs(ctx, ids)
             with _switch.switch("ring"), _named_failure(model, "CP"):
                 local = recorder.run(model, batch["input_ids"].shape[1], input_ids=batch["input_ids"],
@@ -187,31 +190,35 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
                               module_path=paths[i], module_class=classes[i], error=errors[i].item(),
                               tolerance=tolerance, dtype=dtype)
     return ProbeResult(worst=max(errors.tolist(), default=0.0), compared=len(paths), tokens=seq, dtype=dtype,
-                       labels_refusal=labels_refusal)
+                       labels_refusal=labels_refusal, labels_alignment=labels_alignment)
 
 
-def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float) -> Optional[str]:
-    """None when the model's own non-CP ``model(ids, labels=ids).loss`` is the token-mean cross-entropy of its
-    logits with HF's one-token shift -- the loss ``hfpatch.labels`` computes under CP; else the reason it is not
-    (a model that shifts twice, adds a term, or fails with labels)."""
+def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float) -> tuple[str, Optional[str]]:
+    """(alignment, refusal) of the model's own non-CP ``model(ids, labels=ids).loss``: ("shifted", None) when it is
+    the token-mean cross-entropy of its logits with HF's one-token shift, ("aligned", None) when it is that without
+    a shift (each position against its own label) -- the two losses ``hfpatch.labels`` computes under CP --, else
+    ("shifted", the reason it is neither: a model that shifts twice, adds a term, or fails with labels)."""
     try:
         with _switch.switch("local"):
             output = model(input_ids=ids, labels=ids, use_cache=False,
                            **position_kwargs(model, torch.arange(ids.shape[1], device=ids.device)[None]))
     except Exception as exc:  # the model's own labels path; CP's loss path is ours
-        return f"model(labels=...) fails even without CP ({type(exc).__name__}: {exc})"
+        return "shifted", f"model(labels=...) fails even without CP ({type(exc).__name__}: {exc})"
     loss = getattr(output, "loss", None) if not isinstance(output, tuple) else output[0]
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        return None  # no loss of its own to match: hfpatch's loss is the causal-LM loss
-    loss_sum, count = _inputs.token_loss_sum(output.logits if hasattr(output, "logits") else output[1],
-                                             _inputs.shift_labels(ids))
-    expected = (loss_sum / count.clamp(min=1)).item()
-    error = abs(loss.item() - expected) / max(abs(expected), 1e-30)
-    if error <= tolerance:
-        return None
-    return (f"{type(model).__name__}'s own loss for labels= ({loss.item():.6g}) is not the token-mean causal-LM "
-            f"cross-entropy of its logits with a one-token shift ({expected:.6g}): it shifts differently or adds a "
-            "term, which hfpatch cannot reproduce across a sharded sequence.")
+        return "shifted", None  # no loss of its own to match: hfpatch's loss is the causal-LM loss
+    logits = output.logits if hasattr(output, "logits") else output[1]
+    expected = {}
+    for alignment, targets in (("shifted", _inputs.shift_labels(ids)), ("aligned", ids)):
+        loss_sum, count = _inputs.token_loss_sum(logits, targets)
+        expected[alignment] = (loss_sum / count.clamp(min=1)).item()
+        if abs(loss.item() - expected[alignment]) / max(abs(expected[alignment]), 1e-30) <= tolerance:
+            return alignment, None
+    return "shifted", (
+        f"{type(model).__name__}'s own loss for labels= ({loss.item():.6g}) is neither the token-mean causal-LM "
+        f"cross-entropy of its logits with a one-token shift ({expected['shifted']:.6g}) nor without one "
+        f"({expected['aligned']:.6g}): it shifts differently or adds a term, which hfpatch cannot reproduce across "
+        "a sharded sequence.")
 
 
 @contextlib.contextmanager
