@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hfpatch import scan as scan_mod
+from hfpatch.release import scan as scan_mod
 from hfpatch.cli import main
 from hfpatch.cli.static_check import static_check
 from hfpatch.errors import InvalidReleaseSpec, ScanError, WheelFetchError
-from hfpatch.scan import scan_source, scan_version, scan_wheel
+from hfpatch.release.scan import scan_source, scan_version, scan_wheel
 from hfpatch.signatures import load_registry
 from hfpatch.signatures.registry import SourceDefault, entry_from_json
 

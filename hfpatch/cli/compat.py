@@ -1,4 +1,4 @@
-"""``hfpatch compat``: COMPAT.md from the release matrix and the static scan (see ``hfpatch.compat_report``).
+"""``hfpatch compat``: COMPAT.md from the release matrix and the static scan (see ``hfpatch.release.compat_table``).
 
     hfpatch compat                      render COMPAT.md from compat/results/*.json + compat/static.json (offline)
     hfpatch compat --scan               static scan of the latest patch of every minor release from 4.43 on
@@ -82,7 +82,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def write(output: Path, results_dir: Path, static_path: Path) -> int:
-    from hfpatch.compat_report import entry_digest, load_results, load_static, registry_digest, render
+    from hfpatch.release.compat_table import entry_digest, load_results, load_static, registry_digest, render
 
     results, static = load_results(results_dir), load_static(static_path)
     digest = registry_digest()
@@ -99,7 +99,7 @@ def write(output: Path, results_dir: Path, static_path: Path) -> int:
 
 
 def check(output: Path, results_dir: Path, static_path: Path, fresh_dir: Path | None) -> int:
-    from hfpatch.compat_report import load_results, load_static, stale_reasons
+    from hfpatch.release.compat_table import load_results, load_static, stale_reasons
 
     if fresh_dir is not None and not fresh_dir.is_dir():
         return _usage(f"--fresh-results {fresh_dir}: no such folder (did the matrix run write its records there?)")
@@ -148,7 +148,7 @@ def scan(static_path: Path, results_dir: Path, releases_arg: str | None) -> int:
     unless every release could be read."""
     from hfpatch._compat import parse_version
     from hfpatch.cli.static_check import static_check
-    from hfpatch.compat_report import latest_patch_per_minor, load_results, registry_digest
+    from hfpatch.release.compat_table import latest_patch_per_minor, load_results, registry_digest
     from hfpatch.errors import InvalidReleaseSpec, ScanError, WheelFetchError
 
     try:
@@ -228,7 +228,7 @@ def _run_streaming(command: list[str]) -> tuple[int, str | None]:
 
 def record(env: str, command: list[str], results_dir: Path) -> int:
     """Run the test command, then ``hfpatch check --json`` in a fresh process, and write the record."""
-    from hfpatch.compat_report import entry_digest
+    from hfpatch.release.compat_table import entry_digest
 
     test_code, summary = _run_streaming(command)
     check_proc = subprocess.run(

@@ -23,7 +23,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from hfpatch.errors import HfpatchError, ScanError
-from hfpatch.scan import ReleaseScan, scan_source, scan_version, scan_wheel
+from hfpatch.release.scan import ReleaseScan, scan_source, scan_version, scan_wheel
 from hfpatch.signatures import registry
 from hfpatch.signatures.roles import UNKNOWN_ROLE
 

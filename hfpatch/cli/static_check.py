@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED, is_supported_release, parse_version
-from hfpatch.scan import scan_version
+from hfpatch.release.scan import scan_version
 from hfpatch.signatures.registry import entry_for_version
 
 __all__ = ["static_check"]

@@ -78,7 +78,7 @@ _EMPTY = inspect.Parameter.empty
 
 
 class SourceDefault:
-    """A default read statically (by ``hfpatch.scan``) that is not a literal: kept as its source text.
+    """A default read statically (by ``hfpatch.release.scan``) that is not a literal: kept as its source text.
 
     ``SourceDefault('os.environ.get("X", "0") == "1"')``. Two are equal when their normalised source is equal.
     """

@@ -13,7 +13,7 @@ import pytest
 from packaging.version import Version
 
 from _fake_wheel import BROKEN_DEF, S1_DEF, make_wheel
-from hfpatch import compat_report as cr
+from hfpatch.release import compat_table as cr
 from hfpatch.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
