@@ -25,6 +25,7 @@ from ring_kernels import engine, merge
 from ring_kernels.ring import ring_steps
 from ring_kernels.rounding import CLOSE, FIRST, LAST_OF_TWO, MIDDLE, OPEN
 from ring_kernels.stripe import stripe_steps
+from ring_kernels.tolerances import assert_close, tolerance
 from ring_kernels.varlen import ring_varlen_steps, zigzag_varlen_steps
 from ring_kernels.zigzag import zigzag_steps
 
@@ -179,6 +180,7 @@ def _inputs(shape, dtype_a, dtype_b, seed):
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LSE = tolerance("merge", torch.float32, "lse")   # lse is fp32 whatever the dtype of the outputs
 
 
 def test_eager_merge_rounds_once_into_any_dtype():
@@ -196,7 +198,7 @@ def test_eager_merge_rounds_once_into_any_dtype():
         assert bool(((dst.double() - want).abs() <= ulp + 1e-6 * want.abs() + 1e-7).all()), (da, db, dd, alias)
         assert torch.equal(torch.isinf(lse_a), torch.isinf(want_lse))
         finite = torch.isfinite(want_lse)
-        torch.testing.assert_close(lse_a[finite].double(), want_lse[finite], rtol=1e-6, atol=1e-6)
+        assert_close(lse_a[finite], want_lse[finite], _LSE, f"lse {(da, db, dd, alias)}")
         assert torch.equal(dst[:, 0, 0], torch.zeros_like(dst[:, 0, 0]))
 
 
@@ -206,9 +208,9 @@ def test_merge_of_row_views_leaves_other_rows_alone():
     rows = slice(2, 6)
     want, want_lse = _merge64(a[:, rows], lse_a[:, :, rows].clone(), b[:, rows], lse_b[:, :, rows])
     merge.merge_(dst[:, rows], a[:, rows], lse_a[:, :, rows], b[:, rows], lse_b[:, :, rows])
-    torch.testing.assert_close(dst[:, rows].double(), want, rtol=1e-6, atol=1e-6)
+    assert_close(dst[:, rows], want, tolerance("merge", torch.float32, "out"), "merged rows")
     assert not dst[:, :2].any() and not dst[:, 6:].any()
-    torch.testing.assert_close(lse_a[:, :, rows].double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert_close(lse_a[:, :, rows], want_lse, _LSE, "merged rows' lse")
 
 
 def test_add_computes_in_fp32_and_rounds_once():
@@ -250,11 +252,10 @@ def fused_kernels_match_eager() -> None:
             merge._merge_into_fused_(fused_dst[:, rows], fused_a[:, rows], fused_lse[:, :, rows], b[:, rows],
                                      lse_b[:, :, rows])
             assert not fused_dst.isnan().any() and not fused_lse.isnan().any(), (da, db, dd, alias)
-            tol = 1e-6 if dd == torch.float32 else torch.finfo(dd).eps
-            assert torch.allclose(fused_dst.double(), eager_dst.double(), rtol=tol, atol=tol), (da, db, dd, alias)
+            assert_close(fused_dst, eager_dst, tolerance("merge", dd, "out"), f"fused {(da, db, dd, alias)}")
             assert torch.equal(torch.isinf(fused_lse), torch.isinf(eager_lse))
             finite = torch.isfinite(eager_lse)
-            assert torch.allclose(fused_lse[finite], eager_lse[finite], rtol=1e-6, atol=1e-6)
+            assert_close(fused_lse[finite], eager_lse[finite], _LSE, f"fused lse {(da, db, dd, alias)}")
     for low in (torch.float16, torch.bfloat16):
         a, _, b, _ = _inputs((2, 5, 3, 20), low, low, seed=5)
         eager, fused = torch.empty(a.shape), torch.empty(a.shape)
@@ -281,10 +282,10 @@ def _fused_in_place_accumulator_merge_matches_eager() -> None:
         merge._merge_into_fused_(fused[0][:, rows], fused[0][:, rows], fused[1][:, :, rows], blk[:, rows],
                                  blk_lse[:, :, rows])
         assert not fused[0].isnan().any() and not fused[1].isnan().any()
-        assert torch.allclose(fused[0], eager[0], rtol=1e-6, atol=1e-6)
+        assert_close(fused[0], eager[0], tolerance("merge", torch.float32, "out"), "fused in-place out")
         assert torch.equal(torch.isinf(fused[1]), torch.isinf(eager[1]))
         finite = torch.isfinite(eager[1])
-        assert torch.allclose(fused[1][finite], eager[1][finite], rtol=1e-6, atol=1e-6)
+        assert_close(fused[1][finite], eager[1][finite], _LSE, "fused in-place lse")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (optional)")
