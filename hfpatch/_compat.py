@@ -87,3 +87,8 @@ def is_supported_release(version: Version) -> bool:
 # (sliding_window - 1, sliding_window - 1) (a window of `sliding_window` tokens including the current one, the
 # same as the eager/sdpa masks). 4.43.4 - 4.55.4 pass (sliding_window, sliding_window): one more key to the left.
 TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE = Version("4.56.0")
+
+# 4.49.0: `fa_peft_integration_check` casts q, k and v to `target_dtype` when the QUERY is fp32 (4.49.0 - 5.23:
+# `query.dtype`, from 4.54 `q.dtype`). 4.47.1 - 4.48.3 decide by the VALUE's dtype; before 4.47 the function has no
+# `target_dtype` (each attention class casts before the call).
+TRANSFORMERS_TARGET_DTYPE_BY_QUERY = Version("4.49.0")

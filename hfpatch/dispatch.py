@@ -10,9 +10,10 @@ Per call:
    4.54 on); any other call finds its module on the stack (``_calling_module``).
 2. The site's plan: the ``semantics.RingPlan`` a ring call of its configuration ran. When this call is one that
    plan computes --
-   switch "ring", nothing to refuse or derive (no mask, dropout, cache, sink or ``cu_seq_lens``), the same step,
-   the same position ids (object and version), shape and configuration -- the call is counted and
-   ``plan.run(q, k, v)`` computes it.
+   switch "ring", nothing to refuse or derive (no mask, dropout, cache or ``cu_seq_lens``),
+   the same step, the same position ids (object and version), shape, configuration and attention sinks (the
+   ``s_aux`` object the plan was kept with) -- the call is counted and ``plan.run(q, k, v, sink)`` computes it
+   on q, k, v cast as HF casts them (``semantics.cast_to_target``).
 3. Anything else is planned (``plan_and_run``): the role dict, the mode (``switch.current_mode()``), the call
    counted, then ``run_mode``: ``"ring"`` -> ``semantics.ring_attention`` (every refusal, the step, the plan,
    which runs it), after which the site keeps that plan; ``"original"`` -> the original transformers function,
@@ -88,16 +89,18 @@ class Site:
                      call has the step inputs the plans were built from:
     position_ids, version:  the position ids tensor (identity) and its ``_version`` (None: no position ids, or a
                      step from ``shard_inputs``, which states its layout itself);
-    batch, seq:      the query's (B, S_local).
+    batch, seq:      the query's (B, S_local);
+    sink:            the attention sinks (``s_aux``) of the call that kept the plans, checked by ``semantics.sink_of``
+                     (a layer passes the same parameter on every call): a call with another sink is planned again.
     """
 
-    __slots__ = ("key", "module_id", "plans", "position_ids", "version", "batch", "seq")
+    __slots__ = ("key", "module_id", "plans", "position_ids", "version", "batch", "seq", "sink")
 
     def __init__(self, key: Hashable, module_id: int | None) -> None:
         self.key = key
         self.module_id = module_id
         self.plans: dict = {}
-        self.position_ids = self.version = self.batch = self.seq = None
+        self.position_ids = self.version = self.batch = self.seq = self.sink = None
 
     def __repr__(self) -> str:
         return f"<Site {self.key!r} module={self.module_id} plans={[p.kernel for p in self.plans.values()]}>"
@@ -197,6 +200,7 @@ class Dispatcher:
         switch_module = _switch
         site_from_stack = self._site_from_stack
         plan_and_run = self.plan_and_run
+        cast_to_target = _semantics.cast_to_target
 
         def entry(query, key, value, attention_mask, query_length, is_causal, dropout, position_ids, softmax_scale,
                   sliding_window, use_top_left_mask, softcap, deterministic, cu_seq_lens_q, cu_seq_lens_k,
@@ -217,8 +221,8 @@ class Dispatcher:
                         and (sliding_window is None or type(sliding_window) is int)  # True == 1, but refused
                         and cu_seq_lens_q is None and cu_seq_lens_k is None
                         and block_table is None and k_cache is None and v_cache is None
-                        and not (extra and (extra.get("s_aux") is not None or extra.get("cache") is not None
-                                            or extra.get("cache_seqlens") is not None))):
+                        and ((extra.get("s_aux") is site.sink and extra.get("cache") is None
+                              and extra.get("cache_seqlens") is None) if extra else site.sink is None)):
                     shape = query.shape
                     if shape[0] == site.batch and shape[1] == site.seq and key.shape[1] == shape[1]:
                         if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
@@ -227,7 +231,9 @@ class Dispatcher:
                             counts = thread.ring
                             forward[site] = "ring"
                         counts[site] = counts.get(site, 0) + 1
-                        return plan.run(query, key, value)
+                        if target_dtype is not None:
+                            query, key, value = cast_to_target(target_dtype, query, key, value)
+                        return plan.run(query, key, value, site.sink)
             return plan_and_run(site, (
                 query, key, value, attention_mask, query_length, is_causal, dropout, position_ids, softmax_scale,
                 sliding_window, use_top_left_mask, softcap, deterministic, cu_seq_lens_q, cu_seq_lens_k,
@@ -254,10 +260,10 @@ class Dispatcher:
         self._count(mode, site)
         out = self.run_mode(mode, call, extra)
         if mode == "ring":
-            self._keep_plan(site, values, call)
+            self._keep_plan(site, values, call, extra)
         return out
 
-    def _keep_plan(self, site: Site, values: tuple, call: dict) -> None:
+    def _keep_plan(self, site: Site, values: tuple, call: dict, extra: dict) -> None:
         """Keep on ``site`` the plan that computed this ring call, if it built one to reuse (``semantics.
         current_plan``); plans kept for other step inputs (position ids, shape) are dropped."""
         get = call.get
@@ -275,6 +281,7 @@ class Dispatcher:
             plans = {}  # a new dict, not cleared: another thread may be reading the old one
             site.position_ids, site.version, site.batch, site.seq = positions, version, shape[0], shape[1]
         plans[(values[_CAUSAL], values[_SCALE], values[_WINDOW], values[_SOFTCAP])] = plan
+        site.sink = extra.get("s_aux") if extra else None
         site.plans = plans
 
     def compiled_forward(self, call: dict, extra: dict) -> str:

@@ -32,11 +32,17 @@ copy of this table):
 - ``dropout`` > 0: refused. HF passes the module's dropout only when ``module.training`` is True
   (``dropout=0.0 if not self.training else ...``), so a non-zero value *is* the training signal, whatever the
   grad mode; the ring kernels have no dropout.
-- ``s_aux`` (attention sinks, a kwarg from 5.6): refused (the public kernels return no LSE to fold it in exactly).
+- ``s_aux`` (attention sinks: a ``**kwargs`` entry wherever a model passes it -- gpt-oss from 4.55; from 5.6 the
+  integration names it and casts it to the query's dtype): one logit per query head, an extra key of value 0 in
+  every query's softmax (HF's eager sink attention). A tensor (H,), floating, on the query's device, else
+  ``UnsupportedArgument``; passed to the kernels as ``sink=`` (folded into the final log-sum-exp); its gradient on
+  each rank is the partial sum over that rank's queries (summed over the group like every parameter's).
 - ``use_top_left_mask``: only matters when query and key lengths differ (flash-attn < 2.1 aligned the causal mask
   top-left); under CP they never do (refused above), so it is ignored.
-- ``target_dtype``: flash-attn cannot run fp32, so HF casts fp32 inputs to it; the ring kernels can, so we compute
-  in the input dtype (more precise, and equal to the non-CP eager/sdpa run).
+- ``target_dtype``: as HF's flash path (``fa_peft_integration_check``): when it is given and the query is fp32,
+  q, k and v are all cast to it before attention (e.g. an fp32 model under ``torch.autocast``: RoPE leaves q/k
+  fp32 and v in the autocast dtype, and the integration passes the autocast dtype). Otherwise nothing is cast, and
+  q, k and v must share one dtype (the kernels refuse a mix).
 - ``deterministic``, ``implementation``: no effect; the ring kernels are deterministic by construction.
 - other ``**kwargs`` (``layer_idx``, ``output_attentions``, ...): ignored, as HF's own function ignores them.
 """
@@ -64,6 +70,10 @@ __all__ = [
     "current_plan",
     "ring_attention",
     "reference_attention",
+    "local_attention",
+    "plain_attention",
+    "sink_of",
+    "cast_to_target",
 ]
 
 VARIANTS = ("zigzag", "ring", "stripe", "llama3")
@@ -266,13 +276,6 @@ def _refuse(call: Mapping[str, Any], extra: Mapping[str, Any], q_shape: torch.Si
             "attention module is in training mode.",
             "set the model's attention_dropout to 0.0 for CP training (config.attention_dropout = 0.0).",
         )
-    if extra and extra.get("s_aux") is not None:
-        raise UnsupportedArgument(
-            "s_aux", extra["s_aux"],
-            "attention sinks need the log-sum-exp of every row, which the ring kernels do not return.",
-            "train this model without context parallelism (hfpatch.apply(..., on_unsupported='fallback') or "
-            "RING_ATTN_SWITCH=0).",
-        )
     if softcap is not None and float(softcap) < 0:
         raise UnsupportedArgument("softcap", softcap, "softcap must be >= 0 (0 or None: no capping).")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
@@ -280,6 +283,49 @@ def _refuse(call: Mapping[str, Any], extra: Mapping[str, Any], q_shape: torch.Si
             "sliding_window", window, "sliding_window must be None or a positive int (the window in tokens).",
             "set config.sliding_window to None to disable the window.",
         )
+
+
+def sink_of(extra: Optional[Mapping[str, Any]], q: torch.Tensor) -> Optional[torch.Tensor]:
+    """The call's attention sink (``s_aux``, one logit per query head: (H,), floating, on q's device) or None;
+    ``UnsupportedArgument`` naming ``s_aux`` for anything else. q: (B, S, H, D)."""
+    sink = extra.get("s_aux") if extra else None
+    if sink is None:
+        return None
+    heads = q.shape[2]
+    if not isinstance(sink, torch.Tensor):
+        raise UnsupportedArgument(
+            "s_aux", sink, f"attention sinks must be a tensor of shape (num_heads,) = ({heads},), got "
+            f"{type(sink).__name__}.")
+    if sink.shape != (heads,):
+        raise UnsupportedArgument(
+            "s_aux", sink, f"attention sinks have shape {tuple(sink.shape)}; expected (num_heads,) = ({heads},): one "
+            f"logit per query head of this call (query {tuple(q.shape)}).",
+            "pass the attention module's per-head sink parameter (e.g. gpt-oss's `self.sinks`).")
+    if not sink.is_floating_point():
+        raise UnsupportedArgument(
+            "s_aux", sink, f"attention sinks have dtype {sink.dtype}; expected a floating dtype (logits).")
+    if sink.device != q.device:
+        raise UnsupportedArgument(
+            "s_aux", sink, f"attention sinks are on {sink.device} but the query on {q.device}.",
+            "keep the sink parameter on the attention layer's device.")
+    return sink
+
+
+def cast_to_target(target_dtype: Optional[torch.dtype], q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the installed release's flash path casts them (``fa_peft_integration_check``): all three to
+    ``target_dtype`` when it is given and the query (before 4.49: the value) is fp32; else unchanged."""
+    if target_dtype is None or (q if _target_dtype_by_query() else v).dtype is not torch.float32:
+        return q, k, v
+    if q.dtype is target_dtype and k.dtype is target_dtype and v.dtype is target_dtype:
+        return q, k, v
+    return q.to(target_dtype), k.to(target_dtype), v.to(target_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _target_dtype_by_query() -> bool:
+    version = _compat.installed_transformers_version()
+    return version is None or version >= _compat.TRANSFORMERS_TARGET_DTYPE_BY_QUERY
 
 
 def _refuse_padding_mask(mask: Optional[torch.Tensor], ctx: RingContext) -> None:
@@ -556,17 +602,19 @@ class RingPlan:
             cu = self.cu_seqlens[device] = next(iter(self.cu_seqlens.values())).to(device)
         return cu
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
         """The kernel on this rank's q (B, S_local, H, D), k/v (B, S_local, Hk, D) -> (B, S_local, H, D), inside the
         step's rank-check scope (the kernels' cross-rank shape check runs once per step and shape, not per layer).
-        A packed row (1, T, H, D) goes to the varlen kernel as is and comes back as (1, T, H, D)."""
+        A packed row (1, T, H, D) goes to the varlen kernel as is and comes back as (1, T, H, D). ``sink``: the
+        attention sinks (H,) (``sink_of``) or None."""
         kernel = _KERNELS[self.kernel]
         token = _RANK_CHECKED.set(self.rank_checked)
         try:
             if self.packed:
                 cu = self.cu_seqlens.get(q.device)
-                return kernel(q, k, v, self.cu_on(q.device) if cu is None else cu, **self.kwargs)
-            return kernel(q, k, v, **self.kwargs)
+                return kernel(q, k, v, self.cu_on(q.device) if cu is None else cu, sink=sink, **self.kwargs)
+            return kernel(q, k, v, sink=sink, **self.kwargs)
         finally:
             _RANK_CHECKED.reset(token)
 
@@ -638,10 +686,12 @@ def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingC
 
     ``call``: role -> value (``query`` (B, S_local, H, D), ``key``/``value`` (B, S_local, Hk, D), ...);
     ``extra``: the caller's other keyword arguments. Returns (B, S_local, H, D) in the query's dtype.
-    ``ring_plan(call, extra, ctx).run(q, k, v)``: no collective outside the kernels' own, no Python loop over
-    tokens; every refusal runs on every call.
+    ``ring_plan(call, extra, ctx).run(q, k, v, sink)`` on q, k, v cast as HF casts them (``cast_to_target``): no
+    collective outside the kernels' own, no Python loop over tokens; every refusal runs on every call.
     """
-    return ring_plan(call, extra, ctx).run(call["query"], call["key"], call["value"])
+    q, k, v = cast_to_target(call.get("target_dtype"), call["query"], call["key"], call["value"])
+    sink = sink_of(extra, q)
+    return ring_plan(call, extra, ctx).run(q, k, v, sink)
 
 
 
@@ -655,9 +705,10 @@ def reference_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: 
     """
     from ring_kernels import shard, unshard
 
-    q, k, v = call["query"], call["key"], call["value"]
+    q, k, v = cast_to_target(call.get("target_dtype"), call["query"], call["key"], call["value"])
     extra = extra or {}
     _refuse_unsupported(call, extra, q, k, ctx)
+    sink = sink_of(extra, q)
     step = _step_for_call(call, q, ctx)
     causal = bool(call.get("is_causal", True))
     window = _window_size(call.get("sliding_window"), step.seq_len_global)
@@ -670,7 +721,7 @@ def reference_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: 
     out = _original_on_whole(call, extra, ctx, gathered, cu)
     if out is None:
         out = plain_attention(*gathered, causal=causal, softmax_scale=call.get("softmax_scale"), window_size=window,
-                              softcap=float(call.get("softcap") or 0.0), cu_seqlens=cu)
+                              softcap=float(call.get("softcap") or 0.0), cu_seqlens=cu, sink=sink)
     if step.packed:
         return shard(out[0], ctx.group, layout=step.layout, dim=0, cu_seqlens=cu).unsqueeze(0)
     return shard(out, ctx.group, layout=step.layout, dim=1)
@@ -681,9 +732,10 @@ def local_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: Ring
     computes for them as a whole sequence, with the same refusals as the ring. q (B, S, H, D), k/v (B, S, Hk, D)
     -> (B, S, H, D). A packed row (B = 1) is told by HF's own ``cu_seq_lens_q`` or by ``position_ids`` that restart
     (HF's rule); its documents are independent. No collective."""
-    q, k, v = call["query"], call["key"], call["value"]
+    q, k, v = cast_to_target(call.get("target_dtype"), call["query"], call["key"], call["value"])
     extra = extra or {}
     _refuse_unsupported(call, extra, q, k, ctx)
+    sink = sink_of(extra, q)
     cu = call.get("cu_seq_lens_q")
     position_ids = call.get("position_ids")
     if cu is None and position_ids is not None and q.shape[0] == 1 and q.shape[1] > 1:
@@ -693,7 +745,7 @@ def local_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: Ring
         out = plain_attention(q, k, v, causal=bool(call.get("is_causal", True)),
                               softmax_scale=call.get("softmax_scale"),
                               window_size=_window_size(call.get("sliding_window"), q.shape[1]),
-                              softcap=float(call.get("softcap") or 0.0), cu_seqlens=cu)
+                              softcap=float(call.get("softcap") or 0.0), cu_seqlens=cu, sink=sink)
     return out.contiguous()  # as flash-attn returns it: some models .view() the output
 
 
@@ -721,12 +773,14 @@ def _original_on_whole(call, extra, ctx: RingContext, gathered, cu) -> Optional[
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                     softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    softcap: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None,
+                    sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(QK^T) V on whole sequences, flash-attn semantics, computed in fp32 (or the input's wider dtype).
 
     q (B, S, H, D), k/v (B, S, Hk, D) -> (B, S, H, D). ``cu_seqlens`` (B must be 1): documents are independent.
     ``window_size`` (left, right), -1 = unbounded; ``softcap`` > 0: scores -> softcap * tanh(scores / softcap).
-    A row that sees no key gives 0.
+    ``sink`` (H,): attention sinks, as HF's eager sink attention computes them: one more logit per head (neither
+    scaled nor capped) in every row's softmax, whose value is 0 (differentiable). A row that sees no key gives 0.
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     seq, heads, dim = q.shape[1], q.shape[2], q.shape[3]
@@ -751,6 +805,10 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         doc = torch.searchsorted(cu_seqlens.to(q.device, torch.int64), pos, right=True)
         allowed &= doc[None, :] == doc[:, None]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)               # rows with no key: 0, not NaN
+    if sink is not None:
+        column = sink.to(compute).reshape(1, heads, 1, 1).expand(scores.shape[0], heads, seq, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)           # rows with no key: 0, not NaN
     out = (probs @ vh).transpose(1, 2)
     return out.to(q.dtype)

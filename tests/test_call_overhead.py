@@ -82,6 +82,10 @@ def _world_of_one_cu(monkeypatch):
 
 # ------------------------------------------------------------------------------------------- the plan cache
 
+# The local position ids a packed shard_inputs step hands the model (a step built here records none to compare with:
+# the attention call must only carry some, as the model's own calls do).
+_PACKED_POSITIONS = torch.arange(8)[None]
+
 
 def test_a_new_step_never_reuses_the_previous_steps_plan(kernels):
     ctx = RingContext(rank=0, world_size=2)
@@ -95,7 +99,7 @@ def test_a_new_step_never_reuses_the_previous_steps_plan(kernels):
         cu = torch.tensor(cu, dtype=torch.int32)
         ctx.set_step(StepState(kernel="llama3", layout="contiguous", packed=True, batch_size=1, seq_len_global=16,
                                seq_len_local=8, cu_seqlens=cu))
-        out = ring_attention(_call(q, k, v), {}, ctx)
+        out = ring_attention(_call(q, k, v, position_ids=_PACKED_POSITIONS), {}, ctx)
         name, args, kwargs = kernels.last()
         assert name == "llama3_attn_varlen_func" and torch.equal(args[3], cu) and args[0] is q  # the packed row as is
         assert out.shape == q.shape
@@ -137,13 +141,14 @@ def test_a_changed_context_field_drops_the_plans(kernels):
     step = StepState(kernel="llama3", layout="contiguous", packed=True, batch_size=1, seq_len_global=16,
                      seq_len_local=8, cu_seqlens=torch.tensor([0, 7, 16], dtype=torch.int32))
     ctx.set_step(step)
-    ring_attention(_call(q, k, v), {}, ctx)
+    pos = _PACKED_POSITIONS
+    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[2]["backend"] == "auto" and kernels.last()[2]["heads_k_stride"] is None
     ctx.heads_k_stride = 1  # what hfpatch.compat sets after apply
-    ring_attention(_call(q, k, v), {}, ctx)
+    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[2]["heads_k_stride"] == 1
     ctx.backend = "reference"
-    ring_attention(_call(q, k, v), {}, ctx)
+    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[2]["backend"] == "reference"
     assert ctx.step is step  # the step itself was not replaced: the field change alone invalidated the plans
 
@@ -208,7 +213,7 @@ def test_extra_kwargs_and_kv_cache_refused_after_a_cached_plan(kernels):
     ctx = RingContext(rank=0, world_size=1)
     q, k, v = _qkv(seq=8)
     ring_attention(_call(q, k, v), {"layer_idx": 0, "s_aux": None}, ctx)
-    for extra, match in (({"s_aux": torch.zeros(4)}, "sinks"), ({"cache": object()}, "KV cache"),
+    for extra, match in (({"s_aux": torch.zeros(3)}, "attention sinks have shape"), ({"cache": object()}, "KV cache"),
                          ({"cache_seqlens": torch.zeros(1)}, "KV cache")):
         with pytest.raises(UnsupportedArgument, match=match):
             ring_attention(_call(q, k, v), extra, ctx)
@@ -427,6 +432,32 @@ def test_the_fast_call_runs_the_kernel_with_the_generic_paths_arguments(kernels,
     assert d.calls == {2: 3} and [(r.key, r.module_id) for r in d.forward_records()] == [(2, id(module))]
 
 
+def test_the_fast_path_runs_a_layers_sinks_and_plans_another_sink_again(kernels, monkeypatch):
+    """A layer passes its sink parameter (``s_aux``) on every call: the site's plan runs it, the sink reaching the
+    kernel as ``sink=``; another sink object, or none, is planned again (and checked again)."""
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(
+            codegen.render(_live_match(), lambda *a: None)).parameters.values()):
+        pytest.skip("this release's _flash_attention_forward takes no **kwargs: no s_aux reaches it")
+    ctx = RingContext(rank=0, world_size=1)
+    wrapper, _d, _o, spy = _rendered(ctx, monkeypatch)
+    module = _Attention(layer_idx=0)
+    q, k, v = _qkv(seq=8)
+    sinks = torch.nn.Parameter(torch.zeros(4))
+    for _ in range(3):
+        _flash_integration(module, wrapper, q, k, v, s_aux=sinks, layer_idx=0)
+        assert kernels.last()[2]["sink"] is sinks
+    assert spy.fast == 2 and spy.slow == 1
+    other = torch.ones(4)
+    _flash_integration(module, wrapper, q, k, v, s_aux=other, layer_idx=0)
+    assert kernels.last()[2]["sink"] is other and spy.slow == 2
+    _flash_integration(module, wrapper, q, k, v, s_aux=None, layer_idx=0)
+    assert kernels.last()[2]["sink"] is None and spy.slow == 3
+    _flash_integration(module, wrapper, q, k, v, layer_idx=0)
+    assert kernels.last()[2]["sink"] is None and spy.slow == 3  # no s_aux is the same as s_aux=None
+    with pytest.raises(UnsupportedArgument, match="attention sinks have shape"):
+        _flash_integration(module, wrapper, q, k, v, s_aux=torch.zeros(2), layer_idx=0)
+
+
 def test_the_fast_path_never_reuses_a_stale_step_or_plan(kernels, monkeypatch):
     if not _takes("position_ids"):
         pytest.skip("this release's _flash_attention_forward takes no position_ids (4.43): no derived packing")
@@ -467,7 +498,7 @@ def test_the_fast_path_never_reuses_a_stale_step_or_plan(kernels, monkeypatch):
     (dict(mask=torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])), "padding mask"),
     (dict(softcap=-1.0), "softcap"),
     (dict(sliding_window=True), "sliding_window"),
-    (dict(s_aux=torch.zeros(4)), "sinks"),
+    (dict(s_aux=torch.zeros(3)), "attention sinks have shape"),
     (dict(cache=object()), "KV cache"),
     (dict(longer_k=True), "KV cache"),
     (dict(block_table=torch.zeros(1, 1)), "paged KV cache"),

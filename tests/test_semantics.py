@@ -70,11 +70,12 @@ def _close(name, got, want):
 
 
 def _call(q, k, v, *, causal=True, position_ids=None, scale=None, window=None, softcap=None, **more):
-    """The roles dict the generated wrapper builds for transformers 5.23 (S7)."""
+    """The roles dict the generated wrapper builds for transformers 5.23 (S7), for an fp32 model (target_dtype: the
+    dtype of its Linear weights, what 5.23's ``get_target_dtype`` gives for an fp32 query outside autocast)."""
     call = dict(query=q, key=k, value=v, attention_mask=None, query_length=q.shape[1], is_causal=causal,
                 dropout=0.0, position_ids=position_ids, softmax_scale=scale, sliding_window=window,
                 use_top_left_mask=False, softcap=softcap, deterministic=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                max_length_q=None, max_length_k=None, target_dtype=torch.bfloat16, implementation="flash_attention_2",
+                max_length_q=None, max_length_k=None, target_dtype=torch.float32, implementation="flash_attention_2",
                 block_table=None, k_cache=None, v_cache=None)
     call.update(more)
     return call
@@ -99,15 +100,15 @@ _CASES = [
 ]
 
 
-def _global_tensors(packed: bool, seed: int):
+def _global_tensors(packed: bool, seed: int, docs=_DOCS):
     g = torch.Generator().manual_seed(seed)
-    batch, seq = (1, sum(_DOCS)) if packed else (2, 32)
+    batch, seq = (1, sum(docs)) if packed else (2, 32)
     q = torch.randn(batch, seq, 4, 8, generator=g)
     k = torch.randn(batch, seq, 2, 8, generator=g)
     v = torch.randn(batch, seq, 2, 8, generator=g)
     dout = torch.randn(batch, seq, 4, 8, generator=g)
     if packed:
-        pos = torch.cat([torch.arange(n) for n in _DOCS]).unsqueeze(0)
+        pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
     else:
         pos = torch.arange(seq).unsqueeze(0)
     return q, k, v, dout, pos
@@ -125,13 +126,16 @@ SINK_CASES = [
     ("sinks packed zigzag varlen", "zigzag", "packed", True, None, None, None, "shard_inputs"),
     ("sinks packed from global cu_seq_lens", "auto", "packed", True, None, None, None, "cu"),
 ]
+# The zigzag layout splits every document into 2 x world chunks: documents of a multiple of 4 tokens (2 ranks).
+_CASE_DOCS = {"sinks packed zigzag varlen": [8, 12, 4, 8]}
 
 
 def _run_case(case, fn, rank, world):
     name, variant, kind, causal, window, softcap, scale, mode = case
     with_sink = name.startswith("sinks ")
     packed = kind == "packed"
-    q, k, v, dout, pos = _global_tensors(packed, seed=sum(map(ord, name)))
+    docs = _CASE_DOCS.get(name, _DOCS)
+    q, k, v, dout, pos = _global_tensors(packed, seed=sum(map(ord, name)), docs=docs)
     ctx = RingContext(group=None, rank=rank, world_size=world, variant=variant)
     batch, seq = q.shape[:2]
     extra = {}
@@ -150,8 +154,8 @@ def _run_case(case, fn, rank, world):
         extra = {"s_aux": leaves[3]}
     more = {}
     if mode == "cu":
-        cu = torch.tensor([0] + list(torch.tensor(_DOCS).cumsum(0)), dtype=torch.int32)
-        more = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(_DOCS), max_length_k=max(_DOCS))
+        cu = torch.tensor([0] + list(torch.tensor(docs).cumsum(0)), dtype=torch.int32)
+        more = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(docs), max_length_k=max(docs))
         local_pos = None
     call = _call(ql, kl, vl, causal=causal, position_ids=local_pos, scale=scale, window=window, softcap=softcap, **more)
     out = fn(call, extra, ctx)
@@ -162,7 +166,7 @@ def _run_case(case, fn, rank, world):
         dist.all_reduce(g)  # each rank holds the gradient of its own slice's outputs: sum them
     ref_leaves = [t.clone().double().requires_grad_(True) for t in (q, k, v) + ((sink,) if with_sink else ())]
     want = _expected(*ref_leaves[:3], causal=causal, scale=scale, window=window, softcap=softcap,
-                     docs=_DOCS if packed else None, sink=ref_leaves[3] if with_sink else None)
+                     docs=docs if packed else None, sink=ref_leaves[3] if with_sink else None)
     (want * dout.double()).sum().backward()
     _close(f"{name} [{fn.__name__}] out", out, want.index_select(1, index))
     for label, got, ref in zip(("q", "k", "v", "s_aux"), grads, ref_leaves):
@@ -292,9 +296,10 @@ def test_sinks_in_a_world_of_one_and_in_local_mode(fn, packed):
     q, k, v = _qkv(batch=1 if packed else 2, seq=8)
     sink = torch.tensor([0.5, -1.0, 2.0, 0.0])
     docs = [3, 5] if packed else None
-    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]) if packed else None
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    more = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5) if packed else {}
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
-    out = fn(_call(*leaves[:3], position_ids=pos), {"s_aux": leaves[3]}, _local_ctx())
+    out = fn(_call(*leaves[:3], **more), {"s_aux": leaves[3]}, _local_ctx())
     ref = [t.clone().double().requires_grad_(True) for t in (q, k, v, sink)]
     want = _expected(*ref[:3], causal=True, docs=docs, sink=ref[3])
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
@@ -303,7 +308,7 @@ def test_sinks_in_a_world_of_one_and_in_local_mode(fn, packed):
     _close("out", out, want)
     for label, got, r in zip(("q", "k", "v", "s_aux"), leaves, ref):
         _close(f"d{label}", got.grad, r.grad)
-    no_sink = fn(_call(q, k, v, position_ids=pos), {"s_aux": None}, _local_ctx())
+    no_sink = fn(_call(q, k, v, **more), {"s_aux": None}, _local_ctx())
     _close("s_aux=None", no_sink, _expected(q, k, v, causal=True, docs=docs))
 
 
