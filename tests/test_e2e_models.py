@@ -7,11 +7,11 @@ Inputs: a batch of 2 rows, and one packed row of uneven documents. The packed ba
 own (the definition of "independent documents", valid on every transformers release) and concatenates the
 logits.
 
-Tolerance (fp32): |loss_cp - loss| <= 1e-5 x |loss|, and for every parameter max |g_cp - g| <= 2e-5 x max |g|.
-The ring merges blocks through an fp32 log-sum-exp and the gradient is summed over ranks in another order, so
-results differ from one fp32 softmax by rounding only (measured ~1e-7 relative); a semantic error is 3-4 orders
-larger (a window off by one token, a dropped softcap or a document boundary move the loss by 1e-2 to 1e-1:
-``_check_tolerance_detects_off_by_one`` proves it for the window).
+Tolerance (fp32, ring_kernels.tolerances' "cp" entries): |loss_cp - loss| <= 1e-5 x |loss|, and for every
+parameter max |g_cp - g| <= 2e-5 x max |g|. The ring merges blocks through an fp32 log-sum-exp and the gradient is
+summed over ranks in another order, so results differ from one fp32 softmax by rounding only (measured ~1e-7
+relative); a semantic error is 3-4 orders larger (a window off by one token, a dropped softcap or a document boundary
+move the loss by 1e-2 to 1e-1: ``_check_tolerance_detects_off_by_one`` proves it for the window).
 
 All cases of one world size run inside one world (spawning processes costs seconds).
 """
@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
+from ring_kernels.tolerances import assert_close, tolerance
 
-LOSS_RTOL = 1e-5
-GRAD_RTOL = 2e-5
+LOSS = tolerance("cp", torch.float32, "loss")
+GRAD = tolerance("cp", torch.float32, "grad")
 SEQ = 32
 DOCS = [5, 11, 1, 7, 8]          # one packed row of 32 tokens: uneven, a 1-token document, crossing ranks
 ZIGZAG_DOCS = [8, 16, 8]         # zigzag varlen splits every document into 2 x world chunks
@@ -80,15 +81,11 @@ def _cp_step(patch, model, ids, pos):
     return loss.detach(), grads
 
 
-def _compare(label, loss, grads, ref_loss, ref_grads):
-    assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), \
-        f"{label}: CP loss {loss.item():.8f} != non-CP loss {ref_loss.item():.8f}"
+def _compare(label, loss, grads, ref_loss, ref_grads, loss_tolerance=LOSS, grad_tolerance=GRAD):
+    assert_close(loss, ref_loss, loss_tolerance, f"{label}: CP loss {loss.item():.8f} vs non-CP {ref_loss.item():.8f}")
     assert set(ref_grads) <= set(grads), f"{label}: parameters without gradient under CP"
     for name, ref in ref_grads.items():
-        err = (grads[name] - ref).abs().max().item()
-        scale = ref.abs().max().item()
-        assert err <= GRAD_RTOL * scale + 1e-9, \
-            f"{label}: gradient of {name} differs: max err {err:.3e}, scale {scale:.3e}"
+        assert_close(grads[name], ref, grad_tolerance, f"{label}: gradient of {name}")
 
 
 def _run_case(rank, world, model_name, kind, kernel, verify):
@@ -116,7 +113,7 @@ def _check_tolerance_detects_off_by_one(rank, world):
     ids, _, _ = _batch_inputs()
     right, _ = _baseline(build_model("mistral"), ids, None)
     wider, _ = _baseline(build_model("mistral", sliding_window=9), ids, None)
-    assert abs(wider.item() - right.item()) > 100 * LOSS_RTOL * abs(right.item())
+    assert abs(wider.item() - right.item()) > 100 * LOSS.bound * abs(right.item())
 
 
 def _apply_before_model_import(rank, world):
@@ -183,8 +180,8 @@ def _switch_modes(rank, world):
 
 
 def _bf16_within_kernel_tolerance(rank, world):
-    """bf16: the CP step agrees with the non-CP bf16 step within the kernels' bf16 tolerances (relative
-    Frobenius error < 1e-2 for the loss, < 5e-2 for every gradient); bf16 rounding differs between the two."""
+    """bf16: the CP step agrees with the non-CP bf16 step within the table's bf16 "cp" entries (loss and every
+    gradient, max|err| / max|ref|); bf16 rounding differs between the two."""
     import hfpatch
     from hfpatch._models import build_model
 
@@ -193,10 +190,8 @@ def _bf16_within_kernel_tolerance(rank, world):
     model = build_model("llama", dtype=torch.bfloat16)
     with hfpatch.apply(dist.group.WORLD, model=model, verify=False) as patch:
         loss, grads = _cp_step(patch, model, ids, None)
-    assert abs(loss.float().item() - ref_loss.float().item()) < 1e-2 * abs(ref_loss.float().item())
-    for name, ref in ref_grads.items():
-        err = (grads[name].float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)
-        assert err < 5e-2, f"bf16 gradient of {name}: relative error {err:.3e}"
+    _compare("llama bf16", loss, grads, ref_loss, ref_grads, tolerance("cp", torch.bfloat16, "loss"),
+             tolerance("cp", torch.bfloat16, "grad"))
 
 
 def _world(rank, world, cases, extras):
