@@ -114,7 +114,7 @@ _ENTRIES = [
                                               "sides, through every layer; measured worst 4.1e-2"),
     # FSDP2 + CP training vs single process -----------------------------------------------------------------
     Tolerance("cp_training", "float32", "param", 2e-6, "weights of scale 0.2-1, updates ~1e-2 per step; measured "
-                                                       "worst 1.3e-7 over 3 steps"),
+                                                       "worst 2.4e-7 over 3 steps"),
     # the model sweep ---------------------------------------------------------------------------------------
     Tolerance("sweep", "float32", "loss", 1e-5, f"{_ROUNDING}; measured worst 2.4e-7 (the sequence-mixer classes)"),
     Tolerance("sweep", "float32", "grad", 1e-4, "any class of the release (routers, sequence mixers, deep stacks "
