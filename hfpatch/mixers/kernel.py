@@ -60,7 +60,12 @@ class KernelCall:
         return dict(self.arguments.get(self._var_kw, {})) if self._var_kw else {}
 
     def original_with(self, **replace: Any) -> Any:
-        """Call the original kernel with this call's arguments, ``replace`` overriding some of them by name."""
+        """Call the original kernel with this call's arguments, ``replace`` overriding some of them by name.
+
+        Parameters without a default go by position, every other one by keyword: HF's hub wrappers
+        (``use_kernel_func_from_hub_with_fallback``) forward the call to a fast implementation (causal-conv1d,
+        mamba-ssm, flash-linear-attention) whose optional parameters are in another order than the torch
+        function's, and drop the keywords it does not take."""
         arguments = dict(self.arguments)
         extra = dict(arguments.pop(self._var_kw, {})) if self._var_kw else {}
         for name, value in replace.items():
@@ -68,8 +73,20 @@ class KernelCall:
                 arguments[name] = value
             else:
                 extra[name] = value
-        bound = inspect.BoundArguments(self.signature, arguments)
-        return self.original(*bound.args, **bound.kwargs, **extra)
+        parameters = self.signature.parameters
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters.values()):
+            bound = inspect.BoundArguments(self.signature, arguments)
+            return self.original(*bound.args, **bound.kwargs, **extra)
+        args, kwargs = [], {}
+        for name, value in arguments.items():
+            parameter = parameters[name]
+            if parameter.kind is inspect.Parameter.POSITIONAL_ONLY or (
+                    parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+                    and parameter.default is inspect.Parameter.empty and not kwargs):
+                args.append(value)
+            else:
+                kwargs[name] = value
+        return self.original(*args, **kwargs, **extra)
 
 
 class SequenceKernel:

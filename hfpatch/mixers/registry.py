@@ -62,6 +62,22 @@ KERNEL_PARAMETERS: Mapping[str, Tuple[Tuple[str, ...], ...]] = {
     "chunk_gated_delta_rule": (_DELTA,),
 }
 
+# Mamba2 (SSD) and Mamba (selective scan): HF 5.23's module-level kernels of the Mamba mixers.
+_SSD = ("hidden_states", "dt", "A", "B", "C", "chunk_size", "D=None", "dt_bias=None", "initial_states=None",
+        "dt_softplus=False", "dt_limit=(0.0, inf)", "return_final_states=False", "**kwargs")
+_SSD_FUSED = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size", "initial_states=None",
+              "dt_limit=(0.0, inf)", "return_final_states=False", "activation='silu'", "rmsnorm_weight=None",
+              "rmsnorm_eps=1e-06", "outproj_weight=None", "outproj_bias=None", "headdim=None", "ngroups=1",
+              "norm_before_gate=True", "**kwargs")
+_SCAN = ("hidden_states", "dt", "A", "B", "C", "D=None", "z=None", "delta_bias=None", "delta_softplus=False",
+         "return_last_state=False", "use_mambapy=False", "use_associative_scan=False", "**kwargs")
+_CONV_STEP = ("hidden_states", "conv_state", "weight", "bias=None", "activation=None")
+_STATE_STEP = ("state", "hidden_states", "dt", "A", "B", "C", "D=None", "dt_bias=None", "dt_softplus=False", "z=None",
+               "**kwargs")
+KERNEL_PARAMETERS = {**KERNEL_PARAMETERS, "ssd_chunk_scan": (_SSD,), "mamba2_split_conv1d_scan": (_SSD_FUSED,),
+                     "selective_scan": (_SCAN,), "causal_conv1d_update": (_CONV_STEP,),
+                     "mamba2_state_update": (_STATE_STEP,), "selective_state_update": (_STATE_STEP,)}
+
 FAMILIES: Tuple[MixerFamily, ...] = (
     MixerFamily(
         name="short-conv", mixer="gated short causal convolution (LFM2)",
@@ -74,6 +90,25 @@ FAMILIES: Tuple[MixerFamily, ...] = (
         classes=("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
         bindings=(("causal_conv1d_fn", "causal_conv1d"), ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule")),
         forwards={"052c77b2f14ce8aa": "5.23.0: qwen3_next", "93cc9bac2962265d": "5.23.0: qwen3_5, qwen3_5_moe"},
+    ),
+    MixerFamily(
+        name="mamba2", mixer="Mamba2 (causal conv + SSD scan)",
+        classes=("BambaMixer", "FalconH1Mixer", "NemotronHMamba2Mixer", "Zamba2MambaMixer",
+                 "GraniteMoeHybridMambaLayer"),
+        bindings=(("mamba2_split_conv1d_scan_combined", "mamba2_split_conv1d_scan"),
+                  ("causal_conv1d_fn", "causal_conv1d"), ("mamba2_chunk_scan", "ssd_chunk_scan"),
+                  ("causal_conv1d_update", "causal_conv1d_update"),
+                  ("mamba2_selective_state_update", "mamba2_state_update")),
+        forwards={"0b88953ce0c266d5": "5.23.0: bamba, nemotron_h, zamba2, granitemoehybrid",
+                  "d26f69c65020a12a": "5.23.0: falcon_h1"},
+    ),
+    MixerFamily(
+        name="mamba", mixer="Mamba (causal conv + selective scan)",
+        classes=("JambaMambaMixer", "ZambaMambaMixer"),
+        bindings=(("causal_conv1d_fn", "causal_conv1d"), ("mamba_selective_scan", "selective_scan"),
+                  ("causal_conv1d_update", "causal_conv1d_update"),
+                  ("mamba_selective_state_update", "selective_state_update")),
+        forwards={"87d4a4c321593491": "5.23.0: jamba", "e57915bae9b46411": "5.23.0: zamba"},
     ),
 )
 _BY_CLASS = {name: family for family in FAMILIES for name in family.classes}
