@@ -92,7 +92,7 @@ def _mixer_findings(model: torch.nn.Module) -> list[Finding]:
         if _mixers.recognise(module) is not None:  # run exactly under CP by hfpatch.mixers: it and its children
             flagged.append(name)
             continue
-        if MIXER_CLASS_PATTERN.search(cls):
+        if MIXER_CLASS_PATTERN.search(_family_part(cls, model)):
             reason = (f"a sequence mixer (state-space scan, linear attention, recurrence or short convolution) "
                       f"carries a state along the sequence outside the patched attention; under CP each rank "
                       f"would run it from a zero state on its own shard, and hfpatch's mixer registry does not "
@@ -105,6 +105,18 @@ def _mixer_findings(model: torch.nn.Module) -> list[Finding]:
         flagged.append(name)
         found.append(Finding(name, cls, "sequence-mixer", reason, _FALLBACK_FIX))
     return found
+
+
+def _family_part(class_name: str, model: torch.nn.Module) -> str:
+    """``class_name`` without the prefix it shares with the model's class name, so that the pattern sees only what
+    the module's name adds to the model's: KimiLinearForCausalLM's softmax attention ``KimiLinearAttention`` ->
+    "Attention" (no mixer), its ``KimiLinearDeltaAttention`` -> "DeltaAttention"."""
+    shared = 0
+    for a, b in zip(class_name, type(model).__name__):
+        if a != b:
+            break
+        shared += 1
+    return class_name[shared:]
 
 
 def modality_towers(model: torch.nn.Module) -> list[str]:

@@ -11,6 +11,11 @@ the switch on every call, like the attention wrapper:
 The step's layout is the one ``shard_inputs`` recorded in ``ctx.step`` (checked against the call's batch and
 length, as the attention checks it), or, without it, contiguous shards (what the attention assumes then too).
 Everything rebound is recorded; ``MixerInstallation.remove()`` restores each name that still holds its wrapper.
+
+Families whose recurrence HF computes inline (``MixerFamily.replaces``) also get those methods replaced on each
+recognised instance: in switch modes "ring" and "reference" on two ranks or more the replacement runs the
+family's CP form (which calls its kernels through the rebound names), otherwise the class's own method;
+``remove()`` takes the replacements off again.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ class MixerInstallation:
         self.modules: list[tuple[str, str, str]] = []
         self.calls: Counter = Counter()
         self._rebound: list[tuple[Any, str, Callable, Callable]] = []  # (modeling module, name, original, wrapper)
+        self._replaced: list[tuple[torch.nn.Module, str, Callable]] = []  # (mixer module, method, replacement)
         self._plan_key: Any = None
         self._plan: Optional[SegmentPlan] = None
 
@@ -51,11 +57,16 @@ class MixerInstallation:
         return [f"{module.__name__}.{name}" for module, name, _, _ in self._rebound]
 
     def remove(self) -> None:
-        """Restore every rebound name that still holds its wrapper (newest first)."""
+        """Restore every rebound name that still holds its wrapper, and take off every method replacement that is
+        still in place (newest first)."""
         for module, name, original, wrapper in reversed(self._rebound):
             if module.__dict__.get(name) is wrapper:
                 setattr(module, name, original)
         self._rebound.clear()
+        for mixer, method, replacement in reversed(self._replaced):
+            if mixer.__dict__.get(method) is replacement:
+                delattr(mixer, method)
+        self._replaced.clear()
 
     # ------------------------------------------------------------------------------------------- the step
     def plan(self, batch: int, seq_local: int, probe: torch.Tensor) -> SegmentPlan:
@@ -112,6 +123,26 @@ class MixerInstallation:
         setattr(module, name, wrapper)
         self._rebound.append((module, name, original, wrapper))
 
+    def replace(self, mixer: torch.nn.Module, method: str, cp_form: Callable) -> None:
+        """Set ``mixer.<method>`` on the instance: ``cp_form(mixer, ...)`` in switch modes "ring" and "reference"
+        on two ranks or more, the class's own method otherwise."""
+        if method in mixer.__dict__:
+            raise PatchError(f"{type(mixer).__name__}.{method} is already set on the instance (an hfpatch mixer "
+                             "replacement from a patch that was not removed cleanly, or another patch). "
+                             "Fix: remove the other patch, or restart the process.")
+        own = getattr(mixer, method)
+        installation = self
+
+        @functools.wraps(own)
+        def replacement(*args, **kwargs):
+            if _switch.current_mode() in ("original", "local") or installation.ctx.world_size < 2:
+                return own(*args, **kwargs)
+            return cp_form(mixer, *args, **kwargs)
+
+        replacement.__hfpatch_mixer__ = True
+        setattr(mixer, method, replacement)
+        self._replaced.append((mixer, method, replacement))
+
 
 def install_mixers(model: torch.nn.Module, ctx: Any) -> MixerInstallation:
     """Rebind the kernels of every recognised mixer of ``model`` (see the module docstring); all-or-nothing.
@@ -120,11 +151,13 @@ def install_mixers(model: torch.nn.Module, ctx: Any) -> MixerInstallation:
     """
     installation = MixerInstallation(ctx)
     targets: dict[tuple[int, str], tuple[Any, str, SequenceKernel]] = {}
+    replacements: list[tuple[torch.nn.Module, str, Callable]] = []
     for path, module in model.named_modules():
         found = recognise(module)
         if found is None:
             continue
         installation.modules.append((path, type(module).__name__, found.family.name))
+        replacements += [(module, method, cp_form) for method, cp_form in found.family.replaces]
         for name, role in found.family.bindings:
             targets.setdefault((id(found.module), name), (found.module, name, KERNELS[role]))
     if targets and ctx.variant == "stripe":
@@ -132,6 +165,8 @@ def install_mixers(model: torch.nn.Module, ctx: Any) -> MixerInstallation:
     try:
         for module, name, kernel in targets.values():
             installation.rebind(module, name, kernel)
+        for mixer, method, cp_form in replacements:
+            installation.replace(mixer, method, cp_form)
     except BaseException:
         installation.remove()
         raise

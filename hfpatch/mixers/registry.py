@@ -29,20 +29,27 @@ from typing import Callable, Mapping, Optional, Tuple
 import torch
 
 __all__ = ["MixerFamily", "Recognised", "FAMILIES", "KERNEL_PARAMETERS", "recognise", "unrecognised_reason",
-           "forward_fingerprint", "parameter_spec"]
+           "forward_fingerprint", "class_fingerprint", "parameter_spec"]
 
 
 @dataclass(frozen=True)
 class MixerFamily:
     """``name``: the family; ``mixer``: what it is, in words; ``classes``: module class names; ``bindings``:
     (global name in the class's modeling module, kernel role) pairs the forward calls; ``forwards``: forward
-    fingerprint -> the releases (and model types) it was read and tested on."""
+    fingerprint -> the releases (and model types) it was read and tested on.
+
+    ``replaces``: for mixers whose recurrence HF computes inline (no kernel name to rebind), (method name, CP form)
+    pairs: under CP, ``install_mixers`` replaces each method on the instance by its CP form (``form(module, *args,
+    **kwargs)``: the same computation, its sequence parts through kernels); the ``bindings`` are then names in the
+    CP forms' module, and ``forwards`` keys join the fingerprints of ``forward`` and each other replaced method
+    with "+" (``class_fingerprint``)."""
 
     name: str
     mixer: str
     classes: Tuple[str, ...]
     bindings: Tuple[Tuple[str, str], ...]
     forwards: Mapping[str, str]
+    replaces: Tuple[Tuple[str, Callable], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,56 @@ FAMILIES: Tuple[MixerFamily, ...] = (
         forwards={"87d4a4c321593491": "5.23.0: jamba", "e57915bae9b46411": "5.23.0: zamba"},
     ),
 )
+# Lightning attention (MiniMax), the Griffin block and its RG-LRU (RecurrentGemma), Kimi delta attention (Kimi-Linear,
+# Bailing hybrid: the gated delta rule with per-channel gates) and ZAYA's convolutional q/k projection.
+from hfpatch.mixers.cca import zaya_cca_forward  # noqa: E402  (after the base tables they extend)
+from hfpatch.mixers.lightning import minimax_lightning_forward  # noqa: E402
+from hfpatch.mixers.rglru import griffin_block_forward, rglru_scan  # noqa: E402
+
+KERNEL_PARAMETERS = {
+    **KERNEL_PARAMETERS,
+    "lightning_attention": (("query", "key", "value", "slope_rate", "block_size", "initial_state=None",
+                             "output_final_state=False"),),
+    "diagonal_recurrence": (("hidden_states", "recurrent_gate", "reset", "recurrent_states=None",
+                             "acc_dtype=torch.float32"),),
+    "cca_projection": (("module", "hidden_states", "past_key_values=None", "conv_mask=None"),),
+}
+FAMILIES = FAMILIES + (
+    MixerFamily(
+        name="lightning-attention", mixer="lightning attention (linear attention with a per-head scalar decay)",
+        classes=("MiniMaxLightningAttention",),
+        bindings=(("lightning_attention", "lightning_attention"),),
+        forwards={"1ccc4f34915ff169": "5.23.0: minimax"},
+        replaces=(("forward", minimax_lightning_forward),),
+    ),
+    MixerFamily(
+        name="griffin-block", mixer="Griffin recurrent block (causal conv + RG-LRU)",
+        classes=("RecurrentGemmaRecurrentBlock",),
+        bindings=(("causal_conv1d", "causal_conv1d"),),
+        forwards={"33eb81c09c5752c6": "5.23.0: recurrent_gemma"},
+        replaces=(("forward", griffin_block_forward),),
+    ),
+    MixerFamily(
+        name="rg-lru", mixer="RG-LRU (real-gated diagonal linear recurrence)",
+        classes=("RecurrentGemmaRglru",),
+        bindings=(("linear_recurrence", "diagonal_recurrence"),),
+        forwards={"8cb3e9038e77561e+d2ef99a3f4bffec6": "5.23.0: recurrent_gemma"},
+        replaces=(("_rnn_scan", rglru_scan),),
+    ),
+    MixerFamily(
+        name="kimi-delta-attention", mixer="Kimi delta attention (causal conv + gated delta rule, per-channel gates)",
+        classes=("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"),
+        bindings=(("causal_conv1d_fn", "causal_conv1d"), ("chunk_kimi_delta_attention", "chunk_gated_delta_rule")),
+        forwards={"558dac8b8535e46d": "5.23.0: kimi_linear", "fb5e5fc426e864bd": "5.23.0: bailing_hybrid"},
+    ),
+    MixerFamily(
+        name="zaya-cca", mixer="ZAYA's convolutional q/k projection (causal q/k convolution, delayed values)",
+        classes=("ZayaCCAProjection",),
+        bindings=(("cca_projection", "cca_projection"),),
+        forwards={"0f26620ced6ade2f": "5.23.0: zaya"},
+        replaces=(("forward", zaya_cca_forward),),
+    ),
+)
 _BY_CLASS = {name: family for family in FAMILIES for name in family.classes}
 
 
@@ -135,31 +192,44 @@ def parameter_spec(function: Callable) -> Tuple[str, ...]:
     return tuple(spec)
 
 
+def class_fingerprint(cls: type, family: MixerFamily) -> str:
+    """``forward_fingerprint`` of ``cls.forward``, joined by "+" with those of the other methods ``family``
+    replaces (``MixerFamily.replaces``), in that order."""
+    methods = ["forward"] + [name for name, _ in family.replaces if name != "forward"]
+    return "+".join(forward_fingerprint(getattr(cls, name)) for name in methods)
+
+
 def _check(module: torch.nn.Module) -> Tuple[Optional[Recognised], str]:
     cls = type(module)
     family = _BY_CLASS.get(cls.__name__)
     if family is None:
         return None, f"{cls.__name__} is not a mixer class hfpatch's mixer registry knows"
     try:
-        fingerprint = forward_fingerprint(cls.forward)
+        fingerprint = class_fingerprint(cls, family)
     except (OSError, TypeError, StopIteration, SyntaxError) as exc:
         return None, f"the source of {cls.__name__}.forward cannot be read ({type(exc).__name__})"
     if fingerprint not in family.forwards:
         known = "; ".join(family.forwards.values())
         return None, (f"{cls.__name__}.forward (fingerprint {fingerprint}) is not a forward hfpatch has read and "
                       f"tested for the {family.name} family (known: {known})")
-    modeling = sys.modules.get(cls.__module__)
+    source = family.replaces[0][1].__module__ if family.replaces else cls.__module__
+    modeling = sys.modules.get(source)
     for name, role in family.bindings:
         function = getattr(modeling, name, None) if modeling is not None else None
         if not callable(function):
-            return None, f"{cls.__module__} has no function {name} (the {role} kernel its forward calls)"
+            return None, f"{source} has no function {name} (the {role} kernel its forward calls)"
         try:
             spec = parameter_spec(function)
         except (TypeError, ValueError):
-            return None, f"{cls.__module__}.{name} has no readable signature"
+            return None, f"{source}.{name} has no readable signature"
         if spec not in KERNEL_PARAMETERS[role]:
-            return None, (f"{cls.__module__}.{name}{spec} does not have the parameters hfpatch's {role} kernel "
+            return None, (f"{source}.{name}{spec} does not have the parameters hfpatch's {role} kernel "
                           f"expects {KERNEL_PARAMETERS[role][0]}")
+    for path, child in module.named_modules():  # a recognised module's mixers run inside it: they must be too
+        if path and type(child).__name__ in _BY_CLASS:
+            inner, why = _check(child)
+            if inner is None:
+                return None, f"its submodule {path} is not recognised: {why}"
     return Recognised(family, modeling), ""
 
 
