@@ -6,6 +6,7 @@ Kimi-Linear, BailingHybrid and ZAYA: CP loss and every gradient equal to non-CP 
 rows, the refusals, switch mode "reference", and ``remove()`` taking every replacement off again."""
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -336,6 +337,9 @@ def _refusals_and_remove(rank, world, entry):
     patch = hfpatch.apply(dist.group.WORLD, model=model)
     try:
         assert all(("forward" in m.__dict__) != ("_rnn_scan" in m.__dict__) for m in mixers)
+        twin = copy.deepcopy(model)  # e.g. an EMA copy: its replacements are bound to its own modules
+        for m in (m for m in twin.modules() if type(m).__name__ in FAMILY_CLASSES[entry.class_name]):
+            assert next(v for k, v in m.__dict__.items() if k in ("forward", "_rnn_scan")).__self__ is m
         ids = torch.randint(0, 128, (1, 8 * world), generator=torch.Generator().manual_seed(1))
         batch = patch.shard_inputs(ids)
         with pytest.raises(UnsupportedArgument) as info:  # generation: the block would carry a cached state
@@ -360,7 +364,7 @@ def _packed_world(rank, world):
                 ran[(name, kernel)] = info.value.parameter
                 continue
             ran[(name, kernel)] = _packed_step(rank, world, entry, kernel)
-    for name in ("MiniMaxForCausalLM", "ZayaForCausalLM"):
+    for name in ("MiniMaxForCausalLM", "RecurrentGemmaForCausalLM", "ZayaForCausalLM"):
         _reference_mode(rank, world, entries[name])
     _refusals_and_remove(rank, world, entries["RecurrentGemmaForCausalLM"])
     return ran

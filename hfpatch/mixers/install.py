@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import types
 from collections import Counter
 from typing import Any, Callable, Optional
 
@@ -48,7 +49,8 @@ class MixerInstallation:
         self.modules: list[tuple[str, str, str]] = []
         self.calls: Counter = Counter()
         self._rebound: list[tuple[Any, str, Callable, Callable]] = []  # (modeling module, name, original, wrapper)
-        self._replaced: list[tuple[torch.nn.Module, str, Callable]] = []  # (mixer module, method, replacement)
+        # (mixer module, method, replacement, the instance attribute it replaced or None)
+        self._replaced: list[tuple[torch.nn.Module, str, Callable, Optional[Callable]]] = []
         self._plan_key: Any = None
         self._plan: Optional[SegmentPlan] = None
 
@@ -63,9 +65,12 @@ class MixerInstallation:
             if module.__dict__.get(name) is wrapper:
                 setattr(module, name, original)
         self._rebound.clear()
-        for mixer, method, replacement in reversed(self._replaced):
+        for mixer, method, replacement, previous in reversed(self._replaced):
             if mixer.__dict__.get(method) is replacement:
-                delattr(mixer, method)
+                if previous is None:
+                    delattr(mixer, method)
+                else:
+                    setattr(mixer, method, previous)
         self._replaced.clear()
 
     # ------------------------------------------------------------------------------------------- the step
@@ -125,23 +130,26 @@ class MixerInstallation:
 
     def replace(self, mixer: torch.nn.Module, method: str, cp_form: Callable) -> None:
         """Set ``mixer.<method>`` on the instance: ``cp_form(mixer, ...)`` in switch modes "ring" and "reference"
-        on two ranks or more, the class's own method otherwise."""
-        if method in mixer.__dict__:
-            raise PatchError(f"{type(mixer).__name__}.{method} is already set on the instance (an hfpatch mixer "
-                             "replacement from a patch that was not removed cleanly, or another patch). "
-                             "Fix: remove the other patch, or restart the process.")
-        own = getattr(mixer, method)
+        on two ranks or more, otherwise what was there (the class's method, or an instance-level one such as
+        accelerate's hooks set). A bound method, so that ``copy.deepcopy`` binds the copy's to the copy."""
+        previous = mixer.__dict__.get(method)
+        if getattr(previous, "__hfpatch_mixer__", False):
+            raise PatchError(f"{type(mixer).__name__}.{method} is already an hfpatch mixer replacement from a patch "
+                             "that was not removed cleanly. Fix: restart the process.")
         installation = self
 
-        @functools.wraps(own)
-        def replacement(*args, **kwargs):
+        @functools.wraps(getattr(type(mixer), method))
+        def replacement(self, *args, **kwargs):
             if _switch.current_mode() in ("original", "local") or installation.ctx.world_size < 2:
-                return own(*args, **kwargs)
-            return cp_form(mixer, *args, **kwargs)
+                if previous is not None:
+                    return previous(*args, **kwargs)
+                return getattr(type(self), method)(self, *args, **kwargs)
+            return cp_form(self, *args, **kwargs)
 
         replacement.__hfpatch_mixer__ = True
-        setattr(mixer, method, replacement)
-        self._replaced.append((mixer, method, replacement))
+        bound = types.MethodType(replacement, mixer)
+        setattr(mixer, method, bound)
+        self._replaced.append((mixer, method, bound, previous))
 
 
 def install_mixers(model: torch.nn.Module, ctx: Any) -> MixerInstallation:

@@ -39,15 +39,17 @@ def lightning_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     batch, heads, length, _ = query.shape
     state = (torch.zeros(batch, heads, key.shape[-1], value.shape[-1], dtype=value.dtype, device=value.device)
              if initial_state is None else initial_state.to(value.dtype))
-    steps = torch.arange(1, block_size + 1, device=query.device, dtype=slope_rate.dtype)
+    # The decays in fp32, then in the input dtype (HF builds its decay buffers so).
+    slope = slope_rate.float()
+    steps = torch.arange(1, block_size + 1, device=query.device, dtype=torch.float32)
     outputs = []
     for start in range(0, length, block_size):
         n = min(block_size, length - start)
         q, k, v = (x[:, :, start:start + n] for x in (query, key, value))
-        query_decay = torch.exp(-slope_rate * steps[:n, None])                       # (H, n, 1)
-        key_decay = torch.exp(-slope_rate * (n - steps[:n, None]))                   # (H, n, 1)
-        gap = (steps[:n, None] - steps[None, :n])[None, None] * slope_rate            # (1, H, n, n)
-        diagonal_decay = torch.exp(torch.where(gap >= 0, -gap, float("-inf")))
+        query_decay = torch.exp(-slope * steps[:n, None]).to(q.dtype)                 # (H, n, 1)
+        key_decay = torch.exp(-slope * (n - steps[:n, None])).to(q.dtype)             # (H, n, 1)
+        gap = (steps[:n, None] - steps[None, :n])[None, None] * slope                  # (1, H, n, n)
+        diagonal_decay = torch.exp(torch.where(gap >= 0, -gap, float("-inf"))).to(q.dtype)
         intra = torch.matmul(torch.matmul(q, k.transpose(-1, -2)) * diagonal_decay, v)
         outputs.append(torch.matmul(q * query_decay, state) + intra)
         state = state * torch.exp(-slope_rate * n) + torch.matmul((k * key_decay).transpose(-1, -2), v)
