@@ -7,23 +7,23 @@ Per call:
 1. The call site: the attention layer that made the call, as a ``Site`` (one per layer, kept for the patch's life).
    A model given to ``track`` (``apply(model=)`` does) has its attention modules' sites bound once, by
    ``layer_idx``, and used while that model's forward runs on this thread (transformers passes ``layer_idx`` from
-   4.54 on); any other call finds its module on the stack (``_calling_module``).
+   4.54 on); any other call finds its module on the stack: the wrapper's caller (transformers' integration,
+   4.48+) first, then ``_calling_module``.
 2. The site's plan: the ``semantics.RingPlan`` a ring call of its configuration ran. When this call is one that
-   plan computes --
-   switch "ring", nothing to refuse or derive (no mask, dropout, cache or ``cu_seq_lens``),
-   the same step, the same position ids (object and version), shape, configuration and attention sinks (the
-   ``s_aux`` object the plan was kept with) -- the call is counted and ``plan.run(q, k, v, sink)`` computes it
-   on q, k, v cast as HF casts them (``semantics.cast_to_target``).
+   plan computes -- switch "ring", nothing to refuse or derive (no mask, dropout, cache or ``cu_seq_lens``), the
+   same step, the same position ids (object and version), query shape, key size, configuration and attention
+   sinks (the ``s_aux`` object the plan was kept with) -- the call is counted and ``plan.run(q, k, v, sink)``
+   computes it on q, k, v cast as HF casts them (``semantics.cast_to_target``).
 3. Anything else is planned (``plan_and_run``): the role dict, the mode (``switch.current_mode()``), the call
    counted, then ``run_mode``: ``"ring"`` -> ``semantics.ring_attention`` (every refusal, the step, the plan,
    which runs it), after which the site keeps that plan; ``"original"`` -> the original transformers function,
    re-called by parameter name; ``"reference"``/``"local"`` -> ``semantics``. While Dynamo traces
    (torch.compile) the call is one opaque operator (``hfpatch._opaque``).
 
-Counts live per thread (no lock per call; readers sum every thread's), under the call's site, so that ``Patch``
-can say which attention layers ran the ring in the last forward and which did not. After ``Patch.remove()`` a
-wrapper may still be referenced somewhere (a user variable): it then calls the original function, exactly what
-the restored binding sites call.
+Counts live per thread (``ThreadState``: no lock per call; readers sum every thread's), under the call's site, so
+that ``Patch`` can say which attention layers ran the ring in the last forward and which did not. After
+``Patch.remove()`` (``removed = True`` drops every site's plans) a wrapper may still be referenced somewhere (a
+user variable): it then calls the original function, exactly what the restored binding sites call.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from hfpatch import semantics as _semantics
 from hfpatch import switch as _switch
 from hfpatch.model_switch import attention_modules
 
-__all__ = ["Dispatcher", "LayerRecord", "Site"]
+__all__ = ["Dispatcher", "LayerRecord", "Site", "ThreadState"]
 
 # How far up the stack to look for the attention module that made the call: wrapper -> INTEG's
 # flash_attention_forward(module, ...) (4.48+) or the *FlashAttention2.forward(self, ...) method (4.43-4.47).
@@ -87,20 +87,28 @@ class Site:
     plans:           (is_causal, softmax_scale, sliding_window, softcap), as the wrapper passed them -> the
                      ``semantics.RingPlan`` to reuse; a plan is valid while ``plan.step is ctx.plan_step`` and the
                      call has the step inputs the plans were built from:
+    plan:            the plan kept last: a call with its configuration (``RingPlan.causal`` ...; a layer has one)
+                     reuses it without building the key;
     position_ids, version:  the position ids tensor (identity) and its ``_version`` (None: no position ids, or a
                      step from ``shard_inputs``, which states its layout itself);
-    batch, seq:      the query's (B, S_local);
+    batch, seq:      the query's (B, S_local); ``key_numel``: the key's element count (a longer key: a KV cache);
     sink:            the attention sinks (``s_aux``) of the call that kept the plans, checked by ``semantics.sink_of``
                      (a layer passes the same parameter on every call): a call with another sink is planned again.
     """
 
-    __slots__ = ("key", "module_id", "plans", "position_ids", "version", "batch", "seq", "sink")
+    __slots__ = ("key", "module_id", "plans", "plan", "position_ids", "version", "batch", "seq", "key_numel", "sink")
 
     def __init__(self, key: Hashable, module_id: int | None) -> None:
         self.key = key
         self.module_id = module_id
         self.plans: dict = {}
-        self.position_ids = self.version = self.batch = self.seq = self.sink = None
+        self.plan = None
+        self.position_ids = self.version = self.batch = self.seq = self.key_numel = self.sink = None
+
+    def forget_plans(self) -> None:
+        """Drop every kept plan: the next call is planned (``Dispatcher.plan_and_run``)."""
+        self.plans = {}  # a new dict, not cleared: another thread may be reading the old one
+        self.plan = None
 
     def __repr__(self) -> str:
         return f"<Site {self.key!r} module={self.module_id} plans={[p.kernel for p in self.plans.values()]}>"
@@ -150,18 +158,31 @@ def _calling_module(depth: int = 2) -> torch.nn.Module | None:
     return None
 
 
-class _ThreadCounts(threading.local):
-    """This thread's state: call counts ``by_kind[kind][site] -> calls`` (kind a switch mode or ``_RECOMPUTED``;
-    only its own thread writes them, so counting takes no lock; readers sum every thread's), and ``bound``, the
-    sites of the tracked model whose forward runs on this thread (layer_idx -> Site; None outside one)."""
+class ThreadState:
+    """One thread's state: call counts ``by_kind[kind][site] -> calls`` (kind a switch mode or ``_RECOMPUTED``;
+    ``ring`` and ``recomputed`` are two of them; only its own thread writes them, so counting takes no lock;
+    readers sum every thread's), and ``bound``, the sites of the tracked model whose forward runs on this thread
+    (layer_idx -> Site; None outside one), ``outer_bound`` those of the enclosing tracked forwards, and
+    ``switch_stack``, this thread's override stack of ``hfpatch.switch`` (the list object ``switch.current_mode``
+    reads: one per thread, never replaced)."""
 
-    def __init__(self, every_thread: list) -> None:
+    __slots__ = ("ring", "recomputed", "by_kind", "bound", "outer_bound", "switch_stack")
+
+    def __init__(self) -> None:
         self.ring: dict = {}
         self.recomputed: dict = {}
         self.by_kind: dict = {"ring": self.ring, _RECOMPUTED: self.recomputed}
         self.bound: dict | None = None
-        self.outer_bound: list = []  # the bindings of enclosing tracked forwards (a tracked model inside another)
-        every_thread.append(self.by_kind)  # list.append is atomic; a thread's dicts outlive the thread
+        self.outer_bound: list = []
+        self.switch_stack: list = _switch._local.stack  # read in the thread that owns it
+
+
+class _PerThread(threading.local):
+    """``.state``: this thread's ``ThreadState`` (one thread-local read per call; its fields are slots)."""
+
+    def __init__(self, every_thread: list) -> None:
+        self.state = ThreadState()
+        every_thread.append(self.state.by_kind)  # list.append is atomic; a thread's dicts outlive the thread
 
 
 class Dispatcher:
@@ -178,9 +199,9 @@ class Dispatcher:
         self.original = original
         self.match = match
         self.ctx = ctx
-        self.removed = False
+        self._removed = False
         self._every_thread: list = []
-        self._counts = _ThreadCounts(self._every_thread)
+        self._threads = _PerThread(self._every_thread)
         self.opaque_token = _opaque.register_dispatcher(self)  # how torch.compile's opaque operator finds us
         self._sites: dict[tuple, Site] = {}
         # Site -> the mode of its last call in the current forward (one item store per call: atomic).
@@ -191,13 +212,12 @@ class Dispatcher:
     # ------------------------------------------------------------------------------------------ the call
     def _make_entry(self) -> Callable:
         """The wrapper's handler: ``entry(<each role of codegen.ROLE_ORDER>, extra)`` (see the module docstring).
-        A closure, not a method: what it reads on every call are cells, not attribute lookups."""
-        dispatcher = self
+        A closure, not a method: what it reads on every call are cells, not attribute lookups. Removal needs no
+        check here: ``removed = True`` drops every site's plans, and ``plan_and_run`` reads it."""
         ctx = self.ctx
-        thread = self._counts
+        threads = self._threads
         forward = self._forward
-        switch_state = _switch._local  # the per-thread override stack (switch.current_mode, inlined)
-        switch_module = _switch
+        switch_module = _switch  # switch.current_mode, inlined: the thread's stack, else the default
         site_from_stack = self._site_from_stack
         plan_and_run = self.plan_and_run
         cast_to_target = _semantics.cast_to_target
@@ -206,29 +226,33 @@ class Dispatcher:
                   sliding_window, use_top_left_mask, softcap, deterministic, cu_seq_lens_q, cu_seq_lens_k,
                   max_length_q, max_length_k, target_dtype, implementation, block_table, k_cache, v_cache, extra):
             site = None
-            if not _is_compiling() and not dispatcher.removed:
-                bound = thread.bound
+            if not _is_compiling():
+                state = threads.state
+                bound = state.bound
                 if bound is not None and extra:
                     site = bound.get(extra.get("layer_idx"))
                 if site is None:
                     site = site_from_stack(extra)
-                plan = site.plans.get((is_causal, softmax_scale, sliding_window, softcap))
-                stack = switch_state.stack
-                if (plan is not None and (stack[-1] if stack else switch_module._default_mode) == "ring"
-                        and plan.step is ctx.plan_step and attention_mask is None and not dropout
+                plan = site.plan
+                if (plan is None or is_causal != plan.causal or softmax_scale != plan.scale
+                        or sliding_window != plan.window or softcap != plan.softcap):
+                    plan = site.plans.get((is_causal, softmax_scale, sliding_window, softcap))
+                stack = state.switch_stack
+                if (plan is not None and plan.step is ctx.plan_step
+                        and (stack[-1] if stack else switch_module._default_mode) == "ring"
+                        and attention_mask is None and not dropout
                         and position_ids is site.position_ids
                         and (site.version is None or position_ids._version == site.version)
                         and (sliding_window is None or type(sliding_window) is int)  # True == 1, but refused
-                        and cu_seq_lens_q is None and cu_seq_lens_k is None
-                        and block_table is None and k_cache is None and v_cache is None
-                        and ((extra.get("s_aux") is site.sink and extra.get("cache") is None
-                              and extra.get("cache_seqlens") is None) if extra else site.sink is None)):
+                        and cu_seq_lens_q is cu_seq_lens_k is block_table is k_cache is v_cache is None
+                        and ((extra.get("s_aux") is site.sink and "cache" not in extra
+                              and "cache_seqlens" not in extra) if extra else site.sink is None)):
                     shape = query.shape
-                    if shape[0] == site.batch and shape[1] == site.seq and key.shape[1] == shape[1]:
+                    if shape[0] == site.batch and shape[1] == site.seq and key.numel() == site.key_numel:
                         if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
-                            counts = thread.recomputed
+                            counts = state.recomputed
                         else:
-                            counts = thread.ring
+                            counts = state.ring
                             forward[site] = "ring"
                         counts[site] = counts.get(site, 0) + 1
                         if target_dtype is not None:
@@ -240,6 +264,19 @@ class Dispatcher:
                 max_length_q, max_length_k, target_dtype, implementation, block_table, k_cache, v_cache), extra)
 
         return entry
+
+    @property
+    def removed(self) -> bool:
+        """True once the patch is removed: every call then runs the original function, uncounted."""
+        return self._removed
+
+    @removed.setter
+    def removed(self, value: bool) -> None:
+        self._removed = bool(value)
+        if value:
+            with self._lock:
+                for site in self._sites.values():
+                    site.forget_plans()  # the entry runs no plan: its calls reach plan_and_run, which reads this
 
     def __call__(self, call: dict, extra: dict) -> torch.Tensor:
         """``entry`` with the arguments as ``{role: value}`` (roles not in ``call`` are not passed on)."""
@@ -275,14 +312,17 @@ class Dispatcher:
         positions = values[_POSITIONS]
         derived = getattr(self.ctx, "step", None) is None  # a derived step depends on the positions' contents
         version = positions._version if derived and isinstance(positions, torch.Tensor) else None
+        key_numel = values[1].numel()
         plans = site.plans
         if (positions is not site.position_ids or version != site.version or shape[0] != site.batch
-                or shape[1] != site.seq or len(plans) >= _MAX_SITE_PLANS):
-            plans = {}  # a new dict, not cleared: another thread may be reading the old one
+                or shape[1] != site.seq or key_numel != site.key_numel or len(plans) >= _MAX_SITE_PLANS):
+            site.forget_plans()
+            plans = site.plans
             site.position_ids, site.version, site.batch, site.seq = positions, version, shape[0], shape[1]
+            site.key_numel = key_numel
         plans[(values[_CAUSAL], values[_SCALE], values[_WINDOW], values[_SOFTCAP])] = plan
         site.sink = extra.get("s_aux") if extra else None
-        site.plans = plans
+        site.plan = plan
 
     def compiled_forward(self, call: dict, extra: dict) -> str:
         """Run-time part of a compiled call: the mode to run, counted like an eager call (the caller module is
@@ -319,11 +359,29 @@ class Dispatcher:
         return site
 
     def _site_from_stack(self, extra: dict) -> Site:
-        """The site of the module found on the stack (depth 3: this frame, ``entry``, then its caller)."""
-        module = _calling_module(3)
+        """The site of the module found on the stack. Depth 3 (this frame, ``entry``, the wrapper) is the wrapper's
+        caller, transformers' ``flash_attention_forward(module, ...)`` on 4.48+: read first, inline; any other
+        frame through ``_calling_module``."""
+        frame = sys._getframe(3)
+        code = frame.f_code
+        entry = _holders.get(id(code))
+        module = None
+        if entry is not None and entry[0] is code and entry[1]:
+            local = frame.f_locals
+            for name in entry[1]:
+                candidate = local.get(name)
+                if isinstance(candidate, torch.nn.Module):
+                    module = candidate
+                    break
+        if module is None:
+            module = _calling_module(3)
         layer_idx = extra.get("layer_idx") if extra else None
         if layer_idx is None and module is not None:
             layer_idx = getattr(module, "layer_idx", None)
+        if type(layer_idx) is int:
+            site = self._sites.get((layer_idx, None if module is None else id(module)))
+            if site is not None:
+                return site
         return self._site(_slot(layer_idx, module))
 
     def track(self, model: torch.nn.Module) -> list:
@@ -336,29 +394,32 @@ class Dispatcher:
             if type(index) is int:
                 by_index.setdefault(index, []).append(module)
         sites = {index: self._site((index, id(found[0]))) for index, found in by_index.items() if len(found) == 1}
-        thread = self._counts
+        threads = self._threads
 
         def begin(module, args):
             if _is_compiling():
                 return  # compiled calls keep one record per layer and are counted by layer_idx (hfpatch/_opaque.py)
             self.begin_forward()
-            thread.outer_bound.append(thread.bound)
-            thread.bound = sites
+            state = threads.state
+            state.outer_bound.append(state.bound)
+            state.bound = sites
 
         def end(module, args, output):
-            if _is_compiling() or not thread.outer_bound:
+            state = threads.state
+            if _is_compiling() or not state.outer_bound:
                 return
-            thread.bound = thread.outer_bound.pop()
+            state.bound = state.outer_bound.pop()
 
         return [model.register_forward_pre_hook(begin), model.register_forward_hook(end, always_call=True)]
 
     # ------------------------------------------------------------------------------------- counting
     def _count(self, mode: str, site: Site) -> None:
         # Two modules with the same layer index (an encoder and a decoder) are two sites: they stay apart.
+        state = self._threads.state
         if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
-            counts = self._counts.recomputed
+            counts = state.recomputed
         else:
-            by_kind = self._counts.by_kind
+            by_kind = state.by_kind
             counts = by_kind.get(mode)
             if counts is None:
                 counts = by_kind[mode] = {}  # dict item store: atomic; only this thread writes by_kind

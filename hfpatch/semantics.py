@@ -583,16 +583,20 @@ class RingPlan:
     kernel:      the ring_kernels function name; ``kwargs``: its keyword arguments (the kernel gets its own copy).
     packed:      the step is one packed row: the kernel also takes the step's GLOBAL int32 ``cu_seqlens``, kept
                  here as one copy per device it was needed on.
+    causal, scale, window, softcap:  the call configuration it was built for, as the caller passed it (a call whose
+                 values are equal to these is one this plan computes, in this step).
     """
 
-    __slots__ = ("step", "kernel", "kwargs", "packed", "cu_seqlens", "rank_checked")
+    __slots__ = ("step", "kernel", "kwargs", "packed", "cu_seqlens", "rank_checked", "causal", "scale", "window",
+                 "softcap")
 
     def __init__(self, step: StepState, kernel: str, kwargs: dict, packed: bool,
-                 cu_seqlens: Optional[torch.Tensor]) -> None:
+                 cu_seqlens: Optional[torch.Tensor], config: tuple = (None, None, None, None)) -> None:
         self.step = step
         self.kernel = kernel
         self.kwargs = kwargs
         self.packed = packed
+        self.causal, self.scale, self.window, self.softcap = config
         self.cu_seqlens = {} if cu_seqlens is None else {cu_seqlens.device: cu_seqlens}
         self.rank_checked = step.rank_checked
 
@@ -613,7 +617,13 @@ class RingPlan:
         try:
             if self.packed:
                 cu = self.cu_seqlens.get(q.device)
-                return kernel(q, k, v, self.cu_on(q.device) if cu is None else cu, sink=sink, **self.kwargs)
+                if cu is None:
+                    cu = self.cu_on(q.device)
+                if sink is None:
+                    return kernel(q, k, v, cu, **self.kwargs)
+                return kernel(q, k, v, cu, sink=sink, **self.kwargs)
+            if sink is None:  # (an extra keyword would make the call merge it into a copy of kwargs)
+                return kernel(q, k, v, **self.kwargs)
             return kernel(q, k, v, sink=sink, **self.kwargs)
         finally:
             _RANK_CHECKED.reset(token)
@@ -647,7 +657,7 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
             kwargs["heads_k_stride"] = ctx.heads_k_stride
         name = _VARLEN_KERNELS[step.kernel]
         _kernel(name)  # fails now, with the name, if this ring_kernels lacks it
-        return RingPlan(step, name, kwargs, True, step.cu_seqlens)
+        return RingPlan(step, name, kwargs, True, step.cu_seqlens, (causal, scale, window, softcap))
     kernel = step.kernel
     if not kwargs["causal"] and kwargs["window_size"] == (-1, -1):
         # Full attention does not depend on where the keys sit, so the contiguous ring computes it for any layout
@@ -655,7 +665,7 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
         kernel = "ring"
     name = _BATCH_KERNELS[kernel]
     _kernel(name)
-    return RingPlan(step, name, kwargs, False, None)
+    return RingPlan(step, name, kwargs, False, None, (causal, scale, window, softcap))
 
 
 def ring_plan(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> RingPlan:
