@@ -31,7 +31,7 @@ def _reads_cpu_autocast() -> bool:
 
 
 def _entries():
-    from hfpatch.sweep.catalog import flash_causal_lm_classes
+    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
 
     return [e for e in flash_causal_lm_classes() if e.class_name in CLASSES and e.importable]
 
@@ -46,7 +46,7 @@ def _step(model, ids, positions):
 def _autocast_world(rank, world):
     import hfpatch
     from hfpatch import semantics
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     seen = []  # (q, k, v) dtypes as the attention calls arrive
     cast = semantics.cast_to_target

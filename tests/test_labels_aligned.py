@@ -12,7 +12,7 @@ from _dist import run_world
 
 
 def _bart_entry():
-    from hfpatch.sweep.catalog import flash_causal_lm_classes
+    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
 
     entry = next((e for e in flash_causal_lm_classes() if e.model_type == "bart"), None)
     if entry is None:
@@ -24,8 +24,8 @@ def _aligned_world(rank, world, entry):
     import hfpatch
     from hfpatch.errors import UnsupportedArgument
     from hfpatch.model_positions import position_kwargs
-    from hfpatch.sweep.run import check_class
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.run import check_class
+    from hfpatch.release.sweep.tiny import build_tiny
 
     group = dist.group.WORLD
     verdict = check_class(entry, group)  # CP model(labels=shard labels) vs non-CP model(ids, labels=ids)
@@ -52,7 +52,7 @@ def test_inactive_patch_gives_the_models_own_loss():
     """No CP: the shifted labels shard_inputs returned stand for the caller's labels, so an aligned model's loss
     is its own loss on them (not a shifted cross-entropy)."""
     import hfpatch
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     entry = _bart_entry()
     model = build_tiny(entry)

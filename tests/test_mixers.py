@@ -143,8 +143,8 @@ def _four_ranks_world(rank, world):
     from transformers.utils import logging as hf_logging
 
     from hfpatch.mixers import recognise
-    from hfpatch.sweep.run import check_class
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.run import check_class
+    from hfpatch.release.sweep.tiny import build_tiny
 
     hf_logging.set_verbosity_error()
     verdicts = {"exchange cases": _exchange_world(rank, world)}
@@ -194,7 +194,7 @@ FAMILY_CLASSES = {
 
 
 def _entries():
-    from hfpatch.sweep.catalog import flash_causal_lm_classes
+    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
 
     return [e for e in flash_causal_lm_classes() if e.class_name in FAMILY_CLASSES and e.importable]
 
@@ -209,7 +209,7 @@ def test_registry_recognises_exactly_the_known_mixers():
     """On a release whose mixer code the registry lists, every mixer of these classes is recognised and the audit
     finds nothing; a changed forward is not recognised and the audit names the failed check."""
     from hfpatch.model_audit import audit
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     entries = _entries()
     if not entries:
@@ -241,8 +241,8 @@ def _classes_world(rank, world, kernels):
     from transformers.utils import logging as hf_logging
 
     from hfpatch.mixers import recognise
-    from hfpatch.sweep.run import check_class
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.run import check_class
+    from hfpatch.release.sweep.tiny import build_tiny
 
     hf_logging.set_verbosity_error()
     results = {}
@@ -272,7 +272,7 @@ def _packed_step(rank, world, entry, kernel):
     """A packed row (documents given by position_ids): CP loss and gradients against the model's non-CP run on
     the same row, which runs its mixers over the documents as one sequence (HF's torch path)."""
     import hfpatch
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     model = build_tiny(entry)
     lengths = [8 * world, 4 * world, 20 * world]
@@ -304,7 +304,7 @@ def _packed_step(rank, world, entry, kernel):
 def _refusals(rank, world, entry):
     import hfpatch
     from hfpatch.errors import UnsupportedArgument
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     model = build_tiny(entry)
     modeling = __import__(type(model).__module__, fromlist=["x"])
@@ -338,7 +338,7 @@ def _refusals(rank, world, entry):
 def _reference_mode(rank, world, entry):
     """Switch mode "reference" (the original kernels on the all-gathered sequence) gives the ring's logits."""
     import hfpatch
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     model = build_tiny(entry).eval()
     ids = torch.randint(0, 128, (2, 8 * world), generator=torch.Generator().manual_seed(2))
@@ -365,7 +365,7 @@ def test_packed_rows_counting_refusals_and_remove_2_ranks():
     entries = {e.class_name: e for e in _entries()}
     if not {"Qwen3NextForCausalLM", "Lfm2ForCausalLM"} <= set(entries):
         pytest.skip("no Lfm2 / Qwen3-Next class in this transformers release")
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     if not _recognised(build_tiny(entries["Qwen3NextForCausalLM"])):
         pytest.skip("this release's mixer code is not in hfpatch's registry (refused by name: see the 2-rank test)")

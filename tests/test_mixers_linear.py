@@ -31,7 +31,7 @@ PACKED_REFUSED = ("RecurrentGemmaForCausalLM", "ZayaForCausalLM")
 
 
 def _entries():
-    from hfpatch.sweep.catalog import flash_causal_lm_classes
+    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
 
     return [e for e in flash_causal_lm_classes() if e.class_name in FAMILY_CLASSES and e.importable]
 
@@ -201,7 +201,7 @@ def test_registry_recognises_the_mixers_and_refuses_changed_code():
     ``KimiLinearAttention`` included); a changed RG-LRU scan makes the RG-LRU and the block around it unrecognised,
     and the audit names the block."""
     from hfpatch.model_audit import audit
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     _quiet()
     entries = _entries()
@@ -234,8 +234,8 @@ def test_registry_recognises_the_mixers_and_refuses_changed_code():
 
 def _kernels_and_classes_world(rank, world):
     from hfpatch.mixers import recognise
-    from hfpatch.sweep.run import check_class
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.run import check_class
+    from hfpatch.release.sweep.tiny import build_tiny
 
     _quiet()
     results = {"kernel cases": len(_kernel_cases(rank, world))}
@@ -263,7 +263,7 @@ def test_kernels_and_hf_classes_exact_2_ranks():
 def _model(entry):
     """The tiny model; MiniMax rebuilt with lightning blocks of 6 tokens, so that HF's block loop runs several
     (partial) blocks on the packed row."""
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     model = build_tiny(entry)
     if entry.class_name == "MiniMaxForCausalLM":
@@ -278,7 +278,7 @@ def _packed_step(rank, world, entry, kernel):
     """A packed row (documents given by position_ids): CP loss and every gradient against the model's non-CP run
     on the same row. Returns the kernel roles that ran in switch mode "ring"."""
     import hfpatch
-    from hfpatch.sweep.run import GRAD_FLOOR, GRAD_RTOL, LOSS_RTOL
+    from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL, LOSS_RTOL
 
     model = _model(entry)
     lengths = [8 * world, 4 * world, 12 * world]
@@ -326,7 +326,7 @@ def _refusals_and_remove(rank, world, entry):
     """A refused apply (stripe) and remove() leave no replacement behind; a cache is refused by name."""
     import hfpatch
     from hfpatch.errors import UnsupportedArgument
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     model = build_tiny(entry)
     mixers = [m for m in model.modules() if type(m).__name__ in FAMILY_CLASSES[entry.class_name]]
@@ -374,7 +374,7 @@ def test_packed_rows_reference_refusals_and_remove_2_ranks():
     entries = {e.class_name: e for e in _entries()}
     if set(entries) != set(FAMILY_CLASSES):
         pytest.skip("this release lacks one of MiniMax / RecurrentGemma / Kimi-Linear / BailingHybrid / ZAYA")
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     if not all(_recognised(build_tiny(e)) for e in entries.values()):
         pytest.skip("this release's mixer code is not in hfpatch's registry (refused by name: see the registry test)")

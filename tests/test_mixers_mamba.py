@@ -177,12 +177,12 @@ FAMILY_CLASSES = {
 
 @functools.lru_cache(maxsize=None)
 def _entries() -> tuple:
-    """The catalog entries (``hfpatch.sweep.catalog``) of the FAMILY_CLASSES this release has with a flash path,
+    """The catalog entries (``hfpatch.release.sweep.catalog``) of the FAMILY_CLASSES this release has with a flash path,
     found without importing every model class."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hfpatch.sweep.catalog import CatalogEntry, declares_flash
+    from hfpatch.release.sweep.catalog import CatalogEntry, declares_flash
 
     entries = []
     for model_type, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
@@ -209,7 +209,7 @@ def test_registry_recognises_exactly_the_known_mixers():
     """On a release whose mixer code the registry lists, every Mamba mixer of these classes is recognised and the
     audit finds nothing; a changed forward is not recognised and the audit names the failed check."""
     from hfpatch.model_audit import audit
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     entries = _entries()
     if not entries:
@@ -241,8 +241,8 @@ def _classes_world(rank, world, kernels, names):
     from transformers.utils import logging as hf_logging
 
     from hfpatch.mixers import recognise
-    from hfpatch.sweep.run import check_class
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.run import check_class
+    from hfpatch.release.sweep.tiny import build_tiny
 
     hf_logging.set_verbosity_error()
     results = {}
@@ -286,7 +286,7 @@ def _packed_step(rank, world, entry, kernel):
     """A packed row (documents given by position_ids): CP loss and gradients against the model's non-CP run on
     the same row. HF's Mamba mixers do not read position_ids: both runs go over the documents as one sequence."""
     import hfpatch
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     model = build_tiny(entry)
     lengths = [8 * world, 4 * world, 20 * world]
@@ -360,7 +360,7 @@ def _refusals(rank, world, entry, passes_kwargs):
     decoder layer drops them, in the non-CP run too)."""
     import hfpatch
     from hfpatch.errors import UnsupportedArgument
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     model = build_tiny(entry)
     modeling = __import__(type(model).__module__, fromlist=["x"])
@@ -423,7 +423,7 @@ def test_packed_rows_hub_bound_kernels_refusals_and_remove_2_ranks():
     entries = {e.class_name: e for e in _entries()}
     if not {"BambaForCausalLM", "JambaForCausalLM"} <= set(entries):
         pytest.skip("no Bamba / Jamba class in this transformers release")
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     if not (_recognised(build_tiny(entries["BambaForCausalLM"]))
             and _recognised(build_tiny(entries["JambaForCausalLM"]))):

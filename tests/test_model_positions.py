@@ -3,10 +3,10 @@ release whose position module numbers tokens by the input's length (the BART fam
 exactly under ``hfpatch.apply(model=)`` on 2 gloo ranks -- batch (zigzag, contiguous ring, stripe) and packed
 (llama3, zigzag) -- and a position module hfpatch does not recognise stays refused by name.
 
-Each class is built tiny from its own config class (``hfpatch.sweep.tiny.build_tiny``, fp32, random weights). The
+Each class is built tiny from its own config class (``hfpatch.release.sweep.tiny.build_tiny``, fp32, random weights). The
 CP step is ``patch.shard_inputs`` -> ``model(...).logits`` -> ``token_loss_sum`` -> ``patch.reduce_loss``; the
 non-CP step the same model on the whole batch in switch mode "local", with HF's one-token shift. Exact means the
-sweep's rule (``hfpatch.sweep.run``): loss within ``LOSS_RTOL`` relative, every parameter's summed gradient within
+sweep's rule (``hfpatch.release.sweep.run``): loss within ``LOSS_RTOL`` relative, every parameter's summed gradient within
 ``GRAD_RTOL`` of its largest entry (plus ``GRAD_FLOOR`` of the model's largest gradient). The loss is taken from
 the logits, not from ``model(labels=)``: these classes' own loss does not shift the labels on every release,
 which ``hfpatch.labels`` refuses under CP by name -- a separate matter from positions.
@@ -41,7 +41,7 @@ ALL_CASES = {**CASES, **LAYOUT_CASES}
 
 
 def _entries():
-    from hfpatch.sweep.catalog import flash_causal_lm_classes
+    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
 
     return {e.class_name: e for e in flash_causal_lm_classes() if e.class_name in FAMILY and e.importable}
 
@@ -92,7 +92,7 @@ def _cp(patch, model, ids, positions, pass_positions):
 
 def _errors(loss, grads, loss_ref, grads_ref):
     """(relative loss error, worst gradient error as a multiple of its bound): the sweep's rule."""
-    from hfpatch.sweep.run import GRAD_FLOOR, GRAD_RTOL
+    from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL
 
     largest = max(g.abs().max().item() for g in grads_ref.values())
     worst = 0.0
@@ -129,7 +129,7 @@ def _cases_of(name):
 def _family_world(rank, world):
     import hfpatch
     from hfpatch.errors import UnsupportedArgument
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -176,7 +176,7 @@ def family_results():
 @pytest.mark.parametrize("case", list(ALL_CASES))
 @pytest.mark.parametrize("class_name", FAMILY)
 def test_family_class_is_exact_under_cp(family_results, class_name, case):
-    from hfpatch.sweep.run import LOSS_RTOL
+    from hfpatch.release.sweep.run import LOSS_RTOL
 
     if case not in _cases_of(class_name):
         pytest.skip(f"the layouts beyond {sorted(CASES)} run on the representatives {REPRESENTATIVES}")
@@ -224,7 +224,7 @@ def _with_custom_positions(model, *, same_name: bool):
 def test_every_family_position_module_on_this_release_is_recognised():
     from hfpatch.model_audit import audit
     from hfpatch.model_positions import recognise
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     entries = _entries()
     if not entries:

@@ -1,5 +1,5 @@
 """The model sweep on the installed transformers release: every causal-LM class that declares a flash-attention
-path is built tiny and trained one step under CP (2 gloo ranks) against non-CP (``hfpatch.sweep.run``). No class
+path is built tiny and trained one step under CP (2 gloo ranks) against non-CP (``hfpatch.release.sweep.run``). No class
 may end silent (CP ran and differs) or unnamed (an exception that is not an hfpatch error); at most 5% may be
 "not built". On the release MODELS.md was generated with, the table must be current (``hfpatch models --write``).
 """
@@ -16,7 +16,7 @@ NOT_BUILT_SHARE = 0.05
 
 @pytest.fixture(scope="module")
 def verdicts():
-    from hfpatch.sweep.run import run_sweep
+    from hfpatch.release.sweep.run import run_sweep
 
     return run_sweep(world_size=2)
 
@@ -28,7 +28,7 @@ def test_no_class_is_silent_or_unnamed(verdicts):
 
 
 def test_every_verdict_has_its_evidence(verdicts):
-    from hfpatch.sweep.run import VERDICTS
+    from hfpatch.release.sweep.run import VERDICTS
 
     assert verdicts, "the catalog is empty: the sweep checked nothing"
     for v in verdicts:
@@ -52,7 +52,7 @@ def test_few_classes_are_not_built(verdicts):
 def test_models_md_is_current(verdicts):
     import transformers
 
-    from hfpatch.sweep import table
+    from hfpatch.release.sweep import table
 
     release, _ = table.parse(MODELS_MD.read_text())
     if release != transformers.__version__:

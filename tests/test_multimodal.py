@@ -44,8 +44,8 @@ def test_released_multimodal_classes_audit_clean(model_type):
     """The released composites whose towers hold convolutions or position tables: nothing in the towers is a
     finding (their text stacks are what the model sweep proves exact)."""
     from hfpatch.model_audit import audit, modality_towers
-    from hfpatch.sweep.catalog import flash_causal_lm_classes
-    from hfpatch.sweep.tiny import NotBuilt, build_tiny
+    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
+    from hfpatch.release.sweep.tiny import NotBuilt, build_tiny
 
     entry = next((e for e in flash_causal_lm_classes() if e.model_type == model_type), None)
     if entry is None:

@@ -20,7 +20,7 @@ PACKED = (("GptOssForCausalLM", "auto"), ("GptOssForCausalLM", "zigzag"), ("MiMo
 
 
 def _entries():
-    from hfpatch.sweep.catalog import flash_causal_lm_classes
+    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
 
     return [e for e in flash_causal_lm_classes() if e.class_name in SINK_CLASSES and e.importable]
 
@@ -33,7 +33,7 @@ def _packed_step(entry, kernel: str, world: int) -> list:
     """A packed row of three documents: CP loss and every gradient (the sinks' summed over the ranks) against the
     model's non-CP run on the same row (switch "local"). Returns the sink parameters compared."""
     import hfpatch
-    from hfpatch.sweep.tiny import build_tiny
+    from hfpatch.release.sweep.tiny import build_tiny
 
     model = build_tiny(entry)
     lengths = [8 * world, 4 * world, 12 * world]  # multiples of 2 x world: zigzag varlen splits each document
@@ -68,7 +68,7 @@ def _packed_step(entry, kernel: str, world: int) -> list:
 def _sinks_world(rank, world):
     from transformers.utils import logging as hf_logging
 
-    from hfpatch.sweep.run import check_class
+    from hfpatch.release.sweep.run import check_class
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)

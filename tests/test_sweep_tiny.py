@@ -12,8 +12,8 @@ import pytest
 
 import torch
 
-from hfpatch.sweep.catalog import CatalogEntry, flash_causal_lm_classes
-from hfpatch.sweep.tiny import (
+from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+from hfpatch.release.sweep.tiny import (
     HYBRID_KINDS, TINY_VOCAB, NotBuilt, build_tiny, layer_kinds, tiny_config, training_inputs)
 
 # Measured on 2 shared CPU cores (transformers 5.23): median ~0.02 s, max ~0.4 s. The budget leaves room for

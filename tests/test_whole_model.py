@@ -304,8 +304,8 @@ def _gpt2_fp32(rank, world):
     releases that look the dtype up inline (4.48 until then), where the flash path fails before any attention."""
     import importlib
 
-    from hfpatch.sweep.catalog import flash_causal_lm_classes
-    from hfpatch.sweep.run import check_class
+    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
+    from hfpatch.release.sweep.run import check_class
 
     entries = [e for e in flash_causal_lm_classes() if e.class_name == "GPT2LMHeadModel"]
     if not entries:

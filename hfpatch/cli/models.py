@@ -37,8 +37,8 @@ def run(args) -> int:
     import torch
     import transformers
 
-    from hfpatch.sweep import table
-    from hfpatch.sweep.run import run_sweep
+    from hfpatch.release.sweep import table
+    from hfpatch.release.sweep.run import run_sweep
 
     if args.world_size < 2:
         print("hfpatch models: --world-size must be at least 2 (a CP group of one is not CP)", file=sys.stderr)

@@ -31,9 +31,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hfpatch.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes
 from hfpatch.model_positions import position_kwargs
-from hfpatch.sweep.tiny import training_inputs
+from hfpatch.release.sweep.tiny import training_inputs
 from ring_kernels.tolerances import tolerance
 
 __all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "check_class", "run_sweep"]
@@ -165,7 +165,7 @@ def check_class(entry: CatalogEntry, group, *, kernel: str = "auto") -> Verdict:
     """The verdict of one class (module docstring). Collective over ``group``; every rank returns the same."""
     import hfpatch
     from hfpatch.errors import HfpatchError
-    from hfpatch.sweep.tiny import NotBuilt, build_tiny
+    from hfpatch.release.sweep.tiny import NotBuilt, build_tiny
 
     start = time.perf_counter()
     local = _check_here(entry, group, kernel, hfpatch, HfpatchError, NotBuilt, build_tiny)

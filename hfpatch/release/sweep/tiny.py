@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hfpatch.sweep.catalog import CatalogEntry
+from hfpatch.release.sweep.catalog import CatalogEntry
 
 __all__ = ["TINY_VOCAB", "HYBRID_KINDS", "NotBuilt", "tiny_config", "build_tiny", "layer_kinds",
            "training_inputs"]

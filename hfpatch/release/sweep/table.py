@@ -10,7 +10,7 @@ import re
 from collections import Counter
 from typing import Iterable
 
-from hfpatch.sweep.run import GRAD_RTOL, LOSS_RTOL, VERDICTS, Verdict
+from hfpatch.release.sweep.run import GRAD_RTOL, LOSS_RTOL, VERDICTS, Verdict
 
 __all__ = ["render", "parse", "stale", "counts_line"]
 
