@@ -80,20 +80,20 @@ def eager_reference_overrides(name: str) -> dict:
     - Gemma2, 4.43-4.47: its flash attention passes ``softcap`` only when flash-attn >= 2.6 is installed
       (``is_flash_attn_greater_or_equal("2.6.0")``), else None (eager always caps).
     """
-    from hfpatch import _compat
+    from hfpatch import version_gates
 
     _check_name(name)
     config = {**_COMMON, **_MODELS[name][2]}
-    version = _compat.installed_transformers_version()
+    version = version_gates.installed_transformers_version()
     if version is None:
         return {}
     overrides = {}
     window = config.get("sliding_window")
-    if window is not None and version < _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE:
+    if window is not None and version < version_gates.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE:
         overrides["sliding_window"] = window + 1
-    if name == "gemma2" and version < _compat.TRANSFORMERS_POSITION_IDS:            # 4.43
+    if name == "gemma2" and version < version_gates.TRANSFORMERS_POSITION_IDS:            # 4.43
         overrides["sliding_window"] = config["max_position_embeddings"]         # longer than any test sequence
-    if name == "gemma2" and version < _compat.TRANSFORMERS_ATTENTION_FUNCTIONS:     # 4.43-4.47
+    if name == "gemma2" and version < version_gates.TRANSFORMERS_ATTENTION_FUNCTIONS:     # 4.43-4.47
         from transformers.utils import is_flash_attn_greater_or_equal
 
         if not is_flash_attn_greater_or_equal("2.6.0"):

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from hfpatch import _compat
+from hfpatch import version_gates
 from hfpatch.errors import (ModelDivergence, PatchError, SignatureMismatch, UnsupportedModel, UnsupportedRelease,
                             VerificationError)
 
@@ -63,7 +63,7 @@ class Patch:
         self._dispatcher = dispatcher
         self._match = match
         self._previous_switch = previous_switch
-        self._model_switches: list = []
+        self._model_routings: list = []
         self._hooks: list = []
         # Why model(labels=) is refused under CP for the model of apply(model=) (set by the whole-model probe).
         self.labels_refusal: Optional[str] = None
@@ -76,7 +76,7 @@ class Patch:
         if self._installation is None or self._removed:
             return []
         injected = [f"{module.__name__}._flash_attention_forward (injected by model=)"
-                    for record in self._model_switches for module, _ in record.injected]
+                    for record in self._model_routings for module, _ in record.injected]
         return [site.label for site in self._installation.sites] + injected
 
     @property
@@ -143,7 +143,7 @@ class Patch:
         """The attention modules of ``model`` that did NOT run the ring in the last forward: a list of
         ``{"name", "class", "attn_implementation"}`` (e.g. a model left on "sdpa" or "eager"). Empty when every
         attention layer went through the ring."""
-        from hfpatch.model_switch import attention_modules
+        from hfpatch.model_routing import attention_modules
 
         records = self._dispatcher.forward_records() if self._dispatcher is not None else []
         ring_ids = {r.module_id for r in records if r.mode == "ring" and r.module_id is not None}
@@ -205,7 +205,7 @@ class Patch:
 
         for hook in self._hooks:
             attempt(hook.remove)
-        for record in reversed(self._model_switches):
+        for record in reversed(self._model_routings):
             attempt(record.restore)
         if self._installation is not None:
             attempt(lambda: foreign.extend(self._installation.restore()))
@@ -380,15 +380,15 @@ def _match_live_signature(on_unsupported: str):
     """(match, version, None), or (None, None, reason) for a fallback; raises for on_unsupported="raise"."""
     from hfpatch.signatures import registry
 
-    version = _compat.installed_transformers_version()
-    if version is None or not _compat.is_supported_release(version):
+    version = version_gates.installed_transformers_version()
+    if version is None or not version_gates.is_supported_release(version):
         what = "transformers is not installed" if version is None else f"transformers {version} is older than " \
-            f"{_compat.TRANSFORMERS_MIN_SUPPORTED} (no module-level _flash_attention_forward to patch)"
+            f"{version_gates.TRANSFORMERS_MIN_SUPPORTED} (no module-level _flash_attention_forward to patch)"
         if on_unsupported == "fallback":
             return None, None, what
-        raise UnsupportedRelease(f"{what}. Fix: install transformers>={_compat.TRANSFORMERS_MIN_SUPPORTED}.",
+        raise UnsupportedRelease(f"{what}. Fix: install transformers>={version_gates.TRANSFORMERS_MIN_SUPPORTED}.",
                                  transformers_version=None if version is None else str(version),
-                                 requirement=f">={_compat.TRANSFORMERS_MIN_SUPPORTED}")
+                                 requirement=f">={version_gates.TRANSFORMERS_MIN_SUPPORTED}")
     import transformers.modeling_flash_attention_utils as mfau
 
     live = mfau._flash_attention_forward
@@ -472,7 +472,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     from hfpatch.labels import install_labels_hook
     from hfpatch.model_inputs import install_inputs_guard
     from hfpatch.mixers import install_mixers
-    from hfpatch.model_switch import switch_model
+    from hfpatch.model_routing import route_model
     from hfpatch.semantics import RingContext
 
     original = mfau._flash_attention_forward
@@ -489,7 +489,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
                   dispatcher=dispatcher, match=match)
     try:
         if model is not None:
-            patch._model_switches.append(switch_model(model, wrapper, transformers_version=version))
+            patch._model_routings.append(route_model(model, wrapper, transformers_version=version))
             patch._hooks.extend(model_positions.install(model, patch.live_ctx_or_none))  # global positions
             patch._hooks.append(install_mixers(model, ctx))  # recognised sequence mixers under CP (hfpatch.mixers)
             patch.track(model)

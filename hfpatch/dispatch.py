@@ -39,7 +39,7 @@ from hfpatch import _opaque
 from hfpatch import codegen as _codegen
 from hfpatch import semantics as _semantics
 from hfpatch import switch as _switch
-from hfpatch.model_switch import attention_modules
+from hfpatch.model_routing import attention_modules
 
 __all__ = ["Dispatcher", "LayerRecord", "Site", "ThreadState"]
 

@@ -16,7 +16,7 @@ copy of this table):
 
 - ``is_causal``, ``softmax_scale`` (None: D ** -0.5), GQA: passed to the kernels.
 - ``sliding_window``: converted to flash-attn's ``window_size`` exactly as the installed release converts it
-  (``(w - 1, w - 1)`` from 4.56, ``(w, w)`` before; see ``_compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE``), and
+  (``(w - 1, w - 1)`` from 4.56, ``(w, w)`` before; see ``version_gates.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE``), and
   like HF only when the (global) key length exceeds the window.
 - ``softcap``: passed to the kernels (scores -> softcap * tanh(scores / softcap)).
 - packing: the step's layout and GLOBAL ``cu_seqlens`` come from ``ctx.step`` (set once per step by
@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 import ring_kernels
-from hfpatch import _compat
+from hfpatch import version_gates
 from hfpatch.errors import UnsupportedArgument
 
 __all__ = [
@@ -104,7 +104,7 @@ class StepState:
     seq_len_local:   S_local: tokens per row on this rank.
     cu_seqlens:      IntTensor (num_docs + 1,) int32, cumulative lengths of the GLOBAL packed row; None if not packed.
     source:          "shard_inputs" | "position_ids" | "cu_seq_lens" | "shape": where the state came from; or
-                     the name of the ``hfpatch.compat`` function that set it (e.g. "update_ring_flash_attn_params").
+                     the name of the ``hfpatch.dropin`` function that set it (e.g. "update_ring_flash_attn_params").
     position_ids:    the local position ids ``shard_inputs`` returned (to detect a model fed other inputs), or None.
     """
 
@@ -324,8 +324,8 @@ def cast_to_target(target_dtype: Optional[torch.dtype], q: torch.Tensor, k: torc
 
 @functools.lru_cache(maxsize=None)
 def _target_dtype_by_query() -> bool:
-    version = _compat.installed_transformers_version()
-    return version is None or version >= _compat.TRANSFORMERS_TARGET_DTYPE_BY_QUERY
+    version = version_gates.installed_transformers_version()
+    return version is None or version >= version_gates.TRANSFORMERS_TARGET_DTYPE_BY_QUERY
 
 
 def _refuse_padding_mask(mask: Optional[torch.Tensor], ctx: RingContext) -> None:
@@ -379,8 +379,8 @@ def _window_size(sliding_window: Optional[int], seq_len_global: int) -> Tuple[in
 def _window_is_inclusive() -> bool:
     """True when the installed release gives flash-attn (w - 1, w - 1) for sliding_window w (read once: the
     metadata lookup is too slow for the per-layer hot path)."""
-    version = _compat.installed_transformers_version()
-    return version is None or version >= _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE
+    version = version_gates.installed_transformers_version()
+    return version is None or version >= version_gates.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE
 
 
 # -------------------------------------------------------------------------------------------- the step
@@ -395,7 +395,7 @@ def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext,
     step = ctx.step
     if step is not None:
         if step.batch_size != batch or step.seq_len_local != seq_local:
-            if step.source != "shard_inputs":  # a step set from outside (hfpatch.compat: update_*_params)
+            if step.source != "shard_inputs":  # a step set from outside (hfpatch.dropin: update_*_params)
                 raise UnsupportedArgument(
                     "query", q,
                     f"{step.source} described this step as batch {step.batch_size} x {step.seq_len_local} local "

@@ -37,9 +37,9 @@ RELEASE_INDEPENDENT = {
 }
 
 # Modules that must run on the same pytest-xdist worker (tests/conftest.py's scheduler, `--dist loadscope`): they
-# share one gloo world per session (tests/_compat_world.py), which each worker would otherwise start again.
+# share one gloo world per session (tests/_dropin_world.py), which each worker would otherwise start again.
 SAME_WORKER = {
-    "tests/test_compat_axolotl.py": "tests/_compat_world.py",
-    "tests/test_compat_ring_flash_attn.py": "tests/_compat_world.py",
+    "tests/test_dropin_axolotl.py": "tests/_dropin_world.py",
+    "tests/test_dropin_ring_flash_attn.py": "tests/_dropin_world.py",
 }
 

@@ -324,7 +324,7 @@ def _case_switch_original_via_env(group):
 
 def _case_unsupported(group):
     import hfpatch
-    from hfpatch import _compat
+    from hfpatch import version_gates
     from hfpatch.errors import PatchError, SignatureMismatch, UnsupportedRelease
     from packaging.version import Version
 
@@ -366,14 +366,14 @@ def _case_unsupported(group):
         _set_bindings(real)
     _assert_untouched(real)
 
-    real_version = _compat.installed_transformers_version
-    _compat.installed_transformers_version = lambda: Version("4.42.4")
+    real_version = version_gates.installed_transformers_version
+    version_gates.installed_transformers_version = lambda: Version("4.42.4")
     try:
         with pytest.raises(UnsupportedRelease, match="4.42.4"):
             hfpatch.apply(group)
         assert not hfpatch.apply(group, on_unsupported="fallback").active
     finally:
-        _compat.installed_transformers_version = real_version
+        version_gates.installed_transformers_version = real_version
     _assert_untouched(real)
 
 
@@ -444,7 +444,7 @@ def test_bad_switch_environment_is_refused_at_apply(monkeypatch):
 
 def test_model_without_a_flash_path_is_refused_unchanged():
     from hfpatch.errors import UnsupportedArgument
-    from hfpatch.model_switch import switch_model
+    from hfpatch.model_routing import route_model
 
     class Config:
         _attn_implementation_internal = "eager"
@@ -462,11 +462,11 @@ def test_model_without_a_flash_path_is_refused_unchanged():
 
     model = NoFlashModel()
     with pytest.raises(UnsupportedArgument) as info:
-        switch_model(model, lambda *a, **k: None)
+        route_model(model, lambda *a, **k: None)
     assert info.value.parameter == "model" and "no flash-attention path" in str(info.value)
     assert model.config._attn_implementation_internal == "eager"
     with pytest.raises(TypeError, match="model=Linear"):
-        switch_model(torch.nn.Linear(2, 2), lambda *a, **k: None)
+        route_model(torch.nn.Linear(2, 2), lambda *a, **k: None)
 
 
 # ------------------------------------------------------------------------------- GPU: NCCL, bf16 probe

@@ -144,7 +144,7 @@ def test_a_changed_context_field_drops_the_plans(kernels):
     pos = _PACKED_POSITIONS
     ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[2]["backend"] == "auto" and kernels.last()[2]["heads_k_stride"] is None
-    ctx.heads_k_stride = 1  # what hfpatch.compat sets after apply
+    ctx.heads_k_stride = 1  # what hfpatch.dropin sets after apply
     ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[2]["heads_k_stride"] == 1
     ctx.backend = "reference"

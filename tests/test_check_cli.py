@@ -36,7 +36,7 @@ def test_installed_release_is_supported_and_verified_in_a_gloo_world():
     code, report = _run_cli("--json", "--timeout", "600", timeout=900)
     assert code == 0, report
     assert report["exit_code"] == 0 and report["supported"] is True and report["problems"] == []
-    from hfpatch._compat import installed_transformers_version
+    from hfpatch.version_gates import installed_transformers_version
     from hfpatch.signatures.registry import entry_for_version
 
     version = installed_transformers_version()
@@ -72,7 +72,7 @@ def test_unknown_kernel_is_a_usage_error(capsys):
 
 
 def test_transformers_not_installed_is_an_environment_error(monkeypatch):
-    monkeypatch.setattr("hfpatch._compat.installed_transformers_version", lambda: None)
+    monkeypatch.setattr("hfpatch.version_gates.installed_transformers_version", lambda: None)
     report = check_cli.run_check()
     assert report["exit_code"] == 2
     assert "transformers is not installed" in report["problems"][0]
@@ -82,7 +82,7 @@ def test_transformers_not_installed_is_an_environment_error(monkeypatch):
 def test_release_before_4_43_is_unsupported_with_the_upgrade_fix(monkeypatch):
     from packaging.version import Version
 
-    monkeypatch.setattr("hfpatch._compat.installed_transformers_version", lambda: Version("4.42.4"))
+    monkeypatch.setattr("hfpatch.version_gates.installed_transformers_version", lambda: Version("4.42.4"))
     report = check_cli.run_check()
     assert report["exit_code"] == 1 and report["verdict"] == "unsupported-release"
     assert "upgrade to transformers>=4.43.0" in report["problems"][0]

@@ -115,7 +115,7 @@ def test_every_other_module_is_marked_release_dependent(request):
 def broken_copy(tmp_path: Path) -> tuple[Path, str, str]:
     """A copy of the tree whose registry entry for the installed release has its first parameter renamed (a
     release-specific break: no other release's entry changes). Returns (root of the copy, entry id, new name)."""
-    from hfpatch._compat import installed_transformers_version
+    from hfpatch.version_gates import installed_transformers_version
     from hfpatch.signatures.registry import entry_for_version
 
     entry = entry_for_version(installed_transformers_version())

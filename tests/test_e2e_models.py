@@ -119,7 +119,7 @@ def _check_tolerance_detects_off_by_one(rank, world):
 def _apply_before_model_import(rank, world):
     """In a fresh process: apply first, import and build the model afterwards; every layer still runs the ring."""
     import hfpatch
-    from hfpatch import model_switch
+    from hfpatch import model_routing
 
     assert "transformers.models.llama.modeling_llama" not in sys.modules, "the model module was already imported"
     patch = hfpatch.apply(dist.group.WORLD)
@@ -130,7 +130,7 @@ def _apply_before_model_import(rank, world):
         ids, _, _ = _batch_inputs()
         ref_loss, ref_grads = _baseline(build_model("llama"), ids, None)
         model = build_model("llama")
-        switched = model_switch.switch_model(model, mfau._flash_attention_forward)
+        switched = model_routing.route_model(model, mfau._flash_attention_forward)
         try:
             loss, grads = _cp_step(patch, model, ids, None)
         finally:
@@ -220,10 +220,10 @@ def _gemma2_flash_path_broken() -> bool:
     ``_flash_attention_forward`` is reached -- with or without hfpatch. 4.48 moved it to the shared
     integration. Gemma2 cases are left out on 4.47 only; ``test_gemma2_flash_path_of_4_47_needs_a_mask``
     proves the bug is still there, so the gate cannot outlive it."""
-    from hfpatch import _compat
+    from hfpatch import version_gates
 
-    version = _compat.installed_transformers_version()
-    return _compat.TRANSFORMERS_CU_SEQ_LENS <= version < _compat.TRANSFORMERS_ATTENTION_FUNCTIONS
+    version = version_gates.installed_transformers_version()
+    return version_gates.TRANSFORMERS_CU_SEQ_LENS <= version < version_gates.TRANSFORMERS_ATTENTION_FUNCTIONS
 
 
 def _runnable(cases):

@@ -139,12 +139,12 @@ def test_share_torch_without_torch_says_how_to_fix(tmp_path):
     assert "has no torch installed" in proc.stderr or "HFPATCH_TORCH_PYTHON" in proc.stderr
 
 
-def test_model_switch_also_switches_module_copies_of_attn_implementation():
+def test_model_routing_also_switches_module_copies_of_attn_implementation():
     """4.43-4.47 (found by the tf4.43.4 env): MistralModel, Qwen2Model, MixtralModel, Phi3Model, ... copy
     ``config._attn_implementation`` into ``self._attn_implementation`` at construction, and their mask builder
     reads the copy; switching only the config left them building the eager 4-D mask, which the ring (rightly)
     refused as a padding mask. The switch sets the copies too, and restore() puts back exactly what was there."""
-    from hfpatch.model_switch import FLASH_IMPLEMENTATION, switch_model
+    from hfpatch.model_routing import FLASH_IMPLEMENTATION, route_model
 
     class Config:
         _attn_implementation_internal = "eager"
@@ -168,7 +168,7 @@ def test_model_switch_also_switches_module_copies_of_attn_implementation():
             self.other = torch.nn.Linear(2, 2)   # no copy: must not gain the attribute
 
     model = TinyModel()
-    record = switch_model(model, lambda *a, **k: None, transformers_version=Version("4.48.0"))
+    record = route_model(model, lambda *a, **k: None, transformers_version=Version("4.48.0"))
     assert model.model._attn_implementation == FLASH_IMPLEMENTATION
     assert "_attn_implementation" not in model.other.__dict__
     record.restore()
@@ -176,14 +176,14 @@ def test_model_switch_also_switches_module_copies_of_attn_implementation():
     assert "_attn_implementation" not in model.other.__dict__
 
 
-def test_model_switch_handles_4_47_gemma2_per_call_dispatch(monkeypatch):
+def test_model_routing_handles_4_47_gemma2_per_call_dispatch(monkeypatch):
     """4.47.1 (found by the tf4.47.1 env): Gemma2 has no attention class table; it dispatches per call from
     ``config._attn_implementation`` through a module-level dict whose flash entry is a module-level function
     calling ``_flash_attention_forward`` -- imported only when flash-attn is installed. The switch accepts the
     model, switches its config, and binds the wrapper for that function (removed again by restore)."""
     import types as _types
 
-    from hfpatch.model_switch import FLASH_IMPLEMENTATION, switch_model
+    from hfpatch.model_routing import FLASH_IMPLEMENTATION, route_model
 
     modeling = _types.ModuleType("hfpatch_test_modeling_gemma2_447")
     exec(
@@ -212,7 +212,7 @@ def test_model_switch_handles_4_47_gemma2_per_call_dispatch(monkeypatch):
     def wrapper(q):
         return ("ring", q)
 
-    record = switch_model(model, wrapper, transformers_version=Version("4.47.1"))
+    record = route_model(model, wrapper, transformers_version=Version("4.47.1"))
     assert model.config._attn_implementation_internal == FLASH_IMPLEMENTATION
     assert modeling.flash_attention_forward(1) == ("ring", 1)
     record.restore()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
-from hfpatch import _compat, semantics
+from hfpatch import version_gates, semantics
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import reduce_loss, shard_inputs, shift_labels, token_loss_sum
 from hfpatch.semantics import RingContext, parse_kernel, plan_step, reference_attention, ring_attention
@@ -24,8 +24,8 @@ RTOL = 2e-5
 
 # transformers < 4.56 gave flash-attn window_size (w, w) for sliding_window w (one key more than eager's window);
 # the ring must match the installed release's flash path.
-_INSTALLED = _compat.installed_transformers_version()
-_WINDOW_EXTRA = 0 if _INSTALLED is None or _INSTALLED >= _compat.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE else 1
+_INSTALLED = version_gates.installed_transformers_version()
+_WINDOW_EXTRA = 0 if _INSTALLED is None or _INSTALLED >= version_gates.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE else 1
 
 
 # ------------------------------------------------------------------------------------------ reference
@@ -332,7 +332,7 @@ def test_target_dtype_casts_as_the_installed_release(fn):
     """HF's flash path casts q, k and v to ``target_dtype`` when the query (before 4.49: the value) is fp32 -- e.g.
     an fp32 model under autocast, where RoPE leaves q/k fp32 and v bf16; every mode does the same."""
     q, k, v = _qkv()
-    by_query = _INSTALLED is None or _INSTALLED >= _compat.TRANSFORMERS_TARGET_DTYPE_BY_QUERY
+    by_query = _INSTALLED is None or _INSTALLED >= version_gates.TRANSFORMERS_TARGET_DTYPE_BY_QUERY
     mixed_v = v.to(torch.bfloat16)
     if by_query:
         out = fn(_call(q, k, mixed_v, target_dtype=torch.bfloat16), {}, _local_ctx())
@@ -353,7 +353,7 @@ def test_the_release_rule_of_target_dtype(monkeypatch):
     mixed = (q, k, v.to(torch.bfloat16))
     try:
         for version, cast in (("4.48.3", False), ("4.49.0", True), ("5.23.0", True)):
-            monkeypatch.setattr(semantics._compat, "installed_transformers_version", lambda: Version(version))
+            monkeypatch.setattr(semantics.version_gates, "installed_transformers_version", lambda: Version(version))
             semantics._target_dtype_by_query.cache_clear()
             got = semantics.cast_to_target(torch.bfloat16, *mixed)
             assert [t.dtype for t in got] == ([torch.bfloat16] * 3 if cast else [t.dtype for t in mixed]), version
@@ -370,7 +370,7 @@ def test_sliding_window_follows_the_installed_release(monkeypatch):
     from packaging.version import Version
 
     def installed(version):
-        monkeypatch.setattr(semantics._compat, "installed_transformers_version", lambda: Version(version))
+        monkeypatch.setattr(semantics.version_gates, "installed_transformers_version", lambda: Version(version))
         semantics._window_is_inclusive.cache_clear()
 
     try:

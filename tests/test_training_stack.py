@@ -222,7 +222,7 @@ def _compiled_fsdp_cp_matches_reference(rank, world, mesh, reference, backend: s
 
 def _record_attention_outputs(model) -> list:
     """[(module name, attention output)] of every attention call, the recomputations included."""
-    from hfpatch.model_switch import attention_modules
+    from hfpatch.model_routing import attention_modules
 
     outputs: list = []
     for name, module in attention_modules(model):

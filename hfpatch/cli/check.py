@@ -127,7 +127,7 @@ def _fail(report: dict, code: int, problem: str) -> dict:
 def check_installed(*, world_size: int = 2, kernel: str = "auto", timeout: float = _DRY_RUN_TIMEOUT_S) -> dict:
     """Registry verdict for the installed release, then a dry-run apply + verify + remove on ``world_size``
     spawned gloo processes."""
-    from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED, installed_transformers_version, is_supported_release
+    from hfpatch.version_gates import TRANSFORMERS_MIN_SUPPORTED, installed_transformers_version, is_supported_release
 
     report = _base_report("installed")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
@@ -323,7 +323,7 @@ def _import_integration(facts: dict) -> None:
     import importlib
     import importlib.util
 
-    from hfpatch._compat import TRANSFORMERS_ATTENTION_FUNCTIONS, installed_transformers_version
+    from hfpatch.version_gates import TRANSFORMERS_ATTENTION_FUNCTIONS, installed_transformers_version
 
     version = installed_transformers_version()
     if version is None or version < TRANSFORMERS_ATTENTION_FUNCTIONS:
@@ -374,7 +374,7 @@ def _apply_verify_remove(facts: dict, group, kernel: str) -> None:
 
 def check_release(version_text: str) -> dict:
     """The static verdict for a release that need not be installed (its wheel is read, never imported)."""
-    from hfpatch._compat import parse_version
+    from hfpatch.version_gates import parse_version
     from hfpatch.errors import InvalidReleaseSpec, ScanError, WheelFetchError
 
     report = _base_report("static")

@@ -146,7 +146,7 @@ def available_releases() -> list[str]:
 def scan(static_path: Path, results_dir: Path, releases_arg: str | None) -> int:
     """Statically check the latest patch of every minor release; write ``static_path``. Nothing is written
     unless every release could be read."""
-    from hfpatch._compat import parse_version
+    from hfpatch.version_gates import parse_version
     from hfpatch.cli.static_check import static_check
     from hfpatch.release.compat_table import latest_patch_per_minor, load_results, registry_digest
     from hfpatch.errors import InvalidReleaseSpec, ScanError, WheelFetchError

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED, is_supported_release, parse_version
+from hfpatch.version_gates import TRANSFORMERS_MIN_SUPPORTED, is_supported_release, parse_version
 from hfpatch.release.scan import scan_version
 from hfpatch.signatures.registry import entry_for_version
 

@@ -29,7 +29,7 @@ from typing import Iterable, Mapping
 
 from packaging.version import InvalidVersion, Version
 
-from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED
+from hfpatch.version_gates import TRANSFORMERS_MIN_SUPPORTED
 
 __all__ = [
     "registry_digest",

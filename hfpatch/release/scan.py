@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from packaging.version import InvalidVersion, Version
 
-from hfpatch._compat import TRANSFORMERS_MIN_SUPPORTED, parse_version
+from hfpatch.version_gates import TRANSFORMERS_MIN_SUPPORTED, parse_version
 from hfpatch.errors import ScanError, WheelFetchError
 from hfpatch.signatures.registry import FORMAT_VERSION, FUNCTION, Match, SourceDefault, match
 from hfpatch.signatures.roles import role_for_name

@@ -1,4 +1,5 @@
-"""Put one model on the (patched) flash-attention path, even where flash-attn is not installed, and undo it.
+"""Route one model's attention through the (patched) flash-attention path, even where flash-attn is not installed,
+and undo it. (``hfpatch.switch`` is the other, per-call choice: ring, original, reference or local.)
 
 Only the flash path calls ``_flash_attention_forward``; a model built with ``attn_implementation="eager"`` or
 ``"sdpa"`` never reaches the ring. ``apply(model=...)`` therefore switches the model deliberately, bypassing
@@ -18,7 +19,7 @@ transformers' flash-attn availability check (the bundled ring kernels do not nee
   ... in 5.x; several in 4.43-4.47) lack the name without flash-attn: it is injected (the wrapper) and deleted
   again on restore.
 
-Everything changed is recorded in a ``ModelSwitch`` whose ``restore()`` puts it back exactly.
+Everything changed is recorded in a ``ModelRouting`` whose ``restore()`` puts it back exactly.
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ from typing import Any, Callable
 
 import torch
 
-from hfpatch import _compat
+from hfpatch import version_gates
 from hfpatch.errors import UnsupportedArgument
 
-__all__ = ["FLASH_IMPLEMENTATION", "ModelSwitch", "switch_model", "attention_modules"]
+__all__ = ["FLASH_IMPLEMENTATION", "ModelRouting", "route_model", "attention_modules"]
 
 FLASH_IMPLEMENTATION = "flash_attention_2"
 _FLASH_NAME = "_flash_attention_forward"
@@ -40,8 +41,8 @@ _UNSET = object()
 
 
 @dataclass
-class ModelSwitch:
-    """What ``switch_model`` changed: configs (config, previous internal value), modules whose class was
+class ModelRouting:
+    """What ``route_model`` changed: configs (config, previous internal value), modules whose class was
     swapped (module, previous class), attributes added to modules, names injected into modeling modules."""
 
     configs: list[tuple[Any, Any]] = field(default_factory=list)
@@ -127,7 +128,7 @@ def _flash_class_for(module: torch.nn.Module) -> type | None:
     return None
 
 
-def _swap_classes(model: torch.nn.Module, record: ModelSwitch) -> int:
+def _swap_classes(model: torch.nn.Module, record: ModelRouting) -> int:
     """Swap every attention module that has a flash sibling class; returns how many are on the flash class."""
     on_flash = 0
     for _, module in model.named_modules():
@@ -146,7 +147,7 @@ def _swap_classes(model: torch.nn.Module, record: ModelSwitch) -> int:
     return on_flash
 
 
-def _inject_missing_bindings(model: torch.nn.Module, wrapper: Callable, record: ModelSwitch) -> None:
+def _inject_missing_bindings(model: torch.nn.Module, wrapper: Callable, record: ModelRouting) -> None:
     """Bind the wrapper in modeling modules whose code calls ``_flash_attention_forward`` by name but which did
     not import it (the import is guarded by ``is_flash_attn_available()``)."""
     names = {type(m).__module__ for m in model.modules()}
@@ -176,7 +177,7 @@ def _code_names(cls: Any) -> set[str]:
     return names
 
 
-def _switch_module_copies(model: torch.nn.Module, record: ModelSwitch) -> None:
+def _switch_module_copies(model: torch.nn.Module, record: ModelRouting) -> None:
     """Switch the ``_attn_implementation`` that some models copy from the config into a module attribute at
     construction (e.g. ``MistralModel`` in 4.43.4: its ``_update_causal_mask`` reads ``self._attn_implementation``
     and would otherwise still build the eager 4-D mask for the flash path)."""
@@ -194,7 +195,7 @@ def _switch_module_copies(model: torch.nn.Module, record: ModelSwitch) -> None:
                 module.__dict__[name] = value
 
 
-def _guard_target_dtype(model: torch.nn.Module, record: ModelSwitch) -> None:
+def _guard_target_dtype(model: torch.nn.Module, record: ModelRouting) -> None:
     """transformers' flash integration (4.48+) picks an fp32 query's flash dtype from the first ``nn.Linear`` of
     the attention module (``get_target_dtype``) and raises a bare ``StopIteration`` for modules that have none
     (GPT-2 and GPT-SW3 project with transformers' ``Conv1D``). While the model is switched, that lookup falls
@@ -245,7 +246,7 @@ def _refuse_fp32_without_linear(model: torch.nn.Module, attention: str) -> None:
     )
 
 
-def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) -> ModelSwitch:
+def route_model(model: Any, wrapper: Callable, *, transformers_version=None) -> ModelRouting:
     """Switch ``model`` onto the flash-attention path (see the module docstring); returns the record to undo it.
 
     Raises ``TypeError`` if ``model`` is not a ``torch.nn.Module`` with a ``config``, and ``UnsupportedArgument``
@@ -256,9 +257,9 @@ def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) ->
             f"model={type(model).__name__} is not a transformers model (a torch.nn.Module with a .config); "
             "pass the PreTrainedModel you will train, e.g. model=AutoModelForCausalLM.from_config(...)"
         )
-    version = transformers_version or _compat.installed_transformers_version()
+    version = transformers_version or version_gates.installed_transformers_version()
     # 4.48+: models that dispatch per call through ALL_ATTENTION_FUNCTIONS need only the config switched.
-    per_call_dispatch = version is None or version >= _compat.TRANSFORMERS_ATTENTION_FUNCTIONS
+    per_call_dispatch = version is None or version >= version_gates.TRANSFORMERS_ATTENTION_FUNCTIONS
     has_class_table = any(_flash_class_for(m) is not None for m in model.modules())
     # 4.47: Gemma2 already dispatches per call from config._attn_implementation (its own GEMMA2_ATTENTION_FUNCTION
     # dict, the forerunner of ALL_ATTENTION_FUNCTIONS): a flash-capable model without a class table is switched
@@ -272,7 +273,7 @@ def switch_model(model: Any, wrapper: Callable, *, transformers_version=None) ->
             "run as ring attention.",
             "use a model class that supports flash attention, or train this one without context parallelism.",
         )
-    record = ModelSwitch()
+    record = ModelRouting()
     try:
         _swap_classes(model, record)
         for config in _configs(model):

@@ -1,8 +1,8 @@
-"""The one hfpatch ``Patch`` installed through a compat API, and the per-step state it is given from outside.
+"""The one hfpatch ``Patch`` installed through a drop-in API, and the per-step state it is given from outside.
 
 ring-flash-attn and axolotl keep module-level globals (the group, ``DATA_PARAMS``); here the state is the
 ``Patch`` of ``hfpatch.apply`` plus what its ``RingContext`` needs per step. A second ``substitute_*`` /
-``register_*`` call removes the previous compat patch and applies again (ring-flash-attn's second call wraps
+``register_*`` call removes the previous drop-in patch and applies again (ring-flash-attn's second call wraps
 its own lambda and then fails with "version not supported"); a patch applied directly with ``hfpatch.apply``
 is never touched (``apply`` then raises ``PatchError`` naming it).
 """
@@ -20,7 +20,7 @@ __all__: list = []
 
 @dataclass
 class Session:
-    """What one compat install set up: the ``Patch``, the CP group, the ring variant and llama3's head stride."""
+    """What one drop-in install set up: the ``Patch``, the CP group, the ring variant and llama3's head stride."""
 
     patch: Any
     group: Any
@@ -48,7 +48,7 @@ def check_stride(fn: str, heads_k_stride) -> Optional[int]:
 
 def install(owner: str, group, *, kernel: str, heads_k_stride: Optional[int], model: Optional[torch.nn.Module],
             verify: bool = True) -> Session:
-    """``hfpatch.apply(group, kernel=kernel, model=model)``, replacing a previous compat install."""
+    """``hfpatch.apply(group, kernel=kernel, model=model)``, replacing a previous drop-in install."""
     import hfpatch
 
     global _current
@@ -63,7 +63,7 @@ def install(owner: str, group, *, kernel: str, heads_k_stride: Optional[int], mo
 
 
 def current(fn: str, *, needs: str) -> Session:
-    """The live compat session, or ``PatchError`` saying which call must come first."""
+    """The live drop-in session, or ``PatchError`` saying which call must come first."""
     if _current is None:
         raise PatchError(f"{fn}() was called before {needs}(); there is no ring-attention patch to configure. "
                          f"Fix: call {needs}(...) once at startup, on every rank.")

@@ -1,4 +1,4 @@
-"""hfpatch.compat.axolotl: axolotl's ring-attention flow through a DeviceMesh with a "cp" dimension.
+"""hfpatch.dropin.axolotl: axolotl's ring-attention flow through a DeviceMesh with a "cp" dimension.
 
 Per RingAttnFunc, the flow axolotl runs: ``register_ring_attn_from_device_mesh(mesh, ("cp",), stride, func)``, then
 per step ``update_ring_attn_params(position_ids)`` with the WHOLE batch's position ids, then each CP rank feeds
@@ -64,7 +64,7 @@ def _baseline(model_name, ids, docs, proj):
 
 def _run_case(mesh, func, model_name, kind):
     from hfpatch._models import build_model
-    from hfpatch.compat import axolotl
+    from hfpatch.dropin import axolotl
 
     cp_group = mesh["cp"].get_group()
     rank, cp = dist.get_rank(cp_group), dist.get_world_size(cp_group)
@@ -97,7 +97,7 @@ def _run_case(mesh, func, model_name, kind):
 
 def _refusals(mesh, model):
     """What axolotl's patch would compute wrongly is refused here."""
-    from hfpatch.compat import axolotl
+    from hfpatch.dropin import axolotl
     from hfpatch.errors import UnsupportedArgument
 
     cp_group = mesh["cp"].get_group()
@@ -132,7 +132,7 @@ CASES = {
 
 
 def _axolotl_part(rank, world):
-    """Every case of this world size, then the refusals; run inside tests/_compat_world.py's shared world."""
+    """Every case of this world size, then the refusals; run inside tests/_dropin_world.py's shared world."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))
@@ -148,7 +148,7 @@ def _axolotl_part(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_axolotl_on_device_mesh(world):
-    from _compat_world import failure_of
+    from _dropin_world import failure_of
 
     failure = failure_of("axolotl", world)
     assert failure is None, failure
@@ -158,7 +158,7 @@ def test_axolotl_on_device_mesh(world):
 
 
 def test_ring_attn_func_choices():
-    from hfpatch.compat.axolotl import RingAttnFunc
+    from hfpatch.dropin.axolotl import RingAttnFunc
 
     assert [f.value for f in RingAttnFunc] == ["varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe",
                                                "varlen_ring", "varlen_zigzag"]
@@ -166,7 +166,7 @@ def test_ring_attn_func_choices():
 
 
 def test_group_accessors_and_order_errors():
-    from hfpatch.compat import _session, axolotl
+    from hfpatch.dropin import _session, axolotl
     from hfpatch.errors import PatchError
 
     axolotl.set_ring_attn_group(None)

@@ -1,7 +1,7 @@
 """Drop-in for axolotl's ring-attention patch (``axolotl.monkeypatch.ring_attn``), on hfpatch's guarantees.
 
     - from axolotl.monkeypatch.ring_attn import register_ring_attn_from_device_mesh, update_ring_attn_params
-    + from hfpatch.compat.axolotl import register_ring_attn_from_device_mesh, update_ring_attn_params
+    + from hfpatch.dropin.axolotl import register_ring_attn_from_device_mesh, update_ring_attn_params
 
 The flow: ``register_ring_attn_from_device_mesh(mesh, ("cp",), heads_k_stride, RingAttnFunc.X)`` once on every
 rank; per step ``update_ring_attn_params(position_ids)`` with the WHOLE batch's position ids (before the split),
@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from hfpatch.compat import _session
+from hfpatch.dropin import _session
 from hfpatch.errors import PatchError, UnsupportedArgument
 
 __all__ = [

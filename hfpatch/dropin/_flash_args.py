@@ -1,4 +1,4 @@
-"""flash-attn's argument conventions, checked once for every compat kernel entry point.
+"""flash-attn's argument conventions, checked once for every drop-in kernel entry point.
 
 ring-flash-attn's functions take flash-attn's trailing arguments
 ``(dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group)``.

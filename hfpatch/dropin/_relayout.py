@@ -4,7 +4,7 @@ ring-flash-attn's ``ring_flash_attn_varlen_func`` expects *every document* split
 holds the r-th of N equal pieces of each document, documents in order; local ``cu_seqlens`` = global // N).
 ``ring_kernels.ring_attn_varlen_func`` splits the packed token stream contiguously instead (rank r holds
 tokens [r*T/N, (r+1)*T/N)). ``relayout`` converts one into the other: one all-gather forward, one
-reduce-scatter backward (the adjoint), so the compat function computes exactly the same attention.
+reduce-scatter backward (the adjoint), so the drop-in function computes exactly the same attention.
 """
 from __future__ import annotations
 

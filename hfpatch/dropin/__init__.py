@@ -1,9 +1,9 @@
 """Drop-in replacements for the APIs existing users already call, on hfpatch's guarantees.
 
-- ``hfpatch.compat.ring_flash_attn``: ring-flash-attn's HF adapter (``substitute_hf_flash_attn``,
+- ``hfpatch.dropin.ring_flash_attn``: ring-flash-attn's HF adapter (``substitute_hf_flash_attn``,
   ``update_ring_flash_attn_params``, ``use_ring_attn``) and its kernel entry points (``ring_flash_attn_func``,
   ``zigzag_ring_flash_attn_varlen_func``, ``llama3_flash_attn_varlen_func``, ... with flash-attn's arguments).
-- ``hfpatch.compat.axolotl``: axolotl's ring-attention patch (``register_ring_attn_from_device_mesh``,
+- ``hfpatch.dropin.axolotl``: axolotl's ring-attention patch (``register_ring_attn_from_device_mesh``,
   ``get_ring_attn_group``, ``set_ring_attn_group``, ``update_ring_attn_params``, ``RingAttnFunc``).
 
 Switching is a one-line import change; the README section "Migrating from ring-flash-attn / axolotl" lists

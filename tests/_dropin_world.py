@@ -1,4 +1,4 @@
-"""One gloo world per world size for BOTH compat test files (ring-flash-attn and axolotl).
+"""One gloo world per world size for BOTH drop-in test files (ring-flash-attn and axolotl).
 
 Starting a rank costs ~8 CPU-seconds of imports (torch, transformers, the model classes); two files with two
 worlds each would spend most of their budget there. So each world size runs once per pytest session, the
@@ -18,11 +18,11 @@ _outcomes: Dict[int, Optional[str]] = {}
 
 
 def _both(rank: int, world: int) -> None:
-    import test_compat_axolotl
-    import test_compat_ring_flash_attn
+    import test_dropin_axolotl
+    import test_dropin_ring_flash_attn
 
-    test_compat_ring_flash_attn._rfa_part(rank, world)
-    test_compat_axolotl._axolotl_part(rank, world)
+    test_dropin_ring_flash_attn._rfa_part(rank, world)
+    test_dropin_axolotl._axolotl_part(rank, world)
 
 
 def failure_of(part: str, world: int) -> Optional[str]:

@@ -1,7 +1,7 @@
 """Drop-in for ring-flash-attn's public API, on hfpatch's guarantees: change the import, keep the script.
 
     - from ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
-    + from hfpatch.compat.ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
+    + from hfpatch.dropin.ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
 
 HF adapter (``substitute_hf_flash_attn``, ``update_ring_flash_attn_params``, ``use_ring_attn``): the script packs
 documents into one row, calls ``update_ring_flash_attn_params(cu_seqlens, group)`` with the GLOBAL cu_seqlens
@@ -36,8 +36,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hfpatch.compat import _llama3_meta, _relayout, _session
-from hfpatch.compat._flash_args import check_flash_options, unpack
+from hfpatch.dropin import _llama3_meta, _relayout, _session
+from hfpatch.dropin._flash_args import check_flash_options, unpack
 
 __all__ = [
     "substitute_hf_flash_attn", "update_ring_flash_attn_params", "use_ring_attn",

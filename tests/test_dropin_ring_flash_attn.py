@@ -1,4 +1,4 @@
-"""hfpatch.compat.ring_flash_attn: ring-flash-attn's API on hfpatch, against plain references.
+"""hfpatch.dropin.ring_flash_attn: ring-flash-attn's API on hfpatch, against plain references.
 
 1. Every kernel entry point (plain, ``_kvpacked``, ``_qkvpacked``) on 2 and 4 gloo ranks, inputs split exactly as
    ring-flash-attn's own tests split them (contiguous, zigzag, stripe, per-document, per-document zigzag, llama3
@@ -8,7 +8,7 @@
    rank; the CP logits and parameter gradients (summed over ranks) equal the non-CP eager run of the same model.
 3. Refusals and argument errors, in one process.
 
-The distributed parts run in ``tests/_compat_world.py``'s shared world (one per world size, with the axolotl part).
+The distributed parts run in ``tests/_dropin_world.py``'s shared world (one per world size, with the axolotl part).
 
 Tolerances: fp32 kernel inputs against the float64 reference, 2e-5 x the largest reference value (the kernels
 accumulate in fp32: measured errors ~1e-7; a document boundary moved by one token or a window one token wider
@@ -122,7 +122,7 @@ def _kernel_cases(world):
 
 
 def _run_kernel_case(rank, world, family, name, kind, opts):
-    import hfpatch.compat.ring_flash_attn as rfa
+    import hfpatch.dropin.ring_flash_attn as rfa
 
     g = torch.Generator().manual_seed(zlib.crc32(f"{family}/{name}/{kind}/{opts}".encode()))  # same on every rank
     heads_k = HEADS if kind == "qkv" else HEADS_K      # qkv packing needs as many K/V heads as query heads
@@ -208,7 +208,7 @@ def _baseline(model_name, ids, docs, proj):
 def _hf_flow(rank, world, model_name):
     """ring-flash-attn's README flow, only the import changed; two steps with different documents."""
     from hfpatch._models import build_model
-    from hfpatch.compat.ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
+    from hfpatch.dropin.ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
 
     group = dist.group.WORLD
     model = build_model(model_name)
@@ -249,10 +249,10 @@ def _hf_flow(rank, world, model_name):
 def _hf_misuse(rank, world, patch, model):
     """A step described with other lengths than the model gets, and the switch."""
     import hfpatch
-    from hfpatch.compat.ring_flash_attn import update_ring_flash_attn_params, use_ring_attn
+    from hfpatch.dropin.ring_flash_attn import update_ring_flash_attn_params, use_ring_attn
     from hfpatch.errors import UnsupportedArgument
 
-    from hfpatch.compat.ring_flash_attn import substitute_hf_flash_attn
+    from hfpatch.dropin.ring_flash_attn import substitute_hf_flash_attn
 
     again = substitute_hf_flash_attn(None, 1, model=model)  # a second call replaces the first; None: default group
     assert again.active and again is not patch and patch._removed and hfpatch.active_patch() is again
@@ -277,7 +277,7 @@ _MODELS = {2: "llama", 4: "mistral"}  # mistral: a sliding window inside the pac
 
 
 def _rfa_part(rank, world):
-    """Every kernel case, then the HF flow; run inside tests/_compat_world.py's shared world."""
+    """Every kernel case, then the HF flow; run inside tests/_dropin_world.py's shared world."""
     for case in _kernel_cases(world):
         _run_kernel_case(rank, world, *case)
     patch, model = _hf_flow(rank, world, _MODELS[world])
@@ -286,7 +286,7 @@ def _rfa_part(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_flash_attn_on_gloo_ranks(world):
-    from _compat_world import failure_of
+    from _dropin_world import failure_of
 
     failure = failure_of("ring_flash_attn", world)
     assert failure is None, failure
@@ -297,7 +297,7 @@ def test_ring_flash_attn_on_gloo_ranks(world):
 
 def test_llama3_prepare_matches_ring_flash_attn_convention():
     """Per-rank metadata of cu_seqlens [0, 7, 14, 16] over 8 ranks (2 tokens each), worked by hand."""
-    from hfpatch.compat.ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens as prepare
+    from hfpatch.dropin.ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens as prepare
 
     cu = torch.tensor([0, 7, 14, 16], dtype=torch.int32)
     expected_causal = {  # rank: (cu_q, cu_k, max_q, max_k, k_slice)
@@ -324,7 +324,7 @@ def test_llama3_prepare_matches_ring_flash_attn_convention():
     (dict(return_attn_probs=True), "return_attn_probs"),
 ])
 def test_unhonourable_arguments_are_refused(kwargs, parameter):
-    from hfpatch.compat import ring_flash_attn as rfa
+    from hfpatch.dropin import ring_flash_attn as rfa
     from hfpatch.errors import UnsupportedArgument
 
     q = torch.randn(1, 8, 4, 8)
@@ -344,8 +344,8 @@ def test_unhonourable_arguments_are_refused(kwargs, parameter):
 
 
 def test_argument_errors_name_the_argument():
-    from hfpatch.compat import _session
-    from hfpatch.compat import ring_flash_attn as rfa
+    from hfpatch.dropin import _session
+    from hfpatch.dropin import ring_flash_attn as rfa
     from hfpatch.errors import PatchError
 
     q = torch.randn(1, 8, 4, 8)
@@ -366,7 +366,7 @@ def test_argument_errors_name_the_argument():
 
 def test_single_process_entry_points_equal_reference():
     """Without a process group every entry point is plain attention on the whole (local) sequence."""
-    from hfpatch.compat import ring_flash_attn as rfa
+    from hfpatch.dropin import ring_flash_attn as rfa
 
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 12, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
@@ -381,7 +381,7 @@ def test_without_a_process_group_the_adapter_is_inactive():
     """No torch.distributed at all: an inactive patch, transformers untouched, the per-step update a no-op."""
     import transformers.modeling_flash_attention_utils as mfau
 
-    from hfpatch.compat.ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
+    from hfpatch.dropin.ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
 
     before = mfau._flash_attention_forward
     patch = substitute_hf_flash_attn(None, 1)
