@@ -745,6 +745,13 @@ def test_the_added_time_per_call_stays_within_budget():
                                     lambda: tracked(q, k, v, position_ids)], 200, 9)
     t_direct, t_floor, t_patched = (min(s) / layers * 1e6 for s in samples)
     added = t_patched - t_direct
-    assert t_floor > t_direct * 0.5 and added <= 3.5 * t_direct, (
+    # Where _flash_attention_forward takes no **kwargs (4.43-4.47), transformers cannot pass layer_idx: a tracked
+    # model's calls then find their module on the stack, the other path (same file: 3.91 us, 3.2x the direct call,
+    # at load ~1.5 on 5.23; 3.8x measured on 4.43.4 under load). Its own budget, 4.5x, still fails the twin path's
+    # 4.8x.
+    by_layer_idx = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fa).parameters.values())
+    budget = 3.5 if by_layer_idx else 4.5
+    assert t_floor > t_direct * 0.5 and added <= budget * t_direct, (
         f"hfpatch adds {added:.2f} us per call, {added / t_direct:.1f}x the direct call ({t_direct:.2f} us; "
-        f"binding the live signature alone: {t_floor - t_direct:.2f} us); the budget is 3.5x")
+        f"binding the live signature alone: {t_floor - t_direct:.2f} us; "
+        f"{'layer_idx' if by_layer_idx else 'stack'} path); the budget is {budget}x")
