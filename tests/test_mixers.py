@@ -190,6 +190,7 @@ FAMILY_CLASSES = {
     "Qwen3NextForCausalLM": "Qwen3NextGatedDeltaNet",
     "Qwen3_5ForCausalLM": "Qwen3_5GatedDeltaNet",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeGatedDeltaNet",
+    "OlmoHybridForCausalLM": "OlmoHybridGatedDeltaNet",
 }
 
 
