@@ -18,7 +18,13 @@ Layers (see each module's docstring):
 
 - ``segments``  -- ``Segment``, ``SegmentPlan`` (split/join a local tensor, ``exchange`` summaries), layouts;
 - ``kernel``    -- ``SequenceKernel`` (the interface of one kernel kind) and ``KernelCall`` (its bound call);
-- ``conv``, ``delta_rule`` -- the kinds; ``kinds.KERNELS`` lists them by role;
+- the kinds, one module each; ``kinds.KERNELS`` lists them by role:
+  ``conv`` (causal short convolution: LFM2, and the convolution of every hybrid below),
+  ``delta_rule`` (chunked gated delta rule: Qwen3-Next, Qwen3.5, OLMo hybrid, Kimi-Linear's KDA, Bailing),
+  ``ssd`` (Mamba2's chunked scan: Bamba, Falcon-H1, Nemotron-H, Zamba2, Granite 4 hybrid),
+  ``selective_scan`` (Mamba's scan: Jamba, Zamba), ``lightning`` (MiniMax's lightning attention),
+  ``rglru`` (RecurrentGemma's RG-LRU), ``cca`` (ZAYA's convolved Q/K projection);
+  ``cached_step`` refuses the one-token decode kernels (a cache) by name;
 - ``registry``  -- the versioned registry: which module classes, forward fingerprints and kernel bindings of
   which releases hfpatch recognises (``recognise``, ``unrecognised_reason``);
 - ``install``   -- ``install_mixers(model, ctx)``: rebind the kernels of recognised modules to CP wrappers that
