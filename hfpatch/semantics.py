@@ -409,8 +409,13 @@ def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext,
                 f"returned.",
                 "call patch.shard_inputs(...) for every batch and pass its input_ids and position_ids to the model.",
             )
+        # From 4.48 every model reaches this function through transformers' attention integration, which hands
+        # on the position_ids (or cu_seq_lens) the model passes; a call without them comes from a model that
+        # drops them. Before 4.48 the flash path of most models takes none, and a shard_inputs step is computed
+        # document by document as declared (docs/user-guide.md).
         if step.packed and step.source == "shard_inputs" and call.get("position_ids") is None \
-                and call.get("cu_seq_lens_q") is None and call.get("cu_seq_lens_k") is None:
+                and call.get("cu_seq_lens_q") is None and call.get("cu_seq_lens_k") is None \
+                and _integration_passes_positions():
             raise UnsupportedArgument(
                 "position_ids", None,
                 "shard_inputs found several documents in this packed row (position ids that restart), but this "
@@ -425,6 +430,14 @@ def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext,
         _check_step_cu_seq_lens(call, step, ctx)
         return step
     return _derived_step(call, batch, seq_local, ctx)
+
+
+@functools.lru_cache(maxsize=None)
+def _integration_passes_positions() -> bool:
+    """The installed release routes every model's attention through its integration (4.48+), which hands on the
+    position ids a model passes."""
+    version = version_gates.installed_transformers_version()
+    return version is None or version >= version_gates.TRANSFORMERS_ATTENTION_FUNCTIONS
 
 
 def _check_step_position_ids(position_ids, step: StepState, ctx: RingContext) -> None:

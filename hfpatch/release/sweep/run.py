@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes
 from hfpatch.model_positions import position_kwargs
-from hfpatch.release.sweep.tiny import training_inputs
+from hfpatch.release.sweep.tiny import training_inputs, training_labels
 from ring_kernels.tolerances import tolerance
 
 __all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "check_class", "run_sweep"]
@@ -124,7 +124,8 @@ def _non_cp_step(model, ids) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
     with hfpatch.switch("local"):
-        loss = _loss_of(model(input_ids=ids, labels=ids, use_cache=False, **position_kwargs(model, positions),
+        loss = _loss_of(model(input_ids=ids, labels=training_labels(model, ids), use_cache=False,
+                              **position_kwargs(model, positions),
                               **training_inputs(model, ids)))
         loss.backward()
     return loss.item(), _grads(model)

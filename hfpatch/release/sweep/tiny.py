@@ -35,7 +35,7 @@ import torch
 from hfpatch.release.sweep.catalog import CatalogEntry
 
 __all__ = ["TINY_VOCAB", "HYBRID_KINDS", "NotBuilt", "tiny_config", "build_tiny", "layer_kinds",
-           "training_inputs"]
+           "training_inputs", "training_labels"]
 
 TINY_VOCAB = 128
 _HIDDEN = 64
@@ -304,6 +304,18 @@ _AFTER_BUILD: dict[str, Any] = {
 # Inputs beside the token ids that a family's forward requires in train mode, each as zeros shaped like the ids:
 # 5.0's Gemma 3 (multimodal) refuses to train without token_type_ids (0 marks a text token).
 _TRAINING_INPUTS: dict[str, tuple[str, ...]] = {"gemma3": ("token_type_ids",)}
+
+
+# Families whose labels are not shaped like the token ids: MusicGen's decoders take (batch, seq, codebooks).
+_CODEBOOK_LABELS = frozenset({"musicgen_decoder", "musicgen_melody_decoder"})
+
+
+def training_labels(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The labels of the model's own non-CP loss for token ids ``ids``: ``ids`` itself, or, for MusicGen's
+    decoders, one copy per codebook (``(batch, seq, num_codebooks)``)."""
+    if getattr(model.config, "model_type", "") in _CODEBOOK_LABELS:
+        return ids[..., None].expand(*ids.shape, int(getattr(model.config, "num_codebooks", 1)))
+    return ids
 
 
 def training_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
