@@ -50,7 +50,11 @@ def _hf_delta_rule():
         from transformers.models.qwen3_next import modeling_qwen3_next
     except ImportError:
         return None
-    return getattr(modeling_qwen3_next, "torch_chunk_gated_delta_rule", None)
+    from hfpatch.mixers.registry import KERNEL_PARAMETERS, parameter_spec
+
+    rule = getattr(modeling_qwen3_next, "torch_chunk_gated_delta_rule", None)
+    # only a release whose kernel hfpatch recognises (older ones differ: no cu_seqlens; the family is refused there)
+    return rule if rule is not None and parameter_spec(rule) in KERNEL_PARAMETERS["chunk_gated_delta_rule"] else None
 
 
 # ------------------------------------------------------------------------- exchange vs whole sequence
