@@ -50,11 +50,14 @@ def _hf_delta_rule():
         from transformers.models.qwen3_next import modeling_qwen3_next
     except ImportError:
         return None
-    from hfpatch.mixers.registry import KERNEL_PARAMETERS, parameter_spec
+    from hfpatch.mixers.registry import FAMILIES, KERNEL_PARAMETERS, forward_fingerprint, parameter_spec
 
     rule = getattr(modeling_qwen3_next, "torch_chunk_gated_delta_rule", None)
-    # only a release whose kernel hfpatch recognises (older ones differ: no cu_seqlens; the family is refused there)
-    return rule if rule is not None and parameter_spec(rule) in KERNEL_PARAMETERS["chunk_gated_delta_rule"] else None
+    # only a release whose module and kernel hfpatch recognises (older ones differ; the family is refused there)
+    family = next(f for f in FAMILIES if "Qwen3NextGatedDeltaNet" in f.classes)
+    known = forward_fingerprint(modeling_qwen3_next.Qwen3NextGatedDeltaNet.forward) in family.forwards
+    return rule if known and rule is not None and parameter_spec(rule) in KERNEL_PARAMETERS[
+        "chunk_gated_delta_rule"] else None
 
 
 # ------------------------------------------------------------------------- exchange vs whole sequence
