@@ -83,4 +83,8 @@ timeout 70 $B --tokens 8192 --layouts batch --configs mha --variants ring,zigzag
 log "8k varlen, llama3-8b"
 timeout 90 $B --tokens 8192 --layouts varlen --configs llama3-8b --variants llama3,ring_varlen,zigzag_varlen \
   --backends torch_flash,torch_cudnn --native '' --no-nocomm --max-minutes 1 --tag ring_bench_${MACHINE}_8k_varlen_$TAG
+# The training step (issue 17 item 2): benchmarks/train_step_suite.sh, with this run's OUT and TAG (its settings:
+# SIZES, SINGLE_LAYERS, LIMIT_S; see that script).
+log "training step: benchmarks/train_step_suite.sh $NGPU"
+OUT="$OUT" TAG="$TAG" bash benchmarks/train_step_suite.sh "$NGPU"
 log "done"
