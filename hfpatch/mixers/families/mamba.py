@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from hfpatch.mixers.family import MixerFamily
+from hfpatch.mixers.mamba_inline import jamba_forward
 
 FAMILIES = (
     MixerFamily(
@@ -12,4 +13,21 @@ FAMILIES = (
                   ("mamba_selective_state_update", "selective_state_update")),
         forwards={"87d4a4c321593491": "5.23.0: jamba", "e57915bae9b46411": "5.23.0: zamba"},
     ),
+    # Releases whose forward dispatches to slow_forward (the conv and the scan loop inline) or cuda_kernels_forward
+    # (imported CUDA kernels): forward replaced by a CP form (hfpatch.mixers.mamba_inline) whose conv and scan go
+    # through the names below; it checks the dispatched methods' fingerprints (mamba_inline.JAMBA_METHODS_READ).
+    MixerFamily(
+        name="mamba-inline", mixer="Mamba (causal conv + selective scan), computed inline",
+        classes=("JambaMambaMixer",),
+        bindings=(("causal_conv1d", "causal_conv1d"), ("mamba_selective_scan", "selective_scan")),
+        forwards={"95365786e1260ddc": "4.43.4: jamba", "f48e4ebccba1fe26": "4.48.3, 4.53.3, 4.54.1: jamba",
+                  "38da638c3fa25da5": "5.0.0: jamba"},
+        replaces=(("forward", jamba_forward),),
+    ),
 )
+
+KERNEL_PARAMETERS = {
+    # hfpatch.mixers.mamba_inline.mamba_selective_scan (the token loop of the releases that compute it inline)
+    "selective_scan": (("hidden_states", "dt", "A", "B", "C", "D=None", "z=None", "delta_bias=None",
+                        "delta_softplus=False", "return_last_state=False"),),
+}

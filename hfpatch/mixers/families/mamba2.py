@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from hfpatch.mixers.family import MixerFamily
+from hfpatch.mixers.mamba2_inline import bamba_forward, bamba_forward_tiled_groups
 
 FAMILIES = (
     MixerFamily(
@@ -15,4 +16,29 @@ FAMILIES = (
         forwards={"0b88953ce0c266d5": "5.23.0: bamba, nemotron_h, zamba2, granitemoehybrid",
                   "d26f69c65020a12a": "5.23.0: falcon_h1"},
     ),
+    # Releases whose forward dispatches to torch_forward (the conv and the chunked scan inline) or
+    # cuda_kernels_forward (imported CUDA kernels): forward replaced by a CP form (hfpatch.mixers.mamba2_inline)
+    # whose conv and scan go through the names below; it checks the dispatched methods' fingerprints. 4.48's
+    # torch_forward tiles the B/C groups over the heads, later ones repeat each group for its heads: one entry each.
+    MixerFamily(
+        name="mamba2-inline", mixer="Mamba2 (causal conv + SSD scan), computed inline",
+        classes=("BambaMixer",),
+        bindings=(("causal_conv1d", "causal_conv1d"), ("mamba2_chunk_scan", "ssd_chunk_scan")),
+        forwards={"73d3c19e9d4ef0cd": "4.53.3, 4.54.1: bamba", "712ee18432297060": "5.0.0: bamba"},
+        replaces=(("forward", bamba_forward),),
+    ),
+    MixerFamily(
+        name="mamba2-inline-tiled-groups", mixer="Mamba2 (causal conv + SSD scan), computed inline",
+        classes=("BambaMixer",),
+        bindings=(("causal_conv1d", "causal_conv1d"), ("mamba2_chunk_scan", "ssd_chunk_scan")),
+        forwards={"280cf43b9694b0b1": "4.48.3: bamba"},
+        replaces=(("forward", bamba_forward_tiled_groups),),
+    ),
 )
+
+KERNEL_PARAMETERS = {
+    # hfpatch.mixers.mamba2_inline.mamba2_chunk_scan (the chunked scan of the releases that compute it inline)
+    "ssd_chunk_scan": (("hidden_states", "dt", "A", "B", "C", "chunk_size", "D=None", "dt_bias=None",
+                        "initial_states=None", "dt_softplus=False", "dt_limit=(0.0, inf)",
+                        "return_final_states=False"),),
+}
