@@ -7,8 +7,8 @@ of tokens is therefore a window: the last W projected query/key columns and the 
 
 Under CP each segment's summary is exactly that window, from its own tokens (zero-padded when it is shorter than
 W): per segment (B, Cqk, W) + (B, Cv) travels in the activations' dtype. The window entering a segment, composed
-in global order, is handed to HF's own ``ZayaCCAProjection.forward`` as its cache (``get_conv_state`` /
-``get_recurrent_state``, the path HF takes when it continues from a cache), so HF's code computes every segment.
+in global order, is handed to HF's own ``ZayaCCAProjection.forward`` as its cache (in the cache interface that
+release reads: ``_Window``; the path HF takes when it continues from a cache), so HF's code computes every segment.
 """
 from __future__ import annotations
 
@@ -31,11 +31,18 @@ def cca_projection(module, hidden_states: torch.Tensor, past_key_values=None,
 
 
 class _Window:
-    """The cache interface ``ZayaCCAProjection.forward`` (5.23) reads: the projected query/key window (B, C, W)
-    and the delayed value (B, Cv) entering a segment; its updates are dropped."""
+    """The window (B, C, W) of projected queries/keys and the delayed value (B, Cv) entering a segment, in the
+    cache interface each release's ``ZayaCCAProjection.forward`` reads when it continues from a cache:
+
+    - 5.23: ``get_conv_state(layer_idx)`` / ``get_recurrent_state(layer_idx)``;
+    - 5.19: ``has_previous_state(layer_idx)``, then ``layers[layer_idx].conv_states[0]`` /
+      ``layers[layer_idx].recurrent_states[0]``.
+
+    Both return the same two tensors; the forward's updates of the cache are dropped."""
 
     def __init__(self, window: torch.Tensor, delayed_value: torch.Tensor) -> None:
         self.window, self.delayed_value = window, delayed_value
+        self.conv_states, self.recurrent_states = [window], [delayed_value]
 
     def get_conv_state(self, layer_idx, state_idx=0):
         return self.window
@@ -43,11 +50,28 @@ class _Window:
     def get_recurrent_state(self, layer_idx, state_idx=0):
         return self.delayed_value
 
+    def has_previous_state(self, layer_idx=None):
+        return True
+
+    @property
+    def layers(self) -> "_EveryLayer":
+        return _EveryLayer(self)
+
     def update_conv_state(self, *args, **kwargs):
         return None
 
     def update_recurrent_state(self, *args, **kwargs):
         return None
+
+
+class _EveryLayer:
+    """``cache.layers``: every layer index gives the same window (the forward reads its own layer's only)."""
+
+    def __init__(self, window: _Window) -> None:
+        self.window = window
+
+    def __getitem__(self, layer_idx) -> _Window:
+        return self.window
 
 
 def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -125,6 +149,7 @@ class CcaProjection(SequenceKernel):
 
 def zaya_cca_forward(module, hidden_states: torch.Tensor, past_key_values=None,
                      conv_mask: Optional[torch.Tensor] = None):
-    """``ZayaCCAProjection.forward`` (transformers 5.23) routed through ``cca_projection`` (its CP wrapper)."""
+    """``ZayaCCAProjection.forward`` (transformers 5.19 and 5.23) routed through ``cca_projection`` (its CP wrapper).
+    The two releases differ only in how the forward reads a cache, which ``_Window`` answers both ways."""
     # Read from this module's globals at call time: install_mixers rebinds the name to its CP wrapper.
     return cca_projection(module, hidden_states, past_key_values, conv_mask)

@@ -9,7 +9,10 @@ FAMILIES = (
         name="zaya-cca", mixer="ZAYA's convolutional q/k projection (causal q/k convolution, delayed values)",
         classes=("ZayaCCAProjection",),
         bindings=(("cca_projection", "cca_projection"),),
-        forwards={"0f26620ced6ade2f": "5.23.0: zaya"},
+        forwards={"0f26620ced6ade2f": "5.23.0: zaya",
+                  # 5.19: the same computation; a cache is read by has_previous_state / layers[i].conv_states[0]
+                  # (cca._Window answers that interface too)
+                  "101a119d76b00402": "5.19.0: zaya"},
         replaces=(("forward", zaya_cca_forward),),
     ),
 )
