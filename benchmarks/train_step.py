@@ -725,7 +725,8 @@ def _slug(name: str) -> str:
 
 
 def _step_text(args) -> str:
-    return (f"FSDP2 (fully_shard per decoder layer + root) over all ranks; activation checkpointing "
+    return (f"CP modes: FSDP2 (fully_shard per decoder layer + root) over all ranks; single: one GPU, no FSDP; "
+            f"activation checkpointing "
             f"{'full (every decoder layer recomputed in backward)' if args.checkpointing == 'full' else 'off'}; "
             f"LM head + fp32 cross-entropy in chunks of {args.loss_chunk} tokens (recomputed in backward); "
             f"optimizer {args.optimizer} (lr {args.lr}); {args.dtype}")
