@@ -9,19 +9,38 @@ what HF does when it continues from a cached window (``update_conv_state`` + ``c
 last ``seq_len`` outputs), so any implementation HF picked (causal-conv1d on CUDA, the torch fallback) computes it.
 
 Shapes: ``hidden_states`` (B, C, L_local), ``weight`` (C, K). Travels per segment: (B, C, K-1) in the input dtype.
+
+``causal_conv1d`` is the convolution in torch, for the CP forms of mixers whose release convolves inline with an
+``nn.Conv1d`` (padding K-1, the outputs past L dropped): the same ``F.conv1d`` call, so the same numbers.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.mixers.kernel import KernelCall, SequenceKernel
 from hfpatch.mixers.segments import SegmentPlan, map_segments
 
-__all__ = ["CausalConv1d"]
+__all__ = ["CausalConv1d", "causal_conv1d"]
 
 # Packing metadata the fast causal-conv1d kernel would honour (document starts reset the window).
 _PACKING_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q")
+
+
+def causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  activation: Optional[str] = None, **kwargs) -> torch.Tensor:
+    """Causal depthwise convolution: x (B, C, L), weight (C, K), bias (C,) or None -> (B, C, L); output t reads
+    inputs t-K+1 .. t, zeros before the first token (``nn.Conv1d(C, C, K, groups=C, padding=K-1)(x)[..., :L]``);
+    ``activation``: None or "silu". ``kwargs`` (packing metadata) are refused by the kind under CP, not read here."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_conv1d: activation must be None or 'silu', got {activation!r}")
+    length = hidden_states.shape[-1]
+    out = F.conv1d(hidden_states, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1,
+                   groups=hidden_states.shape[1])[..., :length]
+    return F.silu(out) if activation == "silu" else out
 
 
 def _tail(x: torch.Tensor, width: int) -> torch.Tensor:

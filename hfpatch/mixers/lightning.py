@@ -6,10 +6,12 @@ Per head the state S is (dk, dv); each token decays it by ``exp(-s)`` (``s``: th
 and o0 the zero-start final state and outputs. The transition is a scalar per head known from the segment's
 length, so only F travels: (B, H, dk, dv) in fp32 per segment.
 
-``lightning_attention`` is the block algorithm HF's ``MiniMaxLightningAttention.forward`` (5.23) computes inline
-(blocks of ``block_size`` tokens: the intra-block part with the decay mask, the inter-block part from the carried
-state), with an initial state; ``minimax_lightning_forward`` is that forward with the recurrence routed through it,
-so that under CP the kernel's wrapper (``hfpatch.mixers.install``) runs ``LightningAttention.run_cp``.
+``lightning_attention`` is the block algorithm HF's ``MiniMaxLightningAttention.forward`` computes inline (blocks
+of ``block_size`` tokens: the intra-block part with the decay mask, the inter-block part from the carried state),
+with an initial state. The CP forms are that forward with the recurrence routed through it, one per way the
+releases write it (``minimax_lightning_forward``: 5.19 - 5.23, the padding mask on the activated qkv;
+``minimax_lightning_forward_value_mask``: 4.53 - 5.0, the padding mask on the values), so that under CP the
+kernel's wrapper (``hfpatch.mixers.install``) runs ``LightningAttention.run_cp``.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from hfpatch.errors import UnsupportedArgument
 from hfpatch.mixers.kernel import KernelCall, SequenceKernel
 from hfpatch.mixers.segments import SegmentPlan, map_segments
 
-__all__ = ["LightningAttention", "lightning_attention", "minimax_lightning_forward", "CACHE_REASON", "CACHE_FIX"]
+__all__ = ["LightningAttention", "lightning_attention", "minimax_lightning_forward",
+           "minimax_lightning_forward_value_mask", "refuse_cache", "CACHE_REASON", "CACHE_FIX"]
 
 CACHE_REASON = ("a recurrent state carried in from a cache (generation) cannot be used with context parallelism, "
                 "where every rank holds a slice of one whole sequence.")
@@ -94,24 +97,58 @@ class LightningAttention(SequenceKernel):
         return plan.join(outputs, dim=2), None
 
 
-def minimax_lightning_forward(module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                              past_key_values=None, **kwargs):
-    """``MiniMaxLightningAttention.forward`` (transformers 5.23) without a cache, the recurrence computed by
-    ``lightning_attention``: the same projections, padding mask, norm, output gate and output projection.
-    Returns (output (B, L, hidden), None)."""
-    if past_key_values is not None:
-        raise UnsupportedArgument("past_key_values", past_key_values, CACHE_REASON, CACHE_FIX)
-    modeling = sys.modules[type(module).__module__]
+def refuse_cache(name: str, cache) -> None:
+    """Raise ``UnsupportedArgument`` naming ``name`` when a cache was passed. The error carries the cache's class
+    name, not the cache: some releases' cache classes cannot be printed (Lfm2HybridConvCache in 4.54)."""
+    if cache is not None:
+        raise UnsupportedArgument(name, f"a {type(cache).__name__}", CACHE_REASON, CACHE_FIX)
+
+
+def _query_key_value(module, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The activated projection qkv (B, L, H * 3 * d) split into q, k, v (B, H, L, d), as HF splits it."""
+    batch, length, _ = qkv.shape
+    qkv = qkv.reshape(batch, length, module.num_attention_heads, 3 * module.head_dim)
+    query, key, value = torch.split(qkv, module.head_dim, dim=3)
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
+def _gated_output(module, hidden_states: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """HF's output path: out (B, H, L, d) -> norm, sigmoid output gate, output projection -> (B, L, hidden)."""
     batch, length, _ = hidden_states.shape
-    heads, head_dim = module.num_attention_heads, module.head_dim
-    qkv = module.act_fn(module.qkv_proj(hidden_states))
-    qkv = modeling.apply_mask_to_padding_states(qkv, attention_mask)
-    qkv = qkv.reshape(batch, length, heads, 3 * head_dim)
-    query, key, value = (x.transpose(1, 2) for x in torch.split(qkv, head_dim, dim=3))
-    # Read from this module's globals at call time: install_mixers rebinds the name to its CP wrapper.
-    out, _ = lightning_attention(query, key, value, module.slope_rate, module.block_size)
-    out = out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+    out = out.transpose(1, 2).reshape(batch, length, module.num_attention_heads * module.head_dim)
     out = module.norm(out)
     out = F.sigmoid(module.output_gate(hidden_states)) * out
-    return module.out_proj(out), None
+    return module.out_proj(out)
 
+
+def minimax_lightning_forward(module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                              past_key_values=None, **kwargs):
+    """``MiniMaxLightningAttention.forward`` (transformers 5.19 - 5.23) without a cache, the recurrence computed by
+    ``lightning_attention``: the same projections, padding mask (on the activated qkv, by
+    ``apply_mask_to_padding_states``), norm, output gate and output projection. Returns (output (B, L, hidden),
+    None)."""
+    refuse_cache("past_key_values", past_key_values)
+    modeling = sys.modules[type(module).__module__]
+    qkv = module.act_fn(module.qkv_proj(hidden_states))
+    qkv = modeling.apply_mask_to_padding_states(qkv, attention_mask)
+    query, key, value = _query_key_value(module, qkv)
+    # Read from this module's globals at call time: install_mixers rebinds the name to its CP wrapper.
+    out, _ = lightning_attention(query, key, value, module.slope_rate, module.block_size)
+    return _gated_output(module, hidden_states, out), None
+
+
+def minimax_lightning_forward_value_mask(module, hidden_states: torch.Tensor, position_embeddings=None,
+                                         attention_mask=None, past_key_value=None, past_key_values=None, **kwargs):
+    """``MiniMaxLightningAttention.forward`` as transformers 4.53 - 5.0 write it, without a cache (4.53 - 4.57
+    name it ``past_key_value``, 5.0 ``past_key_values``), the recurrence computed by ``lightning_attention``: the
+    same projections; the padding mask (the model's 2-D mask, B x L) zeroes the VALUES of masked tokens, as those
+    releases do; the same norm, output gate and output projection. Returns (output (B, L, hidden), None)."""
+    refuse_cache("past_key_value", past_key_value)
+    refuse_cache("past_key_values", past_key_values)
+    query, key, value = _query_key_value(module, module.act_fn(module.qkv_proj(hidden_states)))
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(dtype=torch.bool)
+        value = value.masked_fill(~attention_mask.unsqueeze(1).unsqueeze(-1), 0)
+    # Read from this module's globals at call time: install_mixers rebinds the name to its CP wrapper.
+    out, _ = lightning_attention(query, key, value, module.slope_rate, module.block_size)
+    return _gated_output(module, hidden_states, out), None

@@ -1,0 +1,192 @@
+"""MiniMax (lightning attention) and LFM2 (gated short conv) under CP on every release that has them, through the
+registry entry of that release (``hfpatch.mixers.families.lightning`` / ``short_conv``; before 5.19 / 5.23 the
+CP forms of ``hfpatch.mixers.lightning`` and ``hfpatch.mixers.short_conv`` replace the inline recurrence).
+
+What the model sweep does not exercise: the contiguous layout as well as zigzag, packed rows (documents given by
+position_ids), 4 ranks with segments shorter than the windows (1 token against the conv's 2 and MiniMax blocks of
+3), switch mode "reference", a cache refused by name, and ``remove()`` taking every replacement off. Each case:
+CP loss and every gradient equal to the model's non-CP run on the same rows (the sweep's fp32 tolerances), and
+the mixer's kernel ran in switch mode "ring"."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_world
+
+# causal-LM class -> (model_type, mixer class, the kernel role its CP form runs)
+MIXERS = {"MiniMaxForCausalLM": ("minimax", "MiniMaxLightningAttention", "lightning_attention"),
+          "Lfm2ForCausalLM": ("lfm2", "Lfm2ShortConv", "causal_conv1d")}
+
+# (kernel, packed): "auto" is zigzag for batch rows; "ring" contiguous.
+_CASES_2 = (("auto", False), ("ring", False), ("auto", True), ("ring", True))
+_CASES_4 = (("auto", False), ("auto", True))
+
+
+def _entries():
+    """The sweep's catalog entries of the classes this release has (read from the auto mappings: building the
+    whole catalog imports every model)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from hfpatch.release.sweep.catalog import CatalogEntry
+
+    return [CatalogEntry(model_type, name, CONFIG_MAPPING_NAMES[model_type])
+            for name, (model_type, _, _) in MIXERS.items()
+            if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) == name]
+
+
+def _model(entry):
+    """The sweep's tiny model; MiniMax rebuilt with lightning blocks of 3 tokens, so that HF's block loop runs
+    several (partial) blocks in every segment."""
+    from transformers.utils import logging as hf_logging
+
+    from hfpatch.release.sweep.tiny import build_tiny
+
+    hf_logging.set_verbosity_error()
+    model = build_tiny(entry)
+    if entry.class_name == "MiniMaxForCausalLM":
+        config = model.config
+        config.block_size = 3
+        torch.manual_seed(0)
+        model = type(model)(config)
+    return model
+
+
+def _rows(world: int, packed: bool):
+    """(input_ids, position_ids): 2 rows of 8 tokens per rank on 2 ranks, 2 per rank on 4 (zigzag segments of
+    one token); or one packed row of 3 documents (lengths 4, 2 and 6 x world)."""
+    gen = torch.Generator().manual_seed(7)
+    if packed:
+        positions = torch.cat([torch.arange(n) for n in (4 * world, 2 * world, 6 * world)])[None]
+    else:
+        positions = torch.arange((8 if world == 2 else 2) * world).expand(2, -1)
+    return torch.randint(0, 128, positions.shape, generator=gen), positions
+
+
+def _exact_step(world, entry, kernel, packed):
+    """CP loss and gradients against the non-CP run on the same rows; returns the ring calls of the mixer's kernel."""
+    import hfpatch
+    from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL, LOSS_RTOL
+
+    model = _model(entry)
+    ids, positions = _rows(world, packed)
+    with hfpatch.apply(dist.group.WORLD, model=model, kernel=kernel) as patch:
+        with hfpatch.switch("local"):
+            ref = model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
+            ref.backward()
+        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        batch = patch.shard_inputs(ids, labels=ids, position_ids=positions)
+        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                     use_cache=False).loss
+        loss.backward()
+        installation = next(h for h in patch._hooks if type(h).__name__ == "MixerInstallation")
+        ring_calls = installation.calls[(MIXERS[entry.class_name][2], "ring")]
+    where = (entry.class_name, kernel, "packed" if packed else "batch", world)
+    assert abs(loss.item() - ref.item()) <= LOSS_RTOL * abs(ref.item()), (where, loss.item(), ref.item())
+    largest = max(g.abs().max() for g in ref_grads.values())
+    for name, ref_grad in ref_grads.items():
+        parameter = model.get_parameter(name)  # a rank whose tokens routed to no expert has no gradient for it
+        got = parameter.grad.clone() if parameter.grad is not None else torch.zeros_like(parameter)
+        dist.all_reduce(got)
+        bound = GRAD_RTOL * ref_grad.abs().max() + GRAD_FLOOR * largest
+        assert (got - ref_grad).abs().max() <= bound, (where, name)
+    return ring_calls
+
+
+def _reference_cache_and_remove(world, entry):
+    """Switch mode "reference" gives the ring's logits; where the release's entry replaces ``forward`` by a CP
+    form, a cache is refused by the name the release gives it and remove() takes the replacements off. Returns
+    (the refused parameter or None where the entry rebinds kernels only, whether the entry replaces forward)."""
+    import hfpatch
+    from hfpatch.errors import UnsupportedArgument
+
+    model = _model(entry).eval()
+    mixers = [m for m in model.modules() if type(m).__name__ == MIXERS[entry.class_name][1]]
+    ids, _ = _rows(world, packed=False)
+    logits, refused = {}, None
+    with hfpatch.apply(dist.group.WORLD, model=model) as patch:
+        replaced = all("forward" in m.__dict__ for m in mixers)
+        batch = patch.shard_inputs(ids)
+        for mode in ("ring", "reference"):
+            with torch.no_grad(), hfpatch.switch(mode):
+                logits[mode] = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                     use_cache=False).logits
+        if replaced:
+            with pytest.raises(UnsupportedArgument) as info, torch.no_grad():
+                model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True)
+            refused = info.value.parameter
+    torch.testing.assert_close(logits["ring"], logits["reference"], rtol=1e-4, atol=1e-4)
+    assert not any("forward" in m.__dict__ for m in mixers), "remove() takes the replacements off"
+    return refused, replaced
+
+
+def _cache_parameter(entry) -> str:
+    """The name the release's mixer forward gives its cache (``past_key_value`` before 5.0)."""
+    import inspect
+
+    from hfpatch.release.sweep.tiny import build_tiny
+
+    mixer = next(m for m in build_tiny(entry).modules() if type(m).__name__ == MIXERS[entry.class_name][1])
+    return next(n for n in ("past_key_value", "past_key_values") if n in inspect.signature(mixer.forward).parameters)
+
+
+def _world(rank, world, entries, cases):
+    result = {}
+    for entry in entries:
+        for kernel, packed in cases:
+            result[(entry.class_name, kernel, packed)] = _exact_step(world, entry, kernel, packed)
+        if world == 2:
+            result[(entry.class_name, "reference, cache, remove")] = _reference_cache_and_remove(world, entry)
+    return result
+
+
+def _check_slow_forward(cls, family) -> None:
+    """An LFM2 entry whose CP form follows ``slow_forward`` is keyed by ``forward``'s fingerprint; the
+    ``slow_forward`` read with it must be this release's too."""
+    from hfpatch.mixers.families.short_conv import SLOW_FORWARD_OF
+    from hfpatch.mixers.registry import forward_fingerprint
+
+    if family.name != "short-conv" or not family.replaces:
+        return
+    read = SLOW_FORWARD_OF.get(forward_fingerprint(cls.forward))
+    assert read == forward_fingerprint(cls.slow_forward), f"{cls.__name__}.slow_forward is not the one read"
+
+
+def _recognised_entries():
+    from hfpatch.mixers import recognise
+    from hfpatch.release.sweep.tiny import build_tiny
+
+    entries = _entries()
+    if not entries:
+        pytest.skip("this release has neither MiniMax nor LFM2")
+    for entry in entries:
+        model = build_tiny(entry)
+        mixers = [m for m in model.modules() if type(m).__name__ == MIXERS[entry.class_name][1]]
+        assert mixers and all(recognise(m) is not None for m in mixers), \
+            f"{entry.class_name}: this release's {MIXERS[entry.class_name][1]} is not in hfpatch's registry"
+        _check_slow_forward(type(mixers[0]), recognise(mixers[0]).family)
+    return entries
+
+
+def test_exact_zigzag_contiguous_packed_reference_cache_2_ranks():
+    entries = _recognised_entries()
+    result = run_world(2, _world, entries, _CASES_2)[0]
+    for entry in entries:
+        for kernel, packed in _CASES_2:
+            assert result.pop((entry.class_name, kernel, packed)) > 0, (entry.class_name, kernel, packed)
+        refused, replaced = result.pop((entry.class_name, "reference, cache, remove"))
+        if replaced:  # the CP form refuses the cache by the name the release's forward gives it
+            assert refused == _cache_parameter(entry), refused
+    assert not result
+
+
+def test_exact_short_segments_4_ranks():
+    """4 ranks: zigzag segments of one token (batch rows of 2 tokens per rank) and documents cut across ranks
+    (packed)."""
+    entries = _recognised_entries()
+    result = run_world(4, _world, entries, _CASES_4)[0]
+    assert sorted(result) == sorted((e.class_name, k, p) for e in entries for k, p in _CASES_4)
+    assert all(calls > 0 for calls in result.values()), result
