@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from hfpatch import version_gates
+
 __all__ = ["MODEL_NAMES", "tiny_config", "build_model", "eager_reference_overrides"]
 
 _COMMON = dict(
@@ -80,8 +82,6 @@ def eager_reference_overrides(name: str) -> dict:
     - Gemma2, 4.43-4.47: its flash attention passes ``softcap`` only when flash-attn >= 2.6 is installed
       (``is_flash_attn_greater_or_equal("2.6.0")``), else None (eager always caps).
     """
-    from hfpatch import version_gates
-
     _check_name(name)
     config = {**_COMMON, **_MODELS[name][2]}
     version = version_gates.installed_transformers_version()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.semantics import RingContext, StepState, packed_cu_seqlens, plan_step
+from ring_kernels.layout import local_positions
 
 __all__ = ["IGNORE_INDEX", "shard_inputs", "reduce_loss", "global_loss_sum", "shift_labels", "token_loss_sum",
            "mark_shifted", "is_shifted", "aligned_labels"]
@@ -147,8 +148,6 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
     shifted = shift_labels(labels) if labels is not None else None
     if not _active(ctx):
         return {"input_ids": input_ids, "position_ids": positions, "labels": mark_shifted(shifted, labels)}
-
-    from ring_kernels.layout import local_positions
 
     batch, seq = input_ids.shape
     kernel, layout = plan_step(ctx.variant, packed=cu is not None)

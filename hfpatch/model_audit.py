@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hfpatch import mixers as _mixers, model_positions
+
 __all__ = ["Finding", "MIXER_CLASS_PATTERN", "audit", "describe"]
 
 # Class names of sequence mixers in transformers' model code (matched at the end of the class name, so the model's
@@ -81,8 +83,6 @@ def describe(findings: list[Finding], model: torch.nn.Module) -> str:
 
 
 def _mixer_findings(model: torch.nn.Module) -> list[Finding]:
-    from hfpatch import mixers as _mixers
-
     found: list[Finding] = []
     flagged: list[str] = list(modality_towers(model))  # their sub-trees never see the token sequence
     for name, module in model.named_modules():
@@ -160,7 +160,6 @@ def _position_findings(model: torch.nn.Module) -> list[Finding]:
     does not recognise (a recognised one is fed each rank's global positions by ``apply``)."""
     if _accepts_position_ids(model):
         return []
-    from hfpatch import model_positions
 
     towers = modality_towers(model)  # their positions number audio frames or patches, never shards of tokens
     for name, module in model.named_modules():

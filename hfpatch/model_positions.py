@@ -44,6 +44,7 @@ import torch
 
 from hfpatch import switch as _switch
 from hfpatch.errors import UnsupportedArgument
+from ring_kernels.layout import local_positions
 
 __all__ = ["PositionEntry", "RECOGNISED", "MAX_RUNS", "recognise", "why_unrecognised", "signature_text",
            "global_positions", "install", "position_kwargs"]
@@ -204,7 +205,6 @@ def global_positions(ctx, seq_local: int, *, memo: Optional[_Memo] = None) -> to
         )
     if memo is not None and memo.step is step and memo.rank == ctx.rank:
         return memo.positions
-    from ring_kernels.layout import local_positions
 
     positions = local_positions(step.seq_len_global, ctx.group, layout=step.layout, cu_seqlens=step.cu_seqlens)
     if memo is not None:
@@ -337,7 +337,7 @@ def _owner(model: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
 def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> list:
     """Hook every recognised position module of ``model`` (module docstring); returns the hook handles
     (``.remove()`` each). ``ctx_of()``: the live ``RingContext`` (None once the patch is inactive or removed)."""
-    from hfpatch.model_audit import modality_towers
+    from hfpatch.model_audit import modality_towers  # model_audit imports this module
 
     towers = modality_towers(model)  # vision/audio encoders: their positions number frames, never token shards
     handles: list = []

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hfpatch import switch as _switch
+from hfpatch import inputs, switch as _switch
 from hfpatch.errors import VerificationError
 
 __all__ = ["identity", "numeric", "group_max", "PROBE_TOLERANCE"]
@@ -87,8 +87,6 @@ def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float | None 
     that skipped it would leave the others waiting). Raises ``VerificationError`` (on every rank) when the error
     exceeds ``tolerance`` or the wrapper raised on any rank.
     """
-    from hfpatch import inputs
-
     names = {role: name for name, role in match.roles.items()}
     shape = _PROBE_SHAPE
     seq = shape["tokens_per_rank"] * ctx.world_size

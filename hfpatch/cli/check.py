@@ -32,6 +32,15 @@ import time
 import traceback
 from typing import Any
 
+import hfpatch
+from hfpatch import __version__
+from hfpatch.cli.static_check import static_check
+from hfpatch.errors import HfpatchError, InvalidReleaseSpec, ScanError, WheelFetchError
+from hfpatch.signatures import registry
+from hfpatch import version_gates
+from hfpatch.version_gates import (TRANSFORMERS_ATTENTION_FUNCTIONS, TRANSFORMERS_MIN_SUPPORTED, is_supported_release,
+                                   parse_version)
+
 __all__ = ["add_parser", "run_check", "check_installed", "check_release", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
 
 EXIT_OK = 0
@@ -102,8 +111,6 @@ def run_check(*, transformers: str | None = None, world_size: int = 2, kernel: s
 
 
 def _base_report(mode: str) -> dict:
-    from hfpatch import __version__
-
     return {
         "mode": mode,
         "hfpatch": __version__,
@@ -127,8 +134,6 @@ def _fail(report: dict, code: int, problem: str) -> dict:
 def check_installed(*, world_size: int = 2, kernel: str = "auto", timeout: float = _DRY_RUN_TIMEOUT_S) -> dict:
     """Registry verdict for the installed release, then a dry-run apply + verify + remove on ``world_size``
     spawned gloo processes."""
-    from hfpatch.version_gates import TRANSFORMERS_MIN_SUPPORTED, installed_transformers_version, is_supported_release
-
     report = _base_report("installed")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
         return _fail(report, EXIT_USAGE, (
@@ -141,7 +146,7 @@ def check_installed(*, world_size: int = 2, kernel: str = "auto", timeout: float
             f"--kernel {kernel!r}: the ring variant must be one of {', '.join(_KERNEL_VARIANTS)}, optionally "
             "followed by ':backend' (e.g. 'zigzag:reference'). Fix: --kernel auto (the default)."
         ))
-    version = installed_transformers_version()
+    version = version_gates.installed_transformers_version()
     if version is None:
         return _fail(report, EXIT_USAGE, (
             "transformers is not installed in this environment. Fix: pip install transformers, or give a "
@@ -170,8 +175,6 @@ def check_installed(*, world_size: int = 2, kernel: str = "auto", timeout: float
 def _registry_verdict(report: dict, version) -> bool:
     """Fill verdict / signature_id / diff from the live signature; False (report finished) if unsupported."""
     import importlib
-
-    from hfpatch.signatures import registry
 
     try:
         mfau = importlib.import_module(_MFAU)
@@ -300,8 +303,6 @@ def _dry_run_rank(rank: int, world_size: int, port: int, kernel: str, queue) -> 
     try:
         _apply_verify_remove(facts, dist.group.WORLD, kernel)
     except BaseException as exc:  # reported to the parent, never hidden: the traceback travels with it
-        from hfpatch.errors import HfpatchError
-
         facts["error"] = f"{type(exc).__name__}: {exc}"
         facts["error_type"] = type(exc).__name__
         facts["error_kind"] = "environment" if isinstance(exc, ImportError) else (
@@ -323,9 +324,7 @@ def _import_integration(facts: dict) -> None:
     import importlib
     import importlib.util
 
-    from hfpatch.version_gates import TRANSFORMERS_ATTENTION_FUNCTIONS, installed_transformers_version
-
-    version = installed_transformers_version()
+    version = version_gates.installed_transformers_version()
     if version is None or version < TRANSFORMERS_ATTENTION_FUNCTIONS:
         return  # 4.43-4.47: no integration module; model modules bind the function only with flash-attn installed
     try:
@@ -336,8 +335,6 @@ def _import_integration(facts: dict) -> None:
 
 def _apply_verify_remove(facts: dict, group, kernel: str) -> None:
     import importlib
-
-    import hfpatch
 
     mfau = importlib.import_module(_MFAU)
     original = getattr(mfau, _TARGET)
@@ -374,16 +371,12 @@ def _apply_verify_remove(facts: dict, group, kernel: str) -> None:
 
 def check_release(version_text: str) -> dict:
     """The static verdict for a release that need not be installed (its wheel is read, never imported)."""
-    from hfpatch.version_gates import parse_version
-    from hfpatch.errors import InvalidReleaseSpec, ScanError, WheelFetchError
-
     report = _base_report("static")
     try:
         version = parse_version(version_text, argument="--transformers")
     except InvalidReleaseSpec as exc:
         return _fail(report, EXIT_USAGE, str(exc))
     report["transformers"] = str(version)
-    from hfpatch.cli.static_check import static_check
 
     try:
         facts = static_check(str(version))

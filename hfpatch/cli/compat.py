@@ -21,6 +21,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hfpatch.cli.static_check import static_check
+from hfpatch.errors import InvalidReleaseSpec, ScanError, WheelFetchError
+from hfpatch.release.compat_table import (entry_digest, latest_patch_per_minor, load_results, load_static,
+                                          registry_digest, render, stale_reasons)
+from hfpatch.version_gates import parse_version
+
 __all__ = ["add_parser"]
 
 _DEFAULT_RESULTS = Path("compat/results")
@@ -82,8 +88,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def write(output: Path, results_dir: Path, static_path: Path) -> int:
-    from hfpatch.release.compat_table import entry_digest, load_results, load_static, registry_digest, render
-
     results, static = load_results(results_dir), load_static(static_path)
     digest = registry_digest()
     stale_inputs = [f"compat/results {r}" for r, rec in results.items()
@@ -99,8 +103,6 @@ def write(output: Path, results_dir: Path, static_path: Path) -> int:
 
 
 def check(output: Path, results_dir: Path, static_path: Path, fresh_dir: Path | None) -> int:
-    from hfpatch.release.compat_table import load_results, load_static, stale_reasons
-
     if fresh_dir is not None and not fresh_dir.is_dir():
         return _usage(f"--fresh-results {fresh_dir}: no such folder (did the matrix run write its records there?)")
     fresh = load_results(fresh_dir) if fresh_dir is not None else None
@@ -127,8 +129,6 @@ def check(output: Path, results_dir: Path, static_path: Path, fresh_dir: Path | 
 
 def available_releases() -> list[str]:
     """Every transformers release on the package index, via pip's own client (one query)."""
-    from hfpatch.errors import WheelFetchError
-
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "index", "versions", "transformers", "--disable-pip-version-check"],
         capture_output=True, text=True,
@@ -146,11 +146,6 @@ def available_releases() -> list[str]:
 def scan(static_path: Path, results_dir: Path, releases_arg: str | None) -> int:
     """Statically check the latest patch of every minor release; write ``static_path``. Nothing is written
     unless every release could be read."""
-    from hfpatch.version_gates import parse_version
-    from hfpatch.cli.static_check import static_check
-    from hfpatch.release.compat_table import latest_patch_per_minor, load_results, registry_digest
-    from hfpatch.errors import InvalidReleaseSpec, ScanError, WheelFetchError
-
     try:
         if releases_arg:
             known = [str(parse_version(v, argument="--releases entry")) for v in releases_arg.split(",") if v.strip()]
@@ -228,8 +223,6 @@ def _run_streaming(command: list[str]) -> tuple[int, str | None]:
 
 def record(env: str, command: list[str], results_dir: Path) -> int:
     """Run the test command, then ``hfpatch check --json`` in a fresh process, and write the record."""
-    from hfpatch.release.compat_table import entry_digest
-
     test_code, summary = _run_streaming(command)
     check_proc = subprocess.run(
         [sys.executable, "-m", "hfpatch", "check", "--json", "--timeout", "600"], capture_output=True, text=True,

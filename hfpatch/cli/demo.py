@@ -12,6 +12,10 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import hfpatch
+from hfpatch._models import MODEL_NAMES, build_model, eager_reference_overrides
+from hfpatch.inputs import shift_labels, token_loss_sum
+
 __all__ = ["add_parser", "run", "LOSS_RTOL", "GRAD_RTOL"]
 
 # fp32: the ring merges blocks through an fp32 log-sum-exp and sums gradients over ranks in another order, so CP
@@ -36,8 +40,6 @@ class StepResult:
 
 
 def add_parser(subparsers) -> None:
-    from hfpatch._models import MODEL_NAMES
-
     p = subparsers.add_parser(
         "demo", help="train a tiny HF model on N CPU processes with and without CP; compare loss and gradients",
         description=__doc__,
@@ -154,8 +156,6 @@ def _reference_step(model, ids, docs):
     """Non-CP: the whole sequence (packed: each document on its own), HF's shifted-label mean loss."""
     import torch
 
-    from hfpatch.inputs import shift_labels, token_loss_sum
-
     if docs is None:
         logits = model(input_ids=ids, use_cache=False).logits
     else:
@@ -169,8 +169,6 @@ def _reference_step(model, ids, docs):
 
 
 def _cp_step(patch, model, ids, positions):
-    from hfpatch.inputs import token_loss_sum
-
     batch = patch.shard_inputs(ids, labels=ids, position_ids=positions)
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     loss_sum, count = token_loss_sum(logits, batch["labels"])
@@ -182,9 +180,6 @@ def _cp_step(patch, model, ids, positions):
 def _train(rank: int, options: dict) -> list:
     import torch
     import torch.distributed as dist
-
-    import hfpatch
-    from hfpatch._models import build_model, eager_reference_overrides
 
     # Only rank 0 compares. The reference is eager attention with the semantics of the installed release's flash
     # path (the path the ring replaces; see eager_reference_overrides).

@@ -12,6 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+from hfpatch.release.sweep import table
+from hfpatch.release.sweep.run import run_sweep
+
 __all__ = ["add_parser", "run"]
 
 _DEFAULT_TABLE = "MODELS.md"
@@ -36,9 +39,6 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     import torch
     import transformers
-
-    from hfpatch.release.sweep import table
-    from hfpatch.release.sweep.run import run_sweep
 
     if args.world_size < 2:
         print("hfpatch models: --world-size must be at least 2 (a CP group of one is not CP)", file=sys.stderr)

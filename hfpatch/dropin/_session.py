@@ -13,7 +13,9 @@ from typing import Any, Optional
 
 import torch
 
+import hfpatch
 from hfpatch.errors import PatchError
+from hfpatch.semantics import StepState
 
 __all__: list = []
 
@@ -49,8 +51,6 @@ def check_stride(fn: str, heads_k_stride) -> Optional[int]:
 def install(owner: str, group, *, kernel: str, heads_k_stride: Optional[int], model: Optional[torch.nn.Module],
             verify: bool = True) -> Session:
     """``hfpatch.apply(group, kernel=kernel, model=model)``, replacing a previous drop-in install."""
-    import hfpatch
-
     global _current
     if _current is not None and _current.live:
         _current.patch.remove()
@@ -79,7 +79,6 @@ def set_step(session: Session, source: str, *, kernel: str, layout: str, batch: 
     """
     if not session.live:
         return
-    from hfpatch.semantics import StepState
 
     ctx = session.patch.ctx
     if seq_global % ctx.world_size:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from hfpatch.dropin import _session
 from hfpatch.errors import PatchError, UnsupportedArgument
+from hfpatch.semantics import packed_cu_seqlens
 
 __all__ = [
     "RingAttnFunc",
@@ -180,8 +181,6 @@ def update_ring_attn_params(position_ids: Optional[torch.Tensor]) -> None:
 
 def _packed_cu_seqlens(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """GLOBAL int32 cu_seqlens of a packed single row (HF's rule), None for ordinary rows."""
-    from hfpatch.semantics import packed_cu_seqlens
-
     if position_ids.shape[0] != 1:
         return None  # HF treats packing only in a batch of one row
     return packed_cu_seqlens(position_ids[0].detach().cpu(), argument="position_ids")

@@ -36,6 +36,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import ring_kernels
+from hfpatch import switch
 from hfpatch.dropin import _llama3_meta, _relayout, _session
 from hfpatch.dropin._flash_args import check_flash_options, unpack
 
@@ -107,7 +109,6 @@ def use_ring_attn(flag: bool) -> None:
     overrides it per thread, and ``patch.remove()`` restores the previous default."""
     if not isinstance(flag, bool):
         raise TypeError(f"use_ring_attn(flag={flag!r}): flag must be True (ring attention) or False (original)")
-    from hfpatch import switch
 
     switch.set_switch("ring" if flag else "original")
 
@@ -117,8 +118,6 @@ def use_ring_attn(flag: bool) -> None:
 
 def _batch(fn: str, kernel: str, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
            deterministic, return_attn_probs, group, softcap):
-    import ring_kernels
-
     window = check_flash_options(fn, dropout_p=dropout_p, alibi_slopes=alibi_slopes, deterministic=deterministic,
                                  return_attn_probs=return_attn_probs, window_size=window_size)
     return getattr(ring_kernels, kernel)(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
@@ -230,8 +229,6 @@ def _global_from_local(fn: str, cu_seqlens, q: torch.Tensor, world: int, pieces:
 
 def _varlen(fn: str, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
             deterministic, return_attn_probs, group, softcap, *, zigzag: bool):
-    import ring_kernels
-
     window = check_flash_options(fn, dropout_p=dropout_p, alibi_slopes=alibi_slopes, deterministic=deterministic,
                                  return_attn_probs=return_attn_probs, window_size=window_size)
     rank, world = _rank_world(group)
@@ -321,8 +318,6 @@ def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool,
 
 def _llama3(fn: str, q, k, v, cu_seqlens_q, local_k_slice, heads_k_stride, dropout_p, softmax_scale, causal,
             window_size, alibi_slopes, deterministic, return_attn_probs, group, softcap):
-    import ring_kernels
-
     window = check_flash_options(fn, dropout_p=dropout_p, alibi_slopes=alibi_slopes, deterministic=deterministic,
                                  return_attn_probs=return_attn_probs, window_size=window_size)
     local = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1

@@ -28,7 +28,11 @@ from typing import Any, Optional
 
 import torch
 
+import hfpatch
 from hfpatch.errors import UnsupportedArgument
+from hfpatch.integrations.batch import prepare_batch
+from hfpatch.integrations.requirements import check_releases
+from hfpatch.labels import averaged_over_group
 
 __all__ = ["enable", "TrainerCP"]
 
@@ -92,15 +96,11 @@ class TrainerCP:
     def _prepare_inputs(self, model, inputs):
         import contextlib
 
-        from hfpatch.integrations.batch import prepare_batch
-
         if not self.active:
             return contextlib.nullcontext, inputs
         return contextlib.nullcontext, prepare_batch(self.patch, inputs)
 
     def _compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        from hfpatch.labels import averaged_over_group
-
         if self.fallback:
             return self._fallback_loss(model, inputs, return_outputs, num_items_in_batch)
         if num_items_in_batch is None and _is_sft_trainer(self.trainer) and self.trainer.model.training:
@@ -177,9 +177,6 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     sequence parallelism, label smoothing, ``compute_loss_func``, a MoE auxiliary loss); ``RuntimeError`` when the
     trainer was already prepared (``train()`` ran).
     """
-    import hfpatch
-    from hfpatch.integrations.requirements import check_releases
-
     check_releases(trl=_is_sft_trainer(trainer))
     if getattr(trainer.accelerator, "_models", None):
         raise RuntimeError("hfpatch.integrations.enable(trainer) must run before trainer.train(): the accelerator "

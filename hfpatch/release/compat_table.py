@@ -29,6 +29,7 @@ from typing import Iterable, Mapping
 
 from packaging.version import InvalidVersion, Version
 
+from hfpatch.signatures.registry import load_registry
 from hfpatch.version_gates import TRANSFORMERS_MIN_SUPPORTED
 
 __all__ = [
@@ -171,8 +172,6 @@ def _rows(results: Mapping[str, dict], static: Mapping) -> list[_Row]:
 
 
 def _generations() -> list[tuple[str, str]]:
-    from hfpatch.signatures.registry import load_registry
-
     return [(e.id, str(e.releases)) for e in load_registry()]
 
 

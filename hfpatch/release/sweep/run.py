@@ -31,9 +31,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+import hfpatch
+from hfpatch.errors import HfpatchError, ModelDivergence, UnsupportedArgument, UnsupportedModel
 from hfpatch.model_positions import position_kwargs
-from hfpatch.release.sweep.tiny import training_inputs, training_labels
+from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+from hfpatch.release.sweep.tiny import NotBuilt, build_tiny, training_inputs, training_labels
 from ring_kernels.tolerances import tolerance
 
 __all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "check_class", "run_sweep"]
@@ -75,8 +77,6 @@ def _first_sentence(exc: BaseException, limit: int = 220) -> str:
 
 def _refusal(exc: BaseException) -> str:
     """A refusal in a table cell: the error class and what it names."""
-    from hfpatch.errors import ModelDivergence, UnsupportedArgument, UnsupportedModel
-
     if isinstance(exc, UnsupportedModel):
         kinds = sorted({f.kind for f in exc.findings})
         return (f"UnsupportedModel ({', '.join(kinds)}): {exc.module_path or '<model>'} ({exc.module_class})"
@@ -119,8 +119,6 @@ def _grads(model, group=None) -> dict:
 
 
 def _non_cp_step(model, ids) -> tuple[float, dict]:
-    import hfpatch
-
     model.zero_grad(set_to_none=True)
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
     with hfpatch.switch("local"):
@@ -164,10 +162,6 @@ def _compare(loss_cp, grads_cp, loss_ref, grads_ref) -> tuple[float, float, str]
 
 def check_class(entry: CatalogEntry, group, *, kernel: str = "auto") -> Verdict:
     """The verdict of one class (module docstring). Collective over ``group``; every rank returns the same."""
-    import hfpatch
-    from hfpatch.errors import HfpatchError
-    from hfpatch.release.sweep.tiny import NotBuilt, build_tiny
-
     start = time.perf_counter()
     local = _check_here(entry, group, kernel, hfpatch, HfpatchError, NotBuilt, build_tiny)
     local = Verdict(**{**asdict(local), "seconds": round(time.perf_counter() - start, 3)})
