@@ -1,0 +1,162 @@
+"""Qwen3-Next (Gated DeltaNet) and Kimi-Linear (Kimi delta attention) under CP on every release that has them,
+through the registry entry of that release (``hfpatch.mixers.families.gated_deltanet`` / ``kimi_delta``; on 5.0
+Qwen3-Next's kernels are instance attributes and the CP form of ``hfpatch.mixers.gated_deltanet_forms`` replaces
+its forward).
+
+What the model sweep does not exercise: the contiguous layout as well as zigzag, packed rows (documents given by
+position_ids), 4 ranks with segments shorter than the convolution's window (1 token against K-1 = 3), switch mode
+"reference", a cache refused by name, and ``remove()`` taking every replacement off. Each case: CP loss and every
+gradient equal to the model's non-CP run on the same rows (the sweep's fp32 tolerances), and both kernels of the
+mixer ran in switch mode "ring"."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_world
+
+# causal-LM class -> (model type, its mixer class)
+MIXERS = {"Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextGatedDeltaNet"),
+          "KimiLinearForCausalLM": ("kimi_linear", "KimiLinearDeltaAttention")}
+ROLES = ("causal_conv1d", "chunk_gated_delta_rule")
+
+# (kernel, packed): "auto" is zigzag for batch rows; "ring" contiguous.
+_CASES_2 = (("auto", False), ("ring", False), ("auto", True), ("ring", True))
+_CASES_4 = (("auto", False), ("auto", True))
+
+
+def _entries():
+    """The sweep's catalog entries of these classes where this release has them (the two looked up alone: the
+    whole catalog imports every model)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from hfpatch.release.sweep.catalog import CatalogEntry
+
+    return [CatalogEntry(model_type, name, CONFIG_MAPPING_NAMES[model_type])
+            for name, (model_type, _) in MIXERS.items() if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) == name]
+
+
+def _model(entry):
+    from transformers.utils import logging as hf_logging
+
+    from hfpatch.release.sweep.tiny import build_tiny
+
+    hf_logging.set_verbosity_error()
+    return build_tiny(entry)
+
+
+def _rows(world: int, packed: bool):
+    """(input_ids, position_ids): 2 rows of 8 tokens per rank on 2 ranks, 2 per rank on 4 (zigzag segments of
+    one token); or one packed row of 3 documents (lengths 4, 2 and 6 x world)."""
+    gen = torch.Generator().manual_seed(7)
+    if packed:
+        positions = torch.cat([torch.arange(n) for n in (4 * world, 2 * world, 6 * world)])[None]
+    else:
+        positions = torch.arange((8 if world == 2 else 2) * world).expand(2, -1)
+    return torch.randint(0, 128, positions.shape, generator=gen), positions
+
+
+def _exact_step(world, entry, kernel, packed):
+    """CP loss and gradients against the non-CP run on the same rows; returns the ring calls of each kernel role."""
+    import hfpatch
+    from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL, LOSS_RTOL
+
+    model = _model(entry)
+    ids, positions = _rows(world, packed)
+    with hfpatch.apply(dist.group.WORLD, model=model, kernel=kernel) as patch:
+        with hfpatch.switch("local"):
+            ref = model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
+            ref.backward()
+        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        batch = patch.shard_inputs(ids, labels=ids, position_ids=positions)
+        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                     use_cache=False).loss
+        loss.backward()
+        installation = next(h for h in patch._hooks if type(h).__name__ == "MixerInstallation")
+        ring_calls = tuple(installation.calls[(role, "ring")] for role in ROLES)
+    where = (entry.class_name, kernel, "packed" if packed else "batch", world)
+    assert abs(loss.item() - ref.item()) <= LOSS_RTOL * abs(ref.item()), (where, loss.item(), ref.item())
+    largest = max(g.abs().max() for g in ref_grads.values())
+    for name, ref_grad in ref_grads.items():
+        got = model.get_parameter(name).grad.clone()
+        dist.all_reduce(got)
+        bound = GRAD_RTOL * ref_grad.abs().max() + GRAD_FLOOR * largest
+        assert (got - ref_grad).abs().max() <= bound, (where, name)
+    return ring_calls
+
+
+def _reference_cache_and_remove(world, entry):
+    """Switch mode "reference" gives the ring's logits; a cache is refused by name; remove() takes the
+    replacements off (releases whose entry replaces ``forward``). Returns (refused parameter, replaced)."""
+    import hfpatch
+    from hfpatch.errors import UnsupportedArgument
+
+    model = _model(entry).eval()
+    mixers = [m for m in model.modules() if type(m).__name__ == MIXERS[entry.class_name][1]]
+    ids, _ = _rows(world, packed=False)
+    logits = {}
+    with hfpatch.apply(dist.group.WORLD, model=model) as patch:
+        batch = patch.shard_inputs(ids)
+        for mode in ("ring", "reference"):
+            with torch.no_grad(), hfpatch.switch(mode):
+                logits[mode] = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                     use_cache=False).logits
+        with pytest.raises(UnsupportedArgument) as info, torch.no_grad():
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True)
+        replaced = [m for m in mixers if "forward" in m.__dict__]
+    torch.testing.assert_close(logits["ring"], logits["reference"], rtol=1e-4, atol=1e-4)
+    assert not any("forward" in m.__dict__ for m in mixers), "remove() takes the replacements off"
+    return info.value.parameter, bool(replaced) and len(replaced) == len(mixers)
+
+
+def _world(rank, world, cases):
+    result = {}
+    for entry in _entries():
+        for kernel, packed in cases:
+            result[(entry.class_name, kernel, packed)] = _exact_step(world, entry, kernel, packed)
+        if world == 2:
+            result[(entry.class_name, "reference, cache, remove")] = _reference_cache_and_remove(world, entry)
+    return result
+
+
+def _recognised_entries():
+    from hfpatch.mixers import recognise
+    from hfpatch.release.sweep.tiny import build_tiny
+
+    entries = _entries()
+    if not entries:
+        pytest.skip("this release has neither Qwen3-Next nor Kimi-Linear")
+    for entry in entries:
+        model = build_tiny(entry)
+        mixers = [m for m in model.modules() if type(m).__name__ == MIXERS[entry.class_name][1]]
+        assert mixers and all(recognise(m) is not None for m in mixers), \
+            f"{entry.class_name}: this release's {MIXERS[entry.class_name][1]} is not in hfpatch's registry"
+    return entries
+
+
+def test_exact_zigzag_contiguous_packed_reference_cache_2_ranks():
+    entries = _recognised_entries()
+    result = run_world(2, _world, _CASES_2)[0]
+    for entry in entries:
+        for kernel, packed in _CASES_2:
+            calls = result.pop((entry.class_name, kernel, packed))
+            assert all(n > 0 for n in calls), (entry.class_name, kernel, packed, calls)
+        parameter, replaced = result.pop((entry.class_name, "reference, cache, remove"))
+        if replaced:  # the CP form refuses the cache its release's forward receives, by that name
+            assert parameter == "cache_params", parameter
+        else:  # the kernels' check refuses the cached state they would carry
+            assert parameter in ("initial_state", "output_final_state", "past_key_values", "use_cache"), parameter
+    assert not result
+
+
+def test_exact_one_token_segments_4_ranks():
+    entries = _recognised_entries()
+    result = run_world(4, _world, _CASES_4)[0]
+    for entry in entries:
+        for kernel, packed in _CASES_4:
+            calls = result.pop((entry.class_name, kernel, packed))
+            assert all(n > 0 for n in calls), (entry.class_name, kernel, packed, calls)
+    assert not result
