@@ -160,3 +160,32 @@ def test_exact_one_token_segments_4_ranks():
             calls = result.pop((entry.class_name, kernel, packed))
             assert all(n > 0 for n in calls), (entry.class_name, kernel, packed, calls)
     assert not result
+
+
+def test_instance_kernel_names_call_the_kernels_as_hf_does():
+    """The CP form's kernel names (``hfpatch.mixers.gated_deltanet_forms``) run the instance's kernel with the
+    keywords HF 5.0 passes (causal-conv1d: ``x=``, ``seq_idx=None``; flash-linear-attention's delta rule: no
+    ``chunk_size``), and without a conv kernel compute what ``nn.Conv1d(padding=K-1)`` + silu gives."""
+    from hfpatch.mixers.gated_deltanet_forms import causal_conv1d, chunk_gated_delta_rule
+
+    seen = {}
+
+    def fast_conv(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                  final_states_out=None, activation=None):
+        seen["conv"] = (x.shape, seq_idx, activation)
+        return x
+
+    def fla_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                 use_qk_l2norm_in_kernel=False):
+        seen["rule"] = (initial_state, output_final_state, use_qk_l2norm_in_kernel)
+        return v, None
+
+    x = torch.randn(2, 6, 9)
+    conv = torch.nn.Conv1d(6, 6, 4, groups=6, padding=3, bias=False)
+    causal_conv1d(x, conv.weight.squeeze(1), None, activation="silu", implementation=fast_conv)
+    assert seen["conv"] == (x.shape, None, "silu")
+    torch.testing.assert_close(causal_conv1d(x, conv.weight.squeeze(1), None, activation="silu"),
+                               torch.nn.functional.silu(conv(x)[..., :9]), rtol=0, atol=0)
+    q = torch.randn(1, 5, 2, 4)
+    chunk_gated_delta_rule(q, q, q, q[..., 0], q[..., 0], fla_rule, use_qk_l2norm_in_kernel=True)
+    assert seen["rule"] == (None, False, True)
