@@ -51,6 +51,12 @@ _HOLDER_NAMES = ("module", "self")  # the local that holds the calling attention
 # Bound once: these run on every attention call. Dynamo recognises ``torch.compiler.is_compiling`` by identity, so
 # the bound name still reads True while it traces.
 _is_compiling = torch.compiler.is_compiling
+# ``is_compiling()`` is ``_is_compiling_flag`` (set by non-strict torch.export) behind a TorchScript check, two Python
+# calls; the entry reads its parts: ``is_dynamo_compiling()`` (one call; Dynamo folds it to True, like is_compiling)
+# or the flag. A torch without them: is_compiling itself, and a flag that is never set.
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _is_compiling)
+_export_flag = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else type(
+    "_NoFlag", (), {"_is_compiling_flag": False})
 # The autograd engine's current graph task (-1: no backward running on this thread); see _opaque.is_recomputing.
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _current_mode = _switch.current_mode
@@ -61,13 +67,21 @@ _RECOMPUTED = "<recomputed>"  # the kind under which a recomputed call is counte
 # object is kept in the entry, so its id cannot be reused while cached (code objects hash slowly, hence the id).
 _holders: dict = {}
 _MAX_HOLDERS = 4096
+_last_caller: tuple = (None, ())  # (code, names) of the last wrapper caller ``_site_from_stack`` read
+_getframe, _Module = sys._getframe, torch.nn.Module
 _MAX_SITES = 4096  # call sites kept per dispatcher (a model has one per attention layer); beyond this, restart
 _MAX_SITE_PLANS = 8  # configurations kept per site (a layer has one); beyond this, restart
 
 # Positions in codegen.ROLE_ORDER of the roles a site's plan is checked against.
 _AT = {role: i for i, role in enumerate(_codegen.ROLE_ORDER)}
-_CAUSAL, _SCALE, _WINDOW, _SOFTCAP, _POSITIONS = (_AT[r] for r in (
-    "is_causal", "softmax_scale", "sliding_window", "softcap", "position_ids"))
+_POSITIONS = _AT["position_ids"]
+# A call's key: its configuration, its dropout, then the roles a plan only runs when they are None (what the ring
+# would otherwise refuse or derive from: a mask, document lengths, a paged cache). ``Dispatcher.entry`` builds it in
+# this order; a plan is kept only under a key whose dropout is falsy and whose absent roles are None.
+_KEY_ROLES = ("is_causal", "softmax_scale", "sliding_window", "softcap", "dropout", "attention_mask", "cu_seq_lens_q",
+              "cu_seq_lens_k", "block_table", "k_cache", "v_cache")
+_KEY_AT = tuple(_AT[r] for r in _KEY_ROLES)
+_KEY_DROPOUT, _KEY_ABSENT = _KEY_ROLES.index("dropout"), _KEY_ROLES.index("attention_mask")
 
 
 @dataclass(frozen=True)
@@ -84,31 +98,39 @@ class Site:
     """One call site -- an attention layer -- and the ring plans its ring calls ran.
 
     key, module_id:  what its calls are counted and recorded under (see ``LayerRecord``).
-    plans:           (is_causal, softmax_scale, sliding_window, softcap), as the wrapper passed them -> the
-                     ``semantics.RingPlan`` to reuse; a plan is valid while ``plan.step is ctx.plan_step`` and the
-                     call has the step inputs the plans were built from:
-    plan:            the plan kept last: a call with its configuration (``RingPlan.causal`` ...; a layer has one)
-                     reuses it without building the key;
+    plans:           call key (``_KEY_ROLES``: the configuration as the wrapper passed it, a falsy dropout, None for
+                     every role that must be absent) -> the ``semantics.RingPlan`` to reuse; a plan is valid while
+                     ``plan.step is ctx.plan_step`` and the call has the step inputs the plans were built from:
+    plan, call_key:  the plan kept last and its key: a call with an equal key (a layer makes one) reuses it after one
+                     tuple comparison;
     position_ids, version:  the position ids tensor (identity) and its ``_version`` (None: no position ids, or a
                      step from ``shard_inputs``, which states its layout itself);
-    batch, seq:      the query's (B, S_local); ``key_numel``: the key's element count (a longer key: a KV cache);
+    query_shape:     the query's ``torch.Size``; ``key_numel``: the key's element count (a longer key: a KV cache);
     sink:            the attention sinks (``s_aux``) of the call that kept the plans, checked by ``semantics.sink_of``
                      (a layer passes the same parameter on every call): a call with another sink is planned again.
     """
 
-    __slots__ = ("key", "module_id", "plans", "plan", "position_ids", "version", "batch", "seq", "key_numel", "sink")
+    __slots__ = ("key", "module_id", "plans", "plan", "call_key", "position_ids", "version", "query_shape",
+                 "key_numel", "sink")
 
     def __init__(self, key: Hashable, module_id: int | None) -> None:
         self.key = key
         self.module_id = module_id
         self.plans: dict = {}
-        self.plan = None
-        self.position_ids = self.version = self.batch = self.seq = self.key_numel = self.sink = None
+        self.plan = self.call_key = None
+        self.position_ids = self.version = self.query_shape = self.key_numel = self.sink = None
 
     def forget_plans(self) -> None:
         """Drop every kept plan: the next call is planned (``Dispatcher.plan_and_run``)."""
         self.plans = {}  # a new dict, not cleared: another thread may be reading the old one
-        self.plan = None
+        self.plan = self.call_key = None
+
+    def plan_for(self, call_key: tuple):
+        """The kept plan of another call key than the last one's, or None (an unhashable value has none)."""
+        try:
+            return self.plans.get(call_key)
+        except TypeError:
+            return None
 
     def __repr__(self) -> str:
         return f"<Site {self.key!r} module={self.module_id} plans={[p.kernel for p in self.plans.values()]}>"
@@ -221,43 +243,43 @@ class Dispatcher:
         site_from_stack = self._site_from_stack
         plan_and_run = self.plan_and_run
         cast_to_target = _semantics.cast_to_target
+        dynamo_compiling, export_flag, graph_task_id = _dynamo_compiling, _export_flag, _graph_task_id
 
         def entry(query, key, value, attention_mask, query_length, is_causal, dropout, position_ids, softmax_scale,
                   sliding_window, use_top_left_mask, softcap, deterministic, cu_seq_lens_q, cu_seq_lens_k,
                   max_length_q, max_length_k, target_dtype, implementation, block_table, k_cache, v_cache, extra):
             site = None
-            if not _is_compiling():
+            if not (dynamo_compiling() or export_flag._is_compiling_flag):
                 state = threads.state
                 bound = state.bound
                 if bound is not None and extra:
                     site = bound.get(extra.get("layer_idx"))
                 if site is None:
                     site = site_from_stack(extra)
-                plan = site.plan
-                if (plan is None or is_causal != plan.causal or softmax_scale != plan.scale
-                        or sliding_window != plan.window or softcap != plan.softcap):
-                    plan = site.plans.get((is_causal, softmax_scale, sliding_window, softcap))
+                call_key = (is_causal, softmax_scale, sliding_window, softcap, dropout, attention_mask, cu_seq_lens_q,
+                            cu_seq_lens_k, block_table, k_cache, v_cache)  # _KEY_ROLES
+                plan = site.plan if call_key == site.call_key else site.plan_for(call_key)
                 stack = state.switch_stack
                 if (plan is not None and plan.step is ctx.plan_step
                         and (stack[-1] if stack else switch_module._default_mode) == "ring"
-                        and attention_mask is None and not dropout
+                        and (sliding_window is None or type(sliding_window) is int)  # True == 1, 2.0 == 2: refused
                         and position_ids is site.position_ids
                         and (site.version is None or position_ids._version == site.version)
-                        and (sliding_window is None or type(sliding_window) is int)  # True == 1, but refused
-                        and cu_seq_lens_q is cu_seq_lens_k is block_table is k_cache is v_cache is None
                         and ((extra.get("s_aux") is site.sink and "cache" not in extra
-                              and "cache_seqlens" not in extra) if extra else site.sink is None)):
-                    shape = query.shape
-                    if shape[0] == site.batch and shape[1] == site.seq and key.numel() == site.key_numel:
-                        if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
-                            counts = state.recomputed
-                        else:
-                            counts = state.ring
-                            forward[site] = "ring"
-                        counts[site] = counts.get(site, 0) + 1
-                        if target_dtype is not None:
-                            query, key, value = cast_to_target(target_dtype, query, key, value)
-                        return plan.run(query, key, value, site.sink)
+                              and "cache_seqlens" not in extra) if extra else site.sink is None)
+                        and query.shape == site.query_shape and key.numel() == site.key_numel):
+                    if graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
+                        counts = state.recomputed
+                    else:
+                        counts = state.ring
+                        forward[site] = "ring"
+                    try:
+                        counts[site] += 1
+                    except KeyError:  # the site's first call on this thread (or since reset)
+                        counts[site] = 1
+                    if target_dtype is not None:
+                        query, key, value = cast_to_target(target_dtype, query, key, value)
+                    return plan.run(query, key, value, site.sink)
             return plan_and_run(site, (
                 query, key, value, attention_mask, query_length, is_causal, dropout, position_ids, softmax_scale,
                 sliding_window, use_top_left_mask, softcap, deterministic, cu_seq_lens_q, cu_seq_lens_k,
@@ -302,8 +324,12 @@ class Dispatcher:
 
     def _keep_plan(self, site: Site, values: tuple, call: dict, extra: dict) -> None:
         """Keep on ``site`` the plan that computed this ring call, if it built one to reuse (``semantics.
-        current_plan``); plans kept for other step inputs (position ids, shape) are dropped."""
-        get = call.get
+        current_plan``) and its key is one a plan may run under (``_KEY_ROLES``: no dropout, mask, document
+        lengths or paged cache); plans kept for other step inputs (position ids, shape) are dropped."""
+        call_key = tuple(values[i] for i in _KEY_AT)  # as the entry builds it
+        if call_key[_KEY_DROPOUT] or any(value is not None for value in call_key[_KEY_ABSENT:]):
+            return
+        get = call.get  # semantics keys its plans by the call's configuration, a missing is_causal as True
         plan = _semantics.current_plan(self.ctx, get("is_causal", True), get("softmax_scale"),
                                        get("sliding_window"), get("softcap"))
         if plan is None:
@@ -314,15 +340,14 @@ class Dispatcher:
         version = positions._version if derived and isinstance(positions, torch.Tensor) else None
         key_numel = values[1].numel()
         plans = site.plans
-        if (positions is not site.position_ids or version != site.version or shape[0] != site.batch
-                or shape[1] != site.seq or key_numel != site.key_numel or len(plans) >= _MAX_SITE_PLANS):
+        if (positions is not site.position_ids or version != site.version or shape != site.query_shape
+                or key_numel != site.key_numel or len(plans) >= _MAX_SITE_PLANS):
             site.forget_plans()
             plans = site.plans
-            site.position_ids, site.version, site.batch, site.seq = positions, version, shape[0], shape[1]
-            site.key_numel = key_numel
-        plans[(values[_CAUSAL], values[_SCALE], values[_WINDOW], values[_SOFTCAP])] = plan
+            site.position_ids, site.version, site.query_shape, site.key_numel = positions, version, shape, key_numel
+        plans[call_key] = plan
         site.sink = extra.get("s_aux") if extra else None
-        site.plan = plan
+        site.plan, site.call_key = plan, call_key
 
     def compiled_forward(self, call: dict, extra: dict) -> str:
         """Run-time part of a compiled call: the mode to run, counted like an eager call (the caller module is
@@ -360,17 +385,24 @@ class Dispatcher:
 
     def _site_from_stack(self, extra: dict) -> Site:
         """The site of the module found on the stack. Depth 3 (this frame, ``entry``, the wrapper) is the wrapper's
-        caller, transformers' ``flash_attention_forward(module, ...)`` on 4.48+: read first, inline; any other
-        frame through ``_calling_module``."""
-        frame = sys._getframe(3)
+        caller, transformers' ``flash_attention_forward(module, ...)`` on 4.48+: read first, inline, its holder
+        names cached for the last code seen there; any other frame through ``_calling_module``."""
+        global _last_caller
+        frame = _getframe(3)
         code = frame.f_code
-        entry = _holders.get(id(code))
+        last = _last_caller  # (code, names): one tuple, so that a thread never pairs one code with another's names
+        if last[0] is code:
+            names = last[1]
+        else:
+            entry = _holders.get(id(code))
+            names = entry[1] if entry is not None and entry[0] is code else _holder_names(code)
+            _last_caller = (code, names)
         module = None
-        if entry is not None and entry[0] is code and entry[1]:
+        if names:
             local = frame.f_locals
-            for name in entry[1]:
+            for name in names:
                 candidate = local.get(name)
-                if isinstance(candidate, torch.nn.Module):
+                if isinstance(candidate, _Module):
                     module = candidate
                     break
         if module is None:

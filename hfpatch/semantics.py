@@ -596,20 +596,16 @@ class RingPlan:
     kernel:      the ring_kernels function name; ``kwargs``: its keyword arguments (the kernel gets its own copy).
     packed:      the step is one packed row: the kernel also takes the step's GLOBAL int32 ``cu_seqlens``, kept
                  here as one copy per device it was needed on.
-    causal, scale, window, softcap:  the call configuration it was built for, as the caller passed it (a call whose
-                 values are equal to these is one this plan computes, in this step).
     """
 
-    __slots__ = ("step", "kernel", "kwargs", "packed", "cu_seqlens", "rank_checked", "causal", "scale", "window",
-                 "softcap")
+    __slots__ = ("step", "kernel", "kwargs", "packed", "cu_seqlens", "rank_checked")
 
     def __init__(self, step: StepState, kernel: str, kwargs: dict, packed: bool,
-                 cu_seqlens: Optional[torch.Tensor], config: tuple = (None, None, None, None)) -> None:
+                 cu_seqlens: Optional[torch.Tensor]) -> None:
         self.step = step
         self.kernel = kernel
         self.kwargs = kwargs
         self.packed = packed
-        self.causal, self.scale, self.window, self.softcap = config
         self.cu_seqlens = {} if cu_seqlens is None else {cu_seqlens.device: cu_seqlens}
         self.rank_checked = step.rank_checked
 
@@ -670,7 +666,7 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
             kwargs["heads_k_stride"] = ctx.heads_k_stride
         name = _VARLEN_KERNELS[step.kernel]
         _kernel(name)  # fails now, with the name, if this ring_kernels lacks it
-        return RingPlan(step, name, kwargs, True, step.cu_seqlens, (causal, scale, window, softcap))
+        return RingPlan(step, name, kwargs, True, step.cu_seqlens)
     kernel = step.kernel
     if not kwargs["causal"] and kwargs["window_size"] == (-1, -1):
         # Full attention does not depend on where the keys sit, so the contiguous ring computes it for any layout
@@ -678,7 +674,7 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
         kernel = "ring"
     name = _BATCH_KERNELS[kernel]
     _kernel(name)
-    return RingPlan(step, name, kwargs, False, None, (causal, scale, window, softcap))
+    return RingPlan(step, name, kwargs, False, None)
 
 
 def ring_plan(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> RingPlan:

@@ -498,6 +498,7 @@ def test_the_fast_path_never_reuses_a_stale_step_or_plan(kernels, monkeypatch):
     (dict(mask=torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])), "padding mask"),
     (dict(softcap=-1.0), "softcap"),
     (dict(sliding_window=True), "sliding_window"),
+    (dict(sliding_window=1.0), "sliding_window"),  # == 1, a cached plan's window: refused all the same
     (dict(s_aux=torch.zeros(3)), "attention sinks have shape"),
     (dict(cache=object()), "KV cache"),
     (dict(longer_k=True), "KV cache"),
