@@ -111,8 +111,9 @@ def _jamba_forward(module, input_states: torch.Tensor, cache_params, attention_m
     return module.out_proj(scan_output.transpose(1, 2))
 
 
-_FAST_PATH_MISSING = ("Fast Mamba kernels are not available. Make sure to they are installed and that the mamba module is "
-                      "on a CUDA device")
+# The release's forward raises ValueError in this case too.
+_FAST_PATH_MISSING = ("use_mamba_kernels=True needs causal-conv1d and mamba-ssm installed and the Mamba mixer on a "
+                      "CUDA device; set use_mamba_kernels=False in the model config to run the torch path")
 
 # The methods JambaMambaMixer.forward dispatches to, as the CP form below reproduces them: fingerprint
 # (registry.forward_fingerprint) -> the releases they were read on.
