@@ -139,8 +139,8 @@ def minimax_lightning_forward(module, hidden_states: torch.Tensor, position_embe
 
 def minimax_lightning_forward_value_mask(module, hidden_states: torch.Tensor, position_embeddings=None,
                                          attention_mask=None, past_key_value=None, past_key_values=None, **kwargs):
-    """``MiniMaxLightningAttention.forward`` as transformers 4.53 - 5.0 write it, without a cache (4.53 - 4.57
-    name it ``past_key_value``, 5.0 ``past_key_values``), the recurrence computed by ``lightning_attention``: the
+    """``MiniMaxLightningAttention.forward`` as transformers 4.53 - 5.0 write it, without a cache (named
+    ``past_key_value`` before 5.0, ``past_key_values`` in 5.0), the recurrence computed by ``lightning_attention``: the
     same projections; the padding mask (the model's 2-D mask, B x L) zeroes the VALUES of masked tokens, as those
     releases do; the same norm, output gate and output projection. Returns (output (B, L, hidden), None)."""
     refuse_cache("past_key_value", past_key_value)
