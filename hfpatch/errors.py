@@ -25,12 +25,16 @@ __all__ = [
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:
-    """A one-line description of ``value``: tensors by shape and dtype (never their data), others by repr."""
+    """A one-line description of ``value``: tensors by shape and dtype (never their data), others by repr, or by
+    class name where the repr itself fails (some cache objects cannot print themselves)."""
     shape = getattr(value, "shape", None)
     dtype = getattr(value, "dtype", None)
     if shape is not None and dtype is not None:
         return f"{type(value).__name__}(shape={tuple(shape)}, dtype={dtype})"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 -- an error message must not fail on the value it describes
+        return f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -75,14 +75,18 @@ def _family_of(cls: type) -> Tuple[Optional[MixerFamily], str]:
         return None, f"{cls.__name__} is not a mixer class hfpatch's mixer registry knows"
     seen = []
     for family in families:
+        if any(not hasattr(cls, method) for method, _ in family.replaces):
+            continue  # an entry for releases whose class has a method this one lacks
         try:
             fingerprint = class_fingerprint(cls, family)
-        except (OSError, TypeError, StopIteration, SyntaxError, AttributeError) as exc:
+        except (OSError, TypeError, StopIteration, SyntaxError) as exc:
             return None, f"the source of {cls.__name__}.forward cannot be read ({type(exc).__name__})"
         if fingerprint in family.forwards:
             return family, ""
         seen.append(fingerprint)
     known = "; ".join(release for family in families for release in family.forwards.values())
+    if not seen:
+        return None, (f"{cls.__name__} lacks a method every {families[0].name} entry replaces (known: {known})")
     return None, (f"{cls.__name__}.forward (fingerprint {' / '.join(dict.fromkeys(seen))}) is not a forward hfpatch "
                   f"has read and tested for the {families[0].name} family (known: {known})")
 
