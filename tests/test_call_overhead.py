@@ -724,9 +724,9 @@ def test_the_added_time_per_call_stays_within_budget():
 
     The target is <= 2 us added per call on the development machine. A ratio to the direct call, not microseconds:
     on a loaded 2-core CI machine both sides slow down together. benchmarks/results/
-    patched_call_overhead_cpu_model_and_stack_689ffce.txt (load ~1.5): 2.4x the direct call (2.98 us against
-    1.22 us); the twin fast path the one call path replaced measured 4.8x; the bound, 3.5x, fails a return to that
-    cost."""
+    patched_call_overhead_cpu_model_and_stack_2b4a202.txt (load ~5): 2.3x the direct call (2.82 us against
+    1.23 us; this test's own measurement 2.3-2.5x); the tree before it 2.5x, the twin fast path the one call path
+    replaced 4.8x; the bound, 3.3x, keeps the margin the 3.5x bound had over 2.4x, and fails a return to either."""
     bench = _bench()
     import transformers.modeling_flash_attention_utils as mfau
 
@@ -747,11 +747,11 @@ def test_the_added_time_per_call_stays_within_budget():
     t_direct, t_floor, t_patched = (min(s) / layers * 1e6 for s in samples)
     added = t_patched - t_direct
     # Where _flash_attention_forward takes no **kwargs (4.43-4.47), transformers cannot pass layer_idx: a tracked
-    # model's calls then find their module on the stack, the other path (same file: 3.91 us, 3.2x the direct call,
-    # at load ~1.5 on 5.23; 3.8x measured on 4.43.4 under load). Its own budget, 4.5x, still fails the twin path's
-    # 4.8x.
+    # model's calls then find their module on the stack, the other path (same file: 3.73 us, 3.0x the direct call,
+    # on 5.23; this test on 4.43.4 at load ~8: 3.6-3.7x, the tree before 3.8-5.0x). Its own budget, 4.3x, keeps the
+    # margin 4.5x had over 3.8x and still fails the twin path's 4.8x.
     by_layer_idx = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fa).parameters.values())
-    budget = 3.5 if by_layer_idx else 4.5
+    budget = 3.3 if by_layer_idx else 4.3
     assert t_floor > t_direct * 0.5 and added <= budget * t_direct, (
         f"hfpatch adds {added:.2f} us per call, {added / t_direct:.1f}x the direct call ({t_direct:.2f} us; "
         f"binding the live signature alone: {t_floor - t_direct:.2f} us; "
