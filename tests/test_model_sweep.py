@@ -59,3 +59,31 @@ def test_models_md_is_current(verdicts):
         pytest.skip(f"MODELS.md is for transformers {release}; installed {transformers.__version__}")
     differences = table.stale(verdicts, MODELS_MD.read_text())
     assert not differences, "MODELS.md is stale (run `hfpatch models --write`):\n" + "\n".join(differences)
+
+
+# Each mixer kind proven exact on the oldest release of the tox matrix that has a flash-capable family of it
+# (the newest release's sweep covers every family). kind -> (release, causal-LM class).
+MIXER_KINDS_ON_THEIR_OLDEST_RELEASE = {
+    "selective_scan (Mamba)": ("4.43.4", "JambaForCausalLM"),
+    "ssd (Mamba2)": ("4.48.3", "BambaForCausalLM"),
+    "lightning": ("4.53.3", "MiniMaxForCausalLM"),
+    "conv (short conv)": ("4.54.1", "Lfm2ForCausalLM"),
+    "delta_rule (Gated DeltaNet)": ("5.0.0", "Qwen3NextForCausalLM"),
+    "delta_rule (KDA)": ("5.19.0", "KimiLinearForCausalLM"),
+    "rglru": ("5.19.0", "RecurrentGemmaForCausalLM"),
+    "cca": ("5.19.0", "ZayaForCausalLM"),
+}
+
+
+def test_mixer_kinds_exact_on_their_oldest_release(verdicts):
+    import transformers
+
+    due = {kind: cls for kind, (release, cls) in MIXER_KINDS_ON_THEIR_OLDEST_RELEASE.items()
+           if release == transformers.__version__}
+    if not due:
+        pytest.skip(f"no mixer kind has transformers {transformers.__version__} as its oldest matrix release")
+    by_class = {v.class_name: v for v in verdicts}
+    wrong = [f"{kind}: {cls}: {by_class[cls].verdict if cls in by_class else 'not in the sweep'}"
+             f" {by_class[cls].detail if cls in by_class else ''}" for kind, cls in due.items()
+             if cls not in by_class or by_class[cls].verdict != "exact"]
+    assert not wrong, "\n".join(wrong)
