@@ -15,9 +15,20 @@ from typing import Any, Optional
 
 import torch
 
-from hfpatch import version_gates
+from hfpatch import (codegen, inputs, model_audit, model_positions, patcher, switch as switch_module,
+                     verify as verify_module, version_gates)
+from hfpatch.dispatch import Dispatcher
 from hfpatch.errors import (ModelDivergence, PatchError, SignatureMismatch, UnsupportedModel, UnsupportedRelease,
                             VerificationError)
+from hfpatch.labels import install_labels_hook
+from hfpatch.mixers import install_mixers
+from hfpatch.model_inputs import install_inputs_guard
+from hfpatch.model_probe import probe_model
+from hfpatch.model_routing import attention_modules, route_model
+from hfpatch.semantics import RingContext, parse_kernel
+from hfpatch.signatures import registry
+from hfpatch.verify import group_max
+from ring_kernels.backends import choices
 
 __all__ = ["apply", "Patch", "active_patch"]
 
@@ -52,8 +63,6 @@ class Patch:
     def __init__(self, *, active: bool, reason: Optional[str], signature_id: Optional[str] = None,
                  ctx: Any = None, installation: Any = None, dispatcher: Any = None, match: Any = None,
                  previous_switch: Optional[str] = None) -> None:
-        from hfpatch import switch as switch_module  # the callable module, see hfpatch/switch.py
-
         self.active = active
         self.reason = reason
         self.signature_id = signature_id
@@ -99,8 +108,6 @@ class Patch:
         """Which block backend ring_kernels chose for which shape class, why, and how many calls made each choice
         (``ring_kernels.backends.choices()``: ``BackendChoice`` records of this process, since it started or
         ``ring_kernels.backends.reset_choices()``; a backend's own fallback has ``fallback=True``)."""
-        from ring_kernels.backends import choices
-
         return choices()
 
     def reset_calls(self) -> None:
@@ -112,7 +119,6 @@ class Patch:
         """The generated wrapper's source (what tracebacks and ``inspect.getsource`` show)."""
         if self._installation is None:
             raise PatchError(f"this patch is inactive ({self.reason}); no wrapper was generated")
-        from hfpatch import codegen
 
         return codegen.wrapper_source(self._installation.wrapper)
 
@@ -143,8 +149,6 @@ class Patch:
         """The attention modules of ``model`` that did NOT run the ring in the last forward: a list of
         ``{"name", "class", "attn_implementation"}`` (e.g. a model left on "sdpa" or "eager"). Empty when every
         attention layer went through the ring."""
-        from hfpatch.model_routing import attention_modules
-
         records = self._dispatcher.forward_records() if self._dispatcher is not None else []
         ring_ids = {r.module_id for r in records if r.mode == "ring" and r.module_id is not None}
         missing = []
@@ -162,14 +166,10 @@ class Patch:
         """This rank's ``input_ids``, ``position_ids`` (global) and ``labels`` (already shifted) in the step's
         layout; the identity (labels shifted the same way) when the patch is inactive. See
         ``hfpatch.inputs.shard_inputs``."""
-        from hfpatch import inputs
-
         return inputs.shard_inputs(self._live_ctx(), input_ids, labels=labels, position_ids=position_ids)
 
     def reduce_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
         """Token-weighted mean loss over the CP group (``loss_sum / num_tokens`` when inactive)."""
-        from hfpatch import inputs
-
         return inputs.reduce_loss(self._live_ctx(), loss_sum, num_tokens)
 
     def live_ctx_or_none(self):
@@ -264,8 +264,6 @@ def _resolve_group(cp_group):
 
 
 def _validate_arguments(kernel, on_unsupported, verify, model) -> None:
-    from hfpatch.semantics import parse_kernel
-
     if on_unsupported not in _ON_UNSUPPORTED:
         raise ValueError(
             f"on_unsupported={on_unsupported!r} is not allowed; expected 'raise' (SignatureMismatch / "
@@ -282,8 +280,6 @@ def _validate_arguments(kernel, on_unsupported, verify, model) -> None:
 def _inactive(reason: str, *, level: int = logging.INFO, model: Optional[torch.nn.Module] = None) -> Patch:
     """An inactive Patch; with ``model``, its labels hook (``hfpatch.labels``) so that the shifted labels of
     ``shard_inputs`` give the non-CP loss when passed to the model."""
-    from hfpatch.labels import install_labels_hook
-
     logger.log(level, "hfpatch: not active (%s); transformers untouched, input helpers are the identity", reason)
     patch = Patch(active=False, reason=reason)
     if model is not None:
@@ -331,7 +327,6 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
     (naming it; call ``patch.remove()`` first). All-or-nothing: if anything fails, nothing is left installed.
     """
     _validate_arguments(kernel, on_unsupported, verify, model)
-    from hfpatch import switch as switch_module
 
     env_mode = switch_module.mode_from_env()  # a bad RING_ATTN_SWITCH is an error even without CP
     group = _resolve_group(cp_group)
@@ -356,8 +351,6 @@ _OK, _FALLBACK, _FAILED = 0.0, 1.0, 2.0
 def _agreed_match(group, on_unsupported: str, model: Optional[torch.nn.Module]):
     """``_match_live_signature`` and ``_audit_model`` on every rank, then one all-reduce so that all ranks do the
     same thing."""
-    from hfpatch.verify import group_max
-
     try:
         with _active_lock:
             _check_no_active_patch()
@@ -378,8 +371,6 @@ def _agreed_match(group, on_unsupported: str, model: Optional[torch.nn.Module]):
 
 def _match_live_signature(on_unsupported: str):
     """(match, version, None), or (None, None, reason) for a fallback; raises for on_unsupported="raise"."""
-    from hfpatch.signatures import registry
-
     version = version_gates.installed_transformers_version()
     if version is None or not version_gates.is_supported_release(version):
         what = "transformers is not installed" if version is None else f"transformers {version} is older than " \
@@ -403,8 +394,6 @@ def _match_live_signature(on_unsupported: str):
 
 def _audit_model(model: torch.nn.Module, on_unsupported: str) -> Optional[str]:
     """None when ``model_audit`` finds nothing; the reason to fall back, or ``UnsupportedModel`` raised."""
-    from hfpatch import model_audit
-
     findings = model_audit.audit(model)
     if not findings:
         return None
@@ -416,9 +405,6 @@ def _audit_model(model: torch.nn.Module, on_unsupported: str) -> Optional[str]:
 
 def _install(group, kernel, verify, model, match, version, env_mode, on_unsupported="raise") -> Patch:
     global _active
-    from hfpatch import switch as switch_module
-    from hfpatch import verify as verify_module
-
     patch: Optional[Patch] = None
     failure: Optional[BaseException] = None
     try:
@@ -438,8 +424,6 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
         if verify:
             verify_module.numeric(patch._installation.wrapper, match, patch.ctx)
         if verify is True and model is not None:
-            from hfpatch.model_probe import probe_model
-
             probed = probe_model(model, patch.ctx)
             patch.labels_refusal, patch.labels_alignment = probed.labels_refusal, probed.labels_alignment
         patch._dispatcher.reset()  # the probes' calls are not the user's
@@ -465,15 +449,6 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     """This rank's part of apply: render, install at every site, switch the model, check identity. On failure
     everything it did is undone before the error propagates."""
     import transformers.modeling_flash_attention_utils as mfau
-
-    from hfpatch import codegen, model_positions, patcher
-    from hfpatch import verify as verify_module
-    from hfpatch.dispatch import Dispatcher
-    from hfpatch.labels import install_labels_hook
-    from hfpatch.model_inputs import install_inputs_guard
-    from hfpatch.mixers import install_mixers
-    from hfpatch.model_routing import route_model
-    from hfpatch.semantics import RingContext
 
     original = mfau._flash_attention_forward
     if getattr(original, "__hfpatch_wrapper__", False):

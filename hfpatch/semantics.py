@@ -58,6 +58,7 @@ import torch.distributed as dist
 import ring_kernels
 from hfpatch import version_gates
 from hfpatch.errors import UnsupportedArgument
+from ring_kernels import shard, unshard
 
 __all__ = [
     "VARIANTS",
@@ -722,8 +723,6 @@ def reference_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: 
     on the whole sequence, return this rank's slice (B, S_local, H, D). Differentiable (the gather's backward sums
     the gradients over the ranks). For A/B checks; it holds the whole sequence on every rank.
     """
-    from ring_kernels import shard, unshard
-
     q, k, v = cast_to_target(call.get("target_dtype"), call["query"], call["key"], call["value"])
     extra = extra or {}
     _refuse_unsupported(call, extra, q, k, ctx)

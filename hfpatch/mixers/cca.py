@@ -20,6 +20,7 @@ from hfpatch.errors import UnsupportedArgument
 from hfpatch.mixers.kernel import KernelCall, SequenceKernel
 from hfpatch.mixers.lightning import CACHE_FIX, CACHE_REASON
 from hfpatch.mixers.segments import SegmentPlan
+from ring_kernels.layout import shard, unshard
 
 __all__ = ["CcaProjection", "cca_projection", "zaya_cca_forward"]
 
@@ -139,8 +140,6 @@ class CcaProjection(SequenceKernel):
 
     def reference(self, call: KernelCall, plan: SegmentPlan):
         """HF's projection on the all-gathered sequence; this rank's tokens of q, k and v."""
-        from ring_kernels.layout import shard, unshard
-
         whole = {name: unshard(call.arg(name), plan.group, layout=plan.layout, dim=1, cu_seqlens=plan.cu_seqlens)
                  for name in self.token_args if call.arg(name) is not None}
         outputs = call.original_with(**whole)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from hfpatch.mixers.segments import SegmentPlan
+from ring_kernels.layout import shard, unshard
 
 __all__ = ["KernelCall", "SequenceKernel"]
 
@@ -114,8 +115,6 @@ class SequenceKernel:
     def reference(self, call: KernelCall, plan: SegmentPlan) -> Any:
         """The original kernel on the whole sequence (every token-indexed argument all-gathered), this rank's
         tokens of the output returned; a second output (a final state) is passed through."""
-        from ring_kernels.layout import shard, unshard
-
         def gathered(name: str, dim: int) -> Optional[torch.Tensor]:
             x = call.arg(name)
             return None if x is None else unshard(x, plan.group, layout=plan.layout, dim=dim,

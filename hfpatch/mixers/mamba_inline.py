@@ -37,7 +37,7 @@ def require_methods_read(module, read: Mapping[str, Mapping[str, str]]) -> None:
     cls = type(module)
     key = (cls, id(read))
     if key not in _METHODS_CHECKED:
-        from hfpatch.mixers.registry import forward_fingerprint
+        from hfpatch.mixers.registry import forward_fingerprint  # the registry's entries import this module
 
         changed = []
         for name, known in read.items():
