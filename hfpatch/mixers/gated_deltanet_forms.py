@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.mixers.lightning import CACHE_FIX, CACHE_REASON
-from hfpatch.mixers.rglru import causal_conv1d as _torch_causal_conv1d
+from hfpatch.mixers.conv import causal_conv1d as _torch_causal_conv1d
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "qwen3_next_forward_instance_kernels"]
 

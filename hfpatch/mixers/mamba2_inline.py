@@ -4,7 +4,7 @@ algorithm in its body) or, on CUDA with causal-conv1d and mamba-ssm installed, t
 kernels the module imported).
 
 ``bamba_forward`` is that forward without a cache, its convolution computed by ``causal_conv1d``
-(``hfpatch.mixers.rglru``: the same ``F.conv1d`` as the module's ``nn.Conv1d``) and its scan by
+(``hfpatch.mixers.conv``: the same ``F.conv1d`` as the module's ``nn.Conv1d``) and its scan by
 ``mamba2_chunk_scan`` below (``torch_forward``'s chunked algorithm); under CP ``install_mixers`` rebinds both names
 in this module to the wrappers of the ``causal_conv1d`` and ``ssd_chunk_scan`` kinds. The CUDA path (its unfused
 branch, the one HF's Mamba2 mixers take under CP from 5.x on, and its fused kernel alike) computes
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.mixers.mamba_inline import require_methods_read
-from hfpatch.mixers.rglru import causal_conv1d
+from hfpatch.mixers.conv import causal_conv1d
 from hfpatch.mixers.ssd import CACHE_FIX, CACHE_REASON
 
 __all__ = ["mamba2_chunk_scan", "causal_conv1d", "bamba_forward", "bamba_forward_tiled_groups", "BAMBA_METHODS_READ",

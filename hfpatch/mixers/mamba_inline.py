@@ -4,7 +4,7 @@ loop) or, with ``use_mamba_kernels``, to ``cuda_kernels_forward`` (the causal-co
 module imported).
 
 ``jamba_forward`` is that forward without a cache, its convolution computed by ``causal_conv1d``
-(``hfpatch.mixers.rglru``: the same ``F.conv1d`` as the module's ``nn.Conv1d``) and its scan by
+(``hfpatch.mixers.conv``: the same ``F.conv1d`` as the module's ``nn.Conv1d``) and its scan by
 ``mamba_selective_scan`` below (``slow_forward``'s token loop); under CP ``install_mixers`` rebinds both names in
 this module to the wrappers of the ``causal_conv1d`` and ``selective_scan`` kinds. The fused path computes
 ``slow_forward``'s function with mamba-ssm's silu gate (causal-conv1d accepts only a silu convolution), so under
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument, UnsupportedModel
-from hfpatch.mixers.rglru import causal_conv1d
+from hfpatch.mixers.conv import causal_conv1d
 from hfpatch.mixers.ssd import CACHE_FIX, CACHE_REASON
 
 __all__ = ["mamba_selective_scan", "causal_conv1d", "jamba_forward", "JAMBA_METHODS_READ", "require_methods_read"]

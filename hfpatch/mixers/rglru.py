@@ -8,7 +8,8 @@ of the gates and h0_t the zero-start outputs; the segment's transition is the pr
 segment (transition, zero-start final state) travels: 2 x (B, W) in fp32.
 
 The block's convolution (``conv_1d``, depthwise, K taps) is the ``causal_conv1d`` kind (``hfpatch.mixers.conv``)
-run on ``causal_conv1d`` below; its window (B, W, K-1) travels.
+run on ``causal_conv1d`` (``hfpatch.mixers.conv``'s, imported here so that the registry rebinds this module's name);
+its window (B, W, K-1) travels.
 
 HF computes both inline, so under CP the registry replaces, on the instance, ``RecurrentGemmaRecurrentBlock.forward``
 (by ``griffin_block_forward``: the convolution through ``causal_conv1d``) and ``RecurrentGemmaRglru._rnn_scan`` (by
@@ -22,11 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument
+from hfpatch.mixers.conv import causal_conv1d
 from hfpatch.mixers.kernel import KernelCall, SequenceKernel
 from hfpatch.mixers.lightning import CACHE_FIX, CACHE_REASON
 from hfpatch.mixers.segments import SegmentPlan, map_segments
 
-__all__ = ["DiagonalRecurrence", "linear_recurrence", "causal_conv1d", "griffin_block_forward", "rglru_scan"]
+__all__ = ["DiagonalRecurrence", "linear_recurrence", "griffin_block_forward", "rglru_scan"]
 
 
 def linear_recurrence(hidden_states: torch.Tensor, recurrent_gate: torch.Tensor, reset: torch.Tensor,
@@ -43,16 +45,6 @@ def linear_recurrence(hidden_states: torch.Tensor, recurrent_gate: torch.Tensor,
         state = gate[:, t] * state + hidden_states[:, t].to(acc_dtype)
         outputs.append(state.to(hidden_states.dtype))
     return torch.stack(outputs, dim=1), state
-
-
-def causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  activation: Optional[str] = None, **kwargs) -> torch.Tensor:
-    """Causal depthwise convolution: x (B, C, L), weight (C, K) -> (B, C, L), the first output reading K-1 zeros
-    before the first token (what ``nn.Conv1d(padding=K-1)(x)[..., :L]`` gives); ``activation``: None or "silu"."""
-    length = hidden_states.shape[-1]
-    out = F.conv1d(hidden_states, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1,
-                   groups=hidden_states.shape[1])[..., :length]
-    return F.silu(out) if activation == "silu" else out
 
 
 class DiagonalRecurrence(SequenceKernel):
