@@ -25,8 +25,13 @@ Layers (see each module's docstring):
   ``selective_scan`` (Mamba's scan: Jamba, Zamba), ``lightning`` (MiniMax's lightning attention),
   ``rglru`` (RecurrentGemma's RG-LRU), ``cca`` (ZAYA's convolved Q/K projection);
   ``cached_step`` refuses the one-token decode kernels (a cache) by name;
+- CP forms of modules whose release computes the recurrence inline (no kernel name to rebind; the registry
+  replaces the method on the instance): ``mamba_inline`` (Jamba 4.43 - 5.0), ``mamba2_inline`` (Bamba 4.48 - 5.0),
+  ``short_conv`` (LFM2 4.54 - 5.0), ``gated_deltanet_forms`` (Qwen3-Next 5.0), and in the kinds' own modules
+  ``lightning`` (MiniMax), ``rglru`` (RecurrentGemma), ``cca`` (ZAYA);
 - ``registry``  -- the versioned registry: which module classes, forward fingerprints and kernel bindings of
-  which releases hfpatch recognises (``recognise``, ``unrecognised_reason``);
+  which releases hfpatch recognises (``recognise``, ``unrecognised_reason``); its entries live in ``families``
+  (one module per family, every release of it) as ``family.MixerFamily`` records;
 - ``install``   -- ``install_mixers(model, ctx)``: rebind the kernels of recognised modules to CP wrappers that
   follow the switch; ``MixerInstallation.remove()`` restores them.
 
