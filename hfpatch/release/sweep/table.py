@@ -10,6 +10,7 @@ import re
 from collections import Counter
 from typing import Iterable
 
+from hfpatch.mixers import FAMILIES
 from hfpatch.release.sweep.run import GRAD_RTOL, LOSS_RTOL, VERDICTS, Verdict
 
 __all__ = ["render", "parse", "stale", "counts_line"]
@@ -54,7 +55,25 @@ def render(verdicts: list[Verdict], *, transformers_version: str, torch_version:
     for v in rows:
         detail = v.detail.splitlines()[0] if v.detail else ""
         lines.append(f"| `{v.model_type}` | `{v.class_name}` | **{v.verdict}** | {_cell(detail)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + mixer_section()) + "\n"
+
+
+def mixer_section() -> list[str]:
+    """The lines of MODELS.md's sequence-mixer section: every entry of the mixer registry
+    (``hfpatch.mixers.families``) with the releases and model types it was read and tested on, on any release."""
+    lines = ["## Sequence mixers hfpatch runs under CP, by release", "",
+             "The mixer registry's entries (`hfpatch/mixers/families/`), whatever release is installed: a mixer module "
+             "is run under CP only when its class, its forward's fingerprint and its kernels' parameters match one of "
+             "them; any other is refused by name. *kernel names*: the forward calls kernels by module-level names, "
+             "which hfpatch rebinds; *CP form*: the release computes the recurrence inline and hfpatch replaces the "
+             "method by a CP form written for that code.", "",
+             "| family | mixer | how | releases: model types |", "|---|---|---|---|"]
+    for family in FAMILIES:
+        how = "CP form of `" + "`, `".join(name for name, _ in family.replaces) + "`" if family.replaces \
+            else "kernel names"
+        for releases in family.forwards.values():
+            lines.append(f"| `{family.name}` | {_cell(family.mixer)} | {how} | {_cell(releases)} |")
+    return lines
 
 
 def _cell(text: str) -> str:
@@ -84,4 +103,6 @@ def stale(verdicts: list[Verdict], text: str) -> list[str]:
         old, new = table.get(key), fresh.get(key)
         if old != new:
             out.append(f"{key[0]} / {key[1]}: MODELS.md says {old or 'nothing'}, the sweep says {new or 'nothing'}")
+    if "\n".join(mixer_section()) not in text:
+        out.append("the sequence-mixer section differs from the mixer registry's entries")
     return out
