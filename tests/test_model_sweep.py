@@ -87,3 +87,18 @@ def test_mixer_kinds_exact_on_their_oldest_release(verdicts):
              f" {by_class[cls].detail if cls in by_class else ''}" for kind, cls in due.items()
              if cls not in by_class or by_class[cls].verdict != "exact"]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_staleness_check_sees_a_changed_row_and_a_changed_mixer_entry():
+    from hfpatch.release.sweep import table
+    from hfpatch.release.sweep.run import Verdict
+
+    verdict = Verdict(model_type="llama", class_name="LlamaForCausalLM", verdict="exact", loss_error=0.0,
+                      grad_error=0.0)
+    text = table.render([verdict], transformers_version="5.23.0", torch_version="2.13.0", world_size=2)
+    assert table.stale([verdict], text) == []
+    assert table.stale([verdict], text.replace("**exact**", "**refused**")) == [
+        "llama / LlamaForCausalLM: MODELS.md says refused, the sweep says exact"]
+    first_entry = next(line for line in table.mixer_section() if line.startswith("| `"))
+    assert table.stale([verdict], text.replace(first_entry, first_entry.replace("kernel names", "CP form"))) == [
+        "the sequence-mixer section differs from the mixer registry's entries"]
