@@ -1,10 +1,21 @@
-"""Mamba2 (SSD scan) and Mamba (selective scan) mixers under CP (hfpatch.mixers.ssd, .selective_scan): the segment
-exchange against the whole sequence, forward and gradients (zigzag, contiguous, zigzag varlen; several SSD chunks
-per segment and segments shorter than a chunk; the selective scan's token chunks), with transformers' own torch
-kernels and with the token-by-token definition; then the real HF classes the registry recognises: CP loss and every
-gradient equal to non-CP (the sweep's check_class, zigzag and contiguous, 2 ranks; Nemotron-H on 4), packed rows,
-implementations bound like HF's hub wrappers (another parameter order, a fused Mamba2 kernel that must not run under
-CP), the refusals (a cache, seq_idx, a changed forward) and ``remove()``."""
+"""Mamba2 (SSD scan) and Mamba (selective scan) mixers under CP (hfpatch.mixers.ssd, .selective_scan), and the
+real HF classes that run them (Bamba, Falcon-H1, Granite 4 hybrid, Nemotron-H, Zamba2; Jamba, Zamba).
+
+Every case runs in one gloo world of the module (tests/_mixer_cases.py), each its own test:
+
+- ``exchange-*``: each scan's segment exchange against the whole sequence, forward and every input's gradient, on
+  zigzag (several SSD chunks per segment), contiguous, zigzag with one-token chunks (shorter than an SSD chunk),
+  zigzag varlen and contiguous packed layouts, with transformers' own torch kernels (and, on the zigzag layouts,
+  the token-by-token definitions too), the selective scan in token chunks of 3 (its final state and correction
+  span chunks); on 2 and 4 ranks, in fp32 (the ``cp`` tolerances) and bf16 (the ``kernel`` bf16 tolerances
+  against float64);
+- ``class-*``: the sweep's check_class, CP loss and every gradient equal to non-CP (zigzag and contiguous on 2
+  ranks; Nemotron-H on 4), or refused by name where the registry does not recognise the release's code;
+- ``packed-*``: packed rows against the model's non-CP run; ``hub-bound-*``: Bamba with its kernels bound as HF's
+  hub wrappers bind the fast packages (another parameter order; a fused Mamba2 kernel that must not run under
+  CP); ``refusals-and-remove-*``: a cache, seq_idx and a decode step refused by name, ``remove()`` restoring every
+  rebound kernel; ``registry-*``: recognition, and refusal of a changed forward by its fingerprint.
+"""
 from __future__ import annotations
 
 import functools
@@ -15,8 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _dist import run_world
-from ring_kernels.tolerances import assert_close, tolerance
+from _mixer_cases import (Case, Exchange, Layout, Skip, check_classes, check_registry, compare_exchange, entries,
+                          is_recognised, kernels_bound_by_name, leaves_from, packed_step, run_module_world,
+                          selected_cases)
 
 # ------------------------------------------------------------------------------- plain reference kernels
 
@@ -72,96 +84,99 @@ def _hf_kernels():
 
 # ------------------------------------------------------------------------- exchange vs whole sequence
 
-
-def _inputs(seed, batch, seq):
-    """Global leaf tensors, identical on every rank: Mamba2 (4 heads in 2 groups) and Mamba (6 channels)."""
-    gen = torch.Generator().manual_seed(seed)
-    heads, groups, head_dim, state, channels = 4, 2, 3, 5, 6
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).requires_grad_()
-
-    return dict(
-        x2=r(batch, seq, heads, head_dim), dt2=r(batch, seq, heads), A2=(-torch.rand(heads, generator=gen) - 0.5)
-        .requires_grad_(), B2=r(batch, seq, groups, state), C2=r(batch, seq, groups, state), D2=r(heads),
-        dt_bias=r(heads, scale=0.5),
-        x1=r(batch, channels, seq), dt1=r(batch, channels, seq), A1=(-torch.rand(channels, state, generator=gen) * 2
-                                                                     - 0.1).requires_grad_(),
-        B1=r(batch, state, seq), C1=r(batch, state, seq), D1=r(channels), z1=r(batch, channels, seq),
-        delta_bias=r(channels, scale=0.5),
-        w2=torch.randn(batch, seq, heads, head_dim, generator=gen), w1=torch.randn(batch, channels, seq, generator=gen),
-    )
+# Several SSD chunks (4 tokens) per zigzag segment; one-token segments shorter than a chunk.
+LAYOUTS = (Layout("zigzag", "zigzag", 12), Layout("contiguous", "contiguous", 10),
+           Layout("zigzag-1-token-chunks", "zigzag", 2), Layout("zigzag-packed", "zigzag", 16, (0, 4)),
+           Layout("contiguous-packed", "contiguous", 8, (0, 3), scale_starts=False))
+# The layouts on which the token-by-token definitions run as well as transformers' kernels.
+DEFINITION_LAYOUTS = ("zigzag", "zigzag-packed")
+# Three tokens per selective-scan chunk (batch 2 x 6 channels x state 5): F and the correction span chunks.
+SCAN_CHUNK_ELEMENTS = 2 * 6 * 5 * 3
 
 
-def _exchange_case(rank, world, layout, seq, cu, ssd_kernel, scan_kernel):
-    """CP (this rank's segments) against the whole sequence: outputs and summed input gradients."""
-    from hfpatch.mixers.kernel import KernelCall
-    from hfpatch.mixers.segments import SegmentPlan, segments_of_layout
-    from hfpatch.mixers.selective_scan import SelectiveScan
-    from hfpatch.mixers.ssd import SSDChunkScan
-    from ring_kernels.layout import shard
-
-    batch = 1 if cu is not None else 2
-    t = _inputs(seq + world, batch, seq)
-    plan = SegmentPlan(segments_of_layout(layout, world, seq // world, cu), rank=rank, world_size=world, group=None,
-                       layout=layout, cu_seqlens=cu)
-
-    def local(x, dim):
-        return shard(x, None, layout=layout, dim=dim, cu_seqlens=cu)
-
-    # A non-default dt_limit clamps; chunks of 4 tokens: several per segment, segments shorter than one.
-    ssd_kwargs = dict(chunk_size=4, D=t["D2"], dt_bias=t["dt_bias"], dt_softplus=True, dt_limit=(0.05, 1.5), z=None)
-    ssd_call = KernelCall(ssd_kernel, inspect.signature(ssd_kernel),
-                          (local(t["x2"], 1), local(t["dt2"], 1), t["A2"], local(t["B2"], 1), local(t["C2"], 1)),
-                          ssd_kwargs)
-    ssd_cp = SSDChunkScan().run_cp(ssd_call, plan)
-    scan_kwargs = dict(D=t["D1"], z=local(t["z1"], 2), delta_bias=t["delta_bias"], delta_softplus=True)
-    scan_call = KernelCall(scan_kernel, inspect.signature(scan_kernel),
-                           (local(t["x1"], 2), local(t["dt1"], 2), t["A1"], local(t["B1"], 2), local(t["C1"], 2)),
-                           scan_kwargs)
-    scan_cp = SelectiveScan().run_cp(scan_call, plan)
-    # Two backwards: in one graph the two independent exchanges could run their backward collectives in a
-    # different order on different ranks (in a model, layers are sequential and the order is fixed).
-    (ssd_cp * local(t["w2"], 1)).sum().backward()
-    (scan_cp * local(t["w1"], 2)).sum().backward()
-    leaves = [n for n, v in t.items() if v.requires_grad]
-    grads = {n: t[n].grad.clone() for n in leaves}
-    for g in grads.values():
-        dist.all_reduce(g)
-
-    whole_ssd = ssd_kernel(t["x2"], t["dt2"], t["A2"], t["B2"], t["C2"], **ssd_kwargs)
-    whole_scan = scan_kernel(t["x1"], t["dt1"], t["A1"], t["B1"], t["C1"], **{**scan_kwargs, "z": t["z1"]})
-    for n in leaves:
-        t[n].grad = None
-    ((whole_ssd * t["w2"]).sum() + (whole_scan * t["w1"]).sum()).backward()
-    what = f"{layout} {ssd_kernel.__name__}"
-    assert_close(ssd_cp, local(whole_ssd, 1), tolerance("cp", torch.float32, "out"), f"{what} ssd")
-    assert_close(scan_cp, local(whole_scan, 2), tolerance("cp", torch.float32, "out"), f"{what} selective scan")
-    for n in leaves:
-        assert_close(grads[n], t[n].grad, tolerance("cp", torch.float32, "grad"), f"{what} d{n}")
+def _negative(low, spread):
+    return lambda gen, shape: -torch.rand(*shape, generator=gen) * spread - low
 
 
-def _exchange_world(rank, world):
+def _scaled(scale):
+    return lambda gen, shape: torch.randn(*shape, generator=gen) * scale
+
+
+def _ssd(seed, batch, seq, kernel):
+    """Mamba2's scan: 4 heads in 2 groups, head dim 3, state 5; a non-default dt_limit clamps."""
+    heads, groups, head_dim, state = 4, 2, 3, 5
+    shapes = {"x": ((batch, seq, heads, head_dim), None), "dt": ((batch, seq, heads), None),
+              "A": ((heads,), _negative(0.5, 1.0)), "B": ((batch, seq, groups, state), None),
+              "C": ((batch, seq, groups, state), None), "D": ((heads,), None), "dt_bias": ((heads,), _scaled(0.5))}
+
+    def make(cast):
+        t = leaves_from(seed, cast, shapes)
+        kwargs = dict(chunk_size=4, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, dt_limit=(0.05, 1.5), z=None)
+
+        def run(ex):
+            from hfpatch.mixers.kernel import KernelCall
+            from hfpatch.mixers.ssd import SSDChunkScan
+
+            if ex is None:
+                return (kernel(t["x"], t["dt"], t["A"], t["B"], t["C"], **kwargs),)
+            call = KernelCall(kernel, inspect.signature(kernel), (ex.local(t["x"], 1), ex.local(t["dt"], 1), t["A"],
+                                                                  ex.local(t["B"], 1), ex.local(t["C"], 1)), kwargs)
+            return (SSDChunkScan().run_cp(call, ex.plan),)
+
+        return t, run, (1,)
+
+    return make
+
+
+def _selective_scan(seed, batch, seq, kernel):
+    """Mamba's scan: 6 channels, state 5, gated by z."""
+    channels, state = 6, 5
+    shapes = {"x": ((batch, channels, seq), None), "dt": ((batch, channels, seq), None),
+              "A": ((channels, state), _negative(0.1, 2.0)), "B": ((batch, state, seq), None),
+              "C": ((batch, state, seq), None), "D": ((channels,), None), "z": ((batch, channels, seq), None),
+              "delta_bias": ((channels,), _scaled(0.5))}
+
+    def make(cast):
+        t = leaves_from(seed, cast, shapes)
+        kwargs = dict(D=t["D"], delta_bias=t["delta_bias"], delta_softplus=True)
+
+        def run(ex):
+            from hfpatch.mixers.kernel import KernelCall
+            from hfpatch.mixers.selective_scan import SelectiveScan
+
+            if ex is None:
+                return (kernel(t["x"], t["dt"], t["A"], t["B"], t["C"], z=t["z"], **kwargs),)
+            args = (ex.local(t["x"], 2), ex.local(t["dt"], 2), t["A"], ex.local(t["B"], 2), ex.local(t["C"], 2))
+            call = KernelCall(kernel, inspect.signature(kernel), args, {**kwargs, "z": ex.local(t["z"], 2)})
+            return (SelectiveScan().run_cp(call, ex.plan),)
+
+        return t, run, (2,)
+
+    return make
+
+
+def _exchange(group, layout, dtype):
+    """Both scans on ``layout``: transformers' kernels where this release has them (what the models run), and
+    the definitions on DEFINITION_LAYOUTS in fp32 (the only kernels where the release has none)."""
     from hfpatch.mixers import selective_scan
 
-    cases = [("zigzag", 12 * world, None), ("contiguous", 10 * world, None),
-             ("zigzag", 2 * world, None),   # one-token segments
-             ("zigzag", 16 * world, torch.tensor([0, 4 * world, 16 * world], dtype=torch.int32)),  # zigzag varlen
-             ("contiguous", 8 * world, torch.tensor([0, 3, 8 * world], dtype=torch.int32))]
-    selective_scan.CHUNK_ELEMENTS = 2 * 6 * 5 * 3  # three tokens per chunk: F and the correction span chunks
-    # transformers' own kernels where they exist (what the models run) on every case, the definition on two.
-    runs = [(case, (ssd_reference, scan_reference)) for case in cases[:1] + cases[3:4]]
-    runs += [(case, _hf_kernels()) for case in cases] if _hf_kernels() else [(case, runs[0][1]) for case in cases]
-    for (layout, seq, cu), (ssd_kernel, scan_kernel) in runs:
-        _exchange_case(rank, world, layout, seq, cu, ssd_kernel, scan_kernel)
-    return len(runs)
+    ex = Exchange(layout, group)
+    runs = [_hf_kernels()] if _hf_kernels() else []
+    if not runs or (layout.name in DEFINITION_LAYOUTS and dtype == torch.float32):
+        runs.append((ssd_reference, scan_reference))
+    saved, selective_scan.CHUNK_ELEMENTS = selective_scan.CHUNK_ELEMENTS, SCAN_CHUNK_ELEMENTS
+    try:
+        for ssd_kernel, scan_kernel in runs:
+            seed = ex.seq + ex.world
+            compare_exchange(ex, _ssd(seed, ex.batch, ex.seq, ssd_kernel), dtype, f"ssd {ssd_kernel.__name__}")
+            compare_exchange(ex, _selective_scan(seed + 1, ex.batch, ex.seq, scan_kernel), dtype,
+                             f"selective scan {scan_kernel.__name__}")
+    finally:
+        selective_scan.CHUNK_ELEMENTS = saved
+    return [ssd.__name__ for ssd, _ in runs]
 
 
-def test_exchange_matches_whole_sequence_2_ranks():
-    assert run_world(2, _exchange_world)[0] >= 5
-
-
-# ------------------------------------------------------------------------------------ the registry
+# ------------------------------------------------------------------------------------ real HF classes
 
 # The causal-LM classes whose Mamba mixers the registry recognises on transformers 5.23, and the mixer each has.
 FAMILY_CLASSES = {
@@ -173,145 +188,57 @@ FAMILY_CLASSES = {
     "JambaForCausalLM": "JambaMambaMixer",
     "ZambaForCausalLM": "ZambaMambaMixer",
 }
+NAMES = tuple(sorted(FAMILY_CLASSES))
 
 
-@functools.lru_cache(maxsize=None)
-def _entries() -> tuple:
-    """The catalog entries (``hfpatch.release.sweep.catalog``) of the FAMILY_CLASSES this release has with a flash path,
-    found without importing every model class."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from hfpatch.release.sweep.catalog import CatalogEntry, declares_flash
-
-    entries = []
-    for model_type, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
-        for name in (names,) if isinstance(names, str) else names:
-            if name not in FAMILY_CLASSES:
-                continue
-            entry = CatalogEntry(model_type, name, CONFIG_MAPPING_NAMES.get(model_type))
-            try:
-                flash = declares_flash(entry.model_class())
-            except Exception:  # noqa: BLE001 -- not importable here (the catalog records why): not one of ours
-                continue
-            if flash:
-                entries.append(entry)
-    return tuple(sorted(entries, key=lambda e: e.class_name))
+def _registry(group, class_name):
+    """Every Mamba mixer of the class is recognised and the audit finds nothing; a changed forward is not
+    recognised and the audit names the failed check (on a release the registry has not read: refused by name)."""
+    found = entries(NAMES)
+    if class_name not in found:
+        return Skip(f"{class_name} has no flash-attention path in this transformers release")
+    return check_registry(found[class_name], (FAMILY_CLASSES[class_name],), changed=("", "forward"))
 
 
-def _recognised(model) -> list:
-    from hfpatch.mixers import recognise
-
-    return [name for name, m in model.named_modules() if recognise(m) is not None]
+def _class(group, class_name, kernels):
+    return check_classes(group, class_name, NAMES, kernels)
 
 
-def test_registry_recognises_exactly_the_known_mixers():
-    """On a release whose mixer code the registry lists, every Mamba mixer of these classes is recognised and the
-    audit finds nothing; a changed forward is not recognised and the audit names the failed check."""
-    from hfpatch.model_audit import audit
+def _packed_due():
+    """None when the packed-row, hub-bound and refusal cases run on this release, else why not: they are written
+    for releases whose Bamba and Jamba mixers call their kernels by module-level names (releases that compute the
+    mixers inline run through CP forms of their methods: tests/test_mixers_mamba_releases.py covers those)."""
+    found = entries(NAMES)
+    if not {"BambaForCausalLM", "JambaForCausalLM"} <= set(found):
+        return Skip("no Bamba / Jamba class in this transformers release")
+    if not (is_recognised("BambaForCausalLM", NAMES) and is_recognised("JambaForCausalLM", NAMES)):
+        return Skip("this release's mixer code is not in hfpatch's registry (refused by name: see the class cases)")
+    if not (kernels_bound_by_name("BambaForCausalLM", NAMES) and kernels_bound_by_name("JambaForCausalLM", NAMES)):
+        return Skip("this release computes Bamba's or Jamba's mixer inline: it runs through CP forms of its methods "
+                    "(tests/test_mixers_mamba_releases.py covers packed rows, refusals and remove() there)")
+    return None
+
+
+def _tiny(class_name):
     from hfpatch.release.sweep.tiny import build_tiny
 
-    entries = _entries()
-    if not entries:
-        pytest.skip("no Mamba hybrid class in this transformers release")
-    for entry in entries:
-        model = build_tiny(entry)
-        mixers = [n for n, m in model.named_modules() if type(m).__name__ == FAMILY_CLASSES[entry.class_name]]
-        assert mixers, entry
-        if not _recognised(model):  # a release the registry has not read: refused by name, never silent
-            assert {f.path for f in audit(model)} >= set(mixers)
-            continue
-        assert _recognised(model) == mixers
-        assert [f for f in audit(model) if f.kind == "sequence-mixer"] == []
-        module = model.get_submodule(mixers[0])
-        base = type(module)
-
-        def forward(self, *args, **kwargs):  # another release's forward, as far as the registry can tell
-            return base.forward(self, *args, **kwargs)
-
-        module.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
-        finding = next(f for f in audit(model) if f.path == mixers[0])
-        assert finding.kind == "sequence-mixer" and "fingerprint" in finding.reason
+    return build_tiny(entries(NAMES)[class_name])
 
 
-# ------------------------------------------------------------------------------- real HF classes (CP)
+_LENGTHS = (8, 4, 20)  # x world: the documents of a packed row
 
 
-def _classes_world(rank, world, kernels, names):
-    from transformers.utils import logging as hf_logging
-
-    from hfpatch.mixers import recognise
-    from hfpatch.release.sweep.run import check_class
-    from hfpatch.release.sweep.tiny import build_tiny
-
-    hf_logging.set_verbosity_error()
-    results = {}
-    for entry in (e for e in _entries() if names is None or e.class_name in names):
-        known = any(recognise(m) is not None for m in build_tiny(entry).modules())
-        for kernel in kernels:
-            verdict = check_class(entry, dist.group.WORLD, kernel=kernel)
-            assert verdict.verdict == ("exact" if known else "refused"), (kernel, verdict)
-            results[(entry.class_name, kernel)] = verdict.verdict
-    return results
-
-
-def test_hf_classes_exact_2_ranks():
-    """CP loss and every gradient equal to non-CP within the sweep's entries of ring_kernels.tolerances (fp32:
-    loss 1e-5 relative, each gradient 1e-4 of its largest entry): zigzag and contiguous."""
-    if not _entries():
-        pytest.skip("no Mamba hybrid class in this transformers release")
-    results = run_world(2, _classes_world, ("auto", "ring"), None)[0]
-    assert {name for name, _ in results} == {e.class_name for e in _entries()}
-
-
-def _four_ranks_world(rank, world):
-    from hfpatch.mixers import selective_scan
-
-    selective_scan.CHUNK_ELEMENTS = 1 << 24
-    verdicts = _classes_world(rank, world, ("auto",), {"NemotronHForCausalLM"})
-    _exchange_case(rank, world, "zigzag", 8 * world, None, ssd_reference, scan_reference)
-    return verdicts
-
-
-def test_hf_classes_and_exchange_4_ranks():
-    if "NemotronHForCausalLM" not in {e.class_name for e in _entries()}:
-        pytest.skip("Nemotron-H has no flash-attention path in this transformers release")
-    assert run_world(4, _four_ranks_world)[0]
-
-
-# ------------------------------------------------------ packed rows, hub-bound kernels, refusals, remove
-
-
-def _packed_step(rank, world, entry, kernel):
-    """A packed row (documents given by position_ids): CP loss and gradients against the model's non-CP run on
-    the same row. HF's Mamba mixers do not read position_ids: both runs go over the documents as one sequence."""
-    import hfpatch
-    from hfpatch.release.sweep.tiny import build_tiny
-
-    model = build_tiny(entry)
-    lengths = [8 * world, 4 * world, 20 * world]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    ids = torch.randint(0, 128, (1, positions.shape[1]), generator=torch.Generator().manual_seed(5))
-    with hfpatch.apply(dist.group.WORLD, model=model, kernel=kernel) as patch:
-        with hfpatch.switch("local"):
-            ref = model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
-            ref.backward()
-        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        batch = patch.shard_inputs(ids, labels=ids, position_ids=positions)
-        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                     use_cache=False).loss
-        loss.backward()
-        installation = next(h for h in patch._hooks if type(h).__name__ == "MixerInstallation")
-        ran = {role for (role, mode), n in installation.calls.items() if mode == "ring" and n}
-        largest = max(float(g.abs().max()) for g in ref_grads.values())
-        assert_close(loss, ref, tolerance("sweep", torch.float32, "loss"), f"{entry.class_name} {kernel} loss")
-        for name, ref_grad in ref_grads.items():
-            got = model.get_parameter(name).grad.clone()
-            dist.all_reduce(got)
-            assert_close(got, ref_grad, tolerance("sweep", torch.float32, "grad"),
-                         f"{entry.class_name} {kernel} d{name}", largest=largest)
-    return sorted(ran)
+def _packed(group, class_name, kernel, roles):
+    """A packed row (documents given by position_ids) against the model's non-CP run on the same row (HF's Mamba
+    mixers do not read position_ids: both runs go over the documents as one sequence); the kernels that ran
+    under CP are ``roles``."""
+    skip = _packed_due()
+    if skip:
+        return skip
+    world = dist.get_world_size(group)
+    ran = packed_step(group, _tiny(class_name), kernel, [n * world for n in _LENGTHS], class_name)
+    assert ran == list(roles), f"{class_name} kernel={kernel}: ran {ran}, expected {list(roles)}"
+    return ran
 
 
 def _hub_bound(torch_function, implementation):
@@ -355,19 +282,45 @@ def _fast_kernels(modeling):
             "mamba2_split_conv1d_scan_combined": _hub_bound(fused, fused_kernel)}
 
 
-def _refusals(rank, world, entry, passes_kwargs):
+def _hub_bound_case(group, class_name, roles):
+    """Bamba with its kernels bound as they are on a GPU machine with causal-conv1d and mamba-ssm: exact under
+    CP (zigzag), the fused kernel never called, the conv and the scan through the CP forms."""
+    skip = _packed_due()
+    if skip:
+        return skip
+    entry = entries(NAMES)[class_name]
+    modeling = __import__(entry.model_class().__module__, fromlist=["x"])
+    saved = {n: getattr(modeling, n) for n in ("causal_conv1d_fn", "mamba2_chunk_scan",
+                                               "mamba2_split_conv1d_scan_combined")}
+    try:
+        for name, fast in _fast_kernels(modeling).items():
+            setattr(modeling, name, fast)
+        world = dist.get_world_size(group)
+        ran = packed_step(group, _tiny(class_name), "zigzag", [n * world for n in _LENGTHS],
+                          f"{class_name} (hub-bound kernels)")
+    finally:
+        for name, original in saved.items():
+            setattr(modeling, name, original)
+    assert ran == list(roles), f"{class_name} hub-bound: ran {ran}, expected {list(roles)}"
+    return ran
+
+
+def _refusals(group, class_name, passes_kwargs):
     """``passes_kwargs``: the model hands its forward's extra keywords on to the mixer (Bamba does, Jamba's
     decoder layer drops them, in the non-CP run too)."""
     import hfpatch
     from hfpatch.errors import UnsupportedArgument
-    from hfpatch.release.sweep.tiny import build_tiny
 
-    model = build_tiny(entry)
+    skip = _packed_due()
+    if skip:
+        return skip
+    world = dist.get_world_size(group)
+    model = _tiny(class_name)
     modeling = __import__(type(model).__module__, fromlist=["x"])
     names = ("mamba2_split_conv1d_scan_combined", "causal_conv1d_fn", "mamba2_chunk_scan", "causal_conv1d_update",
              "mamba2_selective_state_update", "mamba_selective_scan", "mamba_selective_state_update")
     before = {n: getattr(modeling, n) for n in names if hasattr(modeling, n)}
-    patch = hfpatch.apply(dist.group.WORLD, model=model)
+    patch = hfpatch.apply(group, model=model)
     try:
         assert all(getattr(modeling, n) is not f and getattr(modeling, n).__wrapped__ is f for n, f in before.items())
         ids = torch.randint(0, 128, (1, 8 * world), generator=torch.Generator().manual_seed(1))
@@ -389,45 +342,32 @@ def _refusals(rank, world, entry, passes_kwargs):
     finally:
         patch.remove()
     assert {n: getattr(modeling, n) for n in before} == before, "remove() restores every rebound kernel"
+    return "refused"
 
 
-def _hub_bound_world(rank, world, entry):
-    """Bamba with its kernels bound as they are on a GPU machine with causal-conv1d and mamba-ssm: exact under
-    CP (zigzag), the fused kernel never called, the conv and the scan through the CP forms."""
-    modeling = __import__(entry.model_class().__module__, fromlist=["x"])
-    saved = {n: getattr(modeling, n) for n in ("causal_conv1d_fn", "mamba2_chunk_scan",
-                                               "mamba2_split_conv1d_scan_combined")}
-    try:
-        for name, fast in _fast_kernels(modeling).items():
-            setattr(modeling, name, fast)
-        return _packed_step(rank, world, entry, "zigzag")
-    finally:
-        for name, original in saved.items():
-            setattr(modeling, name, original)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_MAMBA2 = ("causal_conv1d", "mamba2_split_conv1d_scan", "ssd_chunk_scan")
+_MAMBA = ("causal_conv1d", "selective_scan")
+
+CASES = (
+    [Case(f"exchange-{ranks}ranks-{layout.name}-{dt}", ranks, _exchange, (layout, dtype))
+     for ranks in (2, 4) for dt, dtype in _DTYPES.items() for layout in LAYOUTS]
+    + [Case(f"registry-{name}", 1, _registry, (name,)) for name in NAMES]
+    + [Case(f"class-{name}-2ranks", 2, _class, (name, ("auto", "ring")), weight=4) for name in NAMES]
+    + [Case("class-NemotronHForCausalLM-4ranks", 4, _class, ("NemotronHForCausalLM", ("auto",))),
+       Case("packed-BambaForCausalLM-zigzag", 2, _packed, ("BambaForCausalLM", "zigzag", _MAMBA2), weight=2),
+       Case("packed-JambaForCausalLM-ring", 2, _packed, ("JambaForCausalLM", "ring", _MAMBA), weight=2),
+       Case("hub-bound-BambaForCausalLM-zigzag", 2, _hub_bound_case, ("BambaForCausalLM", _MAMBA2), weight=2),
+       Case("refusals-and-remove-BambaForCausalLM", 2, _refusals, ("BambaForCausalLM", True)),
+       Case("refusals-and-remove-JambaForCausalLM", 2, _refusals, ("JambaForCausalLM", False))]
+)
 
 
-def _packed_world(rank, world):
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    entries = {e.class_name: e for e in _entries()}
-    ran = {"bamba": _packed_step(rank, world, entries["BambaForCausalLM"], "zigzag"),
-           "jamba": _packed_step(rank, world, entries["JambaForCausalLM"], "ring"),
-           "hub-bound": _hub_bound_world(rank, world, entries["BambaForCausalLM"])}
-    _refusals(rank, world, entries["BambaForCausalLM"], passes_kwargs=True)
-    _refusals(rank, world, entries["JambaForCausalLM"], passes_kwargs=False)
-    return ran
+@pytest.fixture(scope="module")
+def world(request, tmp_path_factory):
+    return run_module_world(CASES, tmp_path_factory.mktemp("mixers_mamba_world"), selected_cases(request))
 
 
-def test_packed_rows_hub_bound_kernels_refusals_and_remove_2_ranks():
-    entries = {e.class_name: e for e in _entries()}
-    if not {"BambaForCausalLM", "JambaForCausalLM"} <= set(entries):
-        pytest.skip("no Bamba / Jamba class in this transformers release")
-    from hfpatch.release.sweep.tiny import build_tiny
-
-    if not (_recognised(build_tiny(entries["BambaForCausalLM"]))
-            and _recognised(build_tiny(entries["JambaForCausalLM"]))):
-        pytest.skip("this release's mixer code is not in hfpatch's registry (refused by name: see the 2-rank test)")
-    ran = run_world(2, _packed_world)[0]
-    assert ran["bamba"] == ran["hub-bound"] == ["causal_conv1d", "mamba2_split_conv1d_scan", "ssd_chunk_scan"]
-    assert ran["jamba"] == ["causal_conv1d", "selective_scan"]
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_case(world, name):
+    world.check(name)
