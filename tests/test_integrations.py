@@ -9,13 +9,16 @@ parameters within 2e-6; measured over all 18 pairs: loss 1.7e-7 and grad norm 3.
 1.2e-7 absolute), and the CP run must have run the ring in
 every attention layer of every micro-batch.
 
-Three launches (the costly part is starting processes and building trainers, so each runs many cases):
+Three launches (the costly part is starting processes: each imports torch, transformers, accelerate, TRL and
+datasets, seconds apiece; so each launch runs many cases):
 
-    torchrun --nproc-per-node 1        the non-CP runs of dp=1 (for the 1x2 cases)
+    python tests/_trainer_cases.py     the non-CP runs of dp=1 (for the 1x2 cases): one process, as a
+                                         non-distributed script is run (no launcher process)
     accelerate launch --num_processes 2  dp=1 x cp=2 for every case, and the non-CP runs of dp=2
     torchrun --nproc-per-node 4        dp=2 x cp=2, one kind per model family (every family and every kind once)
 
-``HFPATCH_TEST_TRAINER_FULL=1`` runs every case at 2x2 too (175 s instead of 155 s on 2 cores).
+``HFPATCH_TEST_TRAINER_FULL=1`` runs every case at 2x2 too (six more runs in the 4-process launch and their
+non-CP runs in the 2-process one; the launches, not the runs, are most of the module's time).
 Families: llama; gemma2 (sliding window on every other layer, attention and final logit softcapping); qwen2
 (biased q/k/v projections), all exact in MODELS.md. Kinds: ``trainer`` (Trainer, fixed-length rows padded by the
 integration, prompt labels -100), ``sft_plain`` (SFTTrainer, right-padded rows with an attention mask),
@@ -23,6 +26,7 @@ integration, prompt labels -100), ``sft_plain`` (SFTTrainer, right-padded rows w
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,9 +36,12 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("accelerate", reason="hfpatch.integrations needs accelerate (pip install 'hfpatch[trainer]')")
-pytest.importorskip("trl", reason="hfpatch.integrations' SFTTrainer cases need TRL (pip install 'hfpatch[trainer]')")
-pytest.importorskip("datasets", reason="the trainer cases build datasets (pip install 'hfpatch[trainer]')")
+# Found, not imported: the launched processes import them (this process only launches and compares).
+for _module, _reason in (("accelerate", "hfpatch.integrations needs accelerate (pip install 'hfpatch[trainer]')"),
+                         ("trl", "hfpatch.integrations' SFTTrainer cases need TRL (pip install 'hfpatch[trainer]')"),
+                         ("datasets", "the trainer cases build datasets (pip install 'hfpatch[trainer]')")):
+    if importlib.util.find_spec(_module) is None:
+        pytest.skip(_reason, allow_module_level=True)
 
 from hfpatch.integrations import requirements  # noqa: E402
 
@@ -63,7 +70,7 @@ def _launch(launcher: list, cases: list, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
-    command = [sys.executable, "-m", *launcher, str(SCRIPT), "--out", str(out), *cases]
+    command = [sys.executable, *(["-m", *launcher] if launcher else []), str(SCRIPT), "--out", str(out), *cases]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=480)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
@@ -75,8 +82,7 @@ def _launch(launcher: list, cases: list, out: Path) -> dict:
 def runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("trainer_cases")
     results = {}
-    results.update(_launch(["torch.distributed.run", "--nproc-per-node", "1"],
-                           [f"{c}:1:1" for c in CASES], base / "world1"))
+    results.update(_launch([], [f"{c}:1:1" for c in CASES], base / "world1"))
     results.update(_launch(["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
                             "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
                            [f"{c}:1:2" for c in CASES] + [f"{c}:2:1" for c in CASES_2X2], base / "world2"))
