@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -46,7 +47,7 @@ def _child(rank, world_size, port, backend, fn, args, kwargs, results):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    initialised = False
+    initialised, status = False, 0
     try:
         if backend == "nccl":
             # CPU work in a GPU test is small (inputs, references on the host): share the cores, no oversubscription.
@@ -68,10 +69,26 @@ def _child(rank, world_size, port, backend, fn, args, kwargs, results):
         text = traceback.format_exc()
         port_taken = not initialised and any(s in str(exc) for s in _PORT_TAKEN)
         results.put(("port taken" if port_taken else "error", rank, text))
-        raise SystemExit(1)
+        status = 1
     finally:
         if initialised:
             dist.destroy_process_group()
+    _exit_now(status)
+
+
+def _exit_now(status: int) -> None:
+    """End the rank without interpreter finalization. Its outcome is already in the (unbuffered) results queue and
+    its process groups are destroyed; what finalization could still do is abort: a gloo worker thread that
+    outlives the interpreter aborts the process ("terminate called without an active exception", exit -6; seen
+    once in CI after every rank had reported "ok"), which would fail a test whose ranks all passed."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream has nothing left to flush
+            pass
+    os._exit(status)
 
 
 def _wait_for_peers(dist) -> None:
