@@ -81,8 +81,6 @@ def _exit_now(status: int) -> None:
     its process groups are destroyed; what finalization could still do is abort: a gloo worker thread that
     outlives the interpreter aborts the process ("terminate called without an active exception", exit -6; seen
     once in CI after every rank had reported "ok"), which would fail a test whose ranks all passed."""
-    import sys
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
