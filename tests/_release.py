@@ -31,6 +31,7 @@ RELEASE_INDEPENDENT = {
     "test_transport.py": "ring_kernels' transport and ring exchange",
     "test_triton_backend.py": "ring_kernels' Triton kernel under the interpreter (hfpatch never picks a backend "
                               "by release)",
+    "gpu/test_backends_gpu.py": "ring_kernels' block backends on one CUDA device (skipped on CPU)",
     "gpu/test_ring_gpu.py": "ring_kernels on CUDA (skipped on CPU)",
     "gpu/test_transport_gpu.py": "ring_kernels' transports on CUDA (skipped on CPU)",
     "gpu/test_triton_gpu.py": "ring_kernels' Triton kernel on CUDA (skipped on CPU)",
