@@ -16,12 +16,15 @@ recorded, as the attention assumes then). How the positions reach the module's f
 signature (``RECOGNISED``):
 
 ``position_ids``  the forward takes ``position_ids`` and looks them up when given: it is called with the global
-                  positions (plus ``past_key_values_length``), shaped like what the caller passed.
-``past_length``   the forward takes only ``past_key_values_length`` (the position of its first token) and reads
+                  positions (plus the start position below), shaped like what the caller passed.
+``past_length``   the forward takes only the position of its first token (the start position below) and reads
                   the length from its first argument: it is called once per run of consecutive global positions
-                  with ``past_key_values_length`` = the run's first position and a first argument of the run's
+                  with the start position = the run's first position and a first argument of the run's
                   length (a stride-0 view: only its shape is read), and the runs are concatenated; with more
                   than ``MAX_RUNS`` runs (stripe), once over the covering span, then the rows are selected.
+
+The start position is the parameter after the first (``PositionEntry.start``): ``past_key_values_length`` up to
+5.23, ``cache_length`` from 5.24 (the same value, the length of the cache, renamed with the cache argument).
 
 Positions the CALLER gave are left alone: where the module's owner (the decoder) takes ``position_ids`` itself
 (Whisper) and received some, they reach the module as given -- on each rank the ones ``shard_inputs`` returned,
@@ -37,7 +40,7 @@ a forward whose signature changed -- stays refused by ``hfpatch.model_audit`` (f
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -60,7 +63,8 @@ class PositionEntry:
     """One recognised position module: ``class_name`` defined in ``transformers.models.<family>.modeling_<family>``
     (``family``), whose ``forward`` has ``signature`` (the parameters after ``self``, as ``signature_text`` renders
     them); ``feed``: how global positions reach it (module docstring); ``length_axis``: the axis of the first
-    argument that holds the sequence length (``past_length`` only); ``releases``: where it was read."""
+    argument that holds the sequence length (``past_length`` only); ``releases``: where it was read; ``start``: the
+    parameter that holds the position of the first token (module docstring)."""
 
     class_name: str
     family: str
@@ -68,6 +72,7 @@ class PositionEntry:
     feed: str
     length_axis: int = 1
     releases: str = ""
+    start: str = "past_key_values_length"
 
     @property
     def modeling_module(self) -> str:
@@ -83,11 +88,12 @@ def _family(class_name: str, family: str, *, old: str, new: Optional[str], old_r
 
 
 # forward(input_ids | input_ids_shape, past_key_values_length=0[, position_ids=None]): position_ids was added in
-# the 4.53 series (read: 4.43.4, 4.44.2, 4.47.1, 4.48.3 without; 4.53.3, 4.54.1, 5.0.0, 5.19.0, 5.23.0 with).
+# the 4.53 series (read: 4.43.4, 4.44.2, 4.47.1, 4.48.3 without; 4.53.3, 4.54.1, 5.0.0, 5.19.0, 5.23.0 with);
+# 5.24 renames past_key_values_length to cache_length (read: 5.24.0).
 _IDS = "input_ids, past_key_values_length=0"
 _SHAPE = "input_ids_shape, past_key_values_length=0"
-_OLD, _NEW = "4.43-4.48", "4.53-5.23"
-RECOGNISED: tuple[PositionEntry, ...] = tuple(
+_OLD, _NEW, _CACHE = "4.43-4.48", "4.53-5.23", "5.24"
+_UP_TO_5_23: tuple[PositionEntry, ...] = tuple(
     # learned tables, offset 2 (Bart, mBART, PLBart) or none (Blenderbot, BlenderbotSmall)
     _family("BartLearnedPositionalEmbedding", "bart", old=_IDS, new=_IDS + ", position_ids=None",
             old_releases=_OLD, new_releases=_NEW)
@@ -113,6 +119,18 @@ RECOGNISED: tuple[PositionEntry, ...] = tuple(
     + [PositionEntry("WhisperPositionalEmbedding", "whisper", _IDS + ", position_ids=None", "position_ids",
                      1, "4.43-5.23")]
 )
+
+
+def _cache_length(entry: PositionEntry) -> PositionEntry:
+    """``entry`` as 5.24 writes it: ``past_key_values_length`` renamed ``cache_length``, the body otherwise the same
+    (read: every class above, 5.23.0 against 5.24.0; Marian, Pegasus and MusicGen also drop ``@torch.no_grad()``
+    from the forward, whose tables need no gradient either way)."""
+    return replace(entry, signature=entry.signature.replace("past_key_values_length", "cache_length"),
+                   start="cache_length", releases=_CACHE)
+
+
+RECOGNISED: tuple[PositionEntry, ...] = _UP_TO_5_23 + tuple(
+    _cache_length(entry) for entry in _UP_TO_5_23 if entry.releases.endswith("5.23"))
 _BY_CLASS: dict[tuple[str, str], list[PositionEntry]] = {}
 for _entry in RECOGNISED:
     _BY_CLASS.setdefault((_entry.modeling_module, _entry.class_name), []).append(_entry)
@@ -249,7 +267,7 @@ def _fed_past_length(forward, module, bound, positions: torch.Tensor, past: int,
     def call(start: int, length: int) -> torch.Tensor:
         arguments = dict(bound.arguments)
         arguments[first] = _with_length(original, entry.length_axis, length)
-        arguments["past_key_values_length"] = past + start
+        arguments[entry.start] = past + start
         return forward(**arguments)
 
     runs = _runs(positions)
@@ -317,7 +335,7 @@ def _feed_hook(entry: PositionEntry, ctx_of: Callable[[], Any], owner: Optional[
             _refuse_packed_owner(ctx, owner)
             return None  # the caller's position ids: already this rank's global ones
         bound.apply_defaults()
-        past = int(bound.arguments.get("past_key_values_length") or 0)
+        past = int(bound.arguments.get(entry.start) or 0)
         positions = global_positions(ctx, output.shape[-2], memo=memo)
         if entry.feed == "position_ids":
             fed = _fed_position_ids(forward, module, bound, positions, past)
