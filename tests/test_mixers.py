@@ -166,7 +166,8 @@ def test_segments_of_layout_cover_the_sequence_once():
 
 # ------------------------------------------------------------------------------------ real HF classes
 
-# The causal-LM classes whose mixers the registry recognises on transformers 5.23, and the mixer each has.
+# The causal-LM classes whose mixers the registry recognises on transformers 5.24, and the mixer each has
+# (LaraMini from 5.24).
 FAMILY_CLASSES = {
     "Lfm2ForCausalLM": "Lfm2ShortConv",
     "Lfm2MoeForCausalLM": "Lfm2MoeShortConv",
@@ -175,6 +176,7 @@ FAMILY_CLASSES = {
     "Qwen3_5ForCausalLM": "Qwen3_5GatedDeltaNet",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeGatedDeltaNet",
     "OlmoHybridForCausalLM": "OlmoHybridGatedDeltaNet",
+    "LaraMiniForCausalLM": "LaraMiniGatedDeltaNet",
 }
 NAMES = tuple(sorted(FAMILY_CLASSES))
 

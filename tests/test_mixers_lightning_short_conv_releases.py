@@ -124,13 +124,14 @@ def _reference_cache_and_remove(world, entry):
 
 
 def _cache_parameter(entry) -> str:
-    """The name the release's mixer forward gives its cache (``past_key_value`` before 5.0)."""
+    """The name the release's mixer forward gives its cache (``past_key_value`` before 5.0, ``cache`` from 5.24)."""
     import inspect
 
     from hfpatch.release.sweep.tiny import build_tiny
 
     mixer = next(m for m in build_tiny(entry).modules() if type(m).__name__ == MIXERS[entry.class_name][1])
-    return next(n for n in ("past_key_value", "past_key_values") if n in inspect.signature(mixer.forward).parameters)
+    return next(n for n in ("past_key_value", "past_key_values", "cache")
+                if n in inspect.signature(mixer.forward).parameters)
 
 
 def _world(rank, world, entries, cases):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from _mixer_cases import (Case, Exchange, Layout, Skip, check_classes, check_registry, compare_exchange, entries,
                           is_recognised, leaves_from, packed_step, reference_mode, run_module_world, selected_cases)
 
-# The causal-LM classes of transformers 5.23 whose mixers these kinds run, and the mixer classes each has.
+# The causal-LM classes of transformers 5.24 whose mixers these kinds run, and the mixer classes each has.
 FAMILY_CLASSES = {
     "MiniMaxForCausalLM": ("MiniMaxLightningAttention",),
     "RecurrentGemmaForCausalLM": ("RecurrentGemmaRecurrentBlock", "RecurrentGemmaRglru"),

@@ -178,7 +178,7 @@ def _exchange(group, layout, dtype):
 
 # ------------------------------------------------------------------------------------ real HF classes
 
-# The causal-LM classes whose Mamba mixers the registry recognises on transformers 5.23, and the mixer each has.
+# The causal-LM classes whose Mamba mixers the registry recognises on transformers 5.24, and the mixer each has.
 FAMILY_CLASSES = {
     "BambaForCausalLM": "BambaMixer",
     "FalconH1ForCausalLM": "FalconH1Mixer",

@@ -22,7 +22,7 @@ from hfpatch.mixers.lightning import CACHE_FIX, CACHE_REASON
 from hfpatch.mixers.segments import SegmentPlan
 from ring_kernels.layout import shard, unshard
 
-__all__ = ["CcaProjection", "cca_projection", "zaya_cca_forward"]
+__all__ = ["CcaProjection", "cca_projection", "zaya_cca_forward", "zaya_cca_forward_cache"]
 
 
 def cca_projection(module, hidden_states: torch.Tensor, past_key_values=None,
@@ -152,3 +152,11 @@ def zaya_cca_forward(module, hidden_states: torch.Tensor, past_key_values=None,
     The two releases differ only in how the forward reads a cache, which ``_Window`` answers both ways."""
     # Read from this module's globals at call time: install_mixers rebinds the name to its CP wrapper.
     return cca_projection(module, hidden_states, past_key_values, conv_mask)
+
+
+def zaya_cca_forward_cache(module, hidden_states: torch.Tensor, cache=None, conv_mask: Optional[torch.Tensor] = None,
+                           past_key_values=None):
+    """``ZayaCCAProjection.forward`` as transformers 5.24 writes it (5.23's, the cache argument renamed ``cache``;
+    ``past_key_values``, the name its decorator still maps to it, taken as the cache) routed through
+    ``cca_projection``, which refuses a cache under CP."""
+    return cca_projection(module, hidden_states, cache if cache is not None else past_key_values, conv_mask)

@@ -9,7 +9,8 @@ length, so only F travels: (B, H, dk, dv) in fp32 per segment.
 ``lightning_attention`` is the block algorithm HF's ``MiniMaxLightningAttention.forward`` computes inline (blocks
 of ``block_size`` tokens: the intra-block part with the decay mask, the inter-block part from the carried state),
 with an initial state. The CP forms are that forward with the recurrence routed through it, one per way the
-releases write it (``minimax_lightning_forward``: 5.19 - 5.23, the padding mask on the activated qkv;
+releases write it (``minimax_lightning_forward``: 5.19 - 5.23, the padding mask on the activated qkv, and
+``minimax_lightning_forward_cache``: 5.24, the same with the cache argument named ``cache``;
 ``minimax_lightning_forward_value_mask``: 4.53 - 5.0, the padding mask on the values), so that under CP the
 kernel's wrapper (``hfpatch.mixers.install``) runs ``LightningAttention.run_cp``.
 """
@@ -25,7 +26,7 @@ from hfpatch.errors import UnsupportedArgument
 from hfpatch.mixers.kernel import KernelCall, SequenceKernel
 from hfpatch.mixers.segments import SegmentPlan, map_segments
 
-__all__ = ["LightningAttention", "lightning_attention", "minimax_lightning_forward",
+__all__ = ["LightningAttention", "lightning_attention", "minimax_lightning_forward", "minimax_lightning_forward_cache",
            "minimax_lightning_forward_value_mask", "refuse_cache", "CACHE_REASON", "CACHE_FIX"]
 
 CACHE_REASON = ("a recurrent state carried in from a cache (generation) cannot be used with context parallelism, "
@@ -135,6 +136,15 @@ def minimax_lightning_forward(module, hidden_states: torch.Tensor, position_embe
     # Read from this module's globals at call time: install_mixers rebinds the name to its CP wrapper.
     out, _ = lightning_attention(query, key, value, module.slope_rate, module.block_size)
     return _gated_output(module, hidden_states, out), None
+
+
+def minimax_lightning_forward_cache(module, hidden_states: torch.Tensor, position_embeddings=None,
+                                    attention_mask=None, cache=None, **kwargs):
+    """``MiniMaxLightningAttention.forward`` as transformers 5.24 writes it (5.23's, the cache argument renamed
+    ``cache``; ``past_key_values``, the name its decorator still maps to it, is refused too) without a cache:
+    ``minimax_lightning_forward``. Returns (output (B, L, hidden), None)."""
+    refuse_cache("cache", cache)
+    return minimax_lightning_forward(module, hidden_states, position_embeddings, attention_mask, **kwargs)
 
 
 def minimax_lightning_forward_value_mask(module, hidden_states: torch.Tensor, position_embeddings=None,

@@ -1,4 +1,5 @@
-"""Gated DeltaNet: a causal convolution and the chunked gated delta rule (Qwen3-Next, Qwen3.5, OLMo hybrid).
+"""Gated DeltaNet: a causal convolution and the chunked gated delta rule (Qwen3-Next, Qwen3.5, OLMo hybrid,
+LaraMini).
 
 From 5.19 the forward calls its kernels by module-level names (``causal_conv1d_fn``,
 ``torch_chunk_gated_delta_rule``), which hfpatch rebinds. Qwen3-Next of 5.0 picks them in ``__init__`` as instance
@@ -13,9 +14,13 @@ FAMILIES = (
     MixerFamily(
         name="gated-deltanet", mixer="Gated DeltaNet (causal conv + gated delta rule)",
         classes=("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
-                 "OlmoHybridGatedDeltaNet"),
+                 "OlmoHybridGatedDeltaNet", "LaraMiniGatedDeltaNet"),
         bindings=(("causal_conv1d_fn", "causal_conv1d"), ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule")),
-        forwards={"052c77b2f14ce8aa": "5.23.0: qwen3_next", "93cc9bac2962265d": "5.23.0: qwen3_5, qwen3_5_moe",
+        # 5.24: 5.23's forwards with the cache argument named cache (cache_params before); LaraMini's is Qwen3.5's.
+        forwards={"5a6ff6066d8b9695": "5.24.0: qwen3_next",
+                  "f5ac25ccb08a27f6": "5.24.0: qwen3_5, qwen3_5_moe, lara_mini",
+                  "8202c7cae83e0724": "5.24.0: olmo_hybrid (beta x 2 with allow_neg_eigval: still affine)",
+                  "052c77b2f14ce8aa": "5.23.0: qwen3_next", "93cc9bac2962265d": "5.23.0: qwen3_5, qwen3_5_moe",
                   "945ac3c988a3b01c": "5.23.0: olmo_hybrid (beta x 2 with allow_neg_eigval: still affine)"},
     ),
     # The forward repeats q and k to the value heads before the call (the kernel takes as many key heads as value

@@ -5,9 +5,18 @@ release's code (``hfpatch.mixers.lightning``)."""
 from __future__ import annotations
 
 from hfpatch.mixers.family import MixerFamily
-from hfpatch.mixers.lightning import minimax_lightning_forward, minimax_lightning_forward_value_mask
+from hfpatch.mixers.lightning import (minimax_lightning_forward, minimax_lightning_forward_cache,
+                                      minimax_lightning_forward_value_mask)
 
 FAMILIES = (
+    # 5.24: 5.23's forward with the cache argument named cache (past_key_values before).
+    MixerFamily(
+        name="lightning-attention", mixer="lightning attention (linear attention with a per-head scalar decay)",
+        classes=("MiniMaxLightningAttention",),
+        bindings=(("lightning_attention", "lightning_attention"),),
+        forwards={"1e63b047235d7a50": "5.24.0: minimax"},
+        replaces=(("forward", minimax_lightning_forward_cache),),
+    ),
     MixerFamily(
         name="lightning-attention", mixer="lightning attention (linear attention with a per-head scalar decay)",
         classes=("MiniMaxLightningAttention",),

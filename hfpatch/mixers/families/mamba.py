@@ -11,7 +11,9 @@ FAMILIES = (
         bindings=(("causal_conv1d_fn", "causal_conv1d"), ("mamba_selective_scan", "selective_scan"),
                   ("causal_conv1d_update", "causal_conv1d_update"),
                   ("mamba_selective_state_update", "selective_state_update")),
-        forwards={"87d4a4c321593491": "5.23.0: jamba", "e57915bae9b46411": "5.23.0: zamba"},
+        # 5.24: 5.23's forwards with the cache argument named cache (cache_params before).
+        forwards={"69d9248863d75128": "5.24.0: jamba", "271b58b34b9462de": "5.24.0: zamba",
+                  "87d4a4c321593491": "5.23.0: jamba", "e57915bae9b46411": "5.23.0: zamba"},
     ),
     # Releases whose forward dispatches to slow_forward (the conv and the scan loop inline) or cuda_kernels_forward
     # (imported CUDA kernels): forward replaced by a CP form (hfpatch.mixers.mamba_inline) whose conv and scan go

@@ -13,7 +13,10 @@ FAMILIES = (
                   ("causal_conv1d_fn", "causal_conv1d"), ("mamba2_chunk_scan", "ssd_chunk_scan"),
                   ("causal_conv1d_update", "causal_conv1d_update"),
                   ("mamba2_selective_state_update", "mamba2_state_update")),
-        forwards={"0b88953ce0c266d5": "5.23.0: bamba, nemotron_h, zamba2, granitemoehybrid",
+        # 5.24: 5.23's forwards with the cache argument named cache (cache_params before).
+        forwards={"7cbee89fa881a759": "5.24.0: bamba, nemotron_h, zamba2, granitemoehybrid",
+                  "57ec26e4ecb797e5": "5.24.0: falcon_h1",
+                  "0b88953ce0c266d5": "5.23.0: bamba, nemotron_h, zamba2, granitemoehybrid",
                   "d26f69c65020a12a": "5.23.0: falcon_h1"},
     ),
     # Releases whose forward dispatches to torch_forward (the conv and the chunked scan inline) or

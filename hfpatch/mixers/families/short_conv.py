@@ -20,7 +20,8 @@ FAMILIES = (
         name="short-conv", mixer="gated short causal convolution (LFM2)",
         classes=("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"),
         bindings=(("causal_conv1d_fn", "causal_conv1d"),),
-        forwards={"9d25f6f80e2dfb9d": "5.23.0: lfm2, lfm2_moe, lfm3",
+        forwards={"3fcd77d0837e1ce0": "5.24.0: lfm2, lfm2_moe, lfm3 (5.23's forward, the cache argument named cache)",
+                  "9d25f6f80e2dfb9d": "5.23.0: lfm2, lfm2_moe, lfm3",
                   "f3dee8609f73bd55": "5.19.0: lfm2, lfm2_moe (seq_idx passed on by name)"},
     ),
     MixerFamily(

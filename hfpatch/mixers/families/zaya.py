@@ -1,10 +1,18 @@
 """ZAYA's convolutional q/k projection (causal q/k convolution, delayed values)."""
 from __future__ import annotations
 
-from hfpatch.mixers.cca import zaya_cca_forward
+from hfpatch.mixers.cca import zaya_cca_forward, zaya_cca_forward_cache
 from hfpatch.mixers.family import MixerFamily
 
 FAMILIES = (
+    # 5.24: 5.23's forward with the cache argument named cache (past_key_values before).
+    MixerFamily(
+        name="zaya-cca", mixer="ZAYA's convolutional q/k projection (causal q/k convolution, delayed values)",
+        classes=("ZayaCCAProjection",),
+        bindings=(("cca_projection", "cca_projection"),),
+        forwards={"a5fdff2c2160ec45": "5.24.0: zaya"},
+        replaces=(("forward", zaya_cca_forward_cache),),
+    ),
     MixerFamily(
         name="zaya-cca", mixer="ZAYA's convolutional q/k projection (causal q/k convolution, delayed values)",
         classes=("ZayaCCAProjection",),
