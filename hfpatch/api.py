@@ -21,7 +21,7 @@ from hfpatch.dispatch import Dispatcher
 from hfpatch.errors import (ModelDivergence, PatchError, SignatureMismatch, UnsupportedModel, UnsupportedRelease,
                             VerificationError)
 from hfpatch.labels import install_labels_hook
-from hfpatch.mixers import install_mixers
+from hfpatch.mixers import MixerInstallation, install_mixers
 from hfpatch.model_inputs import install_inputs_guard
 from hfpatch.model_probe import probe_model
 from hfpatch.model_routing import attention_modules, route_model
@@ -109,6 +109,17 @@ class Patch:
         (``ring_kernels.backends.choices()``: ``BackendChoice`` records of this process, since it started or
         ``ring_kernels.backends.reset_choices()``; a backend's own fallback has ``fallback=True``)."""
         return choices()
+
+    @property
+    def mixers(self) -> Optional[MixerInstallation]:
+        """The sequence mixers of the model of ``apply(model=)`` that run under CP: the ``MixerInstallation``
+        (``modules``: (path, class, family) of every recognised mixer; ``sites``: "module.name" of every rebound
+        kernel, each holding a wrapper whose ``__wrapped__`` is the kernel the release picked; ``calls``: Counter
+        (kernel role, switch mode) -> calls). None without ``model=``, when inactive, or after ``remove()``. For
+        reading: ``remove()`` takes the mixers out with the rest of the patch."""
+        if self._removed:
+            return None
+        return next((hook for hook in self._hooks if isinstance(hook, MixerInstallation)), None)
 
     def reset_calls(self) -> None:
         """Clear ``calls``, ``mode_calls`` and the per-forward record."""
