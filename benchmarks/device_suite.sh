@@ -87,4 +87,8 @@ timeout 90 $B --tokens 8192 --layouts varlen --configs llama3-8b --variants llam
 # SIZES, SINGLE_LAYERS, LIMIT_S; see that script).
 log "training step: benchmarks/train_step_suite.sh $NGPU"
 OUT="$OUT" TAG="$TAG" bash benchmarks/train_step_suite.sh "$NGPU"
+# The ~1B hybrid's training step (issue 15 item 6): benchmarks/hybrid_step_suite.sh (its settings: HYBRID_FAMILIES,
+# HYBRID_SIZES, HYBRID_LIMIT_S; see that script).
+log "hybrid training step: benchmarks/hybrid_step_suite.sh $NGPU"
+OUT="$OUT" TAG="$TAG" bash benchmarks/hybrid_step_suite.sh "$NGPU"
 log "done"

@@ -261,8 +261,6 @@ def mixer_kernels(model, installation=None) -> List[dict]:
     ("module.name"), ``role``, ``implementation`` (qualified name), ``package`` (flash-linear-attention,
     causal-conv1d, mamba-ssm, or the torch fallback), ``mixers`` (modules calling it) and, given the patch's
     ``installation`` (``Patch.mixers``), ``cp_calls``: calls that ran its CP form (switch mode "ring")."""
-    import sys as _sys
-
     from hfpatch.mixers import recognise
 
     sites: Dict[str, dict] = {}
@@ -275,7 +273,7 @@ def mixer_kernels(model, installation=None) -> List[dict]:
             if key in sites:
                 sites[key]["mixers"] += 1
                 continue
-            implementation, package = _implementation(getattr(_sys.modules[found.module.__name__], name))
+            implementation, package = _implementation(getattr(sys.modules[found.module.__name__], name))
             sites[key] = {"site": key, "role": role, "implementation": implementation, "package": package,
                           "mixers": 1}
     if installation is not None:
@@ -545,7 +543,8 @@ def measure(runner: Runner, data, args, device, case: dict) -> dict:
         forwards = 2 if args.checkpointing == "full" else 1
         row["exchange_bytes"] = exchange_bytes(recorded, len(mixers.modules) if mixers else 0, forwards,
                                                runner.world)
-        runner.patch.mixers.calls.clear()
+        if mixers is not None:
+            mixers.calls.clear()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -576,7 +575,8 @@ def _substituted(runner: Runner, data, device, warmup: int, iters: int, step_ms:
         out["no_exchange"] = {"status": "ok", "timing": nocomm.as_dict(), "step_ms": nocomm.median_ms,
                               "replaced_calls": counter.calls}
         out["exchange_share"] = (step_ms - nocomm.median_ms) / step_ms
-    with local_mixers(runner.patch.mixers) as swapped:
+    mixers = runner.patch.mixers
+    with (local_mixers(mixers) if mixers is not None else contextlib.nullcontext(0)) as swapped:
         local = _timed(runner, data, device, warmup, iters) if swapped else None
     if local is None:
         out["mixers_local"] = {"status": "refused", "reason": "no rebound mixer kernel to swap"}

@@ -17,11 +17,11 @@ hybrids (the script's ``--size tiny``), fp32.
 
 Tolerances: the loss within ring_kernels.tolerances' "cp" entry (fp32, 1e-5 relative); the gradients within the
 "sweep" entry, the project's entry for these mixer families (each parameter within 1e-4 of its own largest entry
-plus 1e-6 of the model's largest gradient): the gates of the first Gated DeltaNet layer (``dt_bias``, ``A_log``)
-get gradients of ~1e-8, 1e-7 of the model's largest, where the fp32 rounding of the recurrence composed from
-per-segment summaries is as large as the gradient itself, so the "cp" entry's per-parameter bound alone cannot
-tell rounding from error there. A family whose classes this transformers lacks, or whose mixer code hfpatch's registry has not read
-for this release (it refuses them by name; the registry's own tests cover that), is skipped with the reason.
+plus 1e-6 of the model's largest gradient): the gates of the first Gated DeltaNet layer (``dt_bias``, ``A_log``) get
+gradients of ~1e-8, 1e-7 of the model's largest, where the fp32 rounding of the recurrence composed from per-segment
+summaries is as large as the gradient itself, so the "cp" entry's per-parameter bound alone cannot tell rounding
+from error there. A family whose classes this transformers lacks, or whose mixer code hfpatch's registry has not
+read for this release (it refuses them by name; the registry's own tests cover that), is skipped with the reason.
 """
 from __future__ import annotations
 
