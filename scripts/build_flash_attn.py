@@ -93,8 +93,10 @@ def _patch_switches(root: Path, head_dims: list[int], dtypes: list[str]) -> None
     if not _SWITCHES.search(text):
         raise SystemExit(f"{header}: FP16_SWITCH / HEADDIM_SWITCH not found as expected; this flash-attn release "
                          "is not one this script knows (2.8.x)")
-    header.write_text(_SWITCHES.sub("", text) + "\n// scripts/build_flash_attn.py: the built kernels only\n"
-                      + dispatch_switches(head_dims, dtypes))
+    patched = _SWITCHES.sub("", text) + "\n// scripts/build_flash_attn.py: the built kernels only\n" + \
+        dispatch_switches(head_dims, dtypes)
+    if header.read_text() != patched:  # rewritten only when it changes: its time stamp drives ninja's rebuilds
+        header.write_text(patched)
 
 
 def build(sdist: Path, build_dir: Path, head_dims: list[int], dtypes: list[str], arch: str, jobs: int):

@@ -40,6 +40,17 @@ def _backend(name, dtype, head_dim, kind):
     return get_backend(name, device="cuda", dtype=dtype, head_dim=head_dim, mask_kind=kind)
 
 
+def _forward(impl, q, k, v, **kwargs):
+    """``impl.forward``; a flash-attn built for other head dims or dtypes (scripts/build_flash_attn.py's dispatch
+    refuses them by name) skips the case, saying so."""
+    try:
+        return impl.forward(q, k, v, **kwargs)
+    except RuntimeError as exc:
+        if "scripts/build_flash_attn.py" not in str(exc):
+            raise
+        pytest.skip(f"{impl.name}: {exc}")
+
+
 def _inputs(sq, sk, heads, heads_k, d, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(2, sq, heads, d, device="cuda", generator=g).to(dtype)
@@ -69,7 +80,7 @@ def test_block_forward_backward_match_float64(backend, dtype, head_dim, block):
     impl = _backend(backend, dtype, head_dim, kind)
     q, k, v = _inputs(sq, sk, 8, 2, head_dim, dtype, seed=head_dim + sq)
     scale = head_dim ** -0.5
-    out, lse = impl.forward(q, k, v, scale=scale, mask=mask)
+    out, lse = _forward(impl, q, k, v, scale=scale, mask=mask)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 8, sq) and lse.dtype == torch.float32
 
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
@@ -99,7 +110,7 @@ def test_softcap_where_supported(backend, softcap):
         assert "softcap" in str(exc)
         pytest.skip(f"{backend}: {exc}")
     q, k, v = _inputs(256, 256, 8, 2, d, dtype, seed=7)
-    out, lse = impl.forward(q, k, v, scale=0.5, mask=mask, softcap=softcap)
+    out, lse = _forward(impl, q, k, v, scale=0.5, mask=mask, softcap=softcap)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
     ref, ref_lse = dense_reference(qr, kr, vr, mask.dense(256, 256, "cuda"), 0.5, softcap)
     dout = torch.randn_like(ref)
@@ -127,7 +138,7 @@ def test_ring_use_merged_blocks_and_backward_from_merged_lse(backend, dtype):
     lse_acc = torch.full((2, 8, sq), float("-inf"), device="cuda")
     for a, b, mask in blocks:
         impl = _backend(backend, dtype, d, mask.kind(sq, b - a))
-        o, lse = impl.forward(q, k[:, a:b], v[:, a:b], scale=scale, mask=mask)
+        o, lse = _forward(impl, q, k[:, a:b], v[:, a:b], scale=scale, mask=mask)
         merge.merge_(out_acc, out_acc, lse_acc, o, lse)
 
     whole = BlockMask(causal=True, q_start=2 * sq, k_start=0)
