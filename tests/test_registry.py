@@ -24,7 +24,7 @@ CENSUS = {
     **{v: "S5-4.53.3" for v in ["5.0.0", "5.1.0", "5.2.0", "5.3.0", "5.4.0", "5.5.4", "5.6.2", "5.7.0",
                                  "5.8.1", "5.9.0", "5.10.4", "5.11.0", "5.12.1", "5.13.1", "5.14.1",
                                  "5.15.1", "5.16.1", "5.17.0", "5.18.0"]},
-    **{v: "S7-5.19.0" for v in ["5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0"]},
+    **{v: "S7-5.19.0" for v in ["5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.24.0"]},
     # Earlier patches of a covered series belong to the same generation.
     "4.43.0": "S1-4.43.4", "4.53.0": "S5-4.53.3", "4.54.0": "S6-4.54.1", "5.0.0rc1": "S5-4.53.3",
 }
@@ -201,9 +201,9 @@ def test_require_raises_signature_mismatch_with_fields_and_fix():
     assert isinstance(err, TypeError)
     assert (err.transformers_version, err.expected) == ("5.99.0", S7)
     assert "soft_cap=None" in err.found and "only in live: soft_cap" in err.diff
-    assert "pin transformers to a supported release" in str(err) and "'<5.24.0,>=5.19.0'" in str(err)
+    assert "pin transformers to a supported release" in str(err) and "'<5.25.0,>=5.19.0'" in str(err)
     assert "hfpatch signatures scan" in str(err)
-    assert require(_sig(S7), "5.23.0").verdict == "exact"
+    assert require(_sig(S7), "5.24.0").verdict == "exact"
 
 
 def test_match_rejects_non_signatures_and_accepts_callables():
@@ -225,7 +225,7 @@ def test_installed_transformers_matches_its_recorded_entry_exactly():
     assert expected is not None, f"installed transformers {version} is not covered by the registry"
     result = require(inspect.signature(mfau._flash_attention_forward), version)
     assert (result.verdict, result.id) == ("exact", expected.id)
-    if ENTRIES[S7].covers(version):  # the pinned dev environment (5.23.0)
+    if ENTRIES[S7].covers(version):  # the pinned dev environment (5.24.0)
         assert result.id == S7
 
 

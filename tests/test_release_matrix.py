@@ -44,7 +44,7 @@ def test_every_registry_generation_has_an_env_and_so_has_the_newest_release():
     assert all(env == f"tf{release}" for env, release in pins.items())
     covered = {entry.id: [r for r in pins.values() if entry.covers(r)] for entry in load_registry()}
     # Every generation is run. A generation has a second env only for the newest release (S7: 5.19.0 and
-    # 5.23.0) or for a second range of releases (S5: 4.53, then 5.0-5.18 after the `implementation` rename
+    # 5.24.0) or for a second range of releases (S5: 4.53, then 5.0-5.18 after the `implementation` rename
     # was reverted; its specifier excludes 4.54-4.57).
     for gid, releases in covered.items():
         assert releases, f"no tox env runs a release of generation {gid}"
