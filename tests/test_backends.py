@@ -293,10 +293,10 @@ def test_available_backends_on_cpu_in_auto_order():
 
 
 def test_auto_ranking_leaves_out_flash_attn():
-    """auto's ranking per device. flash_attn is not in it: its adapter is tested only against the stand-in module
-    above (``_fake_flash_attn``), never against the real flash-attn library on a GPU, so auto must not pick it;
-    ``backend="flash_attn"`` still does (tests/test_backend_choices.py), and ``available_backends`` lists it
-    after the ranking where flash-attn is importable."""
+    """auto's ranking per device. flash_attn is not in it: its adapter is tested (the stand-in module above,
+    ``_fake_flash_attn``, and the real library in tests/gpu/test_backends_gpu.py) but not timed against the ranked
+    backends, so auto must not pick it; ``backend="flash_attn"`` still does (tests/test_backend_choices.py), and
+    ``available_backends`` lists it after the ranking where flash-attn is importable."""
     assert rk.backends.auto_ranking("cpu") == ["torch_cpu", "reference", "triton"]
     assert rk.backends.auto_ranking("cuda") == ["torch_cudnn", "torch_flash", "triton", "torch_efficient",
                                                 "reference"]

@@ -14,10 +14,11 @@ mask kind and softcap wins):
   kernel, when triton is importable: the fast one that does softcap), ``torch_efficient`` (slowest, but fp32 and
   arbitrary additive masks: windows, documents), ``reference`` (anything, slowly).
 
-Chosen by name only: ``flash_attn`` (the flash-attn package). Its adapter has been tested against a stand-in
-module with the parameter names of flash-attn 2.6 and 2.7 (tests/test_backends.py), never against the real
-library on a GPU, so ``"auto"`` does not pick it; ``backend="flash_attn"`` does, and ``available_backends``
-lists it after auto's ranking where it is importable.
+Chosen by name only: ``flash_attn`` (the flash-attn package). Its adapter is tested against a stand-in module
+with the parameter names of flash-attn 2.6 and 2.7 (tests/test_backends.py) and against the real flash-attn 2.8.3
+on an H100 (tests/gpu/test_backends_gpu.py), but not yet timed against torch's ops, so ``"auto"`` does not rank
+it; ``backend="flash_attn"`` picks it, and ``available_backends`` lists it after auto's ranking where it is
+importable.
 
 Every choice (``"auto"``'s with the reason the faster backends could not, a name's, the varlen kernel's, and a
 backend's own fallback) is noted in ``choices`` (``choices()``, ``reset_choices()``, ``recording()``) and logged
@@ -64,7 +65,7 @@ _AUTO_ORDER = {
     "cpu": ["torch_cpu", "reference", "triton"],
     "cuda": ["torch_cudnn", "torch_flash", "triton", "torch_efficient", "reference"],
 }
-# Present where their dependency is, chosen only by name: untested against the real library (module docstring).
+# Present where their dependency is, chosen only by name: not timed against the ranked ones (module docstring).
 _BY_NAME_ONLY = {"cuda": ["flash_attn"]}
 
 _INSTANCES: Dict[str, BlockBackend] = {}

@@ -7,9 +7,12 @@ and ``rng_state`` appeared), so they are called by keyword with only the names t
 
 Mask kinds: FULL and aligned CAUSAL (EMPTY skipped). Windowed or document blocks go to other backends.
 
-Untested against the real library: this adapter's argument mapping is tested against a stand-in module with
-flash-attn 2.6's and 2.7's parameter names and return tuples (tests/test_backends.py), never against an
-installed flash-attn on a GPU. ``backend="auto"`` therefore never picks it; only ``backend="flash_attn"`` does.
+Tested two ways: the argument mapping against a stand-in module with flash-attn 2.6's and 2.7's parameter names and
+return tuples (tests/test_backends.py, on CPU), and the real flash-attn 2.8.3 on an H100 (tests/gpu/
+test_backends_gpu.py with a build of scripts/build_flash_attn.py: forward, backward, softcap and the ring's
+merged-block use against float64, bf16 head dim 128; benchmarks/results/backends_gpu_1xH100_c9119d0.log). Its speed
+against torch's cuDNN and flash ops has not been measured, so ``backend="auto"`` does not rank it; only
+``backend="flash_attn"`` picks it.
 """
 from __future__ import annotations
 
@@ -47,8 +50,7 @@ def _call_by_name(fn, **kwargs):
 class FlashAttnBackend:
     """``flash_attn.flash_attn_interface._flash_attn_forward/_backward``: fp16/bf16, head_dim <= 256, softcap.
 
-    Chosen by name only (``backend="flash_attn"``), untested against the real flash-attn library (module
-    docstring)."""
+    Chosen by name only (``backend="flash_attn"``): not ranked by ``"auto"`` until timed (module docstring)."""
 
     name = "flash_attn"
 
