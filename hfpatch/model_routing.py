@@ -10,7 +10,7 @@ transformers' flash-attn availability check (the bundled ring kernels do not nee
   flash attention when there is no padding (``masking_utils`` in 4.53+, ``_update_causal_mask`` before). Setting
   ``_attn_implementation = "flash_attention_2"`` on the model's config and every sub-config is enough.
 - 4.43-4.47 (every model), and models that kept the old design later (qwen2_moe until 4.57; falcon, gpt_neo,
-  gptj, bark through 5.23): the attention class is chosen at construction (``LLAMA_ATTENTION_CLASSES[...]``),
+  bark through 5.24; gptj through 5.23): the attention class is chosen at construction (``LLAMA_ATTENTION_CLASSES[...]``),
   so each attention module's class is swapped to the ``"flash_attention_2"`` class of the same table in its
   own modeling module (the weights are the same: the flash class subclasses the eager one), and the config is
   switched too (the mask builder reads it). This is done on every release where such a table lists the

@@ -18,7 +18,7 @@ gets identical weights, in ``dtype`` and train mode; ``NotBuilt`` (a ``RuntimeEr
 cannot. An eager forward on (2, 32) token ids drawn from ``range(TINY_VOCAB)`` gives finite logits of shape
 (2, 32, TINY_VOCAB) for every built class (``tests/test_sweep_tiny.py``).
 
-Not built on transformers 5.23 (3 of 147, <= 5 % of the catalog; ``_NOT_BUILT`` holds the reasons):
+Not built on transformers 5.24 (3 of 151, <= 5 % of the catalog; ``_NOT_BUILT`` holds the reasons):
 
     model_type                 class                                    why
     gemma3n                    Gemma3nForConditionalGeneration          timm vision tower (timm + PIL; no tiny
