@@ -5,7 +5,8 @@ its forward).
 
 What the model sweep does not exercise: the contiguous layout as well as zigzag, packed rows (documents given by
 position_ids), 4 ranks with segments shorter than the convolution's window (1 token against K-1 = 3), switch mode
-"reference", a cache refused by name, and ``remove()`` taking every replacement off. Each case: CP loss and every
+"reference", a cache refused by name, the stripe layout refused by name at ``apply`` (its one-token segments
+would make the state summaries as long as the sequence), and ``remove()`` taking every replacement off. Each case: CP loss and every
 gradient equal to the model's non-CP run on the same rows (the sweep's fp32 tolerances), and both kernels of the
 mixer ran in switch mode "ring"."""
 from __future__ import annotations
@@ -112,6 +113,23 @@ def _reference_cache_and_remove(world, entry):
     return info.value.parameter, bool(replaced) and len(replaced) == len(mixers)
 
 
+def _stripe_refused(entry):
+    """``apply(model=, kernel="stripe")`` on a model with these mixers: the refusal (parameter, value). apply is
+    all-or-nothing: afterwards no mixer's forward is replaced and transformers' function is its own again."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    import hfpatch
+    from hfpatch.errors import UnsupportedArgument
+
+    model = _model(entry)
+    mixers = [m for m in model.modules() if type(m).__name__ == MIXERS[entry.class_name][1]]
+    with pytest.raises(UnsupportedArgument) as info:
+        hfpatch.apply(dist.group.WORLD, model=model, kernel="stripe")
+    assert not any("forward" in m.__dict__ for m in mixers), "a refused apply leaves the mixers as they were"
+    assert not getattr(flash_utils._flash_attention_forward, "__hfpatch_wrapper__", False)
+    return info.value.parameter, info.value.value
+
+
 def _world(rank, world, cases):
     result = {}
     for entry in _entries():
@@ -119,6 +137,7 @@ def _world(rank, world, cases):
             result[(entry.class_name, kernel, packed)] = _exact_step(world, entry, kernel, packed)
         if world == 2:
             result[(entry.class_name, "reference, cache, remove")] = _reference_cache_and_remove(world, entry)
+            result[(entry.class_name, "stripe")] = _stripe_refused(entry)
     return result
 
 
@@ -149,6 +168,7 @@ def test_exact_zigzag_contiguous_packed_reference_cache_2_ranks():
             assert parameter == "cache_params", parameter
         else:  # the kernels' check refuses the cached state they would carry
             assert parameter in ("initial_state", "output_final_state", "past_key_values", "use_cache"), parameter
+        assert result.pop((entry.class_name, "stripe")) == ("kernel", "stripe")
     assert not result
 
 
