@@ -439,7 +439,7 @@ def _hfpatch_runner(args, device, dtype) -> Runner:
     import hfpatch
 
     world = dist.get_world_size()
-    mesh = ts._mesh(device)
+    mesh = ts.world_mesh(device)
     model = build_model(args, device, dtype)
     patch = hfpatch.apply(mesh["cp"], kernel=args.kernel, model=model)
     try:
@@ -447,7 +447,7 @@ def _hfpatch_runner(args, device, dtype) -> Runner:
             ts.checkpoint_layers(model)
         loss_module = ts.ChunkedLoss(model, args.loss_chunk)
         ts.shard_fsdp(loss_module, mesh["cp"])
-        opt = ts._optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
+        opt = ts.make_optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
     except BaseException:
         patch.remove()
         raise
@@ -479,13 +479,13 @@ def _single_runner(args, device, dtype) -> Runner:
     import native_cp
     from hfpatch.inputs import shift_labels
 
-    ts._register_attention()
+    ts.register_bench_attention()
     model = build_model(args, device, dtype)
-    ts._set_attention(model, ts.BENCH_SDPA)
+    ts.set_attention(model, ts.BENCH_SDPA)
     if args.checkpointing == "full":
         ts.checkpoint_layers(model)
     loss_module = ts.ChunkedLoss(model, args.loss_chunk)
-    opt = ts._optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
+    opt = ts.make_optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
 
     def step(data) -> torch.Tensor:
         loss_module.zero_grad(set_to_none=True)
@@ -532,7 +532,7 @@ def _timed(runner: Runner, data, device, warmup: int, iters: int, losses: Option
 def measure(runner: Runner, data, args, device, case: dict) -> dict:
     """Time ``runner`` on ``data``: a result row (see the module docstring)."""
     tokens_global = data.input_ids.shape[1]
-    warmup, iters = ts._steps_for(tokens_global, args)
+    warmup, iters = ts.steps_for(tokens_global, args)
     row = dict(case)
     losses: List[torch.Tensor] = []
     if runner.patch is not None:    # one step with the collective recorded (also a warm-up step)
@@ -549,7 +549,7 @@ def measure(runner: Runner, data, args, device, case: dict) -> dict:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     timing = _timed(runner, data, device, warmup, iters, losses)
-    peak = (ts._max_over_ranks(float(torch.cuda.max_memory_allocated(device)), device)
+    peak = (ts.max_over_ranks(float(torch.cuda.max_memory_allocated(device)), device)
             if device.type == "cuda" else None)
     info = runner.info()   # before the substitutes: the CP form's calls are the timed steps' (+ warm-up)
     tokens_per_gpu = tokens_global // runner.world
@@ -616,17 +616,17 @@ def run_rows(args, device, emit: Callable[[dict], None], meta: dict) -> List[dic
                 try:
                     row = measure(runner, data, args, device, case)
                 except Exception as exc:  # noqa: BLE001 - out of memory etc.: recorded, the next size still runs
-                    row = dict(case, status="failed", reason=ts._error_text(exc))
+                    row = dict(case, status="failed", reason=ts.error_text(exc))
                 del data
-                ts._free(device)
+                ts.free_memory(device)
                 _emit(rows, emit, row)
         except Exception as exc:  # noqa: BLE001 - a mode that cannot be built is a row, the others still run
-            _emit(rows, emit, {"mode": mode, "status": "failed", "gpus": gpus, "reason": ts._error_text(exc)})
+            _emit(rows, emit, {"mode": mode, "status": "failed", "gpus": gpus, "reason": ts.error_text(exc)})
         finally:
             if runner is not None:
                 runner.close()
             del runner
-            ts._free(device)
+            ts.free_memory(device)
     return rows
 
 
@@ -722,7 +722,7 @@ def _step_text(args) -> str:
 
 def _writer(args, device, world, meta: dict) -> Callable[[List[dict], bool], None]:
     """Rank 0 writes the JSON and the markdown table after every row (a run cut short keeps what it measured)."""
-    stem = args.tag or (f"hybrid_step_{args.family}_{world}x{ts._slug(stamp(device, world)['device_name'])}_"
+    stem = args.tag or (f"hybrid_step_{args.family}_{world}x{ts.device_slug(stamp(device, world)['device_name'])}_"
                         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%S')}")
 
     def write(rows: List[dict], complete: bool) -> None:
@@ -760,8 +760,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--family", choices=tuple(FAMILIES), default="qwen3_5")
     p.add_argument("--size", choices=SIZES, default="1b", help="the family's preset (1b, or tiny for CPU tests)")
-    p.add_argument("--modes", type=ts._names(MODES), default=list(MODES), help="comma-separated: hfpatch,single")
-    p.add_argument("--seq-per-gpu", type=ts._tokens, default=[32768], help="tokens per GPU, e.g. 16k,32k")
+    p.add_argument("--modes", type=ts.names_argument(MODES), default=list(MODES), help="comma-separated: hfpatch,single")
+    p.add_argument("--seq-per-gpu", type=ts.tokens_argument, default=[32768], help="tokens per GPU, e.g. 16k,32k")
     for flag in ("--layers", "--hidden", "--intermediate", "--vocab"):
         p.add_argument(flag, type=int, default=None, help="override the preset")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
@@ -795,7 +795,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    created = ts._init_process_group(args.device)
+    created = ts.join_process_group(args.device)
     try:
         device = (torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda"
                   else torch.device("cpu"))

@@ -87,7 +87,11 @@ from _stamp import stamp  # noqa: E402
 from _timing import time_callable  # noqa: E402
 
 __all__ = ["ModelShape", "LLAMA3_8B", "FLOP_FORMULA", "model_flops", "peak_flops", "step_data", "build_model",
-           "ChunkedLoss", "make_runner", "run_rows", "main"]
+           "ChunkedLoss", "make_runner", "run_rows", "main",
+           # the step's pieces that benchmarks/hybrid_step.py shares
+           "checkpoint_layers", "shard_fsdp", "make_optimizer", "world_mesh", "join_process_group",
+           "register_bench_attention", "set_attention", "steps_for", "max_over_ranks", "free_memory", "error_text",
+           "device_slug", "names_argument", "tokens_argument"]
 
 MODES = ("hfpatch", "native", "single")
 LAYOUTS = ("batch", "packed")
@@ -233,7 +237,7 @@ def shard_fsdp(loss_module: ChunkedLoss, mesh) -> None:
     fully_shard(loss_module, mesh=mesh, reshard_after_forward=False)
 
 
-def _optimizer(name: str, params, lr: float, device: torch.device):
+def make_optimizer(name: str, params, lr: float, device: torch.device):
     params = list(params)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=device.type == "cuda")
@@ -333,14 +337,14 @@ def attention_interface_unavailable() -> Optional[str]:
     return None
 
 
-def _register_attention() -> None:
+def register_bench_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(BENCH_SDPA, _sdpa_attention)
     AttentionInterface.register(BENCH_LOCAL_VARLEN, _LOCAL_VARLEN)
 
 
-def _set_attention(model, name: str) -> None:
+def set_attention(model, name: str) -> None:
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
@@ -365,7 +369,7 @@ class Runner:
     extra: Callable[[], dict] = dict
 
 
-def _mesh(device: torch.device):
+def world_mesh(device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("cp",))
@@ -375,14 +379,14 @@ def _hfpatch_runner(args, shape: ModelShape, device, dtype) -> Runner:
     import hfpatch
 
     world = dist.get_world_size()
-    mesh = _mesh(device)
+    mesh = world_mesh(device)
     model = build_model(shape, device, dtype, seed=args.seed, attn_implementation="eager")
     patch = hfpatch.apply(mesh["cp"], kernel=args.kernel, model=model)
     if args.checkpointing == "full":
         checkpoint_layers(model)
     loss_module = ChunkedLoss(model, args.loss_chunk)
     shard_fsdp(loss_module, mesh["cp"])
-    opt = _optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
+    opt = make_optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
 
     def step(data: StepData) -> torch.Tensor:
         loss_module.zero_grad(set_to_none=True)
@@ -424,15 +428,15 @@ def _native_runner(args, shape: ModelShape, device, dtype) -> Runner:
     from torch.nn.attention import sdpa_kernel
 
     world = dist.get_world_size()
-    mesh = _mesh(device)
-    _register_attention()
+    mesh = world_mesh(device)
+    register_bench_attention()
     model = build_model(shape, device, dtype, seed=args.seed, attn_implementation="eager")
-    _set_attention(model, BENCH_SDPA)
+    set_attention(model, BENCH_SDPA)
     if args.checkpointing == "full":
         checkpoint_layers(model)
     loss_module = ChunkedLoss(model, args.loss_chunk)
     shard_fsdp(loss_module, mesh["cp"])
-    opt = _optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
+    opt = make_optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
     settings = {"sdpa": "cudnn", "rotate": "allgather"}
     from hfpatch.inputs import shift_labels
 
@@ -468,7 +472,7 @@ def _single_runner(args, shape: ModelShape, device, dtype) -> Runner:
 
     import native_cp
 
-    _register_attention()
+    register_bench_attention()
     rank = dist.get_rank()
     # Every rank its own one-rank group (new_group is collective: all ranks create all of them).
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
@@ -477,7 +481,7 @@ def _single_runner(args, shape: ModelShape, device, dtype) -> Runner:
     if args.checkpointing == "full":
         checkpoint_layers(model)
     loss_module = ChunkedLoss(model, args.loss_chunk)
-    opt = _optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
+    opt = make_optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
     state = {"attention": BENCH_SDPA}
     from hfpatch.inputs import shift_labels
 
@@ -498,7 +502,7 @@ def _single_runner(args, shape: ModelShape, device, dtype) -> Runner:
 
         reset_choices()
         state["attention"] = BENCH_SDPA if case["layout"] == "batch" else BENCH_LOCAL_VARLEN
-        _set_attention(model, state["attention"])
+        set_attention(model, state["attention"])
         _LOCAL_VARLEN.cu_seqlens = torch.tensor([0] + list(_cumsum(data.docs)), dtype=torch.int32, device=device)
 
     def backend() -> str:
@@ -544,13 +548,13 @@ def case_unavailable(mode: str, layout: str) -> Optional[str]:
 # ------------------------------------------------------------------------------------------------ measuring
 
 
-def _max_over_ranks(value: float, device: torch.device) -> float:
+def max_over_ranks(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
-def _steps_for(tokens_global: int, args) -> tuple:
+def steps_for(tokens_global: int, args) -> tuple:
     if args.steps is not None:
         return (args.warmup if args.warmup is not None else 1), args.steps
     if tokens_global <= 65536:
@@ -562,13 +566,13 @@ def measure(runner: Runner, data: StepData, case: dict, args, device, shape: Mod
     """Time ``runner`` on ``data``: a result row (see the module docstring)."""
     runner.setup(data, case)
     tokens_global = data.input_ids.shape[1]
-    warmup, iters = _steps_for(tokens_global, args)
+    warmup, iters = steps_for(tokens_global, args)
     losses: List[torch.Tensor] = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     timing = time_callable(lambda: losses.append(runner.step(data)), device=device, warmup=warmup, iters=iters)
-    peak_bytes = (_max_over_ranks(float(torch.cuda.max_memory_allocated(device)), device)
+    peak_bytes = (max_over_ranks(float(torch.cuda.max_memory_allocated(device)), device)
                   if device.type == "cuda" else None)
     seconds = timing.median_ms / 1e3
     used = shape.with_layers(runner.layers)
@@ -628,12 +632,12 @@ def run_rows(args, device: torch.device, emit: Callable[[dict], None]) -> List[d
             _mode_rows(runner, mode, args, device, mode_shape, peak, gpus, rows, emit, started)
         except Exception as exc:  # noqa: BLE001 - a mode that cannot be built is a row, the others still run
             _emit(rows, emit, {"mode": mode, "status": "failed", "gpus": gpus, "layers": mode_shape.layers,
-                               "reason": _error_text(exc)})
+                               "reason": error_text(exc)})
         finally:
             if runner is not None:
                 runner.close()
             del runner
-            _free(device)
+            free_memory(device)
     return rows
 
 
@@ -656,20 +660,20 @@ def _mode_rows(runner, mode, args, device, shape, peak, gpus, rows, emit, starte
             try:
                 row = measure(runner, data, case, args, device, shape, peak)
             except Exception as exc:  # noqa: BLE001 - out of memory etc.: recorded, the next case still runs
-                row = dict(case, status="failed", reason=_error_text(exc))
+                row = dict(case, status="failed", reason=error_text(exc))
             del data
-            _free(device)
+            free_memory(device)
             _emit(rows, emit, row)
         if mode == "native" and args.native_pick_once and pick is None:
             pick = _best_native(rows)
 
 
-def _error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) < 600 else text[:600] + " ..."
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -720,7 +724,7 @@ def _native_label(r: dict) -> str:
     return f"sdpa:{r['sdpa']} rotate {r['rotate']}" if r.get("mode") == "native" and "sdpa" in r else "-"
 
 
-def _slug(name: str) -> str:
+def device_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "", name.split()[-1] if name else "cpu") or "cpu"
 
 
@@ -734,7 +738,7 @@ def _step_text(args) -> str:
 
 def _writer(args, device, world) -> Callable[[List[dict], bool], None]:
     """Rank 0 writes the JSON and the markdown table after every row (a run cut short keeps what it measured)."""
-    stem = args.tag or (f"train_step_{world}x{_slug(stamp(device, world)['device_name'])}_"
+    stem = args.tag or (f"train_step_{world}x{device_slug(stamp(device, world)['device_name'])}_"
                         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%S')}")
     model = (f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, "
              f"MLP {args.intermediate}, vocab {args.vocab}, rope theta {args.rope_theta:g}")
@@ -759,7 +763,7 @@ def _writer(args, device, world) -> Callable[[List[dict], bool], None]:
 # ------------------------------------------------------------------------------------------------ CLI
 
 
-def _tokens(text: str) -> List[int]:
+def tokens_argument(text: str) -> List[int]:
     out = []
     for part in filter(None, text.split(",")):
         part = part.strip().lower()
@@ -767,7 +771,7 @@ def _tokens(text: str) -> List[int]:
     return out
 
 
-def _names(allowed: Sequence[str]):
+def names_argument(allowed: Sequence[str]):
     def parse(text: str) -> List[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
         bad = [n for n in names if n not in allowed]
@@ -779,10 +783,10 @@ def _names(allowed: Sequence[str]):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--modes", type=_names(MODES), default=["hfpatch", "native"],
+    p.add_argument("--modes", type=names_argument(MODES), default=["hfpatch", "native"],
                    help="comma-separated: hfpatch,native,single (default hfpatch,native)")
-    p.add_argument("--seq-per-gpu", type=_tokens, default=[32768], help="tokens per GPU, e.g. 32k,64k,128k")
-    p.add_argument("--layouts", type=_names(LAYOUTS), default=list(LAYOUTS), help="batch,packed")
+    p.add_argument("--seq-per-gpu", type=tokens_argument, default=[32768], help="tokens per GPU, e.g. 32k,64k,128k")
+    p.add_argument("--layouts", type=names_argument(LAYOUTS), default=list(LAYOUTS), help="batch,packed")
     for flag, default in (("--layers", 32), ("--hidden", 4096), ("--heads", 32), ("--kv-heads", 8),
                           ("--intermediate", 14336), ("--vocab", 128256)):
         p.add_argument(flag, type=int, default=default)
@@ -795,8 +799,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps (default: 2+5 up to 64k tokens per step, 1+3 up to 256k, 1+2 above)")
     p.add_argument("--kernel", default="auto", help="hfpatch.apply's kernel= (auto, zigzag, llama3:torch_cudnn...)")
-    p.add_argument("--native-backends", type=_names(("cudnn", "flash", "efficient")), default=["cudnn", "flash"])
-    p.add_argument("--native-rotate", type=_names(("allgather", "alltoall")), default=["allgather", "alltoall"])
+    p.add_argument("--native-backends", type=names_argument(("cudnn", "flash", "efficient")), default=["cudnn", "flash"])
+    p.add_argument("--native-rotate", type=names_argument(("allgather", "alltoall")), default=["allgather", "alltoall"])
     p.add_argument("--no-native-pick-once", dest="native_pick_once", action="store_false",
                    help="time every native backend x rotate at every size (default: only at the first size, then "
                         "the fastest)")
@@ -820,7 +824,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _init_process_group(device_type: str) -> bool:
+def join_process_group(device_type: str) -> bool:
     """Join torchrun's group, or make a one-process group; True when this call created it."""
     if dist.is_initialized():
         return False
@@ -840,7 +844,7 @@ def _init_process_group(device_type: str) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    created = _init_process_group(args.device)
+    created = join_process_group(args.device)
     try:
         device = (torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda"
                   else torch.device("cpu"))
