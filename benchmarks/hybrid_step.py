@@ -76,7 +76,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import importlib.metadata
 import json
 import os
@@ -721,22 +720,9 @@ def _step_text(args) -> str:
 
 
 def _writer(args, device, world, meta: dict) -> Callable[[List[dict], bool], None]:
-    """Rank 0 writes the JSON and the markdown table after every row (a run cut short keeps what it measured)."""
-    stem = args.tag or (f"hybrid_step_{args.family}_{world}x{ts.device_slug(stamp(device, world)['device_name'])}_"
-                        f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%S')}")
-
-    def write(rows: List[dict], complete: bool) -> None:
-        if dist.get_rank() != 0 or not args.out:
-            return
-        os.makedirs(args.out, exist_ok=True)
-        full = dict(meta, stamp=stamp(device, world), complete=complete)
-        with open(os.path.join(args.out, stem + ".json"), "w") as f:
-            json.dump(dict(full, rows=rows), f, indent=1, default=str)
-        with open(os.path.join(args.out, stem + ".md"), "w") as f:
-            f.write(markdown(rows, full))
-
-    write.stem = stem
-    return write
+    """The rows' writer (``train_step.result_writer``): ``meta`` with this run's stamp."""
+    stem = args.tag or ts.result_stem(f"hybrid_step_{args.family}", device, world)
+    return ts.result_writer(args.out, stem, lambda: dict(meta, stamp=stamp(device, world)), markdown)
 
 
 def _row_line(r: dict) -> str:

@@ -91,7 +91,7 @@ __all__ = ["ModelShape", "LLAMA3_8B", "FLOP_FORMULA", "model_flops", "peak_flops
            # the step's pieces that benchmarks/hybrid_step.py shares
            "checkpoint_layers", "shard_fsdp", "make_optimizer", "world_mesh", "join_process_group",
            "register_bench_attention", "set_attention", "steps_for", "max_over_ranks", "free_memory", "error_text",
-           "device_slug", "names_argument", "tokens_argument"]
+           "device_slug", "names_argument", "tokens_argument", "result_writer", "result_stem"]
 
 MODES = ("hfpatch", "native", "single")
 LAYOUTS = ("batch", "packed")
@@ -736,28 +736,44 @@ def _step_text(args) -> str:
             f"optimizer {args.optimizer} (lr {args.lr}); {args.dtype}")
 
 
+def result_writer(out: Optional[str], stem: str, meta: Callable[[], dict],
+                  render: Callable[[List[dict], dict], str]) -> Callable[[List[dict], bool], None]:
+    """``write(rows, complete)``: rank 0 writes ``<out>/<stem>.json`` (``meta()`` with ``complete`` and the rows)
+    and ``<stem>.md`` (``render(rows, that meta)``) after every row, so a run cut short keeps what it measured;
+    nothing without ``out``. ``write.stem`` is the stem."""
+
+    def write(rows: List[dict], complete: bool) -> None:
+        if dist.get_rank() != 0 or not out:
+            return
+        os.makedirs(out, exist_ok=True)
+        full = dict(meta(), complete=complete)
+        with open(os.path.join(out, stem + ".json"), "w") as f:
+            json.dump(dict(full, rows=rows), f, indent=1, default=str)
+        with open(os.path.join(out, stem + ".md"), "w") as f:
+            f.write(render(rows, full))
+
+    write.stem = stem
+    return write
+
+
+def result_stem(prefix: str, device: torch.device, world: int) -> str:
+    """``<prefix>_<N>x<GPU>_<UTC time>``: a run's default file stem."""
+    return (f"{prefix}_{world}x{device_slug(stamp(device, world)['device_name'])}_"
+            f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%S')}")
+
+
 def _writer(args, device, world) -> Callable[[List[dict], bool], None]:
-    """Rank 0 writes the JSON and the markdown table after every row (a run cut short keeps what it measured)."""
-    stem = args.tag or (f"train_step_{world}x{device_slug(stamp(device, world)['device_name'])}_"
-                        f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%S')}")
+    """The rows' writer (``result_writer``) of this run, its meta: stamp, model, step, FLOP formula, peak."""
     model = (f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, "
              f"MLP {args.intermediate}, vocab {args.vocab}, rope theta {args.rope_theta:g}")
     peak = peak_flops(device, args.peak_tflops)
 
-    def write(rows: List[dict], complete: bool) -> None:
-        if dist.get_rank() != 0 or not args.out:
-            return
-        os.makedirs(args.out, exist_ok=True)
-        meta = {"stamp": stamp(device, world), "world_size": world, "model": model,
-                "step": _step_text(args), "flop_formula": FLOP_FORMULA,
-                "peak_tflops": None if peak is None else peak / 1e12, "argv": args.argv, "complete": complete}
-        with open(os.path.join(args.out, stem + ".json"), "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1, default=str)
-        with open(os.path.join(args.out, stem + ".md"), "w") as f:
-            f.write(markdown(rows, meta))
+    def meta() -> dict:
+        return {"stamp": stamp(device, world), "world_size": world, "model": model, "step": _step_text(args),
+                "flop_formula": FLOP_FORMULA, "peak_tflops": None if peak is None else peak / 1e12,
+                "argv": args.argv}
 
-    write.stem = stem
-    return write
+    return result_writer(args.out, args.tag or result_stem("train_step", device, world), meta, markdown)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
