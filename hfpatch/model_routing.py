@@ -166,14 +166,16 @@ def _defined_in(obj: Any, module_name: str) -> bool:
 
 
 def _code_names(cls: Any) -> set[str]:
-    """Global names read by a function, or by the methods defined on a class itself."""
-    if isinstance(cls, types.FunctionType):
-        return set(cls.__code__.co_names)
+    """Global names read by a function, or by the methods defined on a class itself, nested code included
+    (comprehensions and inner functions: 3.12 inlines comprehensions into their function's code, earlier
+    Pythons compile them to code objects of their own, so the set is the same on every Python)."""
+    codes = [cls.__code__] if isinstance(cls, types.FunctionType) else [
+        value.__code__ for value in vars(cls).values() if hasattr(value, "__code__")]
     names: set[str] = set()
-    for value in vars(cls).values():
-        code = getattr(value, "__code__", None)
-        if code is not None:
-            names.update(code.co_names)
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
     return names
 
 

@@ -29,6 +29,8 @@ Layers (see each module's docstring):
   replaces the method on the instance): ``mamba_inline`` (Jamba 4.43 - 5.0), ``mamba2_inline`` (Bamba 4.48 - 5.0),
   ``short_conv`` (LFM2 4.54 - 5.0), ``gated_deltanet_forms`` (Qwen3-Next 5.0), and in the kinds' own modules
   ``lightning`` (MiniMax), ``rglru`` (RecurrentGemma), ``cca`` (ZAYA);
+- ``fingerprint`` -- the key a forward is recognised by: a hash of its syntax tree, written by one fixed rule so
+  that it is the same on every Python minor;
 - ``registry``  -- the versioned registry: which module classes, forward fingerprints and kernel bindings of
   which releases hfpatch recognises (``recognise``, ``unrecognised_reason``); its entries live in ``families``
   (one module per family, every release of it) as ``family.MixerFamily`` records;

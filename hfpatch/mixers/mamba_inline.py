@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument, UnsupportedModel
 from hfpatch.mixers.conv import causal_conv1d
+from hfpatch.mixers.fingerprint import forward_fingerprint
 from hfpatch.mixers.ssd import CACHE_FIX, CACHE_REASON
 
 __all__ = ["mamba_selective_scan", "causal_conv1d", "jamba_forward", "JAMBA_METHODS_READ", "require_methods_read"]
@@ -32,13 +33,11 @@ _METHODS_CHECKED: dict = {}
 
 def require_methods_read(module, read: Mapping[str, Mapping[str, str]]) -> None:
     """Raise ``UnsupportedModel`` unless every method named in ``read`` has, on ``module``'s class, a fingerprint
-    (``registry.forward_fingerprint``) listed there: the code a CP form reproduces besides the forward the
+    (``fingerprint.forward_fingerprint``) listed there: the code a CP form reproduces besides the forward the
     registry recognised. Checked once per class."""
     cls = type(module)
     key = (cls, id(read))
     if key not in _METHODS_CHECKED:
-        from hfpatch.mixers.registry import forward_fingerprint  # the registry's entries import this module
-
         changed = []
         for name, known in read.items():
             method = getattr(cls, name, None)
@@ -116,7 +115,7 @@ _FAST_PATH_MISSING = ("use_mamba_kernels=True needs causal-conv1d and mamba-ssm 
                       "CUDA device; set use_mamba_kernels=False in the model config to run the torch path")
 
 # The methods JambaMambaMixer.forward dispatches to, as the CP form below reproduces them: fingerprint
-# (registry.forward_fingerprint) -> the releases they were read on.
+# (fingerprint.forward_fingerprint) -> the releases they were read on.
 JAMBA_METHODS_READ = {
     "slow_forward": {"78f1837c60c912cb": "4.43.4", "95ab7393d0efdb9f": "4.48.3, 4.53.3, 4.54.1",
                      "87873f8973997270": "5.0.0"},

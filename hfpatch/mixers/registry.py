@@ -5,8 +5,8 @@ alone. For a module of class C defined in modeling module M, an entry of ``FAMIL
 
 1. C's name is one of the entry's ``classes`` (the entries live in ``hfpatch.mixers.families``, one module per
    family; several entries may list C, one per way its releases write it);
-2. the fingerprint of C's ``forward`` (``forward_fingerprint``: a hash of its syntax tree, decorators dropped, so
-   formatting and comments do not count) is one the family lists -- the forward calls the kernels below by these
+2. the fingerprint of C's ``forward`` (``fingerprint.forward_fingerprint``: a hash of its syntax tree written
+   by one fixed rule, decorators dropped, so formatting, comments and the Python minor do not count) is one the family lists -- the forward calls the kernels below by these
    global names with these arguments, and nothing else in it mixes tokens;
 3. each of the family's ``bindings`` (global name in M -> kernel role) exists in M, and the parameters of the
    function bound there (``parameter_spec``) are one of the role's ``KERNEL_PARAMETERS``.
@@ -19,17 +19,15 @@ with the family's test on that release.
 """
 from __future__ import annotations
 
-import ast
-import hashlib
 import inspect
 import sys
-import textwrap
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from hfpatch.mixers.families import FAMILIES, KERNEL_PARAMETERS
 from hfpatch.mixers.family import MixerFamily, Recognised
+from hfpatch.mixers.fingerprint import forward_fingerprint
 
 __all__ = ["MixerFamily", "Recognised", "FAMILIES", "KERNEL_PARAMETERS", "recognise", "unrecognised_reason",
            "forward_fingerprint", "class_fingerprint", "parameter_spec"]
@@ -38,16 +36,6 @@ _BY_CLASS: Dict[str, Tuple[MixerFamily, ...]] = {}
 for _family in FAMILIES:
     for _name in _family.classes:
         _BY_CLASS[_name] = _BY_CLASS.get(_name, ()) + (_family,)
-
-
-def forward_fingerprint(function: Callable) -> str:
-    """16 hex digits of the sha256 of ``function``'s syntax tree (decorators dropped, no positions); the
-    function is unwrapped first (``functools.wraps`` decorators such as ``force_accelerate_hooks``)."""
-    function = inspect.unwrap(function)
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    node = next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
-    node.decorator_list = []
-    return hashlib.sha256(ast.dump(node, annotate_fields=False, include_attributes=False).encode()).hexdigest()[:16]
 
 
 def parameter_spec(function: Callable) -> Tuple[str, ...]:

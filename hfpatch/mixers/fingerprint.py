@@ -1,0 +1,78 @@
+"""Fingerprints of functions' source: the key by which the mixer registry recognises a forward it has read.
+
+A fingerprint is 16 hex digits of the sha256 of ``canonical_dump(node)``: the function's syntax tree, decorators
+dropped, positions left out, so formatting and comments do not count. It must give the same value on every Python
+the project supports, so it never hashes a text the standard library formats: ``ast.dump``'s changes between
+minors (3.12 adds ``type_params`` to every function node; 3.13 leaves empty lists and ``None`` fields out by
+default). ``canonical_dump`` writes the tree itself, by one fixed rule:
+
+- a node is ``ClassName(field, field, ...)``, its fields in the grammar's order, values by position;
+- an optional field that is ``None`` is left out, and every field after it is written ``name=value`` (only
+  ``Constant.value`` and ``MatchSingleton.value`` are written when ``None``: there ``None`` is the value);
+- ``type_params`` (3.12+, PEP 695) is left out when empty: no older Python has the field, and an empty list says
+  nothing; a non-empty one is written like any field;
+- a list is ``[item, item]`` (``[]`` when empty), anything else is its ``repr``.
+
+That is exactly the text ``ast.dump(node, annotate_fields=False)`` gives on Python 3.11, so the registry's keys,
+read on 3.11, keep their values; tests/test_fingerprint.py holds it to that on every function of the installed
+transformers, and to a committed digest of those keys on every Python CI runs.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+from typing import Callable
+
+__all__ = ["canonical_dump", "fingerprint_of", "forward_fingerprint", "function_node"]
+
+# Fields whose None is the node's value, not an absent optional part.
+_NONE_IS_VALUE = {("Constant", "value"), ("MatchSingleton", "value")}
+# Fields newer Pythons add; left out while empty, so a tree reads the same on the Pythons that lack them.
+_ADDED_FIELDS = {"type_params"}
+
+
+def canonical_dump(node: ast.AST) -> str:
+    """The tree under ``node`` as text, by the rule of the module docstring; independent of the Python minor."""
+    if not isinstance(node, ast.AST):
+        raise TypeError(f"canonical_dump expects an ast.AST node, got {type(node).__name__}")
+    return _dump(node)
+
+
+def _dump(value) -> str:
+    if isinstance(value, ast.AST):
+        parts, named = [], False
+        cls = type(value).__name__
+        for name in value._fields:
+            field = getattr(value, name, None)
+            if field is None and (cls, name) not in _NONE_IS_VALUE:
+                named = True
+                continue
+            if name in _ADDED_FIELDS and field == []:
+                continue
+            text = _dump(field)
+            parts.append(f"{name}={text}" if named else text)
+        return f"{cls}({', '.join(parts)})"
+    if isinstance(value, list):
+        return "[" + ", ".join(_dump(item) for item in value) + "]"
+    return repr(value)
+
+
+def function_node(function: Callable) -> ast.AST:
+    """The syntax tree of ``function`` (``functools.wraps`` layers unwrapped), decorators dropped."""
+    function = inspect.unwrap(function)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    node = next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    node.decorator_list = []
+    return node
+
+
+def forward_fingerprint(function: Callable) -> str:
+    """16 hex digits of the sha256 of ``canonical_dump`` of ``function``'s tree (``function_node``)."""
+    return fingerprint_of(function_node(function))
+
+
+def fingerprint_of(node: ast.AST) -> str:
+    """16 hex digits of the sha256 of ``canonical_dump(node)``."""
+    return hashlib.sha256(canonical_dump(node).encode()).hexdigest()[:16]
