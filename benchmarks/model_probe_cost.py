@@ -5,6 +5,7 @@ Run under torchrun (one process per rank)::
     torchrun --nproc-per-node 2 benchmarks/model_probe_cost.py --device cpu            # tiny models, gloo
     torchrun --nproc-per-node 2 benchmarks/model_probe_cost.py --device cuda --model 1b  # ~1.2B Llama, NCCL, bf16
     torchrun --nproc-per-node 1 benchmarks/model_probe_cost.py --device cuda --model 1b  # one GPU: see below
+    torchrun --nproc-per-node 1 benchmarks/model_probe_cost.py --device cuda --model 8b  # Llama-3-8B's shape
 
 With one rank, ``apply`` treats the group as no CP (an inactive patch), so the wrapper is installed through the
 same internal step ``apply`` uses (``api._install_here``) over a group of one: the probe then runs its three
@@ -15,6 +16,8 @@ Per model it prints, measured in this one run (medians over ``--repeats``):
 ``apply full``  ``apply(verify=True)`` (the same plus the whole-model probe);
 ``probe``       ``model_probe.probe_model`` alone on the installed patch (what verify=True adds);
 ``probe mem``   the probe's peak memory above what was allocated before it (CUDA only);
+``forward``     one forward of the same model on ``--tokens`` per rank under CP, without gradients, for scale;
+``fwd mem``     that forward's peak memory above what was allocated before it (CUDA only);
 ``step``        one CP training step (forward + backward, ``--tokens`` per rank) of the same model, for scale.
 """
 from __future__ import annotations
@@ -54,12 +57,13 @@ def _models(name: str, device: torch.device):
         for family in ("llama", "mixtral", "gemma2"):
             yield family, build_model(family)
         return
-    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                                      max_position_embeddings=131072, attention_dropout=0.0, use_cache=False)
+    shapes = {"1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),
+              "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)}
+    config = transformers.LlamaConfig(vocab_size=128256, num_key_value_heads=8, max_position_embeddings=131072,
+                                      attention_dropout=0.0, use_cache=False, **shapes[name])
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
     yield f"llama-{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B", model.train()
 
 
@@ -80,7 +84,7 @@ def _one_rank_patch(model):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--model", choices=("tiny", "1b"), default=None, help="default: tiny on cpu, 1b on cuda")
+    parser.add_argument("--model", choices=("tiny", "1b", "8b"), default=None, help="default: tiny on cpu, 1b on cuda")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank of the step (cpu 32, cuda 8192)")
     args = parser.parse_args()
@@ -123,21 +127,37 @@ def main() -> None:
                 loss.backward()
                 model.zero_grad(set_to_none=True)
 
+            def forward():
+                batch = patch.shard_inputs(ids)
+                with torch.no_grad():
+                    model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+
+            forward()  # warm-up
+            forward_time = _timed(forward, device, args.repeats)
+            forward_memory = None
+            if cuda:
+                torch.cuda.empty_cache()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                forward()
+                forward_memory = (torch.cuda.max_memory_allocated() - before) / 2**20
             step()  # warm-up
             step_time = _timed(step, device, args.repeats)
-        rows.append((name, fast, full, probe, memory, step_time))
+        rows.append((name, fast, full, probe, memory, forward_time, forward_memory, step_time))
     if dist.get_rank() == 0:
         print(f"# model_probe_cost: {world} ranks, {args.device} "
               f"({torch.cuda.get_device_name() if cuda else 'CPU'}), torch {torch.__version__}, "
               f"transformers {__import__('transformers').__version__}, step = {tokens} tokens per rank fwd+bwd, "
               f"median of {args.repeats}")
         print(f"{'model':18s} {'apply fast':>11s} {'apply full':>11s} {'probe':>9s} {'probe mem':>10s} "
-              f"{'step':>9s} {'probe/step':>10s}")
-        for name, fast, full, probe, memory, step_time in rows:
+              f"{'forward':>9s} {'fwd mem':>10s} {'probe/fwd':>9s} {'step':>9s} {'probe/step':>10s}")
+        for name, fast, full, probe, memory, forward_time, forward_memory, step_time in rows:
             mem = f"{memory:8.1f}MB" if memory is not None else "       n/a"
+            fmem = f"{forward_memory:8.1f}MB" if forward_memory is not None else "       n/a"
             fast_text = f"{fast * 1e3:9.1f}ms" if fast is not None else "        n/a"
             full_text = f"{full * 1e3:9.1f}ms" if full is not None else "        n/a"
             print(f"{name:18s} {fast_text} {full_text} {probe * 1e3:7.1f}ms {mem:>10s} "
+                  f"{forward_time * 1e3:7.1f}ms {fmem:>10s} {probe / forward_time:9.2f} "
                   f"{step_time * 1e3:7.1f}ms {probe / step_time:10.2f}")
     dist.destroy_process_group()
 

@@ -23,7 +23,7 @@ from hfpatch.errors import (ModelDivergence, PatchError, SignatureMismatch, Unsu
 from hfpatch.labels import install_labels_hook
 from hfpatch.mixers import MixerInstallation, install_mixers
 from hfpatch.model_inputs import install_inputs_guard
-from hfpatch.model_probe import probe_model
+from hfpatch.model_probe import ProbeResult, probe_model
 from hfpatch.model_routing import attention_modules, route_model
 from hfpatch.semantics import RingContext, parse_kernel
 from hfpatch.signatures import registry
@@ -77,6 +77,9 @@ class Patch:
         # Why model(labels=) is refused under CP for the model of apply(model=) (set by the whole-model probe).
         self.labels_refusal: Optional[str] = None
         self.labels_alignment: str = "shifted"  # the model's own loss: "shifted" or "aligned" (model_probe)
+        # The whole-model probe's result (model_probe.ProbeResult: worst error, where, how many tensors compared),
+        # or None where it did not run (no model=, verify="fast" or False, an inactive patch).
+        self.probe: Optional[ProbeResult] = None
         self._removed = False
 
     # ------------------------------------------------------------------------------------ inspection
@@ -437,6 +440,7 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
         if verify is True and model is not None:
             probed = probe_model(model, patch.ctx)
             patch.labels_refusal, patch.labels_alignment = probed.labels_refusal, probed.labels_alignment
+            patch.probe = probed
         patch._dispatcher.reset()  # the probes' calls are not the user's
     except ModelDivergence as exc:
         _remove_quietly(patch)

@@ -114,15 +114,17 @@ class UnsupportedModel(HfpatchError, ValueError):
 
 class ModelDivergence(VerificationError):
     """The whole-model probe of ``apply(model=)``: the model's CP forward differs from its non-CP forward on the
-    same whole sequence. Fields: ``module_path`` (the first module, in execution order, whose output diverges;
-    "" for the model itself), ``module_class``, ``error`` (largest difference relative to the largest non-CP
-    output of that module), ``tolerance``, ``dtype``."""
+    same whole sequence. Fields: ``module_path`` (the module of the first diverging check, in execution order;
+    "" for the model itself), ``module_class``, ``check`` ("output of <path>" -- the module's own computation
+    diverges -- or "input <argument> of <path>" -- the caller's code that computed that argument does), ``error``
+    (largest difference relative to the largest non-CP value of that tensor), ``tolerance``, ``dtype``."""
 
     def __init__(self, message: str, *, module_path: str, module_class: str, error: float, tolerance: float,
-                 dtype: Any = None) -> None:
+                 dtype: Any = None, check: str = "") -> None:
         super().__init__(message)
         self.module_path = module_path
         self.module_class = module_class
+        self.check = check
         self.error = error
         self.tolerance = tolerance
         self.dtype = dtype

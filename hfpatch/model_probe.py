@@ -3,26 +3,46 @@ whole sequence, module by module, so that whatever mixes tokens in a way no rule
 future release's new mixer, a user's custom module, positions taken from the input's length) is refused before
 the first step, naming the first module whose output diverges.
 
+The probe measures CP, not the dtype's rounding. Comparing free-running forwards cannot tell the two apart at
+real depth: a bf16 model's rounding compounds through every layer (the free-running CP forward of an 8B Llama
+differs from its non-CP forward by 5% of the largest value at layer 13, all of it rounding), while a CP error may
+be smaller than that. So the CP forward is
+*teacher-forced*: every module gets, in place of its own sequence-shaped inputs, this rank's shard of what the
+same module received in the non-CP forward, and each comparison covers one step of computation only.
+
 One probe: random token ids (the same on every rank), ``tokens_per_rank`` x world size of them, one row.
 
 1. non-CP: every rank runs the model on the whole row with the switch in ``"local"`` mode (plain attention on
-   the whole sequence: what the flash path computes without a CP group);
-2. CP: every rank runs its shard (``inputs.shard_inputs``, the layout of a batch step) in ``"ring"`` mode;
-3. every module whose output is sequence-shaped, ``(1, S, ...)`` in the non-CP run and ``(1, S_local, ...)`` in
-   the CP run, is compared on this rank's tokens: the largest difference relative to the largest non-CP output
-   of that module. One all-reduce (max) of those errors makes the verdict the same on every rank.
+   the whole sequence: what the flash path computes without a CP group), recording each module call's
+   sequence-shaped floating-point inputs (``(1, S, ...)`` tensors among its arguments, or one tuple level down:
+   hidden states, rotary tables) and its output;
+2. CP: every rank runs its shard (``inputs.shard_inputs``, the layout of a batch step) in ``"ring"`` mode. At
+   each module call, before the module runs, each recorded input is compared with what the caller passed (the
+   *input* check: it covers the caller's own code between its submodules), then replaced by the non-CP input's
+   shard; when the module returns, its output is compared with the non-CP output's shard (the *output* check:
+   the module's own computation on identical inputs). Integer inputs (token ids, position ids) are never
+   replaced: positions off by a shard reach the rotary or position module and show in its output;
+3. an error is the largest difference relative to the largest non-CP value of that tensor, on this rank's
+   tokens; one all-reduce (max) makes the verdict the same on every rank.
 
-The first module in execution order (forward hooks fire when a module finishes, so inner modules come before
-the ones that contain them) whose error exceeds the tolerance of the model's dtype is named in a
-``ModelDivergence``. Runs under ``torch.no_grad()`` with every module in eval mode (no dropout, deterministic
-routing), restoring each module's training flag afterwards; costs two forwards of the model on a few tokens.
+Each compared tensor thus carries the rounding of one module (or of one caller's code between two of its
+modules), whatever the depth, while a module that sees only its shard, reads the input's length or gets wrong
+positions or masks is off by far more on the tokens past a shard boundary. The first check in execution order
+(an input when its module starts, an output when it ends: inner modules come before the ones that contain them)
+whose error exceeds the tolerance of the model's dtype (``ring_kernels.tolerances``, comparison
+``model_probe``) is named in a ``ModelDivergence``. An input that is sequence-shaped in the non-CP forward but not
+this rank's shard of it in the CP forward is left as it is and not compared (a head-major tensor whose head count
+equals the sequence length); an output with no comparable CP counterpart is a divergence. Runs under
+``torch.no_grad()`` with every module in eval mode (no dropout, deterministic routing), restoring each module's
+training flag afterwards; costs two forwards of the model on a few tokens and one copy of each recorded input
+and output in the model's dtype (benchmarks/model_probe_cost.py measures both).
 """
 from __future__ import annotations
 
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,21 +51,21 @@ from hfpatch import inputs as _inputs
 from hfpatch.model_positions import position_kwargs
 from hfpatch import switch as _switch
 from hfpatch.errors import HfpatchError, ModelDivergence, VerificationError
+from ring_kernels.tolerances import tolerance
 
-__all__ = ["ProbeResult", "probe_model", "MODEL_PROBE_TOLERANCE", "PROBE_TOKENS_PER_RANK"]
+__all__ = ["ProbeResult", "probe_model", "PROBE_TOKENS_PER_RANK", "probe_tolerance"]
 
-# Largest error allowed, relative to the largest non-CP output of the module, per dtype of the model. CP differs
-# from non-CP by the ring's rounding only (fp32: ~1e-6 relative through a few layers); a module that sees only its
-# shard, or positions off by a shard, is off by 1e-2 .. 1 on the tokens near a shard boundary.
-MODEL_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 PROBE_TOKENS_PER_RANK = 8
 _SEED = 20261124  # the same token ids on every rank, whatever the global seed
+
+Location = Tuple[Any, ...]  # ("arg", i) / ("kw", name), + (j,) one tuple level down
 
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """``worst``: the largest relative error over the compared modules (max over ranks); ``compared``: how many
-    module outputs were compared; ``tokens``: the probe's whole sequence length; ``dtype``: the model's dtype;
+    """``worst``: the largest relative error over the compared tensors (max over ranks); ``compared``: how many
+    module inputs and outputs were compared; ``tokens``: the probe's whole sequence length; ``dtype``: the model's
+    dtype; ``worst_at``: the check with the largest error ("output of model.layers.3.self_attn", ...);
     ``labels_refusal``: why ``model(labels=)`` cannot be made equal to the model's own non-CP loss (its loss is
     not the token-mean cross-entropy of its logits), or None; ``labels_alignment``: how the model's own loss pairs
     logits with labels -- "shifted" (HF's causal-LM one-token shift) or "aligned" (each position scored against its
@@ -55,34 +75,177 @@ class ProbeResult:
     compared: int
     tokens: int
     dtype: torch.dtype
+    worst_at: str = ""
     labels_refusal: Optional[str] = None
     labels_alignment: str = "shifted"
 
 
-class _Recorder:
-    """Forward hooks on every module: the first sequence-shaped tensor output of each call, in completion order."""
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """The relative error the probe allows one module (or one caller's code) of a model of ``dtype``."""
+    name = str(dtype).replace("torch.", "")
+    return tolerance("model_probe", name if name in _PROBE_DTYPES else "float32", "module").bound
+
+
+_PROBE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class _Check:
+    """One comparison of the probe: the input at ``location`` of a module call, or its output (location None)."""
+
+    path: str
+    cls: str
+    location: Optional[Location]
+    expected: torch.Tensor  # the non-CP tensor, whole sequence, the model's dtype
+
+    def describe(self) -> str:
+        what = "output" if self.location is None else f"input {_location_text(self.location)}"
+        return f"{what} of {self.path or '<the model>'}"
+
+
+def _location_text(location: Location) -> str:
+    where, key, *inner = location
+    text = f"{key}" if where == "kw" else f"#{key}"
+    return text + (f"[{inner[0]}]" if inner else "")
+
+
+class _Probe:
+    """Hooks on every module. ``record`` (non-CP) keeps each call's sequence-shaped inputs and output as
+    ``checks`` in execution order; ``force`` (CP) compares the same calls' tensors with this rank's shard of
+    them and replaces the inputs by it (module docstring)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.outputs: list[tuple[str, str, torch.Tensor]] = []
+        self.checks: list[_Check] = []
+        self.errors: list[float] = []
+        self._inputs: dict[tuple[str, int], list[int]] = {}  # (path, call) -> indices of its input checks
+        self._outputs: dict[tuple[str, int], int] = {}
+        self._calls: dict[tuple[str, str], int] = {}
+        self._forcing = False
         self.seq_len: Optional[int] = None
-        self._handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()]
+        self.index: Optional[torch.Tensor] = None
+        self._handles = []
+        for name, module in model.named_modules():
+            cls = type(module).__name__
+            self._handles.append(module.register_forward_pre_hook(self._before(name, cls), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._after(name, cls), with_kwargs=True))
 
-    def _hook(self, name: str):
-        def hook(module, args, output):
-            tensor = _first_tensor(output)
-            if tensor is not None and tensor.dim() >= 2 and tensor.shape[0] == 1 and tensor.shape[1] == self.seq_len:
-                tensor = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # complex rotary tables
-                self.outputs.append((name, type(module).__name__, tensor.detach().float()))
+    def record(self, model, seq_len: int, **kwargs) -> None:
+        self._calls, self._forcing, self.seq_len = {}, False, seq_len
+        model(**kwargs)
+        self.seq_len = None
+
+    def force(self, model, index: torch.Tensor, **kwargs) -> None:
+        self._calls, self._forcing, self.index = {}, True, index
+        self.errors = [-1.0 if c.location is not None else math.inf for c in self.checks]
+        self.seq_len = index.numel()
+        model(**kwargs)
+        self.seq_len = None
+
+    def _call(self, name: str, phase: str) -> int:
+        call = self._calls.get((name, phase), 0)
+        self._calls[(name, phase)] = call + 1
+        return call
+
+    def _before(self, name: str, cls: str):
+        def hook(module, args, kwargs):
+            if self.seq_len is None:
+                return None
+            found = _sequence_inputs(args, kwargs, self.seq_len)
+            if not found:
+                return None
+            call = self._call(name, "in")
+            floating = [(loc, t) for loc, t in found if t.is_floating_point() or t.is_complex()]
+            if not self._forcing:
+                self._inputs[(name, call)] = list(range(len(self.checks), len(self.checks) + len(floating)))
+                self.checks.extend(_Check(name, cls, loc, t.detach().clone()) for loc, t in floating)
+                return None
+            args, kwargs = list(args), dict(kwargs)
+            for i in self._inputs.get((name, call), ()):
+                check = self.checks[i]
+                got = _at(args, kwargs, check.location)
+                expected = check.expected.index_select(1, self.index)
+                if isinstance(got, torch.Tensor) and got.shape == expected.shape:
+                    self.errors[i] = _relative(got, expected)
+                    _put(args, kwargs, check.location, expected.to(got.dtype))
+            return tuple(args), kwargs
         return hook
 
-    def run(self, model, seq_len: int, **kwargs) -> list[tuple[str, str, torch.Tensor]]:
-        self.outputs, self.seq_len = [], seq_len
-        model(**kwargs)
-        return self.outputs
+    def _after(self, name: str, cls: str):
+        def hook(module, args, kwargs, output):
+            if self.seq_len is None:
+                return None
+            tensor = _first_tensor(output)
+            if not (_sequence_inputs(args, kwargs, self.seq_len) or _is_sequence(tensor, self.seq_len)):
+                return None
+            call = self._call(name, "out")
+            if not self._forcing:
+                if _is_sequence(tensor, self.seq_len):
+                    self._outputs[(name, call)] = len(self.checks)
+                    self.checks.append(_Check(name, cls, None, tensor.detach().clone()))
+                return None
+            i = self._outputs.get((name, call))
+            if i is not None:
+                expected = self.checks[i].expected.index_select(1, self.index)
+                if isinstance(tensor, torch.Tensor) and tensor.shape == expected.shape:
+                    self.errors[i] = _relative(tensor, expected)
+            return None
+        return hook
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def _is_sequence(value: Any, seq_len: int) -> bool:
+    """A floating-point or complex ``(1, seq_len, ...)`` tensor: hidden states, a rotary table, logits."""
+    return (isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+            and _along(value, seq_len))
+
+
+def _along(value: Any, seq_len: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == seq_len
+
+
+def _sequence_inputs(args, kwargs, seq_len: int) -> list[tuple[Location, torch.Tensor]]:
+    """The ``(1, seq_len, ...)`` tensors (token ids and positions included) among a call's arguments, and one plain
+    tuple/list level down. A call with none is not on the sequence (the CP form of a mixer projecting a few
+    boundary tokens) and is neither counted nor compared, in either forward."""
+    found = []
+    for location, value in [(("arg", i), a) for i, a in enumerate(args)] + [(("kw", k), v) for k, v in kwargs.items()]:
+        if _along(value, seq_len):
+            found.append((location, value))
+        elif type(value) in (tuple, list):
+            found.extend((location + (j,), item) for j, item in enumerate(value) if _along(item, seq_len))
+    return found
+
+
+def _at(args: list, kwargs: dict, location: Location) -> Any:
+    where, key, *inner = location
+    container = args if where == "arg" else kwargs
+    if (where == "arg" and key >= len(args)) or (where == "kw" and key not in kwargs):
+        return None
+    value = container[key]
+    if inner:
+        return value[inner[0]] if type(value) in (tuple, list) and inner[0] < len(value) else None
+    return value
+
+
+def _put(args: list, kwargs: dict, location: Location, tensor: torch.Tensor) -> None:
+    where, key, *inner = location
+    container = args if where == "arg" else kwargs
+    if inner:
+        items = list(container[key])
+        items[inner[0]] = tensor
+        tensor = type(container[key])(items)
+    container[key] = tensor
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """max|got - expected| / max|expected| in float64 (complex tables compared as real pairs); NaN counts as inf."""
+    got, expected = (torch.view_as_real(t) if t.is_complex() else t for t in (got, expected))
+    got, expected = got.detach().double(), expected.detach().double()
+    error = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
+    return math.inf if math.isnan(error) else error
 
 
 def _first_tensor(output: Any) -> Optional[torch.Tensor]:
@@ -117,32 +280,6 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return size
 
 
-def _compare(whole: list, local: list, index: torch.Tensor) -> tuple[list[str], list[str], torch.Tensor]:
-    """(paths, classes, relative errors) of the whole run's recorded outputs, each against this rank's CP output
-    of the same module and call; inf where the CP run recorded nothing comparable."""
-    by_call: dict = {}
-    for name, cls, tensor in local:
-        by_call.setdefault(name, []).append(tensor)
-    seen: dict = {}
-    paths, classes, errors = [], [], []
-    for name, cls, tensor in whole:
-        call = seen[name] = seen.get(name, -1) + 1
-        calls = by_call.get(name, [])
-        expected = tensor.index_select(1, index.to(tensor.device))
-        got = calls[call] if call < len(calls) else None
-        if got is None or got.shape != expected.shape:
-            error = math.inf
-        else:
-            scale = expected.abs().max().item()
-            error = (got - expected).abs().max().item() / max(scale, 1e-30)
-            if math.isnan(error):
-                error = math.inf
-        paths.append(name)
-        classes.append(cls)
-        errors.append(error)
-    return paths, classes, torch.tensor(errors, dtype=torch.float64)
-
-
 def _training_flags(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
     return [(m, m.training) for m in model.modules()]
 
@@ -150,46 +287,50 @@ def _training_flags(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]
 def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROBE_TOKENS_PER_RANK,
                 tolerance: Optional[float] = None) -> ProbeResult:
     """Run the probe (module docstring) on ``model`` over ``ctx.group``; raise ``ModelDivergence`` naming the first
-    diverging module, or return the ``ProbeResult``. ``tolerance``: relative error allowed (default:
-    ``MODEL_PROBE_TOLERANCE`` of the model's dtype). Collective: every rank of the group must call it. The model's
-    forward must already reach the installed wrapper (``apply(model=)`` switches it first). An exception inside
-    either forward propagates (on every rank: the inputs and the model are the same on all of them)."""
+    diverging module input or output, or return the ``ProbeResult``. ``tolerance``: relative error allowed per
+    compared tensor (default: ``probe_tolerance`` of the model's dtype). Collective: every rank of the group must
+    call it. The model's forward must already reach the installed wrapper (``apply(model=)`` switches it first).
+    An exception inside either forward propagates (on every rank: the inputs and the model are the same on all of
+    them)."""
     device, dtype = _device_and_dtype(model)
-    tolerance = MODEL_PROBE_TOLERANCE.get(dtype, 5e-2) if tolerance is None else tolerance
+    tolerance = probe_tolerance(dtype) if tolerance is None else tolerance
     seq = tokens_per_rank * ctx.world_size
     generator = torch.Generator().manual_seed(_SEED)
     ids = torch.randint(0, _vocab_size(model), (1, seq), generator=generator).to(device)
     flags = _training_flags(model)
-    recorder = _Recorder(model)
+    probe = _Probe(model)
     previous_step = ctx.step
     try:
         model.eval()
         with torch.no_grad():
             with _switch.switch("local"), _named_failure(model, "non-CP"):
-                whole = recorder.run(model, seq, input_ids=ids, use_cache=False,
-                                     **position_kwargs(model, torch.arange(seq, device=device)[None]))
-            recorder.seq_len = None  # record nothing during the labels forward
+                probe.record(model, seq, input_ids=ids, use_cache=False,
+                             **position_kwargs(model, torch.arange(seq, device=device)[None]))
             labels_alignment, labels_refusal = _own_loss_check(model, ids, tolerance=tolerance)
             batch = _inputs.shard_inputs(ctx, ids)
+            index = batch["position_ids"][0].to(device)  # the global token indices this rank holds, in its order
             with _switch.switch("ring"), _named_failure(model, "CP"):
-                local = recorder.run(model, batch["input_ids"].shape[1], input_ids=batch["input_ids"],
-                                     use_cache=False, **position_kwargs(model, batch["position_ids"]))
-        index = batch["position_ids"][0]  # the global token indices this rank holds, in its order
+                probe.force(model, index, input_ids=batch["input_ids"], use_cache=False,
+                            **position_kwargs(model, batch["position_ids"]))
     finally:
-        recorder.remove()
+        probe.remove()
         ctx.set_step(previous_step)
         for module, training in flags:
             module.training = training
-    paths, classes, errors = _compare(whole, local, index)
+    errors = torch.tensor(probe.errors, dtype=torch.float64)
     if errors.numel():
         errors = _all_max(errors, ctx.group, device)
-    bad = [i for i, e in enumerate(errors.tolist()) if not e <= tolerance]
+    values = errors.tolist()
+    bad = [i for i, e in enumerate(values) if not e <= tolerance]
     if bad:
-        i = bad[0]
-        raise ModelDivergence(_message(model, paths[i], classes[i], errors[i].item(), tolerance, dtype, ctx),
-                              module_path=paths[i], module_class=classes[i], error=errors[i].item(),
-                              tolerance=tolerance, dtype=dtype)
-    return ProbeResult(worst=max(errors.tolist(), default=0.0), compared=len(paths), tokens=seq, dtype=dtype,
+        check = probe.checks[bad[0]]
+        raise ModelDivergence(_message(model, check, values[bad[0]], tolerance, dtype, ctx),
+                              module_path=check.path, module_class=check.cls, error=values[bad[0]],
+                              tolerance=tolerance, dtype=dtype, check=check.describe())
+    compared = [i for i, e in enumerate(values) if e >= 0.0]
+    worst = max(compared, key=lambda i: values[i], default=None)
+    return ProbeResult(worst=values[worst] if worst is not None else 0.0, compared=len(compared), tokens=seq,
+                       dtype=dtype, worst_at=probe.checks[worst].describe() if worst is not None else "",
                        labels_refusal=labels_refusal, labels_alignment=labels_alignment)
 
 
@@ -247,12 +388,15 @@ def _all_max(errors: torch.Tensor, group, device: torch.device) -> torch.Tensor:
     return on_device.cpu()
 
 
-def _message(model, path: str, cls: str, error: float, tolerance: float, dtype, ctx) -> str:
-    where = path or "<the model's output>"
+def _message(model, check: _Check, error: float, tolerance: float, dtype, ctx) -> str:
     size = "no comparable output under CP" if error == math.inf else f"relative error {error:.3g} > {tolerance:g}"
-    return (f"whole-model probe: {type(model).__name__}'s CP forward differs from its non-CP forward first at "
-            f"{where} ({cls}): {size} ({dtype}, {ctx.world_size} ranks, kernel {ctx.variant}). This module (or one "
-            "it reads from) mixes tokens along the sequence outside the patched attention or numbers positions by "
-            "the input's length, so training under CP would be silently wrong; nothing is left installed. Fix: "
-            "train this model without context parallelism (apply(..., on_unsupported='fallback')), or, if you "
-            "know the difference is harmless, apply(..., verify='fast') skips this probe.")
+    culprit = ("This module (or one it reads from) mixes tokens along the sequence outside the patched attention "
+               "or numbers positions by the input's length" if check.location is None else
+               "The code that computed this input (the forward of the module that called it, between its "
+               "submodules) mixes tokens along the sequence or numbers positions by the input's length")
+    return (f"whole-model probe: {type(model).__name__}'s CP forward differs from its non-CP forward first at the "
+            f"{check.describe()} ({check.cls}): {size} ({dtype}, {ctx.world_size} ranks, kernel {ctx.variant}; "
+            f"each module compared on the non-CP run's inputs, so this is not rounding carried through layers). "
+            f"{culprit}, so training under CP would be silently wrong; nothing is left installed. Fix: train this "
+            "model without context parallelism (apply(..., on_unsupported='fallback')), or, if you know the "
+            "difference is harmless, apply(..., verify='fast') skips this probe.")
