@@ -38,6 +38,15 @@ def test_canonical_text_of_each_rule(source):
     assert canonical_dump(ast.parse(source)) == CASES[source]
 
 
+def test_empty_fstring_parts_do_not_count():
+    """3.12's parser writes ``f'{x:>{w}}'``'s format spec with a trailing ``Constant('')`` that 3.11 and 3.13 do not:
+    the tree with it added reads the same."""
+    source = "y = f'{x!r:>{w}}'"
+    tree = ast.parse(source)
+    tree.body[0].value.values[0].format_spec.values.append(ast.Constant(""))
+    assert canonical_dump(tree) == canonical_dump(ast.parse(source))
+
+
 @pytest.mark.skipif(not ON_311, reason="ast.dump's text is the canonical one only on Python 3.11; other Pythons "
                                        "are held to the committed digests (test_corpus_digests)")
 def test_canonical_text_is_ast_dump_of_python_311():

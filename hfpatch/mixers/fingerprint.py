@@ -11,6 +11,9 @@ default). ``canonical_dump`` writes the tree itself, by one fixed rule:
   ``Constant.value`` and ``MatchSingleton.value`` are written when ``None``: there ``None`` is the value);
 - ``type_params`` (3.12+, PEP 695) is left out when empty: no older Python has the field, and an empty list says
   nothing; a non-empty one is written like any field;
+- an f-string's empty text parts (``Constant('')`` among ``JoinedStr.values``) are left out: 3.12's parser adds
+  one after a replacement field inside a format spec (``f'{x:>{w}}'``), older ones never write one, and it adds
+  nothing to the string;
 - a list is ``[item, item]`` (``[]`` when empty), anything else is its ``repr``.
 
 That is exactly the text ``ast.dump(node, annotate_fields=False)`` gives on Python 3.11, so the registry's keys,
@@ -51,6 +54,8 @@ def _dump(value) -> str:
                 continue
             if name in _ADDED_FIELDS and field == []:
                 continue
+            if cls == "JoinedStr" and name == "values":
+                field = [part for part in field if not (isinstance(part, ast.Constant) and part.value == "")]
             text = _dump(field)
             parts.append(f"{name}={text}" if named else text)
         return f"{cls}({', '.join(parts)})"
