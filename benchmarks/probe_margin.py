@@ -228,7 +228,8 @@ def probe_case(model, after_apply, group):
         return result.worst, result.worst_at, time.perf_counter() - start
 
 
-def run(exact_sets, seeded, dtypes, device, group) -> list[Row]:
+def run(exact_sets, seeded, dtypes, device, group, progress=None) -> list[Row]:
+    """Probe every case in every dtype; ``progress(row)`` is called as each finishes (rank 0 prints it)."""
     from hfpatch.model_probe import probe_tolerance
 
     rows = []
@@ -244,10 +245,21 @@ def run(exact_sets, seeded, dtypes, device, group) -> list[Row]:
             error, where, seconds = probe_case(model, after, group)
             rows.append(Row(kind, name, str(dtype).replace("torch.", ""), params, error, where,
                             probe_tolerance(dtype), seconds))
+            if progress is not None:
+                progress(rows[-1])
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+HEADER = (f"{'kind':7s} {'case':26s} {'dtype':9s} {'params':>7s} {'error':>9s} {'tolerance':>9s} {'verdict':9s} "
+          f"{'probe s':>8s}  where")
+
+
+def row_line(r: Row) -> str:
+    return (f"{r.kind:7s} {r.case:26s} {r.dtype:9s} {r.params:6.2f}B {r.error:9.2e} {r.tolerance:9.1e} "
+            f"{r.verdict:9s} {r.seconds:8.2f}  {r.where}{'' if r.right else '   <-- WRONG VERDICT'}")
 
 
 def report(rows, world, device) -> str:
@@ -255,12 +267,8 @@ def report(rows, world, device) -> str:
 
     lines = [f"# probe_margin: {world} ranks, {device.type} "
              f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), torch {torch.__version__}, "
-             f"transformers {transformers.__version__}",
-             f"{'kind':7s} {'case':26s} {'dtype':9s} {'params':>7s} {'error':>9s} {'tolerance':>9s} {'verdict':9s} "
-             f"{'probe s':>8s}  where"]
-    for r in rows:
-        lines.append(f"{r.kind:7s} {r.case:26s} {r.dtype:9s} {r.params:6.2f}B {r.error:9.2e} {r.tolerance:9.1e} "
-                     f"{r.verdict:9s} {r.seconds:8.2f}  {r.where}{'' if r.right else '   <-- WRONG VERDICT'}")
+             f"transformers {transformers.__version__}", HEADER]
+    lines += [row_line(r) for r in rows]
     for dtype in dict.fromkeys(r.dtype for r in rows):
         exact = [r.error for r in rows if r.dtype == dtype and r.kind == "exact"]
         seeded = [r.error for r in rows if r.dtype == dtype and r.kind == "seeded"]
@@ -291,8 +299,12 @@ def main() -> int:
         torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
-    rows = run(exact, seeded, dtypes, device, dist.group.WORLD)
-    if dist.get_rank() == 0:
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(f"as each case finishes:\n{HEADER}", flush=True)
+    rows = run(exact, seeded, dtypes, device, dist.group.WORLD,
+               progress=(lambda row: print(row_line(row), flush=True)) if rank0 else None)
+    if rank0:
         print(report(rows, dist.get_world_size(), device), flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -11,12 +11,16 @@ row over the cp ranks and every document attends only to itself, sliding windows
 
 TRL refuses ``packing=True`` when ``cp_size > 1`` (its check assumes PyTorch's CP, which drops the document mask).
 So the documents are bin-packed first with TRL's own ``pack_dataset`` and trained with ``padding_free=True``: the
-same rows, the same collator. ``--plain`` trains right-padded rows of one document instead.
+same rows, the same collator. ``--plain`` trains right-padded rows of one document instead. ``--log-json PATH``:
+rank 0 writes every step's logged loss, grad norm and token count there (benchmarks/sft_cp_compare.py runs the
+script with and without CP on the same global batches and compares those). The script ends by destroying its
+process group (``Accelerator.end_training``).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 
 import torch
 
@@ -52,6 +56,7 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, default=40, help="mean document length")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--plain", action="store_true", help="right-padded rows of one document (no packing)")
+    p.add_argument("--log-json", default=None, help="rank 0 writes the steps' loss, grad norm and tokens here")
     args = p.parse_args()
 
     import hfpatch.integrations
@@ -76,12 +81,27 @@ def main() -> None:
     with on_cpu:
         trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=build_tokenizer(vocab))
     cp = hfpatch.integrations.enable(trainer)       # every rank, before train(); no CP: changes nothing
-    trainer.train()
-    if trainer.is_world_process_zero():
-        print(cp)
-        for entry in trainer.state.log_history:
-            if "loss" in entry and "train_runtime" not in entry:
+    try:
+        trainer.train()
+        steps = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+        if trainer.is_world_process_zero():
+            print(cp)
+            for entry in steps:
                 print(f"step {entry['step']}  loss {entry['loss']:.8f}  grad_norm {entry['grad_norm']:.6f}")
+            if args.log_json:
+                _write_log(args, model, cp, steps)
+    finally:
+        cp.remove()
+        trainer.accelerator.end_training()          # destroys the process group (launched runs)
+
+
+def _write_log(args, model, cp, steps) -> None:
+    record = {"argv": vars(args), "cp": args.cp, "dp": args.dp, "dtype": args.dtype, "active": cp.active,
+              "ring_calls": sum(cp.patch.calls.values()), "layers": model.config.num_hidden_layers,
+              "steps": [{"step": e["step"], "loss": e["loss"], "grad_norm": e["grad_norm"],
+                         "num_tokens": e.get("num_tokens")} for e in steps]}
+    with open(args.log_json, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

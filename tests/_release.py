@@ -44,3 +44,26 @@ SAME_WORKER = {
     "tests/test_dropin_ring_flash_attn.py": "tests/_dropin_world.py",
 }
 
+
+
+def ci_pin() -> str:
+    """The transformers release .ci/run pins in the CI venv (the newest the registries cover): tests that run at
+    real scale, or against data committed for that release, run under it only."""
+    import re
+    from pathlib import Path
+
+    ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text(encoding="utf-8")
+    found = re.search(r"'transformers==([0-9][0-9a-z.]*)'", ci)
+    if found is None:
+        raise RuntimeError(".ci/run pins no 'transformers==<version>'")
+    return found.group(1)
+
+
+def skip_unless_ci_pin(why: str) -> None:
+    """Skip the calling test unless the installed transformers is the CI pin; ``why`` says what runs only there."""
+    import pytest
+    import transformers
+
+    pin = ci_pin()
+    if transformers.__version__ != pin:
+        pytest.skip(f"{why}: only under the CI pin, transformers {pin}; this env has {transformers.__version__}")

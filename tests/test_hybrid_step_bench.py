@@ -57,7 +57,7 @@ def _args(family: str, *more: str):
     return hs.parse_args(TINY + ["--family", family] + list(more))
 
 
-def _skip_reason(family: str):
+def family_skip_reason(family: str):
     """Why ``family`` cannot be checked on this release (None when it can)."""
     reason = hs.family_unavailable(family)
     if reason:
@@ -135,7 +135,7 @@ def _summary_bytes(config) -> dict:
 @pytest.fixture(scope="module")
 def world_result(tmp_path_factory):
     """One 2-rank world for the module: every family this release can check, then the CLI (Qwen3.5)."""
-    skipped = {family: _skip_reason(family) for family in FAMILIES}
+    skipped = {family: family_skip_reason(family) for family in FAMILIES}
     families = tuple(f for f in FAMILIES if skipped[f] is None)
     out = tmp_path_factory.mktemp("hybrid_step")
     result = run_world(WORLD, _world, str(out), families, timeout=240)[0] if families else None
