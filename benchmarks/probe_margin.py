@@ -285,7 +285,13 @@ def main() -> int:
     parser.add_argument("--exact", default="small", help=f"comma-separated sets of {EXACT_SETS} or 'none'")
     parser.add_argument("--seeded", default="all", help=f"comma-separated cases of {SEEDED}, 'all' or 'none'")
     parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
+                        help="each rank prints every thread's stack and exits if the run takes longer")
     args = parser.parse_args()
+    if args.watchdog:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     exact = () if args.exact == "none" else tuple(args.exact.split(","))
     seeded = SEEDED if args.seeded == "all" else () if args.seeded == "none" else tuple(args.seeded.split(","))
     unknown = [s for s in exact if s not in EXACT_SETS] + [s for s in seeded if s not in SEEDED]

@@ -10,6 +10,7 @@
 #   python    tests/test_fingerprint.py and `hfpatch models --check` on this Python (CPU; in the background)
 #   hybrids   tests/gpu/test_hybrids_gpu.py on GPUs 0,1, beside `sft` on GPUs 2,3
 #   sft       benchmarks/sft_cp_compare.py: examples/sft_cp.py with cp=2 and cp=1, bf16 then fp32
+#   fp32      benchmarks/probe_margin.py in fp32 on GPUs 2,3 (after sft), each rank's stacks printed if it hangs
 #
 # The packages the machine lacks travel in .whl/ (benchmarks/README.md: transformers 5.24.0, TRL, datasets and
 # theirs); they are installed into /tmp/site first. Each part has its own time limit; logs go to $OUT.
@@ -41,7 +42,7 @@ if wants margin; then
   timeout 100 torchrun --nproc-per-node 4 benchmarks/probe_margin.py --device cuda --exact small,8b --dtypes bfloat16 \
     2>&1 | quiet > "$OUT/probe_margin_4gpu.log"
   timeout 60 torchrun --nproc-per-node 4 benchmarks/probe_margin.py --device cuda --exact small --dtypes float32 \
-    2>&1 | quiet >> "$OUT/probe_margin_4gpu.log"
+    --watchdog 50 2>&1 | quiet >> "$OUT/probe_margin_4gpu.log"
   timeout 90 torchrun --nproc-per-node 2 benchmarks/probe_margin.py --device cuda --exact small,8b --dtypes bfloat16 \
     2>&1 | quiet > "$OUT/probe_margin_2gpu.log"
 fi
@@ -50,17 +51,21 @@ if wants cost; then
     2>&1 | quiet > "$OUT/probe_cost_8b.log"
 fi
 if wants hybrids; then
-  (CUDA_VISIBLE_DEVICES=0,1 timeout 400 python3 -m pytest -s -rs -p no:cacheprovider tests/gpu/test_hybrids_gpu.py \
+  (CUDA_VISIBLE_DEVICES=0,1 timeout 450 python3 -m pytest -s -rs -p no:cacheprovider tests/gpu/test_hybrids_gpu.py \
      -k cuda > "$OUT/hybrids_gpu.log" 2>&1; echo "hybrids exit $?" >> "$OUT/hybrids_gpu.log") &
 fi
-if wants sft; then
-  (export CUDA_VISIBLE_DEVICES=2,3
+(export CUDA_VISIBLE_DEVICES=2,3
+ if wants sft; then
    for run in bfloat16:16384 float32:8192; do
      dtype=${run%:*} pack=${run#*:}
-     timeout 200 python3 benchmarks/sft_cp_compare.py --tag "sft_cp_$dtype" --device cuda --cp 2 --out "$OUT" -- \
+     timeout 170 python3 benchmarks/sft_cp_compare.py --tag "sft_cp_$dtype" --device cuda --cp 2 --out "$OUT" -- \
        --model small --steps 6 --dtype "$dtype" --pack-len "$pack" --doc-len 2048 > "$OUT/sft_cp_$dtype.log" 2>&1
      echo "sft $dtype exit $?" >> "$OUT/sft_cp_$dtype.log"
-   done) &
-fi
+   done
+ fi
+ if wants fp32; then
+   timeout 90 torchrun --nproc-per-node 2 benchmarks/probe_margin.py --device cuda --exact small --dtypes float32 \
+     --watchdog 75 2>&1 | quiet > "$OUT/probe_margin_fp32_2gpu.log"
+ fi) &
 wait
 for f in "$OUT"/*.log; do echo "== $(basename "$f")"; tail -n 14 "$f"; done

@@ -38,11 +38,17 @@ def build_tokenizer(vocab: int):
 
 
 def build_documents(count: int, mean_len: int, vocab: int):
+    """``count`` random documents of mean length ``mean_len``, the same on every rank. The dataset is given its
+    fingerprint (what it is made from) rather than letting ``datasets`` hash the Arrow table with dill, which fails
+    on Python 3.12 with pyarrow 26 (``Can't pickle <class 'MonthDayNano'>``)."""
     from datasets import Dataset
+    from datasets.table import InMemoryTable
 
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(mean_len // 2, mean_len * 3 // 2 + 1, (count,), generator=g).tolist()
-    return Dataset.from_dict({"input_ids": [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]})
+    documents = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    table = InMemoryTable.from_pydict({"input_ids": documents})
+    return Dataset(table, fingerprint=f"sft-cp-documents-{count}-{mean_len}-{vocab}-seed1")
 
 
 def main() -> None:
