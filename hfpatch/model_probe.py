@@ -300,6 +300,8 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
     flags = _training_flags(model)
     probe = _Probe(model)
     previous_step = ctx.step
+    group = _group_for(ctx, device)
+    previous_group, ctx.group = ctx.group, group
     try:
         model.eval()
         with torch.no_grad():
@@ -312,14 +314,17 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
             with _switch.switch("ring"), _named_failure(model, "CP"):
                 probe.force(model, index, input_ids=batch["input_ids"], use_cache=False,
                             **position_kwargs(model, batch["position_ids"]))
+        errors = torch.tensor(probe.errors, dtype=torch.float64)
+        if errors.numel():
+            errors = _all_max(errors, group, device)
     finally:
         probe.remove()
+        ctx.group = previous_group
         ctx.set_step(previous_step)
+        if group is not previous_group:
+            dist.destroy_process_group(group)
         for module, training in flags:
             module.training = training
-    errors = torch.tensor(probe.errors, dtype=torch.float64)
-    if errors.numel():
-        errors = _all_max(errors, ctx.group, device)
     values = errors.tolist()
     bad = [i for i, e in enumerate(values) if not e <= tolerance]
     if bad:
@@ -380,6 +385,23 @@ def _named_failure(model: torch.nn.Module, which: str):
                "left installed. Fix: make model(input_ids, position_ids=...) run with attn_implementation="
                "'flash_attention_2', or pass verify='fast' to skip this probe.")
         ) from exc
+
+
+def _group_for(ctx: Any, device: torch.device):
+    """The group the probe's CP forward exchanges over: the CP group, or, for a model still on the CPU (a Trainer
+    before FSDP moves it) with a CP group whose backend has no CPU transport (NCCL), a gloo group of the same
+    ranks made for the probe (every rank of the CP group makes it: apply is collective over that group)."""
+    if device.type != "cpu" or cpu_capable(ctx.group):
+        return ctx.group
+    ranks = dist.get_process_group_ranks(ctx.group if ctx.group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+
+
+def cpu_capable(group) -> bool:
+    """Whether ``group``'s backend exchanges CPU tensors (gloo or MPI, alone or as a "cpu:" part of a mixed
+    backend); NCCL alone does not."""
+    backend = str(dist.get_backend(group)).lower()
+    return any(name in backend for name in ("gloo", "mpi", "cpu:"))
 
 
 def _all_max(errors: torch.Tensor, group, device: torch.device) -> torch.Tensor:

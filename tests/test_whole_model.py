@@ -322,9 +322,37 @@ def _gpt2_fp32(rank, world):
     return verdict.verdict
 
 
+def _probe_over_a_group_without_cpu_transport(rank, world):
+    """A model still on the CPU with a CP group that cannot exchange CPU tensors (NCCL; stood in for here by
+    declaring the gloo group so): the probe runs over a gloo group of the same ranks made for it, destroyed after,
+    and the patch keeps the CP group."""
+    import hfpatch
+    from hfpatch import model_probe
+    from hfpatch._models import build_model
+
+    made = []
+    new_group = dist.new_group
+
+    def recording_new_group(*args, **kwargs):
+        made.append(kwargs.get("backend"))
+        return new_group(*args, **kwargs)
+
+    capable, model_probe.cpu_capable = model_probe.cpu_capable, lambda group: False
+    dist.new_group = recording_new_group
+    try:
+        patch = hfpatch.apply(dist.group.WORLD, model=build_model("llama"))
+    finally:
+        model_probe.cpu_capable, dist.new_group = capable, new_group
+    assert made == ["gloo"] and patch.probe is not None and patch.probe.worst < 1e-4
+    assert patch.ctx.group is dist.group.WORLD
+    patch.remove()
+    assert capable(dist.group.WORLD)   # gloo exchanges CPU tensors
+
+
 def _world(rank, world):
     _refusals(rank, world)
     _labels(rank, world)
+    _probe_over_a_group_without_cpu_transport(rank, world)
     return _gpt2_fp32(rank, world)
 
 

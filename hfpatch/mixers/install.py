@@ -86,7 +86,7 @@ class MixerInstallation:
                 f"shard_inputs returned.",
                 "call patch.shard_inputs(...) for every batch and pass its input_ids and position_ids to the model.",
             )
-        key = (id(step), step, batch, seq_local)
+        key = (id(step), step, batch, seq_local, ctx.group)  # the group: the whole-model probe may swap it
         if self._plan is None or self._plan_key[1] is not step or self._plan_key[2:] != key[2:]:
             layout = step.layout if step is not None else "contiguous"
             cu = step.cu_seqlens if step is not None and step.packed else None
