@@ -48,6 +48,14 @@ def launch_command(device: str, cp: int, log: str, extra: List[str]) -> List[str
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp), *script]
 
 
+def _one_gpu(env: dict) -> dict:
+    """``env`` with one GPU visible: the first of those visible. A single process that sees several GPUs makes
+    Trainer wrap the model in ``nn.DataParallel``, which SFTTrainer refuses."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    first = visible.split(",")[0] if visible else "0"
+    return dict(env, CUDA_VISIBLE_DEVICES=first)
+
+
 def _run(command: List[str], env: dict) -> int:
     print("$ " + " ".join(command), flush=True)
     return subprocess.run(command, env=env).returncode
@@ -120,7 +128,7 @@ def main(argv=None) -> int:
         path = os.path.join(args.out, f"{args.tag}_cp{cp}.json")
         if os.path.exists(path):
             os.remove(path)
-        code = _run(launch_command(args.device, cp, path, args.example), env)
+        code = _run(launch_command(args.device, cp, path, args.example), _one_gpu(env) if cp == 1 else env)
         if code != 0:
             print(f"the cp={cp} run failed with exit status {code}", flush=True)
             return code
