@@ -75,8 +75,12 @@ def bound(dtype: str, quantity: str):
 
 
 def _args(family: str, dtype: str, device: str, size: str, tokens: int):
+    # fp32 on CUDA: the ring on torch's efficient kernel, the one fp32 CUDA op the reference uses too; "auto" took
+    # 41 s over its first fp32 call on an H100 (benchmarks/results/probe_margin_fp32_2xH100_b2deb62.txt)
+    kernel = ["--kernel", "zigzag:torch_efficient"] if device == "cuda" and dtype == "float32" else []
     return hs.parse_args(["--family", family, "--device", device, "--dtype", _FLAG[dtype], "--size", size,
-                          "--seq-per-gpu", str(tokens), "--optimizer", "none", "--sdpa-backend", "efficient"])
+                          "--seq-per-gpu", str(tokens), "--optimizer", "none", "--sdpa-backend", "efficient",
+                          *kernel])
 
 
 def _logits(loss_module, input_ids, position_ids, keep=None) -> torch.Tensor:
