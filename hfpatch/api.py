@@ -1,6 +1,6 @@
 """``hfpatch.apply`` and the ``Patch`` handle it returns.
 
-The flow of one apply (ARCHITECTURE.md): resolve the group -> read ``RING_ATTN_SWITCH`` -> match the live
+The flow of one apply: resolve the group -> read ``RING_ATTN_SWITCH`` -> match the live
 ``_flash_attention_forward`` against the registry -> render the wrapper -> plan every binding site -> install
 all-or-nothing -> switch the model (``model=``) -> verify identity -> numeric probe -> ``Patch``. Any failure
 after the install removes everything again before the error propagates.

@@ -2,7 +2,7 @@
 
 Compare with these constants, never with strings (``"4.100" >= "4.43"`` is False). Each constant names the
 first release *series* where the behaviour holds (``X.Y.0``); the release that was read to establish it is in
-the comment (facts from ``shared/reference/transformers-flash-signatures.md``: latest patch of every minor).
+the comment (read from the wheel of the latest patch of every minor release).
 """
 from __future__ import annotations
 

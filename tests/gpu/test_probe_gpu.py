@@ -1,6 +1,6 @@
 """``hfpatch.apply(group, model=model)`` with its default verification (the whole-model probe) on a Llama-3-8B-shaped
 model in bf16 over 2 and 4 GPUs (NCCL): the exact model is accepted, and the same model with a token-mixing module
-planted in one layer is refused, naming that module.
+(benchmarks/probe_margin.py's ``CausalEma``) planted in one layer is refused, naming that module.
 
     python -m pytest tests/gpu/test_probe_gpu.py -s        # spawns the NCCL ranks itself; skips without the GPUs
 
@@ -10,6 +10,8 @@ tensors it compared, seconds).
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import pytest
@@ -17,6 +19,12 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+if _BENCH not in sys.path:
+    sys.path.insert(0, _BENCH)
+
+from probe_margin import CausalEma  # noqa: E402  (a token-mixing module no rule knows)
 
 pytestmark = [pytest.mark.gpu]
 
@@ -34,19 +42,6 @@ def _llama_3_8b(device):
         model = transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(**LLAMA_3_8B),
                                                            dtype=torch.bfloat16)
     return model.train()
-
-
-class _RunningMean(torch.nn.Module):
-    """A token-mixing module no rule knows: the wrapped MLP's output plus its causal running mean."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        y = self.inner(x)
-        counts = torch.arange(1, y.shape[1] + 1, device=y.device, dtype=torch.float32).view(1, -1, 1)
-        return y + (y.float().cumsum(1) / counts).to(y.dtype)
 
 
 def _apply_to_8b(rank, world):
@@ -68,10 +63,10 @@ def _apply_to_8b(rank, world):
               f"apply {seconds:.1f} s", flush=True)
     assert probe.worst < 0.05 and probe.compared > 32 * 10
 
-    model.model.layers[20].mlp = _RunningMean(model.model.layers[20].mlp)
+    model.model.layers[20].mlp = CausalEma(model.model.layers[20].mlp)
     with pytest.raises(ModelDivergence) as info:
         hfpatch.apply(group, model=model)
-    assert info.value.module_path == "model.layers.20.mlp" and info.value.module_class == "_RunningMean"
+    assert info.value.module_path == "model.layers.20.mlp" and info.value.module_class == "CausalEma"
     assert info.value.check == "output of model.layers.20.mlp"
     if rank == 0:
         print(f"{world} GPUs: with a running mean planted in layer 20: refused at {info.value.check} "
