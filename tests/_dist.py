@@ -73,10 +73,10 @@ def _child(rank, world_size, port, backend, fn, args, kwargs, results):
     finally:
         if initialised:
             dist.destroy_process_group()
-    _exit_now(status)
+    exit_now(status)
 
 
-def _exit_now(status: int) -> None:
+def exit_now(status: int) -> None:
     """End the rank without interpreter finalization. Its outcome is already in the (unbuffered) results queue and
     its process groups are destroyed; what finalization could still do is abort: a gloo worker thread that
     outlives the interpreter aborts the process ("terminate called without an active exception", exit -6; seen

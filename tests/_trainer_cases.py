@@ -125,6 +125,23 @@ def main(argv=None) -> None:
             json.dump(results, f, indent=1)
 
 
+def _end() -> None:
+    """Destroy the process group, then end without interpreter finalization (``_dist.exit_now``: a gloo thread
+    outliving the interpreter aborted a rank at exit after its results were written, failing the launch)."""
+    import torch.distributed as dist
+
+    from _dist import exit_now
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    exit_now(0)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/: the harness's _dist
     main()
+    _end()
