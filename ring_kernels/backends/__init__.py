@@ -9,8 +9,8 @@ mask kind and softcap wins):
 - CPU: ``torch_cpu`` (aten's fused flash kernel for CPU, FULL/CAUSAL without a mask tensor, GENERAL with an
   additive mask), then ``reference`` (the only one that does softcap, and any dtype). ``triton`` exists on CPU
   only under ``TRITON_INTERPRET=1`` (for tests) and comes last.
-- CUDA: ``torch_cudnn`` (fastest measured on H100/H200: ~2x torch's flash, see
-  shared/reference/gpu-measurements.md), ``torch_flash`` (FlashAttention-2 built into torch), ``triton`` (our
+- CUDA: ``torch_cudnn`` (fastest measured on H100/H200: ~2x torch's flash; benchmarks/results/
+  has the runs), ``torch_flash`` (FlashAttention-2 built into torch), ``triton`` (our
   kernel, when triton is importable: the fast one that does softcap), ``torch_efficient`` (slowest, but fp32 and
   arbitrary additive masks: windows, documents), ``reference`` (anything, slowly).
 

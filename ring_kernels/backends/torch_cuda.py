@@ -4,7 +4,7 @@ Each ``aten._scaled_dot_product_{flash,cudnn,efficient}_attention`` takes (B, H,
 our (B, S, H, D) layout, so no copy — returns the output with its log-sum-exp, and its ``_backward`` accepts an
 externally merged output and LSE (the ring's merged result), which is what a block backward needs.
 
-Per-op facts handled here (checked against the ops' meta kernels; see shared/reference/gpu-measurements.md):
+Per-op facts handled here (checked against the ops' meta kernels):
 - flash: lse (B, H, Sq); backward needs the forward's ``cum_seq`` (None for dense batches), ``max_q/max_k`` and
   philox tensors (unused without dropout, but their type/shape differ between torch releases, so the ones the
   last forward returned are reused).

@@ -32,7 +32,7 @@ __all__ = ["VarlenSegments", "VarlenKernel", "TorchFlashVarlen", "varlen_kernel_
            "segments_from_lengths"]
 
 _HALF = (torch.float16, torch.bfloat16)
-# Measured on H200 (shared/reference/gpu-measurements.md), causal fwd+bwd, 32 heads x 128: torch flash
+# Measured on H200, causal fwd+bwd, 32 heads x 128: torch flash
 # 286 TFLOP/s, cuDNN 528. A per-document call costs Python, launches and an fp32 merge/accumulate besides
 # its kernel: ~100 us fwd+bwd estimated (dozens of documents ran at 14-30 TFLOP/s), not calibrated per GPU.
 _FLASH_FLOPS_PER_S = 286e12
