@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real-scale acceptance on a GPU machine of 4 GPUs (results under benchmarks/results/): hfpatch at the depth,
+# The real-scale acceptance on a GPU machine of 4 GPUs (2 for hybrids, sft and fp32) (results under benchmarks/results/): hfpatch at the depth,
 # width and dtype users train, on the machine's Python (3.12 there).
 #
 #   OUT=<dir> bash benchmarks/real_scale_suite.sh [PART ...]       (no part: all of them, in this order)
@@ -8,7 +8,7 @@
 #   margin    benchmarks/probe_margin.py on 4 GPUs (bf16 with the 8B, fp32) and 2 GPUs (bf16 with the 8B)
 #   cost      benchmarks/model_probe_cost.py: the probe on the 8B on one GPU, against one 4k-token forward
 #   python    tests/test_fingerprint.py and `hfpatch models --check` on this Python (CPU; in the background)
-#   hybrids   tests/gpu/test_hybrids_gpu.py on GPUs 0,1, beside `sft` on GPUs 2,3
+#   hybrids   tests/gpu/test_hybrids_gpu.py on GPUs 0,1, beside `sft` on GPUs 2,3 (on 0,1 too on a 2-GPU machine)
 #   sft       benchmarks/sft_cp_compare.py: examples/sft_cp.py with cp=2 and cp=1, bf16 then fp32
 #   fp32      benchmarks/probe_margin.py in fp32 on GPUs 2,3 (after sft), each rank's stacks printed if it hangs
 #
@@ -54,7 +54,9 @@ if wants hybrids; then
   (CUDA_VISIBLE_DEVICES=0,1 timeout 450 python3 -m pytest -s -rs -p no:cacheprovider tests/gpu/test_hybrids_gpu.py \
      -k cuda > "$OUT/hybrids_gpu.log" 2>&1; echo "hybrids exit $?" >> "$OUT/hybrids_gpu.log") &
 fi
-(export CUDA_VISIBLE_DEVICES=2,3
+second_pair=2,3
+[ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ] || second_pair=0,1
+(export CUDA_VISIBLE_DEVICES=$second_pair
  if wants sft; then
    for run in bfloat16:16384 float32:8192; do
      dtype=${run%:*} pack=${run#*:}

@@ -35,8 +35,10 @@ transformers cannot build, or whose mixer hfpatch's registry does not know, skip
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -147,12 +149,16 @@ def _compare(rank, family, dtype_name, device, size, tokens, world) -> dict:
     """One family at one dtype: the CP step, the reference, and each quantity's error / bound (module docstring);
     the gradients on rank 0 only (after ``full_tensor`` they are the same on every rank)."""
     dtype = getattr(torch, dtype_name)
+    tag = f"{family} {dtype_name} rank {rank}"
     args = _args(family, dtype_name, device.type, size, tokens)
     data = ts.step_data("batch", tokens, world, args.vocab_size, device, args.seed)
+    started = time.perf_counter()
     cp = _cp_side(args, device, dtype, data)
+    cp_seconds = time.perf_counter() - started
     ts.free_memory(device)
     ref = _reference(args, device, dtype, data, cp["positions"])
-    tag = f"{family} {dtype_name} rank {rank}"
+    print(f"[hybrids {device.type}] {tag}: the CP side took {cp_seconds:.1f} s, the reference "
+          f"{time.perf_counter() - started - cp_seconds:.1f} s", flush=True)
     result = {"info": cp["info"], "calls": cp["calls"], "mixer_paths": cp["mixer_paths"],
               "expected_mixers": cp["expected_mixers"], "loss_cp": float(cp["loss"]), "loss_ref": float(ref["loss"]),
               "loss": _measure(cp["loss"], ref["loss"], dtype_name, "loss", f"{tag}: loss"),
@@ -175,7 +181,9 @@ def _compare(rank, family, dtype_name, device, size, tokens, world) -> dict:
     return result
 
 
-def _world(rank, world, device_type, size, tokens, families):
+def _world(rank, world, device_type, size, tokens, families, timeout):
+    # a rank still running 20 s before the world's limit prints every thread's stack (to see where it spends it)
+    faulthandler.dump_traceback_later(max(timeout - 20, 1), exit=False)
     # fp32 must be fp32 on both sides: no TF32 in matmuls or in cuDNN's convolutions (the mixers' causal conv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -185,6 +193,7 @@ def _world(rank, world, device_type, size, tokens, families):
         for dtype_name in DTYPES:
             results[(family, dtype_name)] = _compare(rank, family, dtype_name, device, size, tokens, world)
             ts.free_memory(device)
+    faulthandler.cancel_dump_traceback_later()
     return results
 
 
@@ -206,7 +215,8 @@ def worlds():
             device, backend, size, tokens, timeout = TARGETS[target]
             skipped = {family: family_skip_reason(family) for family in FAMILIES}
             families = tuple(f for f in FAMILIES if skipped[f] is None)
-            ranks = (run_world(WORLD, _world, device, size, tokens, families, backend=backend, timeout=timeout)
+            ranks = (run_world(WORLD, _world, device, size, tokens, families, timeout, backend=backend,
+                               timeout=timeout)
                      if families else None)
             started[target] = {"skipped": skipped, "ranks": ranks}
         return started[target]
