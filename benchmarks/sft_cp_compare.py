@@ -10,9 +10,12 @@ per-step losses side by side, compared with ring_kernels.tolerances' "cp" loss e
 Two launches of the example, each writing its steps with ``--log-json``: ``--cp N`` on N processes (dp = 1: one CP
 group, every rank gets the whole packed row and hfpatch splits it), then ``--cp 1`` as one plain process (no launcher,
 no process group, no CP). With dp = 1 and the same seed, dataset and batch size, both train on the same rows in the
-same order; the logged token count of every step must be equal too. The arguments after ``--`` go to both runs.
+same order. TRL's logged token count is the length of the rows each rank was given, so under CP it includes
+hfpatch's zigzag padding (hfpatch.integrations.batch: each row padded at its end to a multiple of 2 x CP size): a
+step's count with CP must be its count without, plus less than 2 x CP size tokens per row. The arguments after
+``--`` go to both runs.
 
-Exit status 0 when both runs logged the same steps and tokens, the CP run ran the ring (``TrainerCP.active``) in
+Exit status 0 when both runs logged the same steps and tokens (up to that padding), the CP run ran the ring (``TrainerCP.active``) in
 every attention layer of every step (``Patch.calls``, recomputations apart), and every step's loss is within the
 entry (``max_relative``: |loss_cp - loss_ref| / |loss_ref|); 1 otherwise; a launch that fails exits with its
 status. The grad norms are shown for reference, not compared (the table has no entry for a norm).
@@ -76,14 +79,32 @@ def compare(cp_log: dict, ref_log: dict) -> List[str]:
     if cp_log["ring_calls"] != expected_calls:
         problems.append(f"the ring ran {cp_log['ring_calls']} attention calls, expected {cp_log['layers']} layers x "
                         f"{len(cp_steps)} steps = {expected_calls}")
+    problems += _token_differences(cp_log, ref_log)
     for a, b in zip(cp_steps, ref_steps):
-        if a.get("num_tokens") != b.get("num_tokens"):
-            problems.append(f"step {a['step']}: {a.get('num_tokens')} tokens with CP, {b.get('num_tokens')} "
-                            "without: not the same batches")
         if error_of(a["loss"], b["loss"], entry) > 1.0:
             problems.append(f"step {a['step']}: loss {a['loss']:.8f} with CP vs {b['loss']:.8f} without: relative "
                             f"error {abs(a['loss'] - b['loss']) / abs(b['loss']):.3g} > {entry.bound:g} "
                             f"({entry.comparison}/{entry.dtype}/{entry.quantity})")
+    return problems
+
+
+def _token_differences(cp_log: dict, ref_log: dict) -> List[str]:
+    """Steps whose tokens differ by more than the zigzag padding (module docstring): each step's count with CP
+    minus its count without must lie in [0, rows x (2 x CP size - 1)]."""
+    pad_per_row = 2 * cp_log["cp"] - 1
+    rows = ref_log.get("rows_per_step", 1)
+    problems, cp_before, ref_before = [], 0.0, 0.0
+    for a, b in zip(cp_log["steps"], ref_log["steps"]):
+        cp_tokens, ref_tokens = a.get("num_tokens"), b.get("num_tokens")
+        if cp_tokens is None or ref_tokens is None:
+            if cp_tokens != ref_tokens:
+                problems.append(f"step {a['step']}: a token count is missing (CP {cp_tokens}, without {ref_tokens})")
+            continue
+        padding = (cp_tokens - cp_before) - (ref_tokens - ref_before)
+        if not 0 <= padding <= rows * pad_per_row:
+            problems.append(f"step {a['step']}: {cp_tokens - cp_before:.0f} tokens with CP, {ref_tokens - ref_before:.0f} "
+                            f"without: not the same batches (the zigzag padding adds 0 to {rows * pad_per_row})")
+        cp_before, ref_before = cp_tokens, ref_tokens
     return problems
 
 

@@ -104,6 +104,7 @@ def main() -> None:
 def _write_log(args, model, cp, steps) -> None:
     record = {"argv": vars(args), "cp": args.cp, "dp": args.dp, "dtype": args.dtype, "active": cp.active,
               "ring_calls": sum(cp.patch.calls.values()), "layers": model.config.num_hidden_layers,
+              "rows_per_step": 2 if args.plain else 1,
               "steps": [{"step": e["step"], "loss": e["loss"], "grad_norm": e["grad_norm"],
                          "num_tokens": e.get("num_tokens")} for e in steps]}
     with open(args.log_json, "w") as f:

@@ -303,6 +303,16 @@ def test_auto_ranking_leaves_out_flash_attn():
     assert "flash_attn" not in rk.backends.auto_ranking("cuda")
 
 
+def test_auto_ranking_in_fp32_puts_torch_efficient_before_triton():
+    """fp32 on CUDA: torch's efficient kernel before Triton, whose fp32 tiles compile and autotune per shape (the
+    backends package docstring has the measured wait); every other dtype and device keeps the general order."""
+    assert rk.backends.auto_ranking("cuda", torch.float32) == ["torch_cudnn", "torch_flash", "torch_efficient",
+                                                               "triton", "reference"]
+    for dtype in (torch.bfloat16, torch.float16):
+        assert rk.backends.auto_ranking("cuda", dtype) == rk.backends.auto_ranking("cuda")
+    assert rk.backends.auto_ranking("cpu", torch.float32) == rk.backends.auto_ranking("cpu")
+
+
 @pytest.mark.parametrize("mask_kind,softcap,dtype,expected", [
     (CAUSAL, 0.0, torch.float32, "torch_cpu"),
     (GENERAL, 0.0, torch.bfloat16, "torch_cpu"),

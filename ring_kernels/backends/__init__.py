@@ -12,7 +12,11 @@ mask kind and softcap wins):
 - CUDA: ``torch_cudnn`` (fastest measured on H100/H200: ~2x torch's flash; benchmarks/results/
   has the runs), ``torch_flash`` (FlashAttention-2 built into torch), ``triton`` (our
   kernel, when triton is importable: the fast one that does softcap), ``torch_efficient`` (slowest, but fp32 and
-  arbitrary additive masks: windows, documents), ``reference`` (anything, slowly).
+  arbitrary additive masks: windows, documents), ``reference`` (anything, slowly). In fp32, ``torch_efficient``
+  comes before ``triton``: Triton compiles and autotunes its fp32 tiles per shape class, which took 41 s over the
+  first fp32 ring call of a 4-layer model on an H100 (benchmarks/results/probe_margin_fp32_2xH100_b2deb62.txt) and
+  kept a 6-step fp32 SFT run on 2 H200s from its first step within 170 s; fp32 is the dtype of exactness checks,
+  where that wait is all cost. ``triton`` stays the fp32 choice where ``torch_efficient`` cannot (softcap).
 
 Chosen by name only: ``flash_attn`` (the flash-attn package). Its adapter is tested against a stand-in module
 with the parameter names of flash-attn 2.6 and 2.7 (tests/test_backends.py) and against the real flash-attn 2.8.3
@@ -29,7 +33,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -107,9 +111,15 @@ def _instance(name: str) -> BlockBackend:
     return _INSTANCES[name]
 
 
-def auto_ranking(device) -> List[str]:
-    """The order in which ``"auto"`` tries backends on ``device`` (a device or its type), present or not."""
-    return list(_AUTO_ORDER.get(_device_type(device), ["reference"]))
+def auto_ranking(device, dtype: Optional[torch.dtype] = None) -> List[str]:
+    """The order in which ``"auto"`` tries backends on ``device`` (a device or its type) for blocks of ``dtype``
+    (None: any dtype's general order), present or not. fp32 on CUDA puts ``torch_efficient`` before ``triton``
+    (module docstring)."""
+    order = list(_AUTO_ORDER.get(_device_type(device), ["reference"]))
+    if dtype == torch.float32 and "torch_efficient" in order and "triton" in order:
+        order.remove("triton")
+        order.insert(order.index("torch_efficient") + 1, "triton")
+    return order
 
 
 def available_backends(device) -> List[str]:
@@ -134,7 +144,7 @@ def get_backend(name_or_auto: str, *, device, dtype: torch.dtype, head_dim: int,
     query = dict(device=torch.device(device), dtype=dtype, head_dim=head_dim, mask_kind=mask_kind, softcap=softcap)
     if name_or_auto == "auto":
         skipped = []
-        for name in (n for n in auto_ranking(dt) if _is_present(n, dt)):
+        for name in (n for n in auto_ranking(dt, dtype) if _is_present(n, dt)):
             reason = _instance(name).unsupported_reason(**query)
             if reason is None:
                 _note_auto(name, tuple(skipped), dt, dtype, head_dim, mask_kind, softcap)
@@ -166,7 +176,7 @@ def _note_auto(name: str, skipped: tuple, dt: str, dtype, head_dim: int, mask_ki
         if skipped:
             reason = "auto: higher-ranked backends cannot: " + "; ".join(f"{n}: {r}" for n, r in skipped)
         else:
-            reason = f"auto: the first present and capable backend of {dt}'s ranking {auto_ranking(dt)}"
+            reason = f"auto: the first present and capable backend of {dt}'s ranking {auto_ranking(dt, dtype)}"
         return name, "auto", reason, shape_class(dt, dtype, head_dim, mask_kind, softcap > 0.0)
 
     note(("auto", name, tuple(n for n, _ in skipped), dt, dtype, head_dim, mask_kind, softcap > 0.0), describe)
