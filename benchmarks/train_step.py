@@ -27,6 +27,11 @@ by default, states in the parameters' dtype). Every rank holds ``--seq-per-gpu``
   kernels; ``--kernel`` as in ``apply``), ``patch.shard_inputs`` (zigzag for a batch, llama3 for packed documents),
   the loss reduced by ``patch.reduce_loss`` over the shifted labels ``shard_inputs`` returns (the user guide's
   step).
+- ``keep``: ``hfpatch`` with ``hfpatch.keep_attention(model, budget=--keep-budget)`` on the checkpointed layers:
+  each kept layer's recomputation takes its attention output and LSE from the forward instead of running the ring
+  (``hfpatch/keep_attention.py``). ``--keep-budget auto`` (default) keeps nothing in the first (warm-up) step,
+  which measures the peak, then keeps what fits below 90% of the GPU's memory; a number is GiB. The row records the
+  keeper's counters (``keep``: kept, replayed, gaps, budget).
 - ``native``: PyTorch's ``context_parallel`` (``native_cp.py``'s settings: causal load balancing, rotate method)
   over the same mesh, the model's attention an SDPA call with ``is_causal`` and K/V heads repeated (registered in
   transformers' ``AttentionInterface``; no mask is built), SDPA pinned to each of ``--native-backends`` x
@@ -93,7 +98,7 @@ __all__ = ["ModelShape", "LLAMA3_8B", "FLOP_FORMULA", "model_flops", "peak_flops
            "register_bench_attention", "set_attention", "steps_for", "max_over_ranks", "free_memory", "error_text",
            "device_slug", "names_argument", "tokens_argument", "result_writer", "result_stem"]
 
-MODES = ("hfpatch", "native", "single")
+MODES = ("hfpatch", "keep", "native", "single")
 LAYOUTS = ("batch", "packed")
 IGNORE_INDEX = -100
 # Packed documents are multiples of 2 x 8 tokens, so one GPU's mix splits for 1, 2, 4 and 8 GPUs alike.
@@ -375,7 +380,7 @@ def world_mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("cp",))
 
 
-def _hfpatch_runner(args, shape: ModelShape, device, dtype) -> Runner:
+def _hfpatch_runner(args, shape: ModelShape, device, dtype, keep: bool = False) -> Runner:
     import hfpatch
 
     world = dist.get_world_size()
@@ -384,6 +389,7 @@ def _hfpatch_runner(args, shape: ModelShape, device, dtype) -> Runner:
     patch = hfpatch.apply(mesh["cp"], kernel=args.kernel, model=model)
     if args.checkpointing == "full":
         checkpoint_layers(model)
+    kept = hfpatch.keep_attention(model, budget=args.keep_budget) if keep else None
     loss_module = ChunkedLoss(model, args.loss_chunk)
     shard_fsdp(loss_module, mesh["cp"])
     opt = make_optimizer(args.optimizer, loss_module.parameters(), args.lr, device)
@@ -411,13 +417,18 @@ def _hfpatch_runner(args, shape: ModelShape, device, dtype) -> Runner:
         return f"{kernel} x {'+'.join(names) or '?'}"
 
     def extra() -> dict:
-        return {"backend_choices": [c.as_dict() for c in patch.backend_choices],
+        info = {"backend_choices": [c.as_dict() for c in patch.backend_choices],
                 "ring_layers": len(patch.layers_seen()), "patch": repr(patch)}
+        if kept is not None:
+            info["keep"] = kept.stats()
+        return info
 
     def close():
+        if kept is not None:
+            kept.remove()
         patch.remove()
 
-    runner = Runner("hfpatch", shape.layers, world, step, backend, close, setup, extra)
+    runner = Runner("keep" if keep else "hfpatch", shape.layers, world, step, backend, close, setup, extra)
     runner.loss_module = loss_module
     return runner
 
@@ -518,13 +529,15 @@ def _single_runner(args, shape: ModelShape, device, dtype) -> Runner:
 
 
 def make_runner(mode: str, args, shape: ModelShape, device, dtype) -> Runner:
+    if mode == "keep":
+        return _hfpatch_runner(args, shape, device, dtype, keep=True)
     return {"hfpatch": _hfpatch_runner, "native": _native_runner, "single": _single_runner}[mode](
         args, shape, device, dtype)
 
 
 def mode_unavailable(mode: str, device: torch.device, world: int) -> Optional[str]:
     """Why ``mode`` cannot run here (None when it can)."""
-    if mode in ("hfpatch", "native") and world < 2:
+    if mode in ("hfpatch", "keep", "native") and world < 2:
         return "CP needs 2 or more ranks (torchrun --nproc-per-node N, N >= 2)"
     if mode in ("native", "single"):
         reason = attention_interface_unavailable()
@@ -716,8 +729,19 @@ def markdown(rows: List[dict], meta: dict) -> str:
                     f"{r['step_ms']:.1f} | {100 * r['spread']:.1f}% ({t['min_ms']:.1f}-{t['max_ms']:.1f}, "
                     f"{r['steps']} steps) | {r['tokens_per_s_per_gpu']:.0f} | {_fmt(r['mfu'], '.1%')} | "
                     f"{_fmt(mem, '.1f')} | {r['ms_per_layer']:.2f} | {r['loss_first']:.4f}, {r['loss_last']:.4f} | "
-                    f"{r.get('note', '')} |")
+                    f"{_note(r)} |")
     return "\n".join(head + body) + "\n"
+
+
+def _note(r: dict) -> str:
+    """The row's note; mode keep adds its keeper's counters (kept and replayed layer calls, gaps, budget)."""
+    keep = r.get("keep")
+    if not keep:
+        return r.get("note", "")
+    budget = "none" if keep["budget_bytes"] is None else f"{keep['budget_bytes'] / 2**30:.1f} GiB"
+    text = (f"kept {keep['kept']}, replayed {keep['replayed']}, gaps {keep['gaps']} (all steps); budget {budget}, "
+            f"kept peak {keep['peak_bytes'] / 2**30:.1f} GiB")
+    return f"{r['note']}; {text}" if r.get("note") else text
 
 
 def _native_label(r: dict) -> str:
@@ -787,6 +811,15 @@ def tokens_argument(text: str) -> List[int]:
     return out
 
 
+def _keep_budget(text: str):
+    if text in ("auto", "all"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: GiB (a number), 'auto' or 'all'") from None
+
+
 def names_argument(allowed: Sequence[str]):
     def parse(text: str) -> List[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
@@ -800,7 +833,7 @@ def names_argument(allowed: Sequence[str]):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modes", type=names_argument(MODES), default=["hfpatch", "native"],
-                   help="comma-separated: hfpatch,native,single (default hfpatch,native)")
+                   help="comma-separated: hfpatch,keep,native,single (default hfpatch,native)")
     p.add_argument("--seq-per-gpu", type=tokens_argument, default=[32768], help="tokens per GPU, e.g. 32k,64k,128k")
     p.add_argument("--layouts", type=names_argument(LAYOUTS), default=list(LAYOUTS), help="batch,packed")
     for flag, default in (("--layers", 32), ("--hidden", 4096), ("--heads", 32), ("--kv-heads", 8),
@@ -823,6 +856,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sdpa-backend", choices=("cudnn", "flash", "efficient"), default="cudnn",
                    help="SDPA backend of the single mode's batch rows")
     p.add_argument("--checkpointing", choices=("full", "none"), default="full")
+    p.add_argument("--keep-budget", type=_keep_budget, default="auto",
+                   help="mode keep: GiB of kept attention outputs, 'auto' (what fits) or 'all'")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--loss-chunk", type=int, default=4096)

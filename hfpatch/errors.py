@@ -130,6 +130,11 @@ class ModelDivergence(VerificationError):
         self.dtype = dtype
 
 
+class KeepAttentionError(HfpatchError, ValueError):
+    """``keep_attention`` cannot keep attention outputs as asked: a budget it cannot read, or a model trained with
+    no checkpointed layer (there is no recomputation to skip)."""
+
+
 class UnsupportedRelease(HfpatchError, RuntimeError):
     """The transformers release cannot be patched at all (e.g. before 4.43, where every model class has its
     own ``_flash_attention_forward`` method). Fields: ``transformers_version``, ``requirement``."""

@@ -51,6 +51,7 @@ import torch
 from . import validation
 from .backends import CAUSAL, FULL, GENERAL, get_backend
 from .backends.base import BlockBackend, BlockMask
+from .checkpointing import current_region
 from .comm import group_rank_and_size
 from .options import get_options
 from .rounding import Part, RowPlan, accumulator, adoptable, fold_grads, fold_outputs, plan_rows, row_bounds
@@ -376,9 +377,21 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, cfg: RingConfig):
-        out, lse, last = _forward(q, k, v, cfg)      # out already in q's dtype, each row rounded once
-        if sink is not None:
-            lse = fold_sink(out, lse, sink)
+        region = current_region()                    # a kept checkpoint region (ring_kernels.checkpointing)
+        kept = region.take(q, "ring attention") if region is not None else None
+        if kept is not None:                         # a recomputation: the forward's own out and lse, no ring
+            out, lse = kept
+            # k and v stand in the last K/V block's saved slots (shapes, dtypes and count as the forward saved
+            # them: non-reentrant checkpointing compares the two); the backward fetches the block again.
+            last = (k, v) if cfg.world > 1 else None
+        else:
+            out, lse, last = _forward(q, k, v, cfg)  # out already in q's dtype, each row rounded once
+            if sink is not None:
+                lse = fold_sink(out, lse, sink)
+        # Whether the saved "last" slots will hold k, v: a kept output's recomputation saves those. The flag must
+        # be set in the forward too: non-reentrant checkpointing runs the backward on the forward's ctx with the
+        # tensors the recomputation saved (reentrant checkpointing, on the recomputation's own ctx).
+        stand_in = kept is not None or (region is not None and region.offer(out, lse))
         ctx.cfg = cfg
         # The last K/V block (one extra K/V block, freed after backward) saves the backward's first hop. It is a
         # saved tensor (not a ctx attribute) so that activation checkpointing drops and recomputes it.
@@ -386,6 +399,7 @@ class RingAttention(torch.autograd.Function):
         ctx.has_sink = sink is not None
         ctx.save_for_backward(q, k, v, out, lse, *(last or ()), *((sink,) if ctx.has_sink else ()))
         ctx.last_reused = False                       # set by a backward that received into the kept block
+        ctx.last_stand_in = stand_in
         return out
 
     @staticmethod
@@ -396,8 +410,8 @@ class RingAttention(torch.autograd.Function):
         last = tuple(rest) or None
         dout = dout.contiguous()
         dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[3] else None
-        if last is not None and ctx.last_reused:      # retain_graph: the first backward overwrote the kept block
-            last = _refetch_last(k, v, cfg)
+        if last is not None and (ctx.last_reused or ctx.last_stand_in):
+            last = _refetch_last(k, v, cfg)           # retain_graph after the block's reuse, or a kept output's call
         # With 2 ranks the kept block is dead after the backward's first step: its memory receives the partial sum.
         first_recv = None
         if last is not None and cfg.world == 2:

@@ -60,6 +60,7 @@ from . import validation
 from .backends import EMPTY, FULL, get_backend
 from .backends.base import CAUSAL, BlockBackend, BlockMask
 from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_rows, varlen_kernel_for
+from .checkpointing import current_region
 from .documents import StepBuilder, VarlenCall, classify, documents_overlapping
 from .engine import fold_sink, sink_grad
 from .rounding import RowPlan, fold_grads, fold_outputs, plan_rows
@@ -564,9 +565,16 @@ class _Llama3Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, cfg: _Llama3Config):
-        out, lse = _forward(q, k, v, cfg)             # in q's dtype, each row rounded once
-        if sink is not None:
-            lse = fold_sink(out, lse, sink)
+        region = current_region()                     # a kept checkpoint region (ring_kernels.checkpointing)
+        kept = region.take(q, "llama3_attn_varlen_func") if region is not None else None
+        if kept is not None:                          # a recomputation: the forward's own out and lse, no gather
+            out, lse = kept
+        else:
+            out, lse = _forward(q, k, v, cfg)         # in q's dtype, each row rounded once
+            if sink is not None:
+                lse = fold_sink(out, lse, sink)
+            if region is not None:
+                region.offer(out, lse)
         ctx.cfg = cfg
         ctx.save_for_backward(q, k, v, out, lse, *((sink,) if sink is not None else ()))
         return out
