@@ -9,7 +9,8 @@
 #   cost      benchmarks/model_probe_cost.py: the probe on the 8B on one GPU, against one 4k-token forward
 #   python    tests/test_fingerprint.py and `hfpatch models --check` on this Python (CPU; in the background)
 #   hybrids   tests/gpu/test_hybrids_gpu.py on GPUs 0,1, beside `sft` on GPUs 2,3 (on 0,1 too on a 2-GPU machine)
-#   sft       benchmarks/sft_cp_compare.py: examples/sft_cp.py with cp=2 and cp=1, bf16 then fp32
+#   sft       benchmarks/sft_cp_compare.py: examples/sft_cp.py with cp=2 and cp=1, bf16 then fp32 (SFT_RUNS:
+#             "dtype:tokens per row" pairs, default "bfloat16:16384 float32:8192")
 #   fp32      benchmarks/probe_margin.py in fp32 on GPUs 2,3 (after sft), each rank's stacks printed if it hangs
 #
 # The packages the machine lacks travel in .whl/ (benchmarks/README.md: transformers 5.24.0, TRL, datasets and
@@ -58,7 +59,7 @@ second_pair=2,3
 [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ] || second_pair=0,1
 (export CUDA_VISIBLE_DEVICES=$second_pair
  if wants sft; then
-   for run in bfloat16:16384 float32:8192; do
+   for run in ${SFT_RUNS:-bfloat16:16384 float32:8192}; do
      dtype=${run%:*} pack=${run#*:}
      timeout 170 python3 benchmarks/sft_cp_compare.py --tag "sft_cp_$dtype" --device cuda --cp 2 --out "$OUT" -- \
        --model small --steps 6 --dtype "$dtype" --pack-len "$pack" --doc-len 2048 > "$OUT/sft_cp_$dtype.log" 2>&1

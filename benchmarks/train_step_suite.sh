@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The training-step benchmark (benchmarks/train_step.py) on NGPU GPUs, one torchrun per tokens-per-GPU size:
-# hfpatch CP and PyTorch's native CP on all NGPU ranks, and the one-GPU ceiling (mode single, SINGLE_LAYERS decoder
-# layers, run by every rank on its own GPU) in the same job. NGPU=1 runs the ceiling alone.
+# hfpatch CP (plain checkpointing, and with keep_attention: mode keep) and PyTorch's native CP on all NGPU ranks,
+# and the one-GPU ceiling (mode single, SINGLE_LAYERS decoder layers, run by every rank on its own GPU) in the same
+# job. NGPU=1 runs the ceiling alone.
 #
 #   HFPATCH_COMMIT=... HFPATCH_SOURCE_HASH=... OUT=<dir> bash benchmarks/train_step_suite.sh NGPU
 #
@@ -11,6 +12,7 @@
 #   SINGLE_LAYERS  decoder layers of the one-GPU ceiling (default 8: the whole 8B model and its AdamW states do not
 #                  fit one H100 next to 32k tokens of activations)
 #   LIMIT_S        seconds per size (default 540 at 32k, 1200 above)
+#   MODES          train_step.py --modes (default hfpatch,keep,native,single; single alone for NGPU=1)
 #   EXTRA          more train_step.py flags (e.g. "--layers 8" for a quick look)
 # Native CP runs every SDPA backend x rotate method at the first size; the larger sizes run only the fastest of
 # those (read from the first size's JSON).
@@ -29,7 +31,7 @@ mkdir -p "$OUT"
 log() { echo "## $(date -u +%H:%M:%S) $*"; }
 GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0).split()[-1] if torch.cuda.is_available() else 'cpu')")
 TAG=${TAG:-$(python benchmarks/_stamp.py --tag)}
-if (( NGPU == 1 )); then MODES=single; else MODES=hfpatch,native,single; fi
+if (( NGPU == 1 )); then MODES=single; else MODES=${MODES:-hfpatch,keep,native,single}; fi
 
 NATIVE=()
 for size in $SIZES; do
