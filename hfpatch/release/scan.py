@@ -6,7 +6,9 @@ wheel on a 5.x install). What is read:
 - ``_flash_attention_forward`` in ``transformers/modeling_flash_attention_utils.py`` as an ``inspect.Signature``
   (literal defaults evaluated with ``ast.literal_eval``; other defaults kept as ``SourceDefault`` text;
   annotations kept as their source text);
-- every module binding it by ``from ... import`` (the sites a patch of the defining module alone misses);
+- every module binding it by ``from ... import`` (the sites a patch of the defining module alone misses); the
+  ``modular_*.py`` files under ``transformers/models/`` are skipped: they are the templates transformers generates
+  its ``modeling_*.py`` files from, shipped in the wheel but never imported at run time;
 - per-class ``_flash_attention_forward`` methods (the pre-4.43 design);
 - the attention interface (``ALL_ATTENTION_FUNCTIONS``): its kind and default keys.
 
@@ -215,6 +217,16 @@ class _Tree:
     def py_files(self) -> Iterator[str]:
         return (p for p in self.paths if p.endswith(".py"))
 
+    def runtime_py_files(self) -> Iterator[str]:
+        """The ``.py`` files transformers can import at run time: all but the modular templates."""
+        return (p for p in self.py_files() if not _is_modular_template(p))
+
+
+def _is_modular_template(path: str) -> bool:
+    """``transformers/models/<model>/modular_<model>.py``: the source transformers' modular converter generates
+    ``modeling_<model>.py`` from; no module of the library imports it."""
+    return path.startswith("transformers/models/") and path.rsplit("/", 1)[-1].startswith("modular_")
+
 
 def _module_name(path: str) -> str:
     parts = path[: -len(".py")].split("/")
@@ -292,7 +304,7 @@ def _scan_tree(tree: _Tree, version: str | None) -> ReleaseScan:
             signature, default_sources, annotation_sources = _signature_from_ast(fn, text)
     sites: list[BindingSite] = []
     methods: list[ClassMethod] = []
-    for path in tree.py_files():
+    for path in tree.runtime_py_files():
         source = tree.read(path)
         if _TARGET.encode() not in source:  # cheap filter: only a handful of files mention it
             continue
