@@ -65,10 +65,42 @@ def test_world_size_below_two_is_a_usage_error(world_size, capsys):
     assert f"--world-size {world_size}" in report["problems"][0] and "at least 2" in report["problems"][0]
 
 
-def test_unknown_kernel_is_a_usage_error(capsys):
-    assert main(["check", "--json", "--kernel", "ulysses"]) == 2
+def test_a_usage_error_still_reports_the_installed_versions(capsys):
+    from importlib import metadata
+
+    assert main(["check", "--world-size", "0"]) == 2
+    out = capsys.readouterr().out
+    assert f"transformers   {metadata.version('transformers')}" in out and "(unknown)" not in out
+    assert f"torch          {metadata.version('torch')}" in out
+
+
+def test_an_unknown_option_shows_checks_own_usage(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: hfpatch check ") and err.splitlines()[-1] == (
+        "hfpatch check: error: unrecognized arguments: --bogus")
+
+
+def test_dry_run_options_with_a_static_release_are_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setattr(check_cli, "check_release", lambda version: pytest.fail("no static check for a bad command"))
+    assert main(["check", "--transformers", "4.47.1", "--world-size", "4", "--kernel", "ring"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("hfpatch check: error: --world-size, --kernel: only the installed release's dry run")
+    assert "Fix: drop --world-size, --kernel" in last
+
+
+@pytest.mark.parametrize("kernel, expected", [
+    ("ulysses", "expected auto or a ring variant (zigzag, ring, stripe, llama3)"),
+    ("zigzag:torch_flash", "backend 'torch_flash' cannot run on CPU processes"),
+    ("zigzag:nope", "backend 'nope' cannot run on CPU processes"),
+])
+def test_unknown_kernel_is_a_usage_error(monkeypatch, capsys, kernel, expected):
+    monkeypatch.setattr(check_cli, "_spawn_world", lambda *a: pytest.fail("no dry run for a bad kernel"))
+    assert main(["check", "--json", "--kernel", kernel]) == 2
     report = json.loads(capsys.readouterr().out)
-    assert "--kernel 'ulysses'" in report["problems"][0] and "zigzag" in report["problems"][0]
+    assert f"--kernel {kernel!r}" in report["problems"][0] and expected in report["problems"][0]
 
 
 def test_transformers_not_installed_is_an_environment_error(monkeypatch):
@@ -225,10 +257,31 @@ def test_static_verdict_of_a_supported_release(wheel_cache, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["mode"] == "static" and report["supported"] and report["exit_code"] == 0
     assert (report["transformers"], report["signature_id"], report["verdict"]) == ("4.43.4", "S1-4.43.4", "exact")
+    # The installed check's form: module.attribute, the definition included.
     assert report["binding_sites"] == [
-        "transformers.models.llama.modeling_llama",
-        "transformers.models.mistral.modeling_mistral",
+        "transformers.modeling_flash_attention_utils._flash_attention_forward",
+        "transformers.models.llama.modeling_llama._flash_attention_forward",
+        "transformers.models.mistral.modeling_mistral._flash_attention_forward",
     ]
+
+
+def test_static_binding_sites_leave_out_modular_templates(wheel_cache, capsys):
+    """transformers ships models/<m>/modular_<m>.py, the source its modeling files are generated from; it imports
+    the function by name but is never imported at run time, so it is no binding site."""
+    import zipfile
+
+    from hfpatch.release.scan import scan_wheel
+
+    wheel = make_wheel(wheel_cache, "4.47.1", S1_DEF, models=("gemma",))
+    with zipfile.ZipFile(wheel, "a") as zf:
+        zf.writestr("transformers/models/gemma/modular_gemma.py",
+                    "from ...modeling_flash_attention_utils import _flash_attention_forward\n")
+    assert scan_wheel(wheel).binding_modules == ("transformers.models.gemma.modeling_gemma",)
+    assert main(["check", "--transformers", "4.47.1"]) == 0
+    out = capsys.readouterr().out
+    assert "modular" not in out
+    assert "binding sites  2 (in the wheel: the definition and every module that imports it by name)" in out
+    assert "    transformers.models.gemma.modeling_gemma._flash_attention_forward" in out
 
 
 def test_static_verdict_of_an_unsupported_signature_has_the_diff(wheel_cache, capsys):

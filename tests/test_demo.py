@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hfpatch.cli import main
-from hfpatch.cli.demo import GRAD_RTOL, LOSS_RTOL, StepResult, _report
+from hfpatch.cli.demo_world import GRAD_RTOL, LOSS_RTOL, StepResult, report
 
 
 def test_demo_command_agrees_and_exits_0():
@@ -28,11 +28,11 @@ def test_demo_command_agrees_and_exits_0():
 
 def test_report_exit_status(capsys):
     good = StepResult(1, loss_reference=4.0, loss_cp=4.0 + 1e-6, grad_max_diff=1e-7, grad_scale=0.5)
-    assert _report([good], 1.0) == 0
+    assert report([good], 1.0) == 0
     bad_loss = StepResult(1, loss_reference=4.0, loss_cp=4.0 * (1 + 10 * LOSS_RTOL), grad_max_diff=0.0, grad_scale=1.0)
     bad_grad = StepResult(2, loss_reference=4.0, loss_cp=4.0, grad_max_diff=10 * GRAD_RTOL, grad_scale=1.0)
-    assert _report([good, bad_loss], 1.0) == 1
-    assert _report([bad_grad], 1.0) == 1
+    assert report([good, bad_loss], 1.0) == 1
+    assert report([bad_grad], 1.0) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
 

@@ -1,24 +1,18 @@
 """``hfpatch check``: can hfpatch patch this transformers release? A yes/no for CI, with the facts.
 
-Installed release (default)::
+``run_check`` returns the facts as a dict (what ``--json`` prints); ``report["exit_code"]`` is the command's exit
+status: 0 supported and verified, 1 unsupported or verification failed, 2 usage or environment error.
 
-    hfpatch check [--json] [--world-size N] [--kernel K]
+Installed release (no ``--transformers``): the registry verdict for the live ``_flash_attention_forward``
+signature, then a dry run in a throwaway gloo world of ``world_size`` spawned CPU processes:
+``hfpatch.apply(group, verify=True)`` (install at every binding site, identity check, numeric probe), the sites it
+patched, and ``Patch.remove()`` followed by an identity check that every module holds the original function again.
+Usage errors (``--world-size``, ``--kernel``) are found before any process is spawned and reported like every
+other problem, so that ``--json`` always prints one JSON object.
 
-reads the installed transformers version and the live ``_flash_attention_forward`` signature (registry verdict
-and signature id), then does a dry run in a throwaway gloo world of ``N`` spawned CPU processes (default 2):
-``hfpatch.apply(group, verify=True)`` (install at every binding site, identity check, numeric probe over the
-group), the binding sites it patched, and ``Patch.remove()`` followed by an identity check that every module
-holds the original function again.
-
-A release that is not installed::
-
-    hfpatch check --transformers X.Y.Z [--json]
-
-gives the static verdict: the release's wheel is read without installing or importing it
-(``hfpatch.cli.static_check.static_check``; the wheel is fetched with pip into a cache when needed).
-
-Exit codes: 0 supported and verified; 1 unsupported or verification failed; 2 usage or environment error
-(bad version string, transformers not installed, no network to fetch a wheel, processes that cannot start).
+A release that is not installed (``--transformers X.Y.Z``): the static verdict of
+``hfpatch.cli.static_check.static_check``, which reads the release's wheel without installing or importing it.
+Its binding sites have the installed check's form, ``module.attribute``.
 """
 from __future__ import annotations
 
@@ -34,6 +28,7 @@ from typing import Any
 
 import hfpatch
 from hfpatch import __version__
+from hfpatch.cli.arguments import HelpFormatter, UsageError, cpu_kernel, positive_seconds, require_cp_world
 from hfpatch.cli.static_check import static_check
 from hfpatch.errors import HfpatchError, InvalidReleaseSpec, ScanError, WheelFetchError
 from hfpatch.signatures import registry
@@ -41,53 +36,81 @@ from hfpatch import version_gates
 from hfpatch.version_gates import (TRANSFORMERS_ATTENTION_FUNCTIONS, TRANSFORMERS_MIN_SUPPORTED, is_supported_release,
                                    parse_version)
 
-__all__ = ["add_parser", "run_check", "check_installed", "check_release", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+__all__ = ["build_parser", "run_check", "check_installed", "check_release", "format_report", "EXIT_OK",
+           "EXIT_FAILED", "EXIT_USAGE"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 _DRY_RUN_TIMEOUT_S = 300.0  # spawning 2 processes that import torch + transformers: ~10-20 s on an idle 2-core box
+_DEFAULT_WORLD_SIZE = 2
+_DEFAULT_KERNEL = "auto"
 _MFAU = "transformers.modeling_flash_attention_utils"
 _TARGET = "_flash_attention_forward"
 _INTEGRATION = "transformers.integrations.flash_attention"
-_KERNEL_VARIANTS = ("auto", "zigzag", "ring", "stripe", "llama3")  # hfpatch.apply(kernel=...)
+
+_DESCRIPTION = """\
+Can hfpatch patch this transformers release? A yes/no for CI, with the facts.
+
+Without --transformers: the installed release. Its version and flash-attention signature are matched against
+hfpatch's registry of known signatures, then a dry run on N CPU processes (--world-size) applies the patch,
+verifies it numerically and removes it, checking that transformers is exactly as it was.
+
+With --transformers X.Y.Z: a release that is not installed. Its wheel is fetched with pip into a cache
+($HFPATCH_WHEEL_CACHE, default ~/.cache/hfpatch/wheels) and read, never installed or imported; no dry run.
+
+examples:
+  hfpatch check                          the installed release
+  hfpatch check --json                   the same facts as JSON, for CI
+  hfpatch check --transformers 4.47.1    a release that is not installed
+
+exit status: 0 supported and verified; 1 unsupported, or the dry run failed; 2 usage or environment error (bad
+version, transformers not installed, no network to fetch a wheel, processes that cannot start)."""
 
 
 # ------------------------------------------------------------------------------------------------ parser
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "check",
-        help="is the installed (or a given) transformers release supported? exit 0 yes, 1 no, 2 usage error",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     parser.add_argument(
-        "--world-size", type=int, default=2, metavar="N",
-        help="CPU processes in the dry-run gloo world (default 2; at least 2: one rank is not context parallel)",
+        "--world-size", type=int, default=None, metavar="N",
+        help=f"CPU processes in the dry run (default {_DEFAULT_WORLD_SIZE}; at least 2)",
     )
     parser.add_argument(
-        "--kernel", default="auto",
-        help="ring variant for the dry run, as for hfpatch.apply(kernel=...) (default: auto)",
+        "--kernel", default=None, metavar="KERNEL",
+        help="ring variant for the dry run: auto (default), zigzag, ring, stripe or llama3, optionally "
+             "with :backend (e.g. zigzag:reference)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=_DRY_RUN_TIMEOUT_S, metavar="S",
-        help="seconds the dry-run world may take before it counts as hung (default %(default)s)",
+        "--timeout", type=positive_seconds, default=None, metavar="S",
+        help=f"seconds the dry run may take before it counts as hung (default {_DRY_RUN_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--transformers", metavar="X.Y.Z", default=None,
-        help="give the static verdict for this release instead of the installed one (reads its wheel; no install)",
+        help="the static verdict for this release instead of the installed one (reads its wheel; no install)",
     )
     parser.set_defaults(func=_main)
     return parser
 
 
 def _main(args: argparse.Namespace) -> int:
-    report = run_check(transformers=args.transformers, world_size=args.world_size, kernel=args.kernel,
-                       timeout=args.timeout)
+    dry_run_options = [f"--{name.replace('_', '-')}" for name in ("world_size", "kernel", "timeout")
+                       if getattr(args, name) is not None]
+    if args.transformers is not None and dry_run_options:
+        given = ", ".join(dry_run_options)
+        raise UsageError(
+            f"{given}: only the installed release's dry run uses {'it' if len(dry_run_options) == 1 else 'them'}, "
+            f"and --transformers gives a static verdict without one. Fix: drop {given}, or drop --transformers."
+        )
+    report = run_check(
+        transformers=args.transformers,
+        world_size=_DEFAULT_WORLD_SIZE if args.world_size is None else args.world_size,
+        kernel=_DEFAULT_KERNEL if args.kernel is None else args.kernel,
+        timeout=_DRY_RUN_TIMEOUT_S if args.timeout is None else args.timeout,
+    )
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
@@ -95,8 +118,8 @@ def _main(args: argparse.Namespace) -> int:
     return report["exit_code"]
 
 
-def run_check(*, transformers: str | None = None, world_size: int = 2, kernel: str = "auto",
-              timeout: float = _DRY_RUN_TIMEOUT_S) -> dict:
+def run_check(*, transformers: str | None = None, world_size: int = _DEFAULT_WORLD_SIZE,
+              kernel: str = _DEFAULT_KERNEL, timeout: float = _DRY_RUN_TIMEOUT_S) -> dict:
     """The check as a dict (what ``--json`` prints); ``report["exit_code"]`` is the command's exit code."""
     started = time.perf_counter()
     if transformers is not None:
@@ -131,21 +154,11 @@ def _fail(report: dict, code: int, problem: str) -> dict:
     return report
 
 
-def check_installed(*, world_size: int = 2, kernel: str = "auto", timeout: float = _DRY_RUN_TIMEOUT_S) -> dict:
+def check_installed(*, world_size: int = _DEFAULT_WORLD_SIZE, kernel: str = _DEFAULT_KERNEL,
+                    timeout: float = _DRY_RUN_TIMEOUT_S) -> dict:
     """Registry verdict for the installed release, then a dry-run apply + verify + remove on ``world_size``
-    spawned gloo processes."""
+    spawned gloo processes. The versions are reported even when the arguments are refused."""
     report = _base_report("installed")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
-        return _fail(report, EXIT_USAGE, (
-            f"--world-size {world_size!r}: the dry run needs at least 2 processes (one rank is not context "
-            "parallel, hfpatch.apply falls back to non-CP mode there). Fix: --world-size 2 (the default)."
-        ))
-    variant = kernel.split(":", 1)[0] if isinstance(kernel, str) else kernel
-    if variant not in _KERNEL_VARIANTS:
-        return _fail(report, EXIT_USAGE, (
-            f"--kernel {kernel!r}: the ring variant must be one of {', '.join(_KERNEL_VARIANTS)}, optionally "
-            "followed by ':backend' (e.g. 'zigzag:reference'). Fix: --kernel auto (the default)."
-        ))
     version = version_gates.installed_transformers_version()
     if version is None:
         return _fail(report, EXIT_USAGE, (
@@ -159,6 +172,11 @@ def check_installed(*, world_size: int = 2, kernel: str = "auto", timeout: float
         report["torch"] = torch.__version__
     except ImportError as exc:
         return _fail(report, EXIT_USAGE, f"torch cannot be imported ({exc}). Fix: pip install torch.")
+    try:
+        require_cp_world(world_size)
+        cpu_kernel(kernel)
+    except UsageError as exc:
+        return _fail(report, EXIT_USAGE, str(exc))
     if not is_supported_release(version):
         report["verdict"] = "unsupported-release"
         return _fail(report, EXIT_FAILED, (
@@ -385,7 +403,7 @@ def check_release(version_text: str) -> dict:
     report["static"] = facts
     report["verdict"] = facts.get("verdict")
     report["signature_id"] = facts.get("signature_id")
-    report["binding_sites"] = list(facts.get("binding_modules") or [])
+    report["binding_sites"] = list(facts.get("binding_sites") or [])
     report["supported"] = bool(facts.get("supported"))
     if report["supported"]:
         report["exit_code"] = EXIT_OK
@@ -397,6 +415,13 @@ def check_release(version_text: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ text
+
+
+# What the listed sites are, by mode: both list module.attribute names that hold the function.
+_SITES_MEANING = {
+    "installed": "(patched in the dry run; a module imported later is patched on import)",
+    "static": "(in the wheel: the definition and every module that imports it by name)",
+}
 
 
 def format_report(report: dict) -> str:
@@ -412,7 +437,7 @@ def format_report(report: dict) -> str:
         lines.append(f"  added params   {', '.join(report['added_parameters'])} (refused if ever given a value)")
     sites = report.get("binding_sites") or []
     if report.get("verdict") and (sites or report["mode"] == "static" or report.get("dry_run")):
-        lines.append(f"  binding sites  {len(sites)}")
+        lines.append(f"  binding sites  {len(sites)} {_SITES_MEANING[report['mode']]}")
         lines.extend(f"    {site}" for site in sites)
     dry = report.get("dry_run")
     if dry:

@@ -1,12 +1,9 @@
-"""``hfpatch compat``: COMPAT.md from the release matrix and the static scan (see ``hfpatch.release.compat_table``).
+"""``hfpatch compat``: COMPAT.md from the release matrix and the static scan (``hfpatch.release.compat_table``).
 
-    hfpatch compat                      render COMPAT.md from compat/results/*.json + compat/static.json (offline)
-    hfpatch compat --scan               static scan of the latest patch of every minor release from 4.43 on
-                                        (fetches wheels with pip into a cache), write compat/static.json, render
-    hfpatch compat --check              exit 1 when COMPAT.md is stale w.r.t. the registry or its inputs (offline)
-        [--fresh-results DIR]           ... or when a fresh matrix run (CI's) disagrees with the committed records
-    hfpatch compat --record ENV -- CMD  (tox) run the test command CMD, then `hfpatch check --json`, and write the
-                                        matrix record compat/results/<release>.json; exit with CMD's status
+Modes: render (offline), ``--scan`` (static scan of the latest patch of every minor release from 4.43 on, written
+to compat/static.json, then render), ``--check`` (exit 1 when COMPAT.md is stale; with ``--fresh-results DIR``
+also when a fresh matrix run disagrees with the committed records), ``--record ENV -- CMD`` (tox: run CMD, then
+``hfpatch check --json``, and write the matrix record compat/results/<release>.json; exit with CMD's status).
 
 Exit codes: 0 done / current; 1 stale, or a recorded test run or check failed; 2 usage or environment error.
 """
@@ -21,13 +18,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hfpatch.cli.arguments import HelpFormatter, UsageError
 from hfpatch.cli.static_check import static_check
 from hfpatch.errors import InvalidReleaseSpec, ScanError, WheelFetchError
 from hfpatch.release.compat_table import (entry_digest, latest_patch_per_minor, load_results, load_static,
                                           registry_digest, render, stale_reasons)
 from hfpatch.version_gates import parse_version
 
-__all__ = ["add_parser"]
+__all__ = ["build_parser"]
 
 _DEFAULT_RESULTS = Path("compat/results")
 _DEFAULT_STATIC = Path("compat/static.json")
@@ -36,11 +34,29 @@ _DEFAULT_OUTPUT = Path("COMPAT.md")
 _PYTEST_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+|no tests ran)(?: in [\d.]+s.*)?\s*=*$")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "compat", help="render / scan / check COMPAT.md; record a matrix run",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+_DESCRIPTION = """\
+Developer command: COMPAT.md, the table of every transformers release with hfpatch's verdict, from the release
+matrix's records (compat/results/) and the static scan (compat/static.json).
+
+  hfpatch compat            render COMPAT.md from its inputs (offline)
+  hfpatch compat --scan     scan the latest patch of every minor release from
+                            4.43 on (wheels fetched with pip into a cache),
+                            write compat/static.json, then render
+  hfpatch compat --check    exit 1 when COMPAT.md is stale (offline); with
+                            --fresh-results DIR, also when a fresh matrix run
+                            disagrees with the committed records
+  hfpatch compat --record ENV -- CMD
+                            (tox) run the test command CMD, then 'hfpatch
+                            check --json', and write the matrix record
+                            compat/results/<release>.json; exit with CMD's
+                            status
+
+exit status: 0 done or current; 1 stale, or a recorded test run or check failed; 2 usage or environment
+error."""
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION, formatter_class=HelpFormatter)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--scan", action="store_true", help="statically scan every minor release, then render")
     mode.add_argument("--check", action="store_true", help="fail (exit 1) when COMPAT.md is stale")
@@ -51,14 +67,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--fresh-results", type=Path, metavar="DIR", help="with --check: records of a fresh matrix run")
     parser.add_argument(
         "--releases", metavar="X.Y.Z,...",
-        help="with --scan: the releases known to exist (default: ask the package index with `pip index versions`)",
+        help="with --scan: the releases known to exist (default: ask the package index with 'pip index versions')",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="with --record: -- the test command")
     parser.set_defaults(func=_main)
     return parser
 
 
-def _usage(message: str) -> int:
+def _environment_error(message: str) -> int:
+    """An environment error found while running (exit 2); usage errors are raised as ``UsageError``."""
     print(f"hfpatch compat: {message}", file=sys.stderr)
     return 2
 
@@ -66,14 +83,15 @@ def _usage(message: str) -> int:
 def _main(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if command and not args.record:
-        return _usage(f"unexpected arguments {command!r} (a command is only taken by --record ENV -- CMD)")
+        raise UsageError(f"unexpected arguments {command!r}: only --record ENV takes a command. "
+                         "Fix: --record ENV -- CMD, or drop them.")
     if args.fresh_results and not args.check:
-        return _usage("--fresh-results is only used with --check")
+        raise UsageError("--fresh-results is only used with --check. Fix: add --check.")
     if args.releases and not args.scan:
-        return _usage("--releases is only used with --scan")
+        raise UsageError("--releases is only used with --scan. Fix: add --scan.")
     if args.record:
         if not command:
-            return _usage("--record ENV needs the test command after --, e.g. -- python -m pytest -q")
+            raise UsageError("--record ENV needs the test command after --. Fix: e.g. -- python -m pytest -q")
         return record(args.record, command, args.results_dir)
     if args.check:
         return check(args.output, args.results_dir, args.static, args.fresh_results)
@@ -104,10 +122,10 @@ def write(output: Path, results_dir: Path, static_path: Path) -> int:
 
 def check(output: Path, results_dir: Path, static_path: Path, fresh_dir: Path | None) -> int:
     if fresh_dir is not None and not fresh_dir.is_dir():
-        return _usage(f"--fresh-results {fresh_dir}: no such folder (did the matrix run write its records there?)")
+        return _environment_error(f"--fresh-results {fresh_dir}: no such folder (did the matrix run write its records there?)")
     fresh = load_results(fresh_dir) if fresh_dir is not None else None
     if fresh_dir is not None and not fresh:
-        return _usage(f"--fresh-results {fresh_dir}: the folder holds no matrix records")
+        return _environment_error(f"--fresh-results {fresh_dir}: the folder holds no matrix records")
     text = output.read_text(encoding="utf-8") if output.is_file() else None
     reasons = stale_reasons(text, load_results(results_dir), load_static(static_path), fresh_results=fresh)
     if reasons:
@@ -152,7 +170,7 @@ def scan(static_path: Path, results_dir: Path, releases_arg: str | None) -> int:
         else:
             known = available_releases()
     except (InvalidReleaseSpec, WheelFetchError) as exc:
-        return _usage(str(exc))
+        return _environment_error(str(exc))
     matrix = list(load_results(results_dir))
     targets = latest_patch_per_minor(known + matrix)
     # The matrix's release of a minor is scanned too (its static site count is shown beside the live one).
@@ -162,7 +180,7 @@ def scan(static_path: Path, results_dir: Path, releases_arg: str | None) -> int:
         try:
             facts = static_check(release)
         except (WheelFetchError, ScanError, InvalidReleaseSpec) as exc:
-            return _usage(f"static scan of transformers {release} failed, nothing written: {exc}")
+            return _environment_error(f"static scan of transformers {release} failed, nothing written: {exc}")
         scanned[release] = _static_facts(facts)
         print(f"  {release}: {scanned[release]['signature_id']} ({scanned[release]['verdict']}), "
               f"{len(scanned[release]['binding_sites'])} from-import sites")
@@ -232,7 +250,7 @@ def record(env: str, command: list[str], results_dir: Path) -> int:
         report = json.loads(check_proc.stdout)
     except json.JSONDecodeError:
         print(check_proc.stdout + check_proc.stderr, file=sys.stderr)
-        return _usage(f"`hfpatch check --json` printed no JSON (exit {check_proc.returncode}); no record written")
+        return _environment_error(f"`hfpatch check --json` printed no JSON (exit {check_proc.returncode}); no record written")
     print("\n" + _check_line(report))
     record_data = {
         "env": env,
@@ -251,7 +269,7 @@ def record(env: str, command: list[str], results_dir: Path) -> int:
         "entry_digest": entry_digest(report.get("signature_id")),
     }
     if not record_data["release"]:
-        return _usage("`hfpatch check` could not tell the installed transformers version; no record written")
+        return _environment_error("`hfpatch check` could not tell the installed transformers version; no record written")
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{record_data['release']}.json"
     path.write_text(json.dumps(record_data, indent=1, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,61 +1,122 @@
-"""``hfpatch models``: the model sweep of the installed transformers -- every causal-LM class with a flash path,
-built tiny and trained one step under CP against non-CP on CPU processes -- printed as verdicts (exact /
-refused / not built), written to MODELS.md (``--write``), or checked against it (``--check``).
+"""``hfpatch models``: the model sweep of the installed transformers (``hfpatch.release.sweep``) -- every causal-LM
+class with a flash path, built tiny and trained one step under CP against non-CP on CPU processes -- printed as
+verdicts, written to MODELS.md (``--write``), or checked against it (``--check``); ``--list`` prints the classes.
 
-Exit status: 0 when no class ended silent or unnamed (and, with ``--check``, MODELS.md is current); 1 otherwise.
+Exit status: 0 when no class ended silent or unnamed (and, with ``--check``, the table is current); 1 otherwise;
+2 for a usage error, found before the sweep spawns its processes (an unknown ``--classes`` name among them).
+Importing this module imports neither torch nor transformers.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-import sys
 import time
 from pathlib import Path
 
-from hfpatch.release.sweep import table
-from hfpatch.release.sweep.run import run_sweep
+from hfpatch.cli.arguments import HelpFormatter, UsageError, cpu_kernel, require_cp_world
 
-__all__ = ["add_parser", "run"]
+__all__ = ["build_parser", "run"]
 
 _DEFAULT_TABLE = "MODELS.md"
 
+_DESCRIPTION = """\
+The model sweep: every causal-LM class of the installed transformers that has a flash-attention path is built
+tiny (random weights, no download) and trained one step on CPU processes with context parallelism and without.
+Each class gets a verdict: exact, refused (hfpatch names what it cannot make exact), not built, or a defect
+(silent: CP differs; unnamed: an unexpected error). The whole sweep takes minutes; --classes picks a few.
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "models", help="the model sweep: which causal-LM classes train exactly under CP (MODELS.md)",
-        description=__doc__,
-    )
-    p.add_argument("--world-size", type=int, default=2, help="CPU processes (gloo ranks) of the CP group")
-    p.add_argument("--classes", default=None, help="comma-separated class names (default: every catalog class)")
-    p.add_argument("--kernel", default="auto", help="ring variant[:backend], as hfpatch.apply(kernel=...)")
+examples:
+  hfpatch models --list                          the classes the sweep covers
+  hfpatch models --classes LlamaForCausalLM      one class
+  hfpatch models --check                         is MODELS.md current?
+
+exit status: 0 no defect (and, with --check, the table is current); 1 otherwise; 2 usage error."""
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION, formatter_class=HelpFormatter)
+    p.add_argument("--list", action="store_true", help="print the classes the sweep covers, and exit")
+    p.add_argument("--world-size", type=int, default=2, metavar="N",
+                   help="CPU processes in the context-parallel group (default 2)")
+    p.add_argument("--classes", default=None, metavar="NAME[,NAME...]",
+                   help="comma-separated class names (default: every class; --list shows them)")
+    p.add_argument("--kernel", default="auto",
+                   help="ring variant: auto (default), zigzag, ring, stripe or llama3, optionally with :backend")
     p.add_argument("--write", nargs="?", const=_DEFAULT_TABLE, default=None, metavar="PATH",
                    help=f"write the table (default path {_DEFAULT_TABLE})")
     p.add_argument("--check", nargs="?", const=_DEFAULT_TABLE, default=None, metavar="PATH",
-                   help="exit 1 if the table at PATH differs from this sweep")
+                   help=f"exit 1 if the table at PATH (default {_DEFAULT_TABLE}) differs from this sweep")
     p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     p.set_defaults(func=run)
+    return p
 
 
-def run(args) -> int:
-    import torch
-    import transformers
-
-    if args.world_size < 2:
-        print("hfpatch models: --world-size must be at least 2 (a CP group of one is not CP)", file=sys.stderr)
-        return 2
+def _check_options(args: argparse.Namespace) -> None:
+    """The checks that need no catalog; ``UsageError`` with the fix."""
+    require_cp_world(args.world_size)
+    cpu_kernel(args.kernel)
     if args.classes is not None and (args.write or args.check):
-        print("hfpatch models: --write/--check need the whole sweep; drop --classes", file=sys.stderr)
-        return 2
-    classes = [c.strip() for c in args.classes.split(",")] if args.classes else None
+        raise UsageError("--write and --check compare the whole sweep, not a few classes. Fix: drop --classes.")
+    if args.check and not Path(args.check).is_file():
+        raise UsageError(f"--check {args.check}: no such file. Fix: give the table's path, or write it first "
+                         f"with --write {args.check}.")
+    if args.write and not Path(args.write).resolve().parent.is_dir():
+        raise UsageError(f"--write {args.write}: its folder does not exist. Fix: create it, or write elsewhere.")
+
+
+def requested_classes(text: str, catalog: list) -> list[str]:
+    """The class names of ``--classes``, each one in ``catalog`` (``CatalogEntry`` list); ``UsageError`` naming
+    the first that is not, with the nearest names and how to list them all."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise UsageError(f"--classes {text!r} names no class. Fix: --classes LlamaForCausalLM, or drop --classes.")
+    known = sorted({entry.class_name for entry in catalog})
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=3)
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            raise UsageError(
+                f"--classes: {name!r} is not a causal-LM class with a flash-attention path in the installed "
+                f"transformers{hint}. Fix: 'hfpatch models --list' prints the class names."
+            )
+    return names
+
+
+def _print_catalog(catalog: list) -> int:
+    for entry in catalog:
+        note = f"   (import failed: {entry.import_error})" if entry.import_error else ""
+        print(f"{entry.model_type:28s} {entry.class_name}{note}")
+    print(f"{len(catalog)} classes")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_options(args)
+    from hfpatch.release.sweep import flash_causal_lm_classes  # not at the top: torch; `--help` must not load it
+    from hfpatch.release.sweep.run import run_sweep  # not at the top: torch and transformers, as above
+
+    if args.list:
+        return _print_catalog(flash_causal_lm_classes())
+    classes = requested_classes(args.classes, flash_causal_lm_classes()) if args.classes is not None else None
     start = time.time()
     progress = None if args.json else (lambda v: print(f"{v.verdict:9s}  {v.model_type:28s} {v.class_name:44s} "
                                                        f"{v.detail.splitlines()[0] if v.detail else ''}", flush=True))
     verdicts = run_sweep(world_size=args.world_size, classes=classes, kernel=args.kernel, progress=progress)
+    return _report(args, verdicts, time.time() - start)
+
+
+def _report(args: argparse.Namespace, verdicts: list, seconds: float) -> int:
+    import torch
+    import transformers
+
+    from hfpatch.release.sweep import table  # not at the top: torch, which `--help` must not load
+
     defects = [v for v in verdicts if v.verdict in ("silent", "unnamed")]
     if args.json:
         print(json.dumps([v.to_json() for v in verdicts], indent=1))
     else:
-        print(f"{table.counts_line(verdicts)} in {time.time() - start:.0f} s (transformers {transformers.__version__})")
+        print(f"{table.counts_line(verdicts)} in {seconds:.0f} s (transformers {transformers.__version__})")
         for v in defects:
             print(f"DEFECT {v.verdict}: {v.class_name}: {v.detail}")
     status = 1 if defects else 0
@@ -66,7 +127,7 @@ def run(args) -> int:
         print(f"wrote {args.write}")
     if args.check:
         path = Path(args.check)
-        differences = table.stale(verdicts, path.read_text()) if path.exists() else [f"{path} does not exist"]
+        differences = table.stale(verdicts, path.read_text())
         for line in differences:
             print(f"STALE: {line}")
         if differences:

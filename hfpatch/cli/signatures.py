@@ -22,6 +22,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
+from hfpatch.cli.arguments import HelpFormatter
 from hfpatch.errors import HfpatchError, ScanError
 from hfpatch.release.scan import ReleaseScan, scan_source, scan_version, scan_wheel
 from hfpatch.signatures import registry
@@ -30,11 +31,30 @@ from hfpatch.signatures.roles import UNKNOWN_ROLE
 EXIT_SUPPORTED, EXIT_UNSUPPORTED, EXIT_USAGE = 0, 1, 2
 
 
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("signatures", help="inspect the signature registry and scan releases")
+_DESCRIPTION = """\
+Developer command: read a transformers release statically (never installed or imported) and match its
+flash-attention signature against hfpatch's signature registry; --write stores the result in the registry (see
+hfpatch/signatures/REGENERATE.md).
+
+  hfpatch signatures scan --version X.Y.Z   its wheel, fetched with pip
+  hfpatch signatures scan --wheel PATH      a transformers-*.whl file
+  hfpatch signatures scan --source DIR      a checkout or site-packages folder
+
+exit status: 0 exact or compatible (or --write stored it); 1 unsupported, or --write refused; 2 bad input
+(unknown version, not a transformers wheel, no network), nothing written."""
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="signatures_command", metavar="ACTION")
-    parser.set_defaults(func=lambda args: (parser.print_help(), EXIT_USAGE)[1])
-    scan = sub.add_parser("scan", help="read a release statically (never imported) and give the registry verdict")
+
+    def help_without_action(args: argparse.Namespace) -> int:
+        parser.print_help()  # the help is the fix: it names the one action
+        return EXIT_USAGE
+
+    parser.set_defaults(func=help_without_action)
+    scan = sub.add_parser("scan", help="read a release statically (never imported) and give the registry verdict",
+                          description="Read a transformers release statically and give the registry verdict.")
     source = scan.add_mutually_exclusive_group(required=True)
     source.add_argument("--wheel", metavar="PATH", help="a transformers-*.whl file")
     source.add_argument("--version", metavar="X.Y.Z", help="fetch this release's wheel with pip (cached)")
@@ -45,6 +65,7 @@ def add_parser(subparsers) -> None:
     scan.add_argument("--releases", metavar="SPEC", help="the entry's releases, a packaging specifier")
     scan.add_argument("--registry-dir", metavar="DIR", help="where --write writes (default: the installed registry)")
     scan.set_defaults(func=run_scan)
+    return parser
 
 
 def run_scan(args: argparse.Namespace) -> int:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 
 from hfpatch.version_gates import TRANSFORMERS_MIN_SUPPORTED, is_supported_release, parse_version
-from hfpatch.release.scan import scan_version
+from hfpatch.release.scan import MFAU_MODULE, ReleaseScan, scan_version
 from hfpatch.signatures.registry import entry_for_version
 
 __all__ = ["static_check"]
+
+_TARGET = "_flash_attention_forward"
 
 
 def static_check(version: str, *, cache_dir: str | os.PathLike | None = None) -> dict:
@@ -20,9 +22,11 @@ def static_check(version: str, *, cache_dir: str | os.PathLike | None = None) ->
 
     Keys: ``version``, ``supported`` (bool), ``verdict`` ("exact" | "compatible" | "unsupported"),
     ``signature_id`` (e.g. "S5-4.53.3", "S5-4.53.3+compatible"; None before 4.43), ``expected_id`` (the entry
-    whose recorded releases cover ``version``, or None), ``binding_modules`` (dotted names of the modules
-    binding the function by from-import), ``attention_interface`` (``kind``, ``keys``, ``flash_keys``),
-    ``diff`` (what differs from the nearest entry; "" when exact), ``notes``, ``message`` (one line).
+    whose recorded releases cover ``version``, or None), ``binding_sites`` (``module.attribute`` of the definition
+    and of every from-import of it, the form ``hfpatch check`` reports for the installed release),
+    ``binding_modules`` (dotted names of the modules binding the function by from-import),
+    ``attention_interface`` (``kind``, ``keys``, ``flash_keys``), ``diff`` (what differs from the nearest entry;
+    "" when exact), ``notes``, ``message`` (one line).
 
     Raises ``InvalidReleaseSpec`` for a malformed version and ``WheelFetchError`` when the wheel cannot be
     fetched (unknown release, no network): the caller reports them as usage/environment errors (exit 2).
@@ -37,6 +41,7 @@ def static_check(version: str, *, cache_dir: str | os.PathLike | None = None) ->
             "verdict": "unsupported",
             "signature_id": None,
             "expected_id": None,
+            "binding_sites": [],
             "binding_modules": [],
             "attention_interface": {"kind": "none", "keys": [], "flash_keys": []},
             "diff": "",
@@ -69,6 +74,7 @@ def static_check(version: str, *, cache_dir: str | os.PathLike | None = None) ->
         "verdict": verdict,
         "signature_id": signature_id,
         "expected_id": expected.id if expected is not None else None,
+        "binding_sites": _binding_sites(scan),
         "binding_modules": list(scan.binding_modules),
         "attention_interface": {
             "kind": interface.kind,
@@ -79,3 +85,9 @@ def static_check(version: str, *, cache_dir: str | os.PathLike | None = None) ->
         "notes": notes,
         "message": message,
     }
+
+
+def _binding_sites(scan: ReleaseScan) -> list[str]:
+    """``module.attribute`` of every name bound to the function, its definition and each from-import, sorted."""
+    definition = {f"{MFAU_MODULE}.{_TARGET}"} if scan.has_module_function else set()
+    return sorted(definition | {f"{site.module}.{site.bound_as}" for site in scan.binding_sites})
