@@ -6,42 +6,52 @@
     kept = hfpatch.keep_attention(model, budget="auto")   # checkpointing's recomputation skips the ring forward
 
 ``hfpatch.switch`` is both the switch module and, called, its per-thread context manager.
+
+The public names are imported on first use (PEP 562 ``__getattr__``): ``import hfpatch`` loads neither torch nor
+transformers, so the command line (``hfpatch --help``, ``--version``) starts at once; ``hfpatch.apply`` and the
+others import their module, and torch with it, the first time they are read.
 """
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from hfpatch import switch  # noqa: E402  (the callable module: `with hfpatch.switch(mode):`)
-from hfpatch.api import Patch, active_patch, apply  # noqa: E402
-from hfpatch.errors import (  # noqa: E402
-    HfpatchError,
-    KeepAttentionError,
-    ModelDivergence,
-    PatchError,
-    SignatureMismatch,
-    UnsupportedArgument,
-    UnsupportedModel,
-    UnsupportedRelease,
-    VerificationError,
-)
-from hfpatch.keep_attention import KeptAttention, keep_attention  # noqa: E402
-from hfpatch.switch import current_mode, set_switch  # noqa: E402
+# public name -> the module that defines it
+_EXPORTS = {
+    "apply": "hfpatch.api",
+    "Patch": "hfpatch.api",
+    "active_patch": "hfpatch.api",
+    "keep_attention": "hfpatch.keep_attention",
+    "KeptAttention": "hfpatch.keep_attention",
+    "set_switch": "hfpatch.switch",
+    "current_mode": "hfpatch.switch",
+    "HfpatchError": "hfpatch.errors",
+    "SignatureMismatch": "hfpatch.errors",
+    "UnsupportedArgument": "hfpatch.errors",
+    "PatchError": "hfpatch.errors",
+    "VerificationError": "hfpatch.errors",
+    "UnsupportedRelease": "hfpatch.errors",
+    "UnsupportedModel": "hfpatch.errors",
+    "ModelDivergence": "hfpatch.errors",
+    "KeepAttentionError": "hfpatch.errors",
+}
 
-__all__ = [
-    "apply",
-    "Patch",
-    "active_patch",
-    "keep_attention",
-    "KeptAttention",
-    "switch",
-    "set_switch",
-    "current_mode",
-    "HfpatchError",
-    "SignatureMismatch",
-    "UnsupportedArgument",
-    "PatchError",
-    "VerificationError",
-    "UnsupportedRelease",
-    "UnsupportedModel",
-    "ModelDivergence",
-    "KeepAttentionError",
-]
+__all__ = ["apply", "Patch", "active_patch", "keep_attention", "KeptAttention", "switch", "set_switch",
+           "current_mode", "HfpatchError", "SignatureMismatch", "UnsupportedArgument", "PatchError",
+           "VerificationError", "UnsupportedRelease", "UnsupportedModel", "ModelDivergence", "KeepAttentionError"]
+
+
+def __getattr__(name: str):
+    if name == "switch":                      # the callable submodule itself
+        return importlib.import_module("hfpatch.switch")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hfpatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value                   # later reads skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
