@@ -2,11 +2,13 @@
 runs several trainer cases in one launch and writes, per case, the logged loss and grad norm of every optimiser
 step and the final parameters (rank 0) to ``--out``.
 
-A case is ``model:kind:dp:cp``: model a tiny family of ``hfpatch._models``; kind ``trainer`` (transformers'
+A case is ``model:kind:dp:cp`` or ``model:kind:dp:cp:keep``: model a tiny family of ``hfpatch._models``; kind ``trainer`` (transformers'
 Trainer, rows of one document, some labels -100), ``sft_plain`` (TRL SFTTrainer, right-padded rows of one
 document each, attention mask) or ``sft_packed`` (TRL SFTTrainer, padding-free rows of bin-packed documents:
 position ids and cu_seq_lens); the world must be dp x cp processes. cp == 1 is the non-CP run of the same script
-(same global batches); cp > 1 runs through ``hfpatch.integrations.enable``.
+(same global batches); cp > 1 runs through ``hfpatch.integrations.enable``. ``keep``: the trainer checkpoints
+every layer (``gradient_checkpointing=True``, non-reentrant) and ``enable(trainer, keep_attention="all")`` keeps
+each layer's attention output through it; the case also reports the keeper's counters.
 """
 from __future__ import annotations
 
@@ -53,11 +55,13 @@ def _dataset(kind: str):
     return pack_dataset(Dataset.from_dict({"input_ids": _documents(96, 3)}), 32, strategy="bfd")
 
 
-def _arguments(kind: str, out: str, dp: int, cp: int):
+def _arguments(kind: str, out: str, dp: int, cp: int, keep: bool = False):
     common = dict(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR,
                   gradient_accumulation_steps=ACCUMULATION,
                   optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
                   use_cpu=True, dataloader_drop_last=True, disable_tqdm=True, bf16=False)
+    if keep:
+        common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     if dp * cp > 1:
         from accelerate import ParallelismConfig
 
@@ -71,12 +75,12 @@ def _arguments(kind: str, out: str, dp: int, cp: int):
     return SFTConfig(**common, padding_free=kind == "sft_packed", max_length=None, dataset_num_proc=None)
 
 
-def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str):
+def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str, keep: bool = False):
     import hfpatch.integrations
     from hfpatch._models import build_model
 
     model = build_model(model_name)
-    args = _arguments(kind, out, dp, cp)
+    args = _arguments(kind, out, dp, cp, keep)
     dataset = _dataset(kind)
     with hfpatch.integrations.parallelism_config_on_cpu():
         if kind == "trainer":
@@ -87,22 +91,23 @@ def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str):
             from trl import SFTTrainer
 
             trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer())
-    return trainer, hfpatch.integrations.enable(trainer)
+    return trainer, hfpatch.integrations.enable(trainer, keep_attention="all" if keep else None)
 
 
 def run_case(spec: str, out_dir: str) -> dict:
     from accelerate.state import AcceleratorState, PartialState
 
-    model_name, kind, dp, cp = spec.split(":")
-    dp, cp = int(dp), int(cp)
-    trainer, handle = _trainer(model_name, kind, dp, cp, os.path.join(out_dir, "trainer"))
+    model_name, kind, dp, cp, *options = spec.split(":")
+    dp, cp, keep = int(dp), int(cp), options == ["keep"]
+    trainer, handle = _trainer(model_name, kind, dp, cp, os.path.join(out_dir, "trainer"), keep)
     try:
         trainer.train()
+        kept = handle.kept.stats() if handle.kept is not None else None
     finally:
         handle.remove()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
     result = {"case": spec, "loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
-              "active": handle.active, "calls": sum(handle.patch.calls.values())}
+              "active": handle.active, "calls": sum(handle.patch.calls.values()), "kept": kept}
     if PartialState().process_index == 0:
         model = trainer.accelerator.unwrap_model(trainer.model)
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()},

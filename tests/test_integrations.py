@@ -64,6 +64,8 @@ CASES = [f"{model}:{kind}" for model in MODELS for kind in KINDS]
 CASES_2X2 = CASES if os.environ.get("HFPATCH_TEST_TRAINER_FULL") == "1" else \
     ["llama:trainer", "gemma2:sft_packed", "qwen2:sft_plain"]
 LAYERS, MICRO_BATCHES = 2, 3 * 2   # tiny models: 2 layers; 3 steps x 2 accumulated micro-batches
+# enable(trainer, keep_attention="all") with gradient checkpointing: against the same cases' non-CP runs
+KEEP_CASES = ["llama:trainer", "gemma2:sft_packed"]
 
 
 def _launch(launcher: list, cases: list, out: Path) -> dict:
@@ -85,7 +87,8 @@ def runs(tmp_path_factory) -> dict:
     results.update(_launch([], [f"{c}:1:1" for c in CASES], base / "world1"))
     results.update(_launch(["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
                             "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
-                           [f"{c}:1:2" for c in CASES] + [f"{c}:2:1" for c in CASES_2X2], base / "world2"))
+                           [f"{c}:1:2" for c in CASES] + [f"{c}:2:1" for c in CASES_2X2]
+                           + [f"{c}:1:2:keep" for c in KEEP_CASES], base / "world2"))
     results.update(_launch(["torch.distributed.run", "--nproc-per-node", "4"],
                            [f"{c}:2:2" for c in CASES_2X2], base / "world4"))
     return results
@@ -95,8 +98,8 @@ def _parameters(run: dict) -> dict:
     return torch.load(run["out"] / (run["case"].replace(":", "_") + ".pt"))
 
 
-def _compare(runs: dict, case: str, dp: int) -> None:
-    cp_run, reference = runs[f"{case}:{dp}:2"], runs[f"{case}:{dp}:1"]
+def _compare(runs: dict, case: str, dp: int, keep: bool = False) -> None:
+    cp_run, reference = runs[f"{case}:{dp}:2" + (":keep" if keep else "")], runs[f"{case}:{dp}:1"]
     assert cp_run["active"] and not reference["active"]
     assert cp_run["calls"] == LAYERS * MICRO_BATCHES, "the ring did not run in every layer of every micro-batch"
     assert len(cp_run["loss"]) == len(reference["loss"]) == 3
@@ -118,3 +121,13 @@ def test_cp_1x2_equals_non_cp(runs, case):
 @pytest.mark.parametrize("case", CASES_2X2)
 def test_cp_2x2_equals_non_cp(runs, case):
     _compare(runs, case, dp=2)
+
+
+@pytest.mark.parametrize("case", KEEP_CASES)
+def test_cp_with_kept_attention_equals_non_cp(runs, case):
+    """Trainer / SFTTrainer with gradient checkpointing and ``enable(keep_attention="all")``: the non-CP result,
+    and every layer's recomputation of every micro-batch took its kept attention output."""
+    _compare(runs, case, dp=1, keep=True)
+    kept = runs[f"{case}:1:2:keep"]["kept"]
+    assert kept["kept"] == kept["replayed"] == LAYERS * MICRO_BATCHES and kept["gaps"] == 0, kept
+    assert kept["live_bytes"] == 0, kept

@@ -207,3 +207,20 @@ def test_losses_that_see_a_shard_are_refused():
         with pytest.raises(UnsupportedArgument) as info:
             _refuse_unsupported_losses(types.SimpleNamespace(**{**base, field: value}))
         assert info.value.parameter == parameter
+
+
+def test_keep_attention_without_checkpointing_is_refused():
+    """``enable(keep_attention=...)`` needs the trainer's checkpointing (transformers' or FSDP's) to keep through."""
+    from hfpatch.integrations.trainer import _require_checkpointing
+
+    def trainer(gradient_checkpointing, fsdp_checkpointing):
+        plugin = types.SimpleNamespace(activation_checkpointing=fsdp_checkpointing)
+        return types.SimpleNamespace(args=types.SimpleNamespace(gradient_checkpointing=gradient_checkpointing),
+                                     accelerator=types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin)))
+
+    _require_checkpointing(trainer(True, False), "auto")
+    _require_checkpointing(trainer(False, True), "auto")
+    with pytest.raises(UnsupportedArgument) as info:
+        _require_checkpointing(trainer(False, False), 12)
+    assert info.value.parameter == "keep_attention" and info.value.value == 12
+    assert "gradient_checkpointing=True" in str(info.value)

@@ -49,7 +49,8 @@ def _is_sft_trainer(trainer) -> bool:
 class TrainerCP:
     """What ``enable`` installed on one trainer. ``patch``: the ``hfpatch.Patch`` (inactive without CP);
     ``cp_size``: the CP size of the trainer's ``ParallelismConfig`` (1 without); ``active``: True when the ring
-    runs (``patch.active``); ``fallback``: True when CP was asked for but hfpatch fell back (``patch.reason``)."""
+    runs (``patch.active``); ``fallback``: True when CP was asked for but hfpatch fell back (``patch.reason``);
+    ``kept``: the ``hfpatch.KeptAttention`` of ``enable(keep_attention=...)`` (None without)."""
 
     def __init__(self, trainer, patch, cp_size: int) -> None:
         self.trainer = trainer
@@ -57,6 +58,7 @@ class TrainerCP:
         self.cp_size = cp_size
         self.active = bool(patch.active)
         self.fallback = cp_size > 1 and not patch.active
+        self.kept = None                 # the hfpatch.KeptAttention of enable(keep_attention=...), or None
         self._installed: dict = {}
         self._removed = False
 
@@ -83,6 +85,8 @@ class TrainerCP:
         if self._removed:
             raise RuntimeError(f"{self!r} was already removed")
         self._removed = True
+        if self.kept is not None:
+            self.kept.remove()
         for (owner, name), replacement in self._installed.items():
             if owner.__dict__.get(name) is replacement:
                 delattr(owner, name)
@@ -131,6 +135,19 @@ class TrainerCP:
         return result / cp
 
 
+def _require_checkpointing(trainer, keep_attention) -> None:
+    """``keep_attention`` keeps outputs through activation checkpointing: the trainer must set it up."""
+    plugin = getattr(getattr(trainer.accelerator, "state", None), "fsdp_plugin", None)
+    if trainer.args.gradient_checkpointing or getattr(plugin, "activation_checkpointing", False):
+        return
+    raise UnsupportedArgument(
+        "keep_attention", keep_attention,
+        "kept attention outputs skip the ring forward in activation checkpointing's recomputation, and this "
+        "trainer checkpoints nothing (gradient_checkpointing is off and FSDP's activation_checkpointing too).",
+        "set gradient_checkpointing=True (with gradient_checkpointing_kwargs={'use_reentrant': False}) in the "
+        "training arguments, or activation_checkpointing in the FSDP config; or drop keep_attention.")
+
+
 def _cp_mesh(trainer):
     """(the CP mesh or None, cp_size); refuses what the integration does not combine with CP."""
     pc = getattr(trainer.accelerator, "parallelism_config", None)
@@ -164,13 +181,19 @@ def _refuse_unsupported_losses(trainer) -> None:
             "set router_aux_loss_coef=0.0 under CP.")
 
 
-def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", verify: Any = True) -> TrainerCP:
+def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", verify: Any = True,
+           keep_attention: Any = None) -> TrainerCP:
     """Give ``trainer`` (a transformers ``Trainer`` or TRL ``SFTTrainer``, built, not yet trained) context
     parallelism over the "cp" dimension of its ``ParallelismConfig``; returns the ``TrainerCP`` handle.
 
     Call it on every rank after building the trainer and before ``trainer.train()``. ``kernel``,
     ``on_unsupported`` and ``verify`` are ``hfpatch.apply``'s. Without a ``ParallelismConfig`` or with
     ``cp_size=1`` it applies nothing and the trainer trains as it would without hfpatch.
+
+    ``keep_attention``: None (default), or ``hfpatch.keep_attention``'s budget (GiB, ``"auto"``, ``"all"``): the
+    checkpointing the trainer sets up (``gradient_checkpointing=True``, or FSDP's ``activation_checkpointing``)
+    keeps each layer's attention output, so the recomputation skips the ring forward (``TrainerCP.kept``). It
+    needs one of those two on (``UnsupportedArgument`` otherwise) and CP active (ignored without CP).
 
     Raises ``UnsupportedRelease`` for transformers / accelerate / TRL older than
     ``hfpatch.integrations.requirements``; ``UnsupportedArgument`` for what it cannot combine with CP (tensor or
@@ -184,10 +207,14 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     mesh, cp_size = _cp_mesh(trainer)
     if cp_size > 1:
         _refuse_unsupported_losses(trainer)
+    if keep_attention is not None and cp_size > 1:
+        _require_checkpointing(trainer, keep_attention)
     model = trainer.model
     patch = hfpatch.apply(mesh, model=model, kernel=kernel, on_unsupported=on_unsupported, verify=verify)
     handle = TrainerCP(trainer, patch, cp_size)
     handle._install()
+    if keep_attention is not None and handle.active:
+        handle.kept = hfpatch.keep_attention(model, budget=keep_attention)
     trainer.hfpatch_cp = handle
     logger.info("hfpatch.integrations: %r", handle)
     return handle
