@@ -41,6 +41,7 @@ from typing import Any, List, Mapping, Tuple
 import torch
 
 from hfpatch.errors import PatchError
+from ring_kernels.checkpointing import current_region
 
 __all__ = ["OP_NAME", "BACKWARD_OP_NAME", "register_dispatcher", "compiled_call", "is_recomputing"]
 
@@ -175,6 +176,11 @@ def _private_output(out: torch.Tensor, inputs: List[torch.Tensor]) -> torch.Tens
 def _flash_attention(tensors: List[torch.Tensor], ints: List[int], token: int,
                      spec_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run the routed attention call; returns (out (B, S_local, H, D) in the query's dtype, mode_code int64 ())."""
+    if current_region() is not None:
+        raise PatchError(
+            "hfpatch.keep_attention does not apply to a compiled model: the compiled attention operator "
+            "recomputes its forward in its own backward, so outputs kept through checkpointing would only cost "
+            "memory. Fix: remove keep_attention (kept.remove()) when compiling, or train without torch.compile.")
     dispatcher = _dispatcher(token)
     call, extra = _rebuild(tensors, ints, spec_id)
     mode = dispatcher.compiled_forward(call, extra)

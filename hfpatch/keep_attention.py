@@ -20,7 +20,8 @@ transformers' Trainer may come before or after this call), the checkpoint functi
 - every module transformers checkpoints (``gradient_checkpointing`` set, ``_gradient_checkpointing_func``).
 
 A training forward (``model.training`` and gradients on) that finds no checkpointed module raises
-``KeepAttentionError``: without recomputation there is nothing to skip. So does a module checkpointed twice (a
+``KeepAttentionError``: without recomputation there is nothing to skip. So does a compiled model's forward
+(``torch.compile``: its attention operator recomputes its own forward in backward, whatever is kept). So does a module checkpointed twice (a
 ``CheckpointWrapper`` around a layer transformers checkpoints too): it recomputes twice whatever is kept.
 
 Budget (``budget=``), counted over the kept outputs alive at once:
@@ -45,7 +46,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from hfpatch.errors import KeepAttentionError
-from ring_kernels.checkpointing import OutputKeeper, keeping
+from ring_kernels.checkpointing import CompiledRegionError, OutputKeeper, keeping
 
 __all__ = ["keep_attention", "KeptAttention"]
 
@@ -66,6 +67,23 @@ def _budget_bytes(budget: Union[float, int, str]):
     raise KeepAttentionError(
         f"keep_attention: budget={budget!r} is not a budget; pass GiB of kept attention outputs as a number >= 0 "
         "(e.g. 12), 'auto' (CUDA: what fits beside the step's peak) or 'all' (every checkpointed layer)")
+
+
+def _refusing_compile(kept_checkpoint):
+    """``kept_checkpoint`` that refuses to be traced by torch.compile (see ``_opaque``: the compiled attention
+    operator recomputes its forward in its own backward, so kept outputs would only cost memory)."""
+
+    def checkpoint_fn(function, *args, **kwargs):
+        try:
+            return kept_checkpoint(function, *args, **kwargs)
+        except CompiledRegionError as exc:
+            raise KeepAttentionError(
+                "keep_attention does not apply to a compiled model: the compiled attention operator recomputes its "
+                "forward in its own backward, so outputs kept through checkpointing would only cost memory. Fix: "
+                "remove keep_attention (kept.remove()) when compiling, or train without torch.compile") from exc
+
+    checkpoint_fn.keeper = kept_checkpoint.keeper
+    return checkpoint_fn
 
 
 class KeptAttention:
@@ -118,7 +136,7 @@ class KeptAttention:
             key = (id(module), attribute)
             # the first original stays the one to restore (a re-enabled checkpointing replaces ours: wrap again)
             self._originals.setdefault(key, (module, attribute, current))
-            setattr(module, attribute, keeping(current, self.keeper))
+            setattr(module, attribute, _refusing_compile(keeping(current, self.keeper)))
         self.wrapped = [name for name, _, _ in found]
         return found
 

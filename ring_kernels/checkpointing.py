@@ -46,7 +46,7 @@ import torch
 
 from .errors import RingInputError
 
-__all__ = ["OutputKeeper", "keeping", "checkpoint", "current_region", "KeptOutputMismatch"]
+__all__ = ["OutputKeeper", "keeping", "checkpoint", "current_region", "KeptOutputMismatch", "CompiledRegionError"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ _REGION: contextvars.ContextVar[Optional["_Region"]] = contextvars.ContextVar("r
 
 class KeptOutputMismatch(RingInputError):
     """A recomputation made ring calls that differ from its forward's (another shape, or more calls)."""
+
+
+class CompiledRegionError(RingInputError):
+    """A kept checkpoint function traced by torch.compile: its regions are Python state a graph cannot carry."""
 
 
 def _pair_bytes(out: torch.Tensor, lse: torch.Tensor) -> int:
@@ -266,6 +270,11 @@ def keeping(checkpoint_fn: Callable, keeper: OutputKeeper) -> Callable:
         raise TypeError(f"keeping: keeper must be an OutputKeeper, got {type(keeper).__name__}")
 
     def kept_checkpoint(function, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            raise CompiledRegionError(
+                "ring_kernels.checkpointing.keeping: kept ring outputs do not apply under torch.compile (the region "
+                "and its counters are Python state a compiled graph cannot carry). Fix: checkpoint with the plain "
+                "checkpoint function when compiling")
         region = _Region(keeper)
         return checkpoint_fn(lambda *a, **kw: region.run(function, *a, **kw), *args, **kwargs)
 

@@ -169,3 +169,33 @@ def test_remove_restores_checkpoint_functions_and_is_idempotent():
     kept.remove()
     assert {n: m._gradient_checkpointing_func for n, m in model.named_modules() if n in originals} == originals
     assert not model._forward_pre_hooks
+
+
+def _compiled_is_refused(rank, world):
+    import hfpatch
+    from hfpatch.errors import KeepAttentionError
+
+    model = _model("transformers")
+    kept = hfpatch.keep_attention(model, budget="all")
+    patch = hfpatch.apply(dist.group.WORLD, model=model, verify="fast")
+    compiled = torch.compile(model, backend="eager")
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    batch = patch.shard_inputs(ids, labels=ids)
+    try:
+        compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.sum()
+    except KeepAttentionError as exc:
+        message = str(exc)
+    else:
+        message = None
+    finally:
+        patch.remove()
+        kept.remove()
+        torch._dynamo.reset()
+    return message
+
+
+def test_a_compiled_model_is_refused():
+    """Under torch.compile the attention is one opaque operator whose backward recomputes its forward: kept outputs
+    would only cost memory, so a kept checkpoint function refuses to be compiled."""
+    for message in run_world(2, _compiled_is_refused, timeout=300):
+        assert message is not None and "does not apply to a compiled model" in message, message
