@@ -15,7 +15,8 @@ the environment only an override (``ring_kernels.options`` documents every optio
 
 Modules: ``engine`` (blocks, ring loops, autograd) and ``rounding`` (each row rounded once) under the batch
 layouts ``ring``, ``zigzag``, ``stripe``; ``documents`` (packed-document planning, the cu_seqlens cache) under
-``varlen`` (ring and zigzag over documents) and ``llama3`` (all-gathered K/V); ``backends`` compute blocks.
+``varlen`` (ring and zigzag over documents) and ``llama3`` (all-gathered K/V); ``backends`` compute blocks;
+``checkpointing`` keeps each ring call's output through activation checkpointing (the recomputation skips the ring).
 """
 
 from ring_kernels.errors import RingInputError
