@@ -1,6 +1,7 @@
 """Launched by tests/test_integrations.py with torchrun / accelerate launch (as a user launches a training script):
 runs several trainer cases in one launch and writes, per case, the logged loss and grad norm of every optimiser
-step and the final parameters (rank 0) to ``--out``.
+step, the eval losses (evaluation during training at step 2, then ``trainer.evaluate()``), and the final parameters
+and ``trainer.predict()`` logits (rank 0) to ``--out``.
 
 A case is ``model:kind:dp:cp`` or ``model:kind:dp:cp:keep``: model a tiny family of ``hfpatch._models``; kind ``trainer`` (transformers'
 Trainer, rows of one document, some labels -100), ``sft_plain`` (TRL SFTTrainer, right-padded rows of one
@@ -22,6 +23,8 @@ import torch
 STEPS = 3
 BATCH = 2          # per device (per CP group)
 ACCUMULATION = 2   # micro-batches per optimiser step: num_items_in_batch spans both
+EVAL_ROWS = 8      # a multiple of the eval batch x dp: no remainder for the loop to cut
+EVAL_STEPS = 2     # evaluation during training after this optimiser step
 LR = 0.1
 VOCAB = 128
 
@@ -42,24 +45,29 @@ def _documents(count: int, seed: int):
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def _dataset(kind: str):
+def _dataset(kind: str, split: str = "train"):
+    """The training rows, or (``split="eval"``) EVAL_ROWS other rows of the same kind."""
     from datasets import Dataset
 
+    seed = 0 if split == "train" else 10
     if kind == "trainer":  # rows of 22 tokens (not a multiple of 2 x cp: padded by the integration)
-        docs = [(d * 5)[:22] for d in _documents(32, 1)]
+        docs = [(d * 5)[:22] for d in _documents(32 if split == "train" else EVAL_ROWS, 1 + seed)]
         return Dataset.from_dict({"input_ids": docs, "labels": [[-100] * 3 + d[3:] for d in docs]})
     if kind == "sft_plain":
-        return Dataset.from_dict({"input_ids": _documents(32, 2)})
+        return Dataset.from_dict({"input_ids": _documents(32 if split == "train" else EVAL_ROWS, 2 + seed)})
     from trl import pack_dataset
 
-    return pack_dataset(Dataset.from_dict({"input_ids": _documents(96, 3)}), 32, strategy="bfd")
+    packed = pack_dataset(Dataset.from_dict({"input_ids": _documents(96 if split == "train" else 40, 3 + seed)}),
+                          32, strategy="bfd")
+    return packed if split == "train" else packed.select(range(EVAL_ROWS))
 
 
 def _arguments(kind: str, out: str, dp: int, cp: int, keep: bool = False):
     common = dict(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR,
                   gradient_accumulation_steps=ACCUMULATION,
                   optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-                  use_cpu=True, dataloader_drop_last=True, disable_tqdm=True, bf16=False)
+                  use_cpu=True, dataloader_drop_last=True, disable_tqdm=True, bf16=False,
+                  eval_strategy="steps", eval_steps=EVAL_STEPS, per_device_eval_batch_size=BATCH)
     if keep:
         common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     if dp * cp > 1:
@@ -86,11 +94,13 @@ def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str, keep: bool 
         if kind == "trainer":
             from transformers import Trainer, default_data_collator
 
-            trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator)
+            trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=_dataset(kind, "eval"),
+                              data_collator=default_data_collator)
         else:
             from trl import SFTTrainer
 
-            trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer())
+            trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=_dataset(kind, "eval"),
+                                 processing_class=_tokenizer())
     return trainer, hfpatch.integrations.enable(trainer, keep_attention="all" if keep else None)
 
 
@@ -103,15 +113,25 @@ def run_case(spec: str, out_dir: str) -> dict:
     try:
         trainer.train()
         kept = handle.kept.stats() if handle.kept is not None else None
+        calls = sum(handle.patch.calls.values())
+        handle.patch.reset_calls()
+        final_eval = trainer.evaluate()["eval_loss"]
+        gathered_by_evaluate = handle.gathered_logits
+        predicted = trainer.predict(trainer.eval_dataset)
     finally:
         handle.remove()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
     result = {"case": spec, "loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
-              "active": handle.active, "calls": sum(handle.patch.calls.values()), "kept": kept}
+              "active": handle.active, "calls": calls, "kept": kept,
+              "eval_loss": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e] + [final_eval],
+              "predict_loss": predicted.metrics["test_loss"], "eval_calls": sum(handle.patch.calls.values()),
+              "gathered_by_evaluate": gathered_by_evaluate, "gathered_logits": handle.gathered_logits}
     if PartialState().process_index == 0:
         model = trainer.accelerator.unwrap_model(trainer.model)
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
-                   os.path.join(out_dir, spec.replace(":", "_") + ".pt"))
+        stem = os.path.join(out_dir, spec.replace(":", "_"))
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, stem + ".pt")
+        torch.save({"logits": torch.as_tensor(predicted.predictions),
+                    "labels": torch.as_tensor(predicted.label_ids)}, stem + ".predict.pt")
     AcceleratorState._reset_state(reset_partial_state=False)
     return result
 

@@ -7,7 +7,11 @@ without CP (the same script, same seed, same global batches: the trainer with ``
 loss and grad norm, and the final parameters, must be equal (fp32: loss and grad norm within 1e-5 relative,
 parameters within 2e-6; measured over all 18 pairs: loss 1.7e-7 and grad norm 3.6e-7 relative, parameters
 1.2e-7 absolute), and the CP run must have run the ring in
-every attention layer of every micro-batch.
+every attention layer of every micro-batch. Evaluation too (``hfpatch.integrations.evaluation``): every eval loss
+(evaluation during training at steps 2 and 3, then ``trainer.evaluate()``) and ``predict()``'s loss within 1e-5
+relative, ``predict()``'s whole-sequence logits within 5e-5 absolute at every labelled position (padded positions
+of right-padded rows are not compared: the non-CP model attends with the padding mask there), the labels equal,
+no logits gathered by ``evaluate()`` (loss only), one gather per batch by ``predict()``.
 
 Three launches (the costly part is starting processes: each imports torch, transformers, accelerate, TRL and
 datasets, seconds apiece; so each launch runs many cases):
@@ -64,6 +68,8 @@ CASES = [f"{model}:{kind}" for model in MODELS for kind in KINDS]
 CASES_2X2 = CASES if os.environ.get("HFPATCH_TEST_TRAINER_FULL") == "1" else \
     ["llama:trainer", "gemma2:sft_packed", "qwen2:sft_plain"]
 LAYERS, MICRO_BATCHES = 2, 3 * 2   # tiny models: 2 layers; 3 steps x 2 accumulated micro-batches
+EVAL_ROWS, EVAL_BATCH, EVALUATIONS_IN_TRAINING = 8, 2, 2   # _trainer_cases: eval after steps 2 and 3
+LOGITS_ATOL = 5e-5
 # enable(trainer, keep_attention="all") with gradient checkpointing: against the same cases' non-CP runs
 KEEP_CASES = ["llama:trainer", "gemma2:sft_packed"]
 
@@ -101,7 +107,9 @@ def _parameters(run: dict) -> dict:
 def _compare(runs: dict, case: str, dp: int, keep: bool = False) -> None:
     cp_run, reference = runs[f"{case}:{dp}:2" + (":keep" if keep else "")], runs[f"{case}:{dp}:1"]
     assert cp_run["active"] and not reference["active"]
-    assert cp_run["calls"] == LAYERS * MICRO_BATCHES, "the ring did not run in every layer of every micro-batch"
+    eval_batches = EVAL_ROWS // (EVAL_BATCH * dp)
+    assert cp_run["calls"] == LAYERS * (MICRO_BATCHES + EVALUATIONS_IN_TRAINING * eval_batches), \
+        "the ring did not run in every layer of every micro-batch and eval batch"
     assert len(cp_run["loss"]) == len(reference["loss"]) == 3
     torch.testing.assert_close(torch.tensor(cp_run["loss"]), torch.tensor(reference["loss"]),
                                rtol=LOSS_RTOL, atol=0)
@@ -111,6 +119,22 @@ def _compare(runs: dict, case: str, dp: int, keep: bool = False) -> None:
     assert cp_params.keys() == ref_params.keys()
     worst = max((cp_params[n] - ref_params[n]).abs().max().item() for n in ref_params)
     assert worst <= PARAM_ATOL, f"{case} dp={dp} cp=2: parameters differ by {worst:.3g} after 3 steps"
+    _compare_evaluation(cp_run, reference, eval_batches)
+
+
+def _compare_evaluation(cp_run: dict, reference: dict, eval_batches: int) -> None:
+    assert len(cp_run["eval_loss"]) == len(reference["eval_loss"]) == EVALUATIONS_IN_TRAINING + 2
+    torch.testing.assert_close(torch.tensor(cp_run["eval_loss"] + [cp_run["predict_loss"]]),
+                               torch.tensor(reference["eval_loss"] + [reference["predict_loss"]]),
+                               rtol=LOSS_RTOL, atol=0)
+    assert cp_run["gathered_by_evaluate"] == 0, "evaluate() without compute_metrics gathered logits"
+    assert cp_run["gathered_logits"] == eval_batches
+    ours = torch.load(cp_run["out"] / (cp_run["case"].replace(":", "_") + ".predict.pt"))
+    theirs = torch.load(reference["out"] / (reference["case"].replace(":", "_") + ".predict.pt"))
+    assert torch.equal(ours["labels"], theirs["labels"]) and ours["logits"].shape == theirs["logits"].shape
+    labelled = theirs["labels"] != -100
+    worst = (ours["logits"] - theirs["logits"])[labelled].abs().max().item()
+    assert worst <= LOGITS_ATOL, f"{cp_run['case']}: predict() logits differ by {worst:.3g}"
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -13,7 +13,11 @@ it):
 - ``trainer.compute_loss`` runs inside ``hfpatch.labels.averaged_over_group()``: each rank's loss is its share of
   the token-weighted loss of the global batch, scaled so that the trainer's own reductions (the mean of the logged
   loss over every rank, gradients averaged over dp x cp) give exactly the non-CP loss and gradient, with
-  ``num_items_in_batch`` and gradient accumulation as the trainer handles them without CP.
+  ``num_items_in_batch`` and gradient accumulation as the trainer handles them without CP;
+- ``trainer.prediction_step`` (transformers' or TRL's own; a subclass's own is left alone) ->
+  ``hfpatch.integrations.evaluation.prediction_step``: ``evaluate()`` and evaluation during training log the
+  non-CP eval loss, ``predict()`` returns the whole-sequence logits gathered over the CP group, and
+  ``prediction_loss_only`` gathers no logits.
 
 Without CP (no ``ParallelismConfig``, or ``cp_size=1``) ``enable`` changes nothing: the same script trains without
 CP. With ``on_unsupported="fallback"`` and a model or release hfpatch refuses, every rank of a CP group computes
@@ -30,6 +34,7 @@ import torch
 
 import hfpatch
 from hfpatch.errors import UnsupportedArgument
+from hfpatch.integrations import evaluation
 from hfpatch.integrations.batch import prepare_batch
 from hfpatch.integrations.requirements import check_releases
 from hfpatch.labels import averaged_over_group
@@ -38,7 +43,7 @@ __all__ = ["enable", "TrainerCP"]
 
 logger = logging.getLogger("hfpatch")
 
-_REPLACED = ("_prepare_context_parallel_inputs", "compute_loss")
+_REPLACED = ("_prepare_context_parallel_inputs", "compute_loss", "prediction_step")
 
 
 def _is_sft_trainer(trainer) -> bool:
@@ -50,7 +55,10 @@ class TrainerCP:
     """What ``enable`` installed on one trainer. ``patch``: the ``hfpatch.Patch`` (inactive without CP);
     ``cp_size``: the CP size of the trainer's ``ParallelismConfig`` (1 without); ``active``: True when the ring
     runs (``patch.active``); ``fallback``: True when CP was asked for but hfpatch fell back (``patch.reason``);
-    ``kept``: the ``hfpatch.KeptAttention`` of ``enable(keep_attention=...)`` (None without)."""
+    ``kept``: the ``hfpatch.KeptAttention`` of ``enable(keep_attention=...)`` (None without);
+    ``eval_step``: "cp" when evaluation and prediction run through ``hfpatch.integrations.evaluation``, or
+    "trainer's own" (no CP, or a trainer class with its own ``prediction_step``, left as it is);
+    ``gathered_logits``: how many batches of logits were gathered over the CP group (``predict()``)."""
 
     def __init__(self, trainer, patch, cp_size: int) -> None:
         self.trainer = trainer
@@ -59,6 +67,9 @@ class TrainerCP:
         self.active = bool(patch.active)
         self.fallback = cp_size > 1 and not patch.active
         self.kept = None                 # the hfpatch.KeptAttention of enable(keep_attention=...), or None
+        self.sft = _is_sft_trainer(trainer)
+        self.eval_step = "trainer's own"
+        self.gathered_logits = 0
         self._installed: dict = {}
         self._removed = False
 
@@ -71,12 +82,16 @@ class TrainerCP:
         if self.cp_size == 1:
             return
         trainer = self.trainer
-        self._original_compute_loss = trainer.compute_loss
+        self.original_compute_loss = trainer.compute_loss
         self._installed = {
             (trainer, "_prepare_context_parallel_inputs"): self._prepare_inputs,
             (trainer, "compute_loss"): self._compute_loss,
             (trainer.accelerator, "_prepare_cp"): self._without_torch_cp,
         }
+        if _has_known_prediction_step(trainer):
+            self.gather_one_copy = evaluation.OneCopyPerCPGroup(trainer.accelerator)
+            self._installed[(trainer, "prediction_step")] = self._prediction_step
+            self.eval_step = "cp"
         for (owner, name), replacement in self._installed.items():
             setattr(owner, name, replacement)
 
@@ -104,6 +119,9 @@ class TrainerCP:
             return contextlib.nullcontext, inputs
         return contextlib.nullcontext, prepare_batch(self.patch, inputs)
 
+    def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        return evaluation.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+
     def _compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         if self.fallback:
             return self._fallback_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -116,7 +134,7 @@ class TrainerCP:
                 "of transformers 5 does).",
             )
         with averaged_over_group():
-            return self._original_compute_loss(model, inputs, return_outputs=return_outputs,
+            return self.original_compute_loss(model, inputs, return_outputs=return_outputs,
                                                num_items_in_batch=num_items_in_batch)
 
     def _fallback_loss(self, model, inputs, return_outputs, num_items_in_batch):
@@ -126,13 +144,25 @@ class TrainerCP:
         cp = self.cp_size
         if num_items_in_batch is not None:
             num_items_in_batch = num_items_in_batch * cp
-        result = self._original_compute_loss(model, inputs, return_outputs=return_outputs,
+        result = self.original_compute_loss(model, inputs, return_outputs=return_outputs,
                                              num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None or not self.trainer.args.average_tokens_across_devices:
             return result
         if return_outputs:
             return result[0] / cp, result[1]
         return result / cp
+
+
+def _has_known_prediction_step(trainer) -> bool:
+    """True when the trainer's class evaluates with transformers' or TRL's own ``prediction_step`` (the ones
+    ``hfpatch.integrations.evaluation`` reproduces under CP); a subclass's own one is left as it is."""
+    from transformers import Trainer
+
+    known = [Trainer.prediction_step]
+    trl = sys.modules.get("trl")
+    if trl is not None and hasattr(trl, "SFTTrainer"):
+        known.append(trl.SFTTrainer.prediction_step)
+    return type(trainer).prediction_step in known
 
 
 def _require_checkpointing(trainer, keep_attention) -> None:

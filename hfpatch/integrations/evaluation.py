@@ -1,0 +1,142 @@
+"""``Trainer.evaluate()``, evaluation during training and ``Trainer.predict()`` under context parallelism.
+
+Without CP the trainer's evaluation loop calls ``prediction_step`` on each rank's batch and gathers every rank's
+loss (repeated once per row), logits and labels over all processes (``trainer.gather_function``); the logged loss
+is their mean. Under CP every rank of a CP group holds the same batch. ``prediction_step`` below (installed on the
+trainer instance by ``enable``) keeps the non-CP results:
+
+- loss: the batch is sharded as a training step shards it (``batch.prepare_batch``) and scored by the trainer's
+  ``compute_loss`` inside ``averaged_over_group``, with the divisor the trainer's own non-CP prediction step
+  uses: transformers' Trainer counts the unsharded batch (``_get_num_items_in_batch``); TRL's SFTTrainer passes
+  none, so its fused head's mean over the batch is reproduced by passing ``count / cp_size`` (times the processes
+  its loss is multiplied by). Each rank's loss is then its share; one all-reduce of one number over the CP group
+  gives every rank of the group the non-CP loss of the batch.
+- ``prediction_loss_only=True`` (``evaluate()`` without ``compute_metrics``): the loss alone, no logits gathered.
+- otherwise the whole-sequence logits ``(B, S, V)``: the shards gathered over the CP group
+  (``ring_kernels.layout.unshard`` in the step's layout), back in token order, the integration's end padding cut;
+  and the batch's own labels. Only the ``logits`` field of the model output is returned (other per-token outputs
+  exist only as shards).
+- the loop's ``gather_function`` is set for the running evaluation (the trainer resets it when the loop ends) to
+  keep one copy per CP group (the processes of CP rank 0), so losses, logits and labels are gathered as often as
+  without CP.
+
+With ``on_unsupported="fallback"`` every rank computes the whole batch with the model's own attention; the loss is
+divided by the CP size where the divisor above scaled it, and the same one-copy gather applies.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from hfpatch.inputs import IGNORE_INDEX
+from hfpatch.integrations.batch import prepare_batch
+from hfpatch.labels import averaged_over_group
+
+__all__ = ["prediction_step", "OneCopyPerCPGroup"]
+
+
+class OneCopyPerCPGroup:
+    """A ``gather_function`` for the trainer's evaluation loop: ``accelerator.gather`` over every process, then the
+    parts of the processes of CP rank 0 only (rank order), then accelerate's cut of the last batch's remainder.
+    ``calls``: how many tensors (nested structures count once) it gathered."""
+
+    def __init__(self, accelerator) -> None:
+        mesh = accelerator.torch_device_mesh
+        ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("cp"), -1)[..., 0]
+        self.accelerator = accelerator
+        self.kept_ranks = sorted(int(r) for r in ranks.flatten())
+        self.world_size = accelerator.num_processes
+        self.calls = 0
+
+    def __call__(self, data):
+        from accelerate.utils import recursively_apply
+
+        self.calls += 1
+        gathered = self.accelerator.gather(data)
+        data = recursively_apply(self._one_copy, gathered)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = recursively_apply(lambda t: t[: state.remainder], data)
+        return data
+
+    def _one_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = tensor.chunk(self.world_size, dim=0)
+        return torch.cat([parts[rank] for rank in self.kept_ranks], dim=0)
+
+
+def _labels_of(trainer, inputs) -> Any:
+    """The labels the trainer's own prediction step returns (None when the batch has none)."""
+    names = trainer.label_names
+    if not names or any(inputs.get(name) is None for name in names):
+        return None
+    labels = tuple(inputs[name].detach() for name in names)
+    return labels[0] if len(labels) == 1 else labels
+
+
+def _counted_targets(inputs) -> torch.Tensor:
+    """Targets with a label in the unsharded batch (each token's label is the next token's: the shifted count)."""
+    shift = inputs.get("shift_labels")
+    counted = shift if shift is not None else inputs["labels"][..., 1:]
+    return (counted != IGNORE_INDEX).sum()
+
+
+def _divisor(handle, inputs) -> Optional[Any]:
+    """``num_items_in_batch`` that makes each CP rank's loss its share of the non-CP loss (module docstring)."""
+    trainer = handle.trainer
+    if not handle.sft:
+        return trainer._get_num_items_in_batch([inputs], trainer.args.device)
+    scale = trainer.accelerator.num_processes // trainer.get_tp_size() if trainer.args.average_tokens_across_devices \
+        else 1
+    return _counted_targets(inputs).to(torch.float64) * scale / handle.cp_size
+
+
+def _whole_logits(handle, outputs, step, seq_len: int) -> torch.Tensor:
+    from ring_kernels.layout import unshard
+
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs[1]
+    if handle.fallback:
+        return logits.detach()
+    whole = unshard(logits.detach(), handle.patch.ctx.group, layout=step.layout, dim=1,
+                    cu_seqlens=step.cu_seqlens)
+    handle.gathered_logits += 1
+    return whole[:, :seq_len]
+
+
+def prediction_step(handle, model, inputs, prediction_loss_only: bool, ignore_keys=None):
+    """The trainer's ``prediction_step`` under CP (module docstring): ``(loss, logits, labels)``, each optional."""
+    trainer = handle.trainer
+    trainer.gather_function = handle.gather_one_copy
+    inputs = trainer._prepare_inputs(inputs)
+    labels = _labels_of(trainer, inputs)
+    seq_len = inputs["input_ids"].shape[1]
+    num_items = _divisor(handle, inputs) if labels is not None else None
+    step = None
+    if handle.active:
+        inputs = prepare_batch(handle.patch, inputs)
+        step = handle.patch.ctx.step
+    want_outputs = not prediction_loss_only or not handle.sft   # SFTTrainer recomputes its outputs: only if needed
+    loss, outputs = None, None
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        if labels is None:
+            outputs = model(**inputs)
+        else:
+            with averaged_over_group():
+                result = handle.original_compute_loss(model, inputs, return_outputs=want_outputs,
+                                                      num_items_in_batch=num_items)
+            loss, outputs = result if want_outputs else (result, None)
+            loss = _non_cp_loss(handle, loss.detach().mean(), num_items)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, _whole_logits(handle, outputs, step, seq_len), labels
+
+
+def _non_cp_loss(handle, share: torch.Tensor, num_items) -> torch.Tensor:
+    """The non-CP loss of the batch on every rank of the CP group, from this rank's share."""
+    if handle.fallback:   # the whole batch on every rank: scaled by the CP size only where the divisor was given
+        return share / handle.cp_size if num_items is not None else share
+    import torch.distributed as dist
+
+    total = share.to(torch.float64).reshape(1)
+    dist.all_reduce(total, group=handle.patch.ctx.group)
+    return (total[0] / handle.cp_size).to(share.dtype)
