@@ -455,8 +455,12 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
             patch.remove()
             _check_no_active_patch()
         _active = patch
-    logger.info("hfpatch: active: %s, %d binding sites, kernel %s:%s over %d ranks, switch=%s",
-                match.id, len(patch.sites), patch.ctx.variant, patch.ctx.backend, patch.ctx.world_size, env_mode)
+    mixers = patch.mixers.modules if patch.mixers is not None else []
+    logger.info("hfpatch: active: %s, %d binding sites, kernel %s:%s over %d ranks, switch=%s; exact: attention%s%s; "
+                "refused: %s", match.id, len(patch.sites), patch.ctx.variant, patch.ctx.backend, patch.ctx.world_size,
+                env_mode, f", {len(mixers)} sequence mixers ({', '.join(sorted({m[2] for m in mixers}))})" if mixers
+                else "", f", model probe worst rel. error {patch.probe.worst:.2g}" if patch.probe is not None else "",
+                f"model(labels=) ({patch.labels_refusal})" if patch.labels_refusal else "nothing")
     return patch
 
 

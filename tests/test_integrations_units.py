@@ -224,3 +224,38 @@ def test_keep_attention_without_checkpointing_is_refused():
         _require_checkpointing(trainer(False, False), 12)
     assert info.value.parameter == "keep_attention" and info.value.value == 12
     assert "gradient_checkpointing=True" in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------- evaluation
+
+
+def test_eval_gather_keeps_one_copy_per_cp_group():
+    """dp=2 x cp=2 (mesh ranks [[0, 1], [2, 3]]): of the four gathered parts, those of ranks 0 and 2 remain."""
+    from hfpatch.integrations.evaluation import OneCopyPerCPGroup
+
+    mesh = types.SimpleNamespace(mesh=torch.tensor([[0, 1], [2, 3]]), mesh_dim_names=("dp_shard", "cp"))
+    accelerator = types.SimpleNamespace(
+        torch_device_mesh=mesh, num_processes=4,
+        gather=lambda x: torch.cat([x + 10 * rank for rank in range(4)]),
+        gradient_state=types.SimpleNamespace(end_of_dataloader=False, remainder=0))
+    gather = OneCopyPerCPGroup(accelerator)
+    assert gather.kept_ranks == [0, 2]
+    assert gather(torch.tensor([1.0, 2.0])).tolist() == [1.0, 2.0, 21.0, 22.0] and gather.calls == 1
+
+
+def test_enable_logs_what_runs_and_what_fell_back():
+    from hfpatch.integrations.trainer import _summary
+
+    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(num_processes=4))
+    ctx = types.SimpleNamespace(variant="zigzag", backend="reference")
+    mixers = types.SimpleNamespace(modules=[("model.layers.0.mixer", "Mamba2Mixer", "mamba2")])
+    active = types.SimpleNamespace(trainer=trainer, cp_size=2, fallback=False, kept=object(), eval_step="cp",
+                                   patch=types.SimpleNamespace(ctx=ctx, mixers=mixers, labels_refusal=None))
+    line = _summary(active, "all")
+    for part in ("zigzag:reference", "cp=2 of 4", "1 sequence mixers", "evaluate()/predict()", "'all'",
+                 "refused: nothing"):
+        assert part in line, (part, line)
+    fallback = types.SimpleNamespace(trainer=trainer, cp_size=2, fallback=True,
+                                     patch=types.SimpleNamespace(reason="model refused"))
+    assert "FELL BACK" in _summary(fallback) and "model refused" in _summary(fallback)
+    assert "without CP" in _summary(types.SimpleNamespace(trainer=trainer, cp_size=1))

@@ -246,5 +246,25 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     if keep_attention is not None and handle.active:
         handle.kept = hfpatch.keep_attention(model, budget=keep_attention)
     trainer.hfpatch_cp = handle
-    logger.info("hfpatch.integrations: %r", handle)
+    logger.info("%s", _summary(handle, keep_attention))
     return handle
+
+
+def _summary(handle: TrainerCP, keep_attention: Any = None) -> str:
+    """The one line ``enable`` logs: what runs under CP, what was made exact, what was refused or fell back."""
+    name = type(handle.trainer).__name__
+    if handle.cp_size == 1:
+        return f"hfpatch.integrations: {name} without CP (no ParallelismConfig with cp_size > 1): trainer unchanged"
+    world = handle.trainer.accelerator.num_processes
+    if handle.fallback:
+        return (f"hfpatch.integrations: {name} cp={handle.cp_size} of {world} processes FELL BACK to the model's own "
+                f"attention on the whole batch ({handle.patch.reason}); losses rescaled to the non-CP ones")
+    ctx = handle.patch.ctx
+    mixers = handle.patch.mixers.modules if handle.patch.mixers is not None else []
+    exact = ["attention", "loss (averaged over the CP group)"] + ([f"{len(mixers)} sequence mixers"] if mixers else [])
+    exact.append("evaluate()/predict()" if handle.eval_step == "cp" else "training only (the trainer's own "
+                 "prediction_step is left as it is)")
+    kept = f"; kept attention outputs (budget {keep_attention!r})" if handle.kept is not None else ""
+    return (f"hfpatch.integrations: {name} ring attention, kernel {ctx.variant}:{ctx.backend}, cp={handle.cp_size} "
+            f"of {world} processes; exact: {', '.join(exact)}{kept}; refused: "
+            f"{handle.patch.labels_refusal or 'nothing'}")
