@@ -220,10 +220,40 @@ def _static(device_type: str, device_index: Optional[int]) -> dict:
         "python": platform.python_version(),
         **origin,
         "hostname": platform.node(),
+        # What makes one machine slower than another: each GPU's clocks, throttling, power, temperature, PCIe
+        # link, and the GPUs' interconnect (nvidia-smi; None where it cannot run).
+        "gpu_facts": _gpu_facts() if cuda else None,
+        "topology": _run_text(["nvidia-smi", "topo", "-m"]) if cuda else None,
         # Settings that change communication speed (read by NCCL / ProcessGroupNCCL / ring_kernels at start-up).
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith(("NCCL_", "TORCH_NCCL_", "RING_KERNELS_")) or k == "PYTORCH_CUDA_ALLOC_CONF"},
     }
+
+
+_GPU_FIELDS = ("index", "name", "clocks.sm", "clocks.max.sm", "clocks_event_reasons.active", "power.draw",
+               "power.limit", "temperature.gpu", "pcie.link.gen.current", "pcie.link.width.current")
+
+
+def _run_text(command: list) -> Optional[str]:
+    """``command``'s standard output, or None when it cannot run or fails (within 20 s)."""
+    import subprocess
+
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def _gpu_facts() -> Optional[list]:
+    """One dict per GPU of ``_GPU_FIELDS`` (``nvidia-smi --query-gpu``); older drivers name the throttle reasons
+    ``clocks_throttle_reasons``."""
+    for fields in (_GPU_FIELDS, tuple(f.replace("clocks_event", "clocks_throttle") for f in _GPU_FIELDS)):
+        text = _run_text(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"])
+        if text:
+            return [dict(zip(_GPU_FIELDS, (v.strip() for v in line.split(",")))) for line in text.splitlines()
+                    if line.strip()]
+    return None
 
 
 def _ring_kernels_options() -> Optional[dict]:

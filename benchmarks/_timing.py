@@ -3,7 +3,8 @@
 On CUDA each iteration is bracketed by CUDA events on the current stream (so the time is GPU time, not
 Python launch time) and the device is synchronised before the events are read; on CPU ``perf_counter``.
 All ranks start each measurement together (a barrier), and per iteration the slowest rank's time is the
-step time (``all_reduce(MAX)`` of the per-iteration vector): a ring step is as fast as its slowest rank.
+step time (``all_reduce(MAX)`` of the per-iteration vector): a ring step is as fast as its slowest rank. Each
+rank's own median is kept too (``rank_median_ms``), so that a rank slower than the others is seen, not averaged.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Timing:
     max_ms: float
     iters: int
     warmup: int
+    rank_median_ms: Optional[List[float]] = None   # each rank's own median (index = rank); None without a group
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -36,6 +38,17 @@ class Timing:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _gather_over_ranks(value: float, device: torch.device, group) -> Optional[List[float]]:
+    """``value`` of every rank of ``group`` (index = group rank); None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    gather_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([value], dtype=torch.float64, device=gather_device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [float(t.item()) for t in every]
 
 
 def _max_over_ranks(values: List[float], device: torch.device, group) -> List[float]:
@@ -73,10 +86,11 @@ def time_callable(fn: Callable[[], object], *, device: torch.device, warmup: int
             t0 = time.perf_counter()
             fn()
             per_iter.append((time.perf_counter() - t0) * 1e3)
+    rank_medians = _gather_over_ranks(statistics.median(per_iter), device, group)
     per_iter = _max_over_ranks(per_iter, device, group)
     return Timing(
         median_ms=statistics.median(per_iter), mean_ms=statistics.fmean(per_iter),
-        min_ms=min(per_iter), max_ms=max(per_iter), iters=iters, warmup=warmup,
+        min_ms=min(per_iter), max_ms=max(per_iter), iters=iters, warmup=warmup, rank_median_ms=rank_medians,
     )
 
 

@@ -59,7 +59,9 @@ each document when packed): the attention matmuls QK^T and PV, 4 x s^2 x H x D f
 for forward + backward. The recomputation by checkpointing (decoder layers and loss chunks) is not counted: it is
 overhead, as in PaLM's MFU. Peak memory: ``torch.cuda.max_memory_allocated`` over warm-up and timed steps, max over
 ranks (parameters, gradients, optimizer states and activations). Backend: the block backends hfpatch chose
-(``Patch.backend_choices``), the SDPA backend pinned for native and single.
+(``Patch.backend_choices``), the SDPA backend pinned for native and single. ``rank_step_ms``: each rank's own
+median; a row whose MFU is far below the run's best (or below 20%), or with one rank much slower than the others,
+is named SLOW in its note (``slow_reason``), next to the stamp's per-GPU clocks, throttling and topology.
 """
 from __future__ import annotations
 
@@ -96,7 +98,7 @@ __all__ = ["ModelShape", "LLAMA3_8B", "FLOP_FORMULA", "model_flops", "peak_flops
            # the step's pieces that benchmarks/hybrid_step.py shares
            "checkpoint_layers", "shard_fsdp", "make_optimizer", "world_mesh", "join_process_group",
            "register_bench_attention", "set_attention", "steps_for", "max_over_ranks", "free_memory", "error_text",
-           "device_slug", "names_argument", "tokens_argument", "result_writer", "result_stem"]
+           "device_slug", "names_argument", "tokens_argument", "result_writer", "result_stem", "slow_reason"]
 
 MODES = ("hfpatch", "keep", "native", "single")
 LAYOUTS = ("batch", "packed")
@@ -599,9 +601,35 @@ def measure(runner: Runner, data: StepData, case: dict, args, device, shape: Mod
                mfu=(flops / (runner.world * seconds * peak)) if peak else None,
                ms_per_layer=timing.median_ms / runner.layers, peak_memory_bytes=peak_bytes,
                loss_first=float(losses[0].float()), loss_last=float(losses[-1].float()),
-               backend=runner.backend())
+               backend=runner.backend(), rank_step_ms=timing.rank_median_ms)
     row.update(runner.extra())
     return row
+
+
+# A step slower than this share of the run's best MFU, or than this MFU on a GPU of known peak, is named SLOW.
+SLOW_RELATIVE, SLOW_MFU = 0.6, 0.20
+RANK_IMBALANCE = 1.2   # one rank's median step time above the fastest rank's by this factor
+
+
+def slow_reason(row: dict, earlier: Sequence[dict]) -> Optional[str]:
+    """Why ``row`` (an ok row) looks like a slow machine or rank rather than the configuration, or None: its MFU
+    below ``SLOW_MFU``, or below ``SLOW_RELATIVE`` of the best MFU among ``earlier`` ok rows of the run; a rank
+    whose own median step time exceeds the fastest rank's by ``RANK_IMBALANCE``. The stamp's ``gpu_facts`` (clocks,
+    throttle reasons, power, temperature) and ``topology`` are where to look next."""
+    reasons = []
+    mfu = row.get("mfu")
+    best = max((r["mfu"] for r in earlier if r.get("status") == "ok" and r.get("mfu")), default=None)
+    if mfu is not None and mfu < SLOW_MFU:
+        reasons.append(f"MFU {mfu:.1%} < {SLOW_MFU:.0%}")
+    elif mfu is not None and best is not None and mfu < SLOW_RELATIVE * best:
+        reasons.append(f"MFU {mfu:.1%} < {SLOW_RELATIVE:.0%} of this run's best ({best:.1%})")
+    ranks = row.get("rank_step_ms") or []
+    if len(ranks) > 1 and max(ranks) > RANK_IMBALANCE * min(ranks):
+        slowest = max(range(len(ranks)), key=ranks.__getitem__)
+        reasons.append(f"rank {slowest} {ranks[slowest]:.0f} ms against {min(ranks):.0f} ms for the fastest")
+    if not reasons:
+        return None
+    return "SLOW: " + "; ".join(reasons) + " (see the stamp's gpu_facts and topology)"
 
 
 def _cases(mode: str, layouts: Sequence[str], args) -> List[dict]:
@@ -672,6 +700,10 @@ def _mode_rows(runner, mode, args, device, shape, peak, gpus, rows, emit, starte
             data = step_data(case["layout"], tokens, runner.world, args.vocab, device, args.seed)
             try:
                 row = measure(runner, data, case, args, device, shape, peak)
+                slow = slow_reason(row, rows)
+                if slow:
+                    row["slow"] = slow
+                    row["note"] = f"{row['note']}; {slow}" if row.get("note") else slow
             except Exception as exc:  # noqa: BLE001 - out of memory etc.: recorded, the next case still runs
                 row = dict(case, status="failed", reason=error_text(exc))
             del data

@@ -59,8 +59,8 @@ def _world(rank, world, out_dir):
                              "ring_layers": runner.extra()["ring_layers"]}
     finally:
         runner.close()
-    code = ts.main(TINY + ["--modes", "hfpatch,native,single", "--steps", "1", "--warmup", "0", "--optimizer", "sgd",
-                           "--out", out_dir, "--tag", "cpu_test"])
+    code = ts.main(TINY + ["--modes", "hfpatch,keep,native,single", "--steps", "1", "--warmup", "0", "--optimizer",
+                           "sgd", "--keep-budget", "all", "--out", out_dir, "--tag", "cpu_test"])
     return {"code": code, "steps": steps} if rank == 0 else None
 
 
@@ -117,7 +117,24 @@ def test_train_step_benchmark_measures_a_correct_step(tmp_path):
         assert row["tokens_per_gpu"] == TOKENS and row["step_ms"] > 0 and row["mfu"] is None, what
         # The first step runs before any update: its loss is the non-CP loss of the same model and data (single:
         # one rank's tokens).
-        expected = references[layout][0] if mode == "hfpatch" else _reference(layout, world=1)[0]
+        expected = references[layout][0] if mode in ("hfpatch", "keep") else _reference(layout, world=1)[0]
         assert_close(torch.tensor(row["loss_first"]), expected, LOSS, what)
+        assert len(row["rank_step_ms"]) == WORLD and "slow" not in row or row["slow"].startswith("SLOW"), what
+        if mode == "keep":   # every decoder layer's recomputation took its kept attention output
+            assert row["keep"]["replayed"] == row["keep"]["kept"] > 0 and row["keep"]["gaps"] == 0, what
     markdown = (tmp_path / "cpu_test.md").read_text()
     assert ts.FLOP_FORMULA in markdown and "unavailable:" in markdown
+
+
+def test_a_slow_machine_or_rank_is_named_not_averaged():
+    """``slow_reason``: an MFU under the floor, far under the run's best, or one rank much slower than the others."""
+    good = dict(status="ok", mfu=0.37, rank_step_ms=[8550.0, 8549.0])
+    assert ts.slow_reason(good, []) is None
+    assert ts.slow_reason(dict(good, mfu=0.35), [good]) is None
+    three_times = ts.slow_reason(dict(good, mfu=0.12, rank_step_ms=[45100.0, 45000.0]), [good])
+    assert three_times.startswith("SLOW: MFU 12.0% < 20%") and "gpu_facts" in three_times
+    relative = ts.slow_reason(dict(good, mfu=0.21), [good])
+    assert "MFU 21.0% < 60% of this run's best (37.0%)" in relative
+    rank = ts.slow_reason(dict(good, rank_step_ms=[8550.0, 11000.0]), [good])
+    assert "rank 1 11000 ms against 8550 ms for the fastest" in rank
+    assert ts.slow_reason(dict(good, mfu=None, rank_step_ms=None), [good]) is None   # CPU rows: no MFU
