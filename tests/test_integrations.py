@@ -11,7 +11,8 @@ every attention layer of every micro-batch. Evaluation too (``hfpatch.integratio
 (evaluation during training at steps 2 and 3, then ``trainer.evaluate()``) and ``predict()``'s loss within 1e-5
 relative, ``predict()``'s whole-sequence logits within 5e-5 absolute at every labelled position (padded positions
 of right-padded rows are not compared: the non-CP model attends with the padding mask there), the labels equal,
-no logits gathered by ``evaluate()`` (loss only), one gather per batch by ``predict()``.
+no logits gathered by ``evaluate()`` (loss only), one gather per batch by ``predict()`` (measured over all 14
+CP runs: eval and predict loss 1.6e-7 relative, logits 8.8e-6 absolute).
 
 Three launches (the costly part is starting processes: each imports torch, transformers, accelerate, TRL and
 datasets, seconds apiece; so each launch runs many cases):
