@@ -2,29 +2,40 @@
 holds several documents (position ids restart at 0 for each, TRL's collator adds cu_seq_lens); hfpatch splits the
 row over the cp ranks and every document attends only to itself, sliding windows and softcapping included.
 
-    # CPU (gloo), dp=1 x cp=2, then the same script without CP (same losses):
+    # CPU (gloo), dp=1 x cp=2, then the same steps without CP (one process) and the comparison:
     torchrun --nproc-per-node 2 examples/sft_cp.py --cp 2
-    torchrun --nproc-per-node 1 examples/sft_cp.py --cp 1
+    accelerate launch --multi_gpu --num_processes 2 examples/sft_cp.py --cp 2   # the same, accelerate's launcher
+    # without CP only, one process:
+    python examples/sft_cp.py --cp 1
     # GPUs (NCCL), FSDP2 over dp x cp, bf16 weights, 32k tokens per GPU:
     accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 examples/sft_cp.py --device cuda --cp 2 \
         --model small --pack-len 65536 --dtype bfloat16
 
 TRL refuses ``packing=True`` when ``cp_size > 1`` (its check assumes PyTorch's CP, which drops the document mask).
-So the documents are bin-packed first with TRL's own ``pack_dataset`` and trained with ``padding_free=True``: the
-same rows, the same collator. ``--plain`` trains right-padded rows of one document instead. ``--log-json PATH``:
-rank 0 writes every step's logged loss, grad norm and token count there (benchmarks/sft_cp_compare.py runs the
-script with and without CP on the same global batches and compares those). The script ends by destroying its
-process group (``Accelerator.end_training``).
+So the documents are bin-packed first with TRL's own ``pack_dataset`` and trained with ``padding_free=True`` (an
+``SFTConfig`` field): the same rows, the same collator. ``--plain`` trains right-padded rows of one document
+instead. The model is built from a config, so SFTTrainer gets its tokenizer as ``processing_class`` (a model loaded
+with ``from_pretrained`` has one to load beside it).
+
+What rank 0 prints, and the options ``--no-compare``, ``--plot FILE`` and ``--log-json PATH``: as in
+examples/trainer_cp.py (every step, the throughput, then the same steps without CP as one process, side by side
+with the verdict). ``--log-json PATH``: rank 0 writes every step's logged loss, grad norm and token count there,
+with the run's throughput (benchmarks/sft_cp_compare.py runs the script with and without CP on the same global
+batches and compares those). Every rank ends by destroying its process group and exiting without interpreter
+finalization (examples/_processes.py says why).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import os
+import sys
+import tempfile
 
 import torch
 
-from trainer_cp import SIZES, build_model
+from _report import check_plot_argument
+from trainer_cp import SIZES, add_report_arguments, build_model, check_world, end_run, logged_steps, on_cpu
 
 
 def build_tokenizer(vocab: int):
@@ -51,8 +62,8 @@ def build_documents(count: int, mean_len: int, vocab: int):
     return Dataset(table, fingerprint=f"sft-cp-documents-{count}-{mean_len}-{vocab}-seed1")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="examples/sft_cp.py", description=__doc__.split("\n")[0])
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--cp", type=int, default=2, help="context-parallel size (1: no CP)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -62,53 +73,94 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, default=40, help="mean document length")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--plain", action="store_true", help="right-padded rows of one document (no packing)")
-    p.add_argument("--log-json", default=None, help="rank 0 writes the steps' loss, grad norm and tokens here")
-    args = p.parse_args()
+    p.add_argument("--batch", type=int, default=None,
+                   help="rows per dp replica and step (default: 1 packed row; 2 with --plain)")
+    add_report_arguments(p)
+    options = p.parse_args(argv)
+    if options.batch is None:
+        options.batch = 2 if options.plain else 1
+    check_world(p, options)
+    check_plot_argument(options.plot, "examples/sft_cp.py")
+    return options
 
+
+def train(options) -> dict:
+    """Train on every rank; returns the steps and the throughput; rank 0 writes ``--log-json``."""
+    import datasets
     import hfpatch.integrations
     from accelerate import ParallelismConfig
+    from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer, pack_dataset
 
-    dtype = getattr(torch, args.dtype)
-    model = build_model(args.model, dtype)
-    vocab = model.config.vocab_size
-    docs_per_row = max(1, args.pack_len // args.doc_len)
-    dataset = build_documents(2 * args.steps * args.dp * docs_per_row, args.doc_len, vocab)
-    if not args.plain:
-        dataset = pack_dataset(dataset, args.pack_len, strategy="bfd")
-    parallelism = ParallelismConfig(dp_shard_size=args.dp, cp_size=args.cp) if args.dp * args.cp > 1 else None
-    config = SFTConfig(
-        output_dir="/tmp/hfpatch-sft-cp", max_steps=args.steps, per_device_train_batch_size=1 if not args.plain
-        else 2, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=0, bf16=False,
-        use_cpu=args.device == "cpu", parallelism_config=parallelism, padding_free=not args.plain, max_length=None,
-        disable_tqdm=True)
-    # CPU only: accelerate refuses a ParallelismConfig without accelerators (hfpatch/integrations/cpu.py).
-    on_cpu = hfpatch.integrations.parallelism_config_on_cpu() if args.device == "cpu" else contextlib.nullcontext()
-    with on_cpu:
-        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=build_tokenizer(vocab))
-    cp = hfpatch.integrations.enable(trainer)       # every rank, before train(); no CP: changes nothing
+    from _step_clock import StepClock
+
+    datasets.disable_progress_bars()
+    model = build_model(options.model, getattr(torch, options.dtype))
+    tokenizer = build_tokenizer(model.config.vocab_size)
+    _align_special_tokens(model, tokenizer)
+    docs_per_row = max(1, options.pack_len // options.doc_len)
+    dataset = build_documents(2 * options.steps * options.dp * options.batch * docs_per_row, options.doc_len,
+                              model.config.vocab_size)
+    packed = not options.plain
+    if packed:
+        dataset = pack_dataset(dataset, options.pack_len, strategy="bfd")
+    settings = dict(output_dir=os.path.join(tempfile.gettempdir(), "hfpatch-sft-cp"), max_steps=options.steps,
+                    per_device_train_batch_size=options.batch, learning_rate=1e-3, logging_steps=1,
+                    save_strategy="no", report_to=[], seed=0, bf16=False, use_cpu=options.device == "cpu",
+                    disable_tqdm=True, ddp_find_unused_parameters=False)
+    dp, cp = options.dp, options.cp
+    with on_cpu(options.device):
+        # README.md: begin (README.md shows the lines up to "README.md: end"; tests/test_examples.py compares them)
+        config = SFTConfig(**settings, padding_free=packed, max_length=None,  # an SFTConfig field, not SFTTrainer's
+                           parallelism_config=ParallelismConfig(dp_shard_size=dp, cp_size=cp))
+        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset,
+                             processing_class=tokenizer)    # a model built from a config has no tokenizer: pass one
+        cp_handle = hfpatch.integrations.enable(trainer)    # every rank, after building the trainer, before train()
+        # README.md: end
+    trainer.remove_callback(PrinterCallback)                # this script prints its own line per step
+    clock = StepClock.attach(trainer)
     try:
         trainer.train()
-        steps = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
-        if trainer.is_world_process_zero():
-            print(cp)
-            for entry in steps:
-                print(f"step {entry['step']}  loss {entry['loss']:.8f}  grad_norm {entry['grad_norm']:.6f}")
-            if args.log_json:
-                _write_log(args, model, cp, steps)
     finally:
-        cp.remove()
-        trainer.accelerator.end_training()          # destroys the process group (launched runs)
+        cp_handle.remove()
+    steps = logged_steps(trainer)
+    run = clock.run(trainer, "no CP" if cp == 1 else f"cp={cp}", [e["loss"] for e in steps], cp)
+    if options.log_json and trainer.is_world_process_zero():
+        _write_log(options, model, cp_handle, steps, run.to_dict())
+    return {"handle": repr(cp_handle), "throughput": run.to_dict(),
+            "steps": [{"step": e["step"], "loss": e["loss"], "grad_norm": e["grad_norm"]} for e in steps]}
 
 
-def _write_log(args, model, cp, steps) -> None:
+def _align_special_tokens(model, tokenizer) -> None:
+    """The model's pad and eos ids are the tokenizer's (SFTTrainer otherwise aligns them itself, with a warning)."""
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id, config.bos_token_id = \
+            tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id
+
+
+def _write_log(args, model, cp, steps, throughput=None) -> None:
     record = {"argv": vars(args), "cp": args.cp, "dp": args.dp, "dtype": args.dtype, "active": cp.active,
               "ring_calls": sum(cp.patch.calls.values()), "layers": model.config.num_hidden_layers,
-              "rows_per_step": 2 if args.plain else 1,
+              "rows_per_step": args.batch,
               "steps": [{"step": e["step"], "loss": e["loss"], "grad_norm": e["grad_norm"],
-                         "num_tokens": e.get("num_tokens")} for e in steps]}
+                         "num_tokens": e.get("num_tokens")} for e in steps],
+              "handle": repr(cp), "throughput": throughput}
     with open(args.log_json, "w") as f:
         json.dump(record, f, indent=1)
+
+
+def command_without_cp(options) -> list:
+    """This script with ``--cp 1`` as one process: the global batch of every step (``--batch`` x dp rows)."""
+    return [sys.executable, os.path.abspath(__file__), "--cp", "1", "--dp", "1", "--device", options.device,
+            "--model", options.model, "--dtype", options.dtype, "--pack-len", str(options.pack_len),
+            "--doc-len", str(options.doc_len), "--steps", str(options.steps), "--batch",
+            str(options.batch * options.dp), *(["--plain"] if options.plain else [])]
+
+
+def main() -> None:
+    options = parse_args()
+    record = train(options)
+    end_run(options, record, command_without_cp(options), f"examples/sft_cp.py, {options.model} Llama, SFTTrainer")
 
 
 if __name__ == "__main__":

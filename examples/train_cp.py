@@ -1,15 +1,15 @@
 """Train a HuggingFace model with context parallelism (hfpatch) inside the usual stack: a 2-D DeviceMesh
 (dp x cp), FSDP2 over dp, ring attention over cp, packed documents, optional activation checkpointing.
 
-    torchrun --nproc-per-node 4 examples/train_cp.py                    # CPU, gloo: dp=2 x cp=2
-    torchrun --nproc-per-node 4 examples/train_cp.py --no-cp            # the same global batch without CP
+    torchrun --nproc-per-node 2 examples/train_cp.py                    # CPU, gloo: dp=1 x cp=2, then without CP
+    torchrun --nproc-per-node 4 examples/train_cp.py                    # CPU, gloo: dp=2 x cp=2, then without CP
+    torchrun --nproc-per-node 4 examples/train_cp.py --no-cp            # only the run without CP
     torchrun --nproc-per-node 2 examples/train_cp.py --device cuda --dp 1 --cp 2 --seq-len 32768 --model small
-    torchrun --nproc-per-node 2 examples/train_cp.py --device cuda --dp 1 --cp 2 --seq-len 32768 --model small --no-cp
 
 What one step does, on every rank (dp index d, cp index c):
 
 1. The dp replica d takes its own packed row of documents (the same row on all cp ranks of the replica);
-   ``--data batch``: one document per row instead (no packing; sdpa's causal kernel serves the --no-cp baseline).
+   ``--data batch``: one document per row instead (no packing; sdpa's causal kernel serves the run without CP).
 2. ``patch.shard_inputs`` keeps this rank's part of the row (the layout the ring kernel needs) with GLOBAL
    position ids and labels already shifted; the model runs on that part; attention is ring attention over cp.
 3. ``patch.reduce_loss``: the token-weighted mean loss over cp (each rank's gradient flows into its own tokens only).
@@ -17,13 +17,19 @@ What one step does, on every rank (dp index d, cp index c):
    the shards over cp (the ranks of a cp group hold the same dp shard and each has the gradient of its tokens).
    Result: the gradient of the mean over replicas of each replica's token-mean loss, as without CP.
 
-``--no-cp`` keeps the mesh and the global batch: ``hfpatch.apply(None)`` is inactive, the input helpers are the
-identity, every cp rank of a replica computes the whole row with the model's own attention (sdpa), so the losses
-equal the CP run's and the step time and peak memory are those of one device holding the whole sequence.
+After the CP run the same launch trains the same model again without CP, on the same mesh and global batches:
+``hfpatch.apply(None)`` is inactive, the input helpers are the identity, and every cp rank of a replica computes
+the whole row with the model's own attention (sdpa), so the losses equal the CP run's and the step time and peak
+memory are those of one device holding the whole sequence. ``--no-cp`` runs only that; ``--no-compare`` only the
+CP run.
 
 Per step, rank 0 prints the global loss, the step time (max over ranks), tokens per second per device and the peak
-memory (CUDA: ``max_memory_allocated``, max over ranks; CPU: the process's peak RSS). The last line summarises
-the steps after the first (warm-up).
+memory (CUDA: ``max_memory_allocated``, max over ranks; CPU: the process's peak RSS); after each run a summary of
+the steps after the first (warm-up). Last, both runs side by side: every step's loss, the largest relative
+difference against ring_kernels.tolerances' "cp" loss bound of the dtype (exit status 1 beyond it), and both
+throughputs (tokens of the global batch per second). ``--plot FILE`` draws both loss curves (needs matplotlib).
+Every rank ends by destroying its process group and exiting without interpreter finalization
+(examples/_processes.py says why).
 """
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from _processes import exit_now, leave_process_group
+from _report import Run, check_plot_argument, compare, plot_losses, timed_steps
 
 # Model presets: (hidden, layers, heads, kv heads, intermediate, vocab). "tiny" is for CPU and CI.
 MODELS = {
@@ -67,14 +76,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing around every layer")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="torch.compile the FSDP2 model (backend: inductor, or e.g. aot_eager)")
-    parser.add_argument("--no-cp", action="store_true", help="baseline: the same mesh and batch without CP")
+    parser.add_argument("--no-cp", action="store_true", help="only the run without CP (the same mesh and batches)")
+    parser.add_argument("--no-compare", action="store_true", help="only the CP run (no run without CP after it)")
+    parser.add_argument("--plot", metavar="FILE", help="write the loss curves with and without CP to FILE "
+                                                       "(.png, .svg, .pdf; needs matplotlib)")
     parser.add_argument("--attn", default="sdpa",
-                        help="the model's own attention, used by --no-cp (default sdpa; e.g. flash_attention_2 on "
+                        help="the model's own attention, used without CP (default sdpa; e.g. flash_attention_2 on "
                              "GPUs with flash-attn for packed rows, which sdpa can only run with a dense mask)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.lr is None:   # bf16 models of 100M+ parameters diverge at the tiny model's rate
         args.lr = 3e-3 if args.model == "tiny" else 3e-4
+    check_plot_argument(args.plot, "examples/train_cp.py")
     return args
 
 
@@ -123,14 +136,14 @@ def build_model(args, device, dtype):
     return model.to(dtype).train()
 
 
-def parallelize(model, mesh, args):
+def parallelize(model, mesh, args, with_cp: bool):
     """hfpatch over cp, activation checkpointing, FSDP2 over dp with the gradient sum over cp. Returns the patch."""
     import hfpatch
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     cp_mesh = mesh["cp"]
-    # Inactive (identity helpers) without CP: --no-cp, or a cp dimension of one rank.
-    patch = hfpatch.apply(None if args.no_cp else cp_mesh, kernel=args.kernel, model=model)
+    # Inactive (identity helpers) without CP: the run without CP, or a cp dimension of one rank.
+    patch = hfpatch.apply(cp_mesh if with_cp else None, kernel=args.kernel, model=model)
     if args.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
@@ -193,16 +206,28 @@ def make_batch(step: int, dp_index: int, args, vocab: int):
 # ------------------------------------------------------------------------------------------------- loop
 
 
-def train(args) -> list:
-    """Run the steps; returns the global losses (every rank)."""
+def main(argv=None) -> None:
+    """Every rank: the CP run, then the run without CP on the same mesh and batches, then rank 0's comparison."""
+    args = parse_args(argv)
+    mesh, device = init_distributed(args)
+    runs = []
+    if not args.no_cp:
+        runs.append(train(args, mesh, device, with_cp=True))
+    if args.no_cp or (not args.no_compare and mesh["cp"].size() > 1):
+        runs.append(train(args, mesh, device, with_cp=False))
+    status = report(args, runs) if dist.get_rank() == 0 else 0
+    leave_process_group()
+    exit_now(status)
+
+
+def train(args, mesh, device, with_cp: bool) -> Run:
+    """Run the steps with CP or without (every rank); returns the run (global losses, throughput)."""
     from hfpatch.inputs import token_loss_sum
 
-    mesh, device = init_distributed(args)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
-        args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[_dtype_name(args, device)]
     model = build_model(args, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    patch = parallelize(model, mesh, args)
+    patch = parallelize(model, mesh, args, with_cp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     # The attention call is one opaque operator for the compiler (hfpatch/_opaque.py); FSDP2's hooks may break
     # the graph between layers, so no fullgraph here.
@@ -210,7 +235,7 @@ def train(args) -> list:
     dp_group, dp_index = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     rank0 = dist.get_rank() == 0
     if rank0:
-        mode = "no CP (--no-cp)" if not patch.active else f"CP: {patch!r}"
+        mode = "no CP" if not patch.active else f"CP: {patch!r}"
         print(f"{args.model} Llama, {n_params:,} parameters, "
               f"{dtype}, {device.type}; mesh dp={mesh['dp'].size()} x cp={mesh['cp'].size()}; seq {args.seq_len} "
               f"tokens per replica; {mode}", flush=True)
@@ -252,8 +277,27 @@ def train(args) -> list:
               f"{_format_bytes(max(peaks), device)}", flush=True)
     if patch.active:
         patch.remove()
-    dist.destroy_process_group()
-    return losses
+    timed, label = timed_steps(len(times))
+    return Run(label=f"cp={mesh['cp'].size()}" if patch.active else "no CP", losses=tuple(losses),
+               tokens=float(mesh["dp"].size() * args.seq_len * len(times[timed])), seconds=sum(times[timed]),
+               timed=label, processes=dist.get_world_size())
+
+
+def report(args, runs) -> int:
+    """Rank 0: both runs side by side and ``--plot``. Returns the exit status (1: the losses differ)."""
+    status = 0
+    if len(runs) == 2 and runs[0].label != "no CP":
+        lines, agree = compare(runs[0], runs[1], _dtype_name(args, torch.device(args.device)))
+        print("\n".join(lines), flush=True)
+        status = 0 if agree else 1
+    if args.plot:
+        plot_losses(args.plot, runs, f"examples/train_cp.py, {args.model} Llama, FSDP2 over dp")
+        print(f"loss curves: {args.plot}", flush=True)
+    return status
+
+
+def _dtype_name(args, device) -> str:
+    return args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
 
 
 def _peak_memory(device) -> float:
@@ -268,4 +312,4 @@ def _format_bytes(value: float, device) -> str:
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    main()

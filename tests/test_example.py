@@ -1,8 +1,10 @@
 """CI runs ``examples/train_cp.py`` as a user would: ``torchrun --nproc-per-node 4`` on CPU (gloo), dp=2 x cp=2,
-FSDP2 over dp, hfpatch over cp, packed documents, activation checkpointing, three AdamW steps. The losses it prints
-must equal a single-process, non-CP run of the same model on the same global batch, computed here from the
-example's own model and data functions (each document on its own: the definition of independent documents on every
-transformers release). Tolerance: 1e-5 relative per step (fp32; CP differs by rounding only, measured ~5e-8).
+FSDP2 over dp, hfpatch over cp, packed documents, activation checkpointing, three AdamW steps, then the same steps
+without CP on the same mesh. The losses of its CP run must equal a single-process, non-CP run of the same model on
+the same global batch, computed here from the example's own model and data functions (each document on its own:
+the definition of independent documents on every transformers release). Tolerance: 1e-5 relative per step (fp32;
+CP differs by rounding only, measured ~5e-8). The example's own comparison with its run without CP must say that
+they match. tests/test_examples.py runs every example on 2 processes (under the CI pin).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ LOSS_RTOL = 1e-5
 
 
 def _example_module():
+    if str(EXAMPLE.parent) not in sys.path:   # the example imports its helpers from its own folder
+        sys.path.insert(0, str(EXAMPLE.parent))
     spec = importlib.util.spec_from_file_location("train_cp_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -65,10 +69,15 @@ def _run_example(extra=()) -> str:
 
 def test_example_runs_with_torchrun_and_matches_single_process():
     out = _run_example()
-    losses = [float(x) for x in re.findall(r"^step \d+/\d+  loss (\S+)", out, flags=re.M)]
-    assert len(losses) == 3, out
+    both = [float(x) for x in re.findall(r"^step \d+/\d+  loss (\S+)", out, flags=re.M)]
+    assert len(both) == 6, out     # the CP run's steps, then those of the run without CP
+    losses = both[:3]
     assert "mesh dp=2 x cp=2" in out and "CP: <hfpatch.Patch" in out, out
     assert re.search(r"^summary: cp dp=2 cp=2 seq=64 .*checkpointing=True", out, flags=re.M), out
+    assert re.search(r"^summary: no-cp dp=2 cp=2 seq=64 .*checkpointing=True", out, flags=re.M), out
+    assert re.search(r"^largest relative difference \S+, bound 1e-05 .*: CP matches no CP$", out, flags=re.M), out
+    assert re.search(r"^throughput: cp=2 [\d,]+ tokens/s on 4 processes, no CP [\d,]+ tokens/s on 4: ", out,
+                     flags=re.M), out
     example = _example_module()
     reference = _reference_losses(example, example.parse_args(ARGS))
     for step, (got, want) in enumerate(zip(losses, reference), 1):

@@ -1,0 +1,77 @@
+"""The wall time and the tokens of every optimizer step of a transformers ``Trainer`` (or TRL ``SFTTrainer``), for
+the examples' throughput line.
+
+``StepClock.attach(trainer)`` after building the trainer, before ``train()``: it times every optimizer step
+(``on_step_begin`` to ``on_step_end``, CUDA synchronized) and counts the tokens of every batch the trainer's data
+collator builds (padding excluded where the batch has an attention mask), in the order it builds them. The trainer
+builds the batches in step order, so optimizer step s (1-based) used batches (s-1)G to sG-1, G being the gradient
+accumulation steps. Every rank of a CP group builds the same batches; ``run`` reduces the counts to the global
+batch's (a collective: call it on every rank).
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Sequence
+
+import torch
+from transformers import TrainerCallback
+
+from _report import Run, timed_steps
+
+__all__ = ["StepClock"]
+
+
+class _CountingCollator:
+    """``collator``, recording the tokens of every batch it builds."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+        self.counts: List[int] = []
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        mask = batch.get("attention_mask")
+        self.counts.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
+        return batch
+
+
+class StepClock(TrainerCallback):
+    """Per optimizer step: ``seconds`` (wall time) and, through the collator, the tokens of its batches."""
+
+    def __init__(self, collator: _CountingCollator, accumulation: int) -> None:
+        self.collator = collator
+        self.accumulation = accumulation
+        self.seconds: List[float] = []
+        self._start = 0.0
+
+    @classmethod
+    def attach(cls, trainer) -> "StepClock":
+        collator = _CountingCollator(trainer.data_collator)
+        trainer.data_collator = collator
+        clock = cls(collator, trainer.args.gradient_accumulation_steps)
+        trainer.add_callback(clock)
+        return clock
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        _synchronize()
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        _synchronize()
+        self.seconds.append(time.perf_counter() - self._start)
+
+    def run(self, trainer, label: str, losses: Sequence[float], cp_size: int) -> Run:
+        """The run's ``Run`` for the report: tokens and time of the timed steps; tokens of the global batches (the
+        sum over every rank's batches divided by ``cp_size``, whose ranks built the same ones)."""
+        timed, name = timed_steps(len(self.seconds))
+        counts = self.collator.counts[timed.start * self.accumulation:timed.stop * self.accumulation]
+        tokens = torch.tensor([float(sum(counts))], dtype=torch.float64, device=trainer.accelerator.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(tokens)
+        return Run(label=label, losses=tuple(losses), tokens=tokens.item() / cp_size,
+                   seconds=sum(self.seconds[timed]), timed=name, processes=trainer.accelerator.num_processes)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
