@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command (README, scripts/setup_and_test.sh and .ci/run all run this): the whole CPU suite on both cores,
-# whole modules per pytest-xdist worker (tests/conftest.py). Extra arguments go to pytest.
+# The test command (README via scripts/setup_and_test.sh, and CI's README step in .ci/run): the whole CPU suite on
+# both cores, whole modules per pytest-xdist worker (tests/conftest.py); the closing summary lists every failure,
+# error and skip with its reason (-rfEs). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python -m pytest -q -n 2 --dist loadscope "$@"
+exec python -m pytest -q -rfEs -n 2 --dist loadscope "$@"

@@ -1,10 +1,32 @@
 #!/usr/bin/env bash
-# Fresh clone -> .venv -> the test suite, exactly as CI does it: runs .ci/run from its first line through its
-# "The README's test command" step (the venv, the pinned installs, the test command), so this script and CI cannot
-# drift apart. Extra arguments go to that test command (e.g. -k docs).
+# Fresh clone -> .venv -> the test suite, with CI's setup and test command: runs .ci/run's lines before its "The
+# README's test command" step (the venv and the pinned installs, without CI's step timer), each phase announced by
+# a line as it starts, then the command that step wraps, scripts/run_tests.sh (CI also records the run as the newest
+# release's matrix entry; a user's run records nothing). Extra arguments go to that test command (e.g. -k docs).
 #   bash scripts/setup_and_test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-steps=$(awk '{print} done {exit} /^# The README.s test command:/ {done=1}' .ci/run)
-grep -q "^# The README.s test command:" <<<"$steps" || { echo "scripts/setup_and_test.sh: .ci/run has no \"# The README's test command:\" step" >&2; exit 2; }
-exec bash -c "$steps \"\$@\"" .ci/run "$@"
+steps=$(awk '/^# The README.s test command:/ {exit} {print}' .ci/run)
+readme_step=$(awk 'found {print; exit} /^# The README.s test command:/ {found=1}' .ci/run)
+grep -q "scripts/run_tests.sh" <<<"$readme_step" || {
+    echo "scripts/setup_and_test.sh: .ci/run's \"# The README's test command:\" step does not run scripts/run_tests.sh" \
+         "(found: ${readme_step:-nothing})" >&2; exit 2; }
+
+# .ci/run's lines without CI's bookkeeping (its step timer: `begin_step` calls and the EXIT trap that prints the
+# times), with a line announcing each phase (the venv, each pip install) as it starts.
+announced() {
+    local total phase=0 line
+    total=$(grep -cE '^python3? -m (venv|pip install)' <<<"$1")
+    while IFS= read -r line; do
+        case $line in begin_step\ * | trap\ *) continue ;; esac
+        if [[ $line =~ ^python3?\ -m\ (venv|pip\ install) ]]; then
+            phase=$((phase + 1))
+            printf 'echo "setup %d/%d (${SECONDS}s):" %q\n' "$phase" "$total" "$line"
+        fi
+        printf '%s\n' "$line"
+    done <<<"$1"
+}
+
+exec bash -c "$(announced "$steps")
+echo \"setup done (\${SECONDS}s); the test suite: bash scripts/run_tests.sh\${*:+ \$*}\"
+exec bash scripts/run_tests.sh \"\$@\"" .ci/run "$@"
