@@ -184,3 +184,34 @@ def test_the_readme_sft_snippet_has_what_sfttrainer_needs():
     config = block[block.index("SFTConfig("):block.index("SFTTrainer(")]
     assert "padding_free=" in config and "padding_free" not in block[block.index("SFTTrainer("):], block
     assert "processing_class=" in block[block.index("SFTTrainer("):], block
+
+
+def test_a_launch_of_the_wrong_size_is_a_usage_error():
+    """examples/trainer_cp.py (and sft_cp.py, which shares the check) started as one plain process with the default
+    --cp 2: exit 2 naming the launch to use, before any work."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "examples/trainer_cp.py"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "examples/trainer_cp.py: error: --dp 1 x --cp 2 needs 2 processes, this launch has 1. Fix: torchrun "
+        "--nproc-per-node 2 examples/trainer_cp.py --dp 1 --cp 2"), done.stderr
+
+
+def test_the_comparison_names_a_difference_beyond_the_tolerance():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from _report import Run, compare
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    without_cp = Run(label="no CP", losses=(4.0, 3.9), tokens=100.0, seconds=1.0, timed="2", processes=1)
+    close = Run(label="cp=2", losses=(4.0, 3.9 * (1 + 5e-6)), tokens=100.0, seconds=2.0, timed="2", processes=2)
+    far = Run(label="cp=2", losses=(4.0, 3.9 * (1 + 2e-5)), tokens=100.0, seconds=2.0, timed="2", processes=2)
+    lines, agree = compare(close, without_cp, "float32")
+    assert agree and lines[-2].endswith("CP matches no CP"), lines
+    assert lines[-1] == "throughput: cp=2 50 tokens/s on 2 processes, no CP 100 tokens/s on 1: 0.50x (step 2)", lines
+    lines, agree = compare(far, without_cp, "float32")
+    assert not agree and lines[-2].startswith("largest relative difference 2e-05, bound 1e-05"), lines
+    assert lines[-2].endswith("CP DIFFERS from no CP"), lines
+    lines, agree = compare(Run(**{**far.to_dict(), "losses": (4.0,)}), without_cp, "float32")
+    assert not agree and lines[-1] == "the runs logged 1 and 2 steps: nothing to compare", lines
