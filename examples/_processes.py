@@ -67,6 +67,7 @@ def run_without_cp(command: List[str], device: str) -> Optional[dict]:
     """Run ``command`` (an example with ``--cp 1``) as one process outside the launch, with ``--log-json`` added,
     and return the record it writes there (None when it fails). Its output is shown as it comes, each line marked
     "[no CP]", and its error output only when it fails."""
+    _release_device_memory()
     shown = shlex.join(["python" if part == sys.executable else _relative(part) for part in command])
     print(f"the same steps without CP, one process: {shown}", flush=True)
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryFile(mode="w+") as errors:
@@ -83,6 +84,17 @@ def run_without_cp(command: List[str], device: str) -> Optional[dict]:
         print(f"the run without CP failed (exit {status}); its error output ends with:\n{errors.read()[-6000:]}",
               flush=True)
     return None
+
+
+def _release_device_memory() -> None:
+    """Hand the GPU memory this process no longer uses back to the driver, for the process started next to it."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _relative(part: str) -> str:

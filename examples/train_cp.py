@@ -19,9 +19,9 @@ What one step does, on every rank (dp index d, cp index c):
 
 After the CP run the same launch trains the same model again without CP, on the same mesh and global batches:
 ``hfpatch.apply(None)`` is inactive, the input helpers are the identity, and every cp rank of a replica computes
-the whole row with the model's own attention (sdpa), so the losses equal the CP run's and the step time and peak
-memory are those of one device holding the whole sequence. ``--no-cp`` runs only that; ``--no-compare`` only the
-CP run.
+the whole row with the model's own attention (sdpa; a packed row with ``document_mask``), so the losses equal the
+CP run's and the step time and peak memory are those of one device holding the whole sequence. ``--no-cp`` runs
+only that; ``--no-compare`` only the CP run.
 
 Per step, rank 0 prints the global loss, the step time (max over ranks), tokens per second per device and the peak
 memory (CUDA: ``max_memory_allocated``, max over ranks; CPU: the process's peak RSS); after each run a summary of
@@ -197,6 +197,19 @@ def one_document_row(step: int, dp_index: int, args, vocab: int):
     return ids, None, ids.clone()
 
 
+def document_mask(position_ids: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """The (1, 1, S, S) additive attention mask of one packed row (position ids (1, S), restarting at 0 for each
+    document): 0 where a token may attend (an earlier or the same token of its own document), the dtype's lowest
+    value elsewhere. The run without CP passes it to the model's own attention, so the documents of a row stay
+    apart on every transformers release (sdpa and eager ignore packed position ids before 4.53)."""
+    positions = position_ids[0]
+    document = torch.cumsum(positions == 0, dim=0)
+    index = torch.arange(positions.numel())
+    allowed = (document[:, None] == document[None, :]) & (index[:, None] >= index[None, :])
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
+
+
 def make_batch(step: int, dp_index: int, args, vocab: int):
     """This replica's rows of the step: (input_ids, position_ids or None, unshifted labels), whole sequences."""
     row = packed_row if args.data == "packed" else one_document_row
@@ -239,6 +252,8 @@ def train(args, mesh, device, with_cp: bool) -> Run:
         print(f"{args.model} Llama, {n_params:,} parameters, "
               f"{dtype}, {device.type}; mesh dp={mesh['dp'].size()} x cp={mesh['cp'].size()}; seq {args.seq_len} "
               f"tokens per replica; {mode}", flush=True)
+    # Without CP, packed rows get an explicit document mask where the model's attention takes one (sdpa, eager).
+    dense_mask = args.attn in ("sdpa", "eager")
     losses, times, peaks = [], [], []
     for step in range(args.steps):
         ids, pos, labels = make_batch(step, dp_index, args, model.config.vocab_size)
@@ -248,7 +263,9 @@ def train(args, mesh, device, with_cp: bool) -> Run:
         start = time.perf_counter()
         batch = patch.shard_inputs(ids.to(device), labels=labels.to(device),
                                    position_ids=None if pos is None else pos.to(device))
-        logits = forward(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        mask = document_mask(pos, dtype, device) if not patch.active and pos is not None and dense_mask else None
+        logits = forward(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask,
+                         use_cache=False).logits
         loss_sum, count = token_loss_sum(logits, batch["labels"])
         loss = patch.reduce_loss(loss_sum, count)       # token-weighted over cp (identity without CP)
         loss.backward()                                 # FSDP2: mean over dp; the hook sums over cp
