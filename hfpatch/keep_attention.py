@@ -69,6 +69,11 @@ def _budget_bytes(budget: Union[float, int, str]):
         "(e.g. 12), 'auto' (CUDA: what fits beside the step's peak) or 'all' (every checkpointed layer)")
 
 
+def _inside(name: str, ancestor: str) -> bool:
+    """Whether module ``name`` lies inside module ``ancestor`` (names as ``named_modules`` gives them)."""
+    return ancestor == "" or name.startswith(ancestor + ".")
+
+
 def _refusing_compile(kept_checkpoint):
     """``kept_checkpoint`` that refuses to be traced by torch.compile (see ``_opaque``: the compiled attention
     operator recomputes its forward in its own backward, so kept outputs would only cost memory)."""
@@ -118,13 +123,18 @@ class KeptAttention:
                     callable(getattr(module, _TRANSFORMERS, None)):
                 found.append((name, module, _TRANSFORMERS))
         wrappers = [name for name, _, attribute in found if attribute == _TORCH_WRAPPER]
-        twice = [name for name, _, attribute in found if attribute == _TRANSFORMERS and
-                 any(name.startswith(w + ".") or w == "" for w in wrappers)]
-        if twice:
-            raise KeepAttentionError(
-                f"keep_attention: {twice[0]!r} is checkpointed twice, by torch's checkpoint_wrapper around it and "
-                "by transformers' gradient checkpointing: every recomputation runs it twice, kept outputs or not. "
-                "Use one: model.gradient_checkpointing_disable() with checkpoint_wrapper (FSDP2), or no wrapper")
+        for name, _, attribute in found:
+            if attribute != _TRANSFORMERS:
+                continue
+            # transformers checkpoints a layer inside a wrapper (5.x: the layer itself), or a stack of wrapped
+            # layers (4.x: the decoder stack's function): either way each layer is checkpointed twice
+            nested = [w for w in wrappers if _inside(name, w) or _inside(w, name)]
+            if nested:
+                raise KeepAttentionError(
+                    f"keep_attention: {nested[0]!r} is checkpointed twice, by torch's checkpoint_wrapper and by "
+                    f"transformers' gradient checkpointing (of {name or type(self.model).__name__!r}): every "
+                    "recomputation runs it twice, kept outputs or not. Use one: model.gradient_checkpointing_disable() "
+                    "with checkpoint_wrapper (FSDP2), or no wrapper")
         return found
 
     def _wrap(self) -> List[Tuple[str, torch.nn.Module, str]]:

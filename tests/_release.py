@@ -25,6 +25,8 @@ RELEASE_INDEPENDENT = {
     "test_layout.py": "ring_kernels.layout shard / unshard",
     "test_merge.py": "ring_kernels' LSE merge (eager and the fused Triton kernels under the interpreter)",
     "test_ring_batch.py": "ring_kernels' batch ring / zigzag / stripe engines on gloo worlds",
+    "test_ring_checkpointing.py": "ring_kernels.checkpointing (kept ring outputs through torch's checkpointing) on "
+                                  "gloo worlds",
     "test_ring_options.py": "ring_kernels' options object (defaults, setter, scope, environment override)",
     "test_ring_sinks.py": "ring_kernels' attention sinks in every variant on gloo worlds",
     "test_ring_varlen.py": "ring_kernels' varlen ring / zigzag / llama3 engines on gloo worlds",
@@ -38,10 +40,15 @@ RELEASE_INDEPENDENT = {
 }
 
 # Modules that must run on the same pytest-xdist worker (tests/conftest.py's scheduler, `--dist loadscope`): they
-# share one gloo world per session (tests/_dropin_world.py), which each worker would otherwise start again.
+# share one gloo world per session (tests/_dropin_world.py), which each worker would otherwise start again, or
+# must not run at the same time (memory).
 SAME_WORKER = {
     "tests/test_dropin_axolotl.py": "tests/_dropin_world.py",
     "tests/test_dropin_ring_flash_attn.py": "tests/_dropin_world.py",
+    # The real-scale models (about 5 GB per rank, 2 ranks each): one after the other, never both at once on a
+    # 24 GiB CI machine.
+    "tests/test_keep_attention.py": "real-scale models",
+    "tests/test_model_probe_scale.py": "real-scale models",
 }
 
 

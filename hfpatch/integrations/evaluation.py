@@ -32,6 +32,7 @@ import torch
 from hfpatch.inputs import IGNORE_INDEX
 from hfpatch.integrations.batch import prepare_batch
 from hfpatch.labels import averaged_over_group
+from ring_kernels.layout import unshard
 
 __all__ = ["prediction_step", "OneCopyPerCPGroup"]
 
@@ -92,8 +93,6 @@ def _divisor(handle, inputs) -> Optional[Any]:
 
 
 def _whole_logits(handle, outputs, step, seq_len: int) -> torch.Tensor:
-    from ring_kernels.layout import unshard
-
     logits = outputs.logits if hasattr(outputs, "logits") else outputs[1]
     if handle.fallback:
         return logits.detach()
