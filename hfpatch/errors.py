@@ -130,6 +130,11 @@ class ModelDivergence(VerificationError):
         self.dtype = dtype
 
 
+class MissingEnable(HfpatchError, RuntimeError):
+    """accelerate is about to run PyTorch's own context parallelism on a model whose attention it cannot shard (not
+    SDPA): a trainer with ``cp_size > 1`` that ``hfpatch.integrations.enable`` was not called on."""
+
+
 class KeepAttentionError(HfpatchError, ValueError):
     """``keep_attention`` cannot keep attention outputs as asked: a budget it cannot read, or a model trained with
     no checkpointed layer (there is no recomputation to skip)."""

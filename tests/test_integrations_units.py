@@ -259,3 +259,25 @@ def test_enable_logs_what_runs_and_what_fell_back():
                                      patch=types.SimpleNamespace(reason="model refused"))
     assert "FELL BACK" in _summary(fallback) and "model refused" in _summary(fallback)
     assert "without CP" in _summary(types.SimpleNamespace(trainer=trainer, cp_size=1))
+
+
+def test_a_forgotten_enable_is_named_before_torch_fails():
+    """Importing hfpatch.integrations guards accelerate's preparation of PyTorch's CP: a model it cannot shard (not
+    SDPA) raises MissingEnable naming enable(trainer); an SDPA model goes on to accelerate's own method."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    import hfpatch.integrations
+    from hfpatch._models import build_model
+    from hfpatch.errors import MissingEnable
+
+    guarded = Accelerator._prepare_cp
+    assert guarded.hfpatch_guard
+    with pytest.raises(MissingEnable, match=r"LlamaForCausalLM whose attention is 'eager'.*Fix: call "
+                                            r"hfpatch.integrations.enable\(trainer\)"):
+        guarded(object(), build_model("llama"))
+    # accelerate's own method runs (and fails on this bare stand-in for an accelerator, past the guard)
+    with pytest.raises(AttributeError, match="parallelism_config"):
+        guarded(object(), build_model("llama", attn_implementation="sdpa"))
+    hfpatch.integrations.guard_missing_enable()
+    assert Accelerator._prepare_cp is guarded                     # wrapped once

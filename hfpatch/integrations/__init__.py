@@ -9,8 +9,12 @@
 On a CPU-only machine build the trainer inside ``parallelism_config_on_cpu()`` (accelerate refuses a
 ``ParallelismConfig`` there; ``hfpatch.integrations.cpu`` says what that context changes). Supported releases:
 ``hfpatch.integrations.requirements``. docs/training-stack.md has the whole story.
+
+Importing this package also guards against a forgotten ``enable``: ``guard_missing_enable`` (``trainer.py``).
 """
 from hfpatch.integrations.cpu import parallelism_config_on_cpu
-from hfpatch.integrations.trainer import TrainerCP, enable
+from hfpatch.integrations.trainer import TrainerCP, enable, guard_missing_enable
+
+guard_missing_enable()
 
 __all__ = ["enable", "TrainerCP", "parallelism_config_on_cpu"]

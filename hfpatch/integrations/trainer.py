@@ -33,13 +33,13 @@ from typing import Any, Optional
 import torch
 
 import hfpatch
-from hfpatch.errors import UnsupportedArgument
+from hfpatch.errors import MissingEnable, UnsupportedArgument
 from hfpatch.integrations import evaluation
 from hfpatch.integrations.batch import prepare_batch
 from hfpatch.integrations.requirements import check_releases
 from hfpatch.labels import averaged_over_group
 
-__all__ = ["enable", "TrainerCP"]
+__all__ = ["enable", "TrainerCP", "guard_missing_enable"]
 
 logger = logging.getLogger("hfpatch")
 
@@ -163,6 +163,41 @@ def _has_known_prediction_step(trainer) -> bool:
     if trl is not None and hasattr(trl, "SFTTrainer"):
         known.append(trl.SFTTrainer.prediction_step)
     return type(trainer).prediction_step in known
+
+
+def guard_missing_enable() -> None:
+    """Make a forgotten ``enable(trainer)`` a named error where it would otherwise fail inside torch.
+
+    A trainer with ``cp_size > 1`` and no ``enable`` lets accelerate prepare PyTorch's own context parallelism
+    (``Accelerator._prepare_cp``), which shards only SDPA attention: any other model (the flash path hfpatch
+    switches a model to, eager attention) fails later with torch's "no sharding strategy" error. This wraps
+    accelerate's class method once (idempotent) so that it raises ``MissingEnable`` first, naming the fix; an SDPA
+    model goes on to PyTorch's CP as before, and a trainer ``enable`` prepared never reaches it (``enable``
+    replaces the method on that accelerator instance). Called when ``hfpatch.integrations`` is imported; without
+    accelerate installed it does nothing."""
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        return
+    original = Accelerator.__dict__.get("_prepare_cp")
+    if original is None or getattr(original, "hfpatch_guard", False):
+        return
+
+    def _prepare_cp(self, *args):
+        for arg in args:
+            config = getattr(arg, "config", None)
+            implementation = getattr(config, "_attn_implementation", None)
+            if isinstance(arg, torch.nn.Module) and implementation not in (None, "sdpa"):
+                raise MissingEnable(
+                    f"accelerate is about to run PyTorch's context parallelism (cp_size > 1) on a "
+                    f"{type(arg).__name__} whose attention is {implementation!r}; PyTorch's CP shards only SDPA "
+                    "attention and would fail inside torch ('no sharding strategy'). Fix: call "
+                    "hfpatch.integrations.enable(trainer) after building the trainer and before trainer.train()")
+        return original(self, *args)
+
+    _prepare_cp.hfpatch_guard = True
+    _prepare_cp.__wrapped__ = original
+    Accelerator._prepare_cp = _prepare_cp
 
 
 def _require_checkpointing(trainer, keep_attention) -> None:
