@@ -395,18 +395,3 @@ def test_device_suite_takes_the_gpu_count():
                               text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
 
-
-def test_train_step_plot_groups_rows_and_needs_matplotlib(tmp_path, monkeypatch):
-    import train_step_plot as tsp
-
-    rows = [dict(status="ok", layout="batch", tokens_per_gpu=32768, mode="keep", tokens_per_s_per_gpu=4274.0),
-            dict(status="ok", layout="batch", tokens_per_gpu=32768, mode="native", tokens_per_s_per_gpu=3627.0),
-            dict(status="unavailable", layout="packed", tokens_per_gpu=32768, mode="native")]
-    files = []
-    for i, speed in enumerate((4274.0, 4311.0)):
-        path = tmp_path / f"run{i}.json"
-        path.write_text(json.dumps({"rows": [dict(rows[0], tokens_per_s_per_gpu=speed), *rows[1:]]}))
-        files.append(str(path))
-    assert tsp.points(files) == {("batch", 32768, "keep"): [4274.0, 4311.0], ("batch", 32768, "native"): [3627.0] * 2}
-    monkeypatch.setitem(sys.modules, "matplotlib", None)          # as on a machine without it
-    assert tsp.main(files + ["--out", str(tmp_path / "plot.png")]) == 2
