@@ -231,6 +231,7 @@ def test_keep_attention_without_checkpointing_is_refused():
 
 def test_eval_gather_keeps_one_copy_per_cp_group():
     """dp=2 x cp=2 (mesh ranks [[0, 1], [2, 3]]): of the four gathered parts, those of ranks 0 and 2 remain."""
+    pytest.importorskip("accelerate", reason="the gather applies accelerate's recursively_apply")
     from hfpatch.integrations.evaluation import OneCopyPerCPGroup
 
     mesh = types.SimpleNamespace(mesh=torch.tensor([[0, 1], [2, 3]]), mesh_dim_names=("dp_shard", "cp"))
