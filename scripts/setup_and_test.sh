@@ -12,20 +12,8 @@ grep -q "scripts/run_tests.sh" <<<"$readme_step" || {
     echo "scripts/setup_and_test.sh: .ci/run's \"# The README's test command:\" step does not run scripts/run_tests.sh" \
          "(found: ${readme_step:-nothing})" >&2; exit 2; }
 
-# .ci/run's lines without CI's bookkeeping (its step timer: `begin_step` calls and the EXIT trap that prints the
-# times), with a line announcing each phase (the venv, each pip install) as it starts.
-announced() {
-    local total phase=0 line
-    total=$(grep -cE '^python3? -m (venv|pip install)' <<<"$1")
-    while IFS= read -r line; do
-        case $line in begin_step\ * | trap\ *) continue ;; esac
-        if [[ $line =~ ^python3?\ -m\ (venv|pip\ install) ]]; then
-            phase=$((phase + 1))
-            printf 'echo "setup %d/%d (${SECONDS}s):" %q\n' "$phase" "$total" "$line"
-        fi
-        printf '%s\n' "$line"
-    done <<<"$1"
-}
+# announced: .ci/run's setup lines, each phase announced (scripts/_announced.sh)
+. scripts/_announced.sh
 
 exec bash -c "$(announced "$steps")
 echo \"setup done (\${SECONDS}s); the test suite: bash scripts/run_tests.sh\${*:+ \$*}\"
