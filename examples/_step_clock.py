@@ -14,11 +14,11 @@ import time
 from typing import List, Sequence
 
 import torch
-from transformers import TrainerCallback
+from transformers import PrinterCallback, TrainerCallback
 
 from _report import Run, timed_steps
 
-__all__ = ["StepClock"]
+__all__ = ["StepClock", "train_timed"]
 
 
 class _CountingCollator:
@@ -75,3 +75,18 @@ class StepClock(TrainerCallback):
 def _synchronize() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def train_timed(trainer, cp_handle, cp_size: int):
+    """Train ``trainer`` (its per-step printer removed: the examples print their own lines), timed by a
+    ``StepClock``, then remove ``cp_handle`` whatever happened; returns (the log entry of every optimizer step, the
+    run's ``Run``)."""
+    trainer.remove_callback(PrinterCallback)
+    clock = StepClock.attach(trainer)
+    try:
+        trainer.train()
+    finally:
+        cp_handle.remove()
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    run = clock.run(trainer, "no CP" if cp_size == 1 else f"cp={cp_size}", [e["loss"] for e in steps], cp_size)
+    return steps, run

@@ -35,7 +35,7 @@ import tempfile
 import torch
 
 from _report import check_plot_argument
-from trainer_cp import SIZES, add_report_arguments, build_model, check_world, end_run, logged_steps, on_cpu
+from trainer_cp import SIZES, add_report_arguments, build_model, check_world, end_run, on_cpu
 
 
 def build_tokenizer(vocab: int):
@@ -89,10 +89,9 @@ def train(options) -> dict:
     import datasets
     import hfpatch.integrations
     from accelerate import ParallelismConfig
-    from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer, pack_dataset
 
-    from _step_clock import StepClock
+    from _step_clock import train_timed
 
     datasets.disable_progress_bars()
     model = build_model(options.model, getattr(torch, options.dtype))
@@ -117,14 +116,7 @@ def train(options) -> dict:
                              processing_class=tokenizer)    # a model built from a config has no tokenizer: pass one
         cp_handle = hfpatch.integrations.enable(trainer)    # every rank, after building the trainer, before train()
         # README.md: end
-    trainer.remove_callback(PrinterCallback)                # this script prints its own line per step
-    clock = StepClock.attach(trainer)
-    try:
-        trainer.train()
-    finally:
-        cp_handle.remove()
-    steps = logged_steps(trainer)
-    run = clock.run(trainer, "no CP" if cp == 1 else f"cp={cp}", [e["loss"] for e in steps], cp)
+    steps, run = train_timed(trainer, cp_handle, cp)      # this script prints its own line per step
     if options.log_json and trainer.is_world_process_zero():
         _write_log(options, model, cp_handle, steps, run.to_dict())
     return {"handle": repr(cp_handle), "throughput": run.to_dict(),

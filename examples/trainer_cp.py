@@ -110,18 +110,13 @@ def on_cpu(device: str):
     return hfpatch.integrations.parallelism_config_on_cpu() if device == "cpu" else contextlib.nullcontext()
 
 
-def logged_steps(trainer) -> list:
-    """The trainer's log entry of every optimizer step (``logging_steps=1``)."""
-    return [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
-
-
 def train(options) -> dict:
     """Train on every rank; returns the run's record, which rank 0 writes to ``--log-json``."""
     import hfpatch.integrations
     from accelerate import ParallelismConfig
-    from transformers import PrinterCallback, Trainer, TrainingArguments, default_data_collator
+    from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from _step_clock import StepClock
+    from _step_clock import train_timed
 
     model = build_model(options.model, getattr(torch, options.dtype))
     dataset = build_dataset(options.steps * options.batch * options.dp, options.seq_len, model.config.vocab_size)
@@ -137,14 +132,7 @@ def train(options) -> dict:
         trainer = Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=default_data_collator)
         cp_handle = hfpatch.integrations.enable(trainer)    # every rank, after building the trainer, before train()
         # README.md: end
-    trainer.remove_callback(PrinterCallback)                # this script prints its own line per step
-    clock = StepClock.attach(trainer)
-    try:
-        trainer.train()
-    finally:
-        cp_handle.remove()
-    steps = logged_steps(trainer)
-    run = clock.run(trainer, "no CP" if cp == 1 else f"cp={cp}", [e["loss"] for e in steps], cp)
+    steps, run = train_timed(trainer, cp_handle, cp)      # this script prints its own line per step
     record = {"argv": vars(options), "cp": cp, "dp": dp, "dtype": options.dtype, "active": cp_handle.active,
               "handle": repr(cp_handle), "ring_calls": sum(cp_handle.patch.calls.values()),
               "layers": model.config.num_hidden_layers, "rows_per_step": options.batch,
