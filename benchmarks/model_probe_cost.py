@@ -51,7 +51,7 @@ def _timed(fn, device, repeats):
 def _models(name: str, device: torch.device):
     import transformers
 
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     if name == "tiny":
         for family in ("llama", "mixtral", "gemma2"):
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank of the step (cpu 32, cuda 8192)")
     args = parser.parse_args()
     import hfpatch
-    from hfpatch.model_probe import probe_model
+    from hfpatch.model.probe import probe_model
 
     cuda = args.device == "cuda"
     if cuda:

@@ -219,7 +219,7 @@ def seeded_case(name, dtype, device):
 def probe_case(model, after_apply, group):
     """(largest error, where, seconds) of the probe on ``model`` with the tolerance lifted."""
     import hfpatch
-    from hfpatch.model_probe import probe_model
+    from hfpatch.model.probe import probe_model
 
     with hfpatch.apply(group, model=model, verify="fast") as patch:
         after_apply(patch)
@@ -230,7 +230,7 @@ def probe_case(model, after_apply, group):
 
 def run(exact_sets, seeded, dtypes, device, group, progress=None) -> list[Row]:
     """Probe every case in every dtype; ``progress(row)`` is called as each finishes (rank 0 prints it)."""
-    from hfpatch.model_probe import probe_tolerance
+    from hfpatch.model.probe import probe_tolerance
 
     rows = []
     for dtype in dtypes:

@@ -242,7 +242,7 @@ def train(args, mesh, device, with_cp: bool) -> Run:
     n_params = sum(p.numel() for p in model.parameters())
     patch = parallelize(model, mesh, args, with_cp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    # The attention call is one opaque operator for the compiler (hfpatch/_opaque.py); FSDP2's hooks may break
+    # The attention call is one opaque operator for the compiler (hfpatch/attention/opaque.py); FSDP2's hooks may break
     # the graph between layers, so no fullgraph here.
     forward = torch.compile(model, backend=args.compile) if args.compile else model
     dp_group, dp_index = mesh["dp"].get_group(), mesh["dp"].get_local_rank()

@@ -3,7 +3,7 @@
     patch = hfpatch.apply(cp_group, model=model)     # ring attention on every flash-attention call
     with hfpatch.switch("reference"): ...            # per-thread A/B against all-gathered plain attention
     patch.remove()                                   # transformers exactly as before
-    kept = hfpatch.keep_attention(model, budget="auto")   # checkpointing's recomputation skips the ring forward
+    kept = hfpatch.model.keep_attention(model, budget="auto")   # checkpointing's recomputation skips the ring forward
 
 ``hfpatch.switch`` is both the switch module and, called, its per-thread context manager.
 
@@ -22,8 +22,8 @@ _EXPORTS = {
     "apply": "hfpatch.api",
     "Patch": "hfpatch.api",
     "active_patch": "hfpatch.api",
-    "keep_attention": "hfpatch.keep_attention",
-    "KeptAttention": "hfpatch.keep_attention",
+    "keep_attention": "hfpatch.model.keep_attention",
+    "KeptAttention": "hfpatch.model.keep_attention",
     "set_switch": "hfpatch.switch",
     "current_mode": "hfpatch.switch",
     "HfpatchError": "hfpatch.errors",

@@ -15,17 +15,19 @@ from typing import Any, Optional
 
 import torch
 
-from hfpatch import (codegen, inputs, model_audit, model_positions, patcher, switch as switch_module,
-                     verify as verify_module, version_gates)
-from hfpatch.dispatch import Dispatcher
+from hfpatch import inputs, switch as switch_module, verify as verify_module, version_gates
+from hfpatch.attention import codegen, patcher
+from hfpatch.model import audit as model_audit, positions as model_positions
+from hfpatch.attention.dispatch import Dispatcher
 from hfpatch.errors import (ModelDivergence, PatchError, SignatureMismatch, UnsupportedModel, UnsupportedRelease,
                             VerificationError)
-from hfpatch.labels import install_labels_hook
+from hfpatch.model.labels import install_labels_hook
 from hfpatch.mixers import MixerInstallation, install_mixers
-from hfpatch.model_inputs import install_inputs_guard
-from hfpatch.model_probe import ProbeResult, probe_model
-from hfpatch.model_routing import attention_modules, route_model
-from hfpatch.semantics import RingContext, parse_kernel
+from hfpatch.model.inputs_guard import install_inputs_guard
+from hfpatch.model.probe import ProbeResult, probe_model
+from hfpatch.attention.discovery import attention_modules
+from hfpatch.model.routing import route_model
+from hfpatch.attention.semantics import RingContext, parse_kernel
 from hfpatch.signatures import registry
 from hfpatch.verify import group_max
 from ring_kernels.backends import choices
@@ -292,7 +294,7 @@ def _validate_arguments(kernel, on_unsupported, verify, model) -> None:
 
 
 def _inactive(reason: str, *, level: int = logging.INFO, model: Optional[torch.nn.Module] = None) -> Patch:
-    """An inactive Patch; with ``model``, its labels hook (``hfpatch.labels``) so that the shifted labels of
+    """An inactive Patch; with ``model``, its labels hook (``hfpatch.model.labels``) so that the shifted labels of
     ``shard_inputs`` give the non-CP loss when passed to the model."""
     logger.log(level, "hfpatch: not active (%s); transformers untouched, input helpers are the identity", reason)
     patch = Patch(active=False, reason=reason)
@@ -320,14 +322,14 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
     on_unsupported:  "raise" (SignatureMismatch with a diff, or UnsupportedRelease) or "fallback" (inactive Patch
                      and one warning) when the installed transformers cannot be patched.
     verify:          True: after installing, the numeric probe of the wrapper over the group and, with ``model``,
-                     the whole-model probe (``hfpatch.model_probe``: the model's CP forward against its non-CP
+                     the whole-model probe (``hfpatch.model.probe``: the model's CP forward against its non-CP
                      forward on a few tokens per rank; ``ModelDivergence`` names the first diverging module).
                      "fast": the numeric probe only. False: no probe.
-    model:           the model to train. It is audited first (``hfpatch.model_audit``: sequence mixers outside
+    model:           the model to train. It is audited first (``hfpatch.model.audit``: sequence mixers outside
                      attention, positions from the input's length, a per-rank router loss -> ``UnsupportedModel``
                      naming module and class, before anything is installed), then switched onto the patched
                      flash-attention path (even without flash-attn installed), and its forward takes
-                     ``labels`` from ``shard_inputs`` to give the non-CP loss (``hfpatch.labels``); all restored by
+                     ``labels`` from ``shard_inputs`` to give the non-CP loss (``hfpatch.model.labels``); all restored by
                      ``remove()``. Raises ``UnsupportedArgument`` for a model without a flash path.
 
     ``RING_ATTN_SWITCH`` is read here (``1``/unset ring, ``0`` original, ``reference``) and becomes the

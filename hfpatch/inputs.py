@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.semantics import RingContext, StepState, packed_cu_seqlens, plan_step
+from hfpatch.attention.semantics import RingContext, StepState, packed_cu_seqlens, plan_step
 from ring_kernels.layout import local_positions
 
 __all__ = ["IGNORE_INDEX", "shard_inputs", "reduce_loss", "global_loss_sum", "shift_labels", "token_loss_sum",
@@ -31,7 +31,7 @@ __all__ = ["IGNORE_INDEX", "shard_inputs", "reduce_loss", "global_loss_sum", "sh
 
 IGNORE_INDEX = -100
 
-# Labels shard_inputs returned (already shifted), by identity and held weakly: how hfpatch.labels tells them from
+# Labels shard_inputs returned (already shifted), by identity and held weakly: how hfpatch.model.labels tells them from
 # labels of the caller's own when they are passed to the model.
 _shifted: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
@@ -135,7 +135,7 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
     packed), "labels": (B, S_local) already shifted or None}``. Pass ``input_ids`` and ``position_ids`` to the model;
     either compute the loss from the local logits and ``labels`` (``token_loss_sum`` + ``reduce_loss``), or, on a
     model given to ``apply(model=)``, pass these very ``labels`` to the model: hfpatch recognises them (by
-    identity) and the model's ``loss`` is the non-CP loss (``hfpatch.labels``).
+    identity) and the model's ``loss`` is the non-CP loss (``hfpatch.model.labels``).
 
     The layout: batch -> the variant's (zigzag for "auto"); packed -> contiguous (llama3), or zigzag/ring varlen if
     pinned. S must split evenly (zigzag: 2 x world size chunks, each document when packed): pad with tokens

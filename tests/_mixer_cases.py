@@ -252,7 +252,7 @@ def check_registry(entry, mixer_classes: tuple, changed: Optional[tuple] = None,
     mixer, method): that method changed makes the audit name the first mixer by its fingerprint. On another
     release, the audit refuses them by name (``every_mixer_named``: each mixer's path among its findings; else at
     least one sequence-mixer finding). Returns "recognised" or "refused"."""
-    from hfpatch.model_audit import audit
+    from hfpatch.model.audit import audit
     from hfpatch.release.sweep.tiny import build_tiny
 
     model = build_tiny(entry)

@@ -3,7 +3,7 @@ runs several trainer cases in one launch and writes, per case, the logged loss a
 step, the eval losses (evaluation during training at step 2, then ``trainer.evaluate()``), and the final parameters
 and ``trainer.predict()`` logits (rank 0) to ``--out``.
 
-A case is ``model:kind:dp:cp`` or ``model:kind:dp:cp:keep``: model a tiny family of ``hfpatch._models``; kind ``trainer`` (transformers'
+A case is ``model:kind:dp:cp`` or ``model:kind:dp:cp:keep``: model a tiny family of ``hfpatch.cli.demo_models``; kind ``trainer`` (transformers'
 Trainer, rows of one document, some labels -100), ``sft_plain`` (TRL SFTTrainer, right-padded rows of one
 document each, attention mask) or ``sft_packed`` (TRL SFTTrainer, padding-free rows of bin-packed documents:
 position ids and cu_seq_lens); the world must be dp x cp processes. cp == 1 is the non-CP run of the same script
@@ -85,7 +85,7 @@ def _arguments(kind: str, out: str, dp: int, cp: int, keep: bool = False):
 
 def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str, keep: bool = False):
     import hfpatch.integrations
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     model = build_model(model_name)
     args = _arguments(kind, out, dp, cp, keep)

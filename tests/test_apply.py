@@ -59,7 +59,8 @@ def _all_bound_to(fn):
 
 
 def _assert_untouched(original, model=None):
-    from hfpatch import active_patch, patcher
+    from hfpatch import active_patch
+    from hfpatch.attention import patcher
 
     assert _all_bound_to(original)
     assert not any(isinstance(f, patcher._RebindFinder) for f in sys.meta_path)
@@ -233,7 +234,7 @@ def _case_context_manager(group):
 
 def _case_failures_leave_nothing(group):
     import hfpatch
-    from hfpatch import patcher, semantics
+    from hfpatch.attention import patcher, semantics
     from hfpatch.errors import PatchError, VerificationError
 
     original = _bindings()[0]
@@ -444,7 +445,7 @@ def test_bad_switch_environment_is_refused_at_apply(monkeypatch):
 
 def test_model_without_a_flash_path_is_refused_unchanged():
     from hfpatch.errors import UnsupportedArgument
-    from hfpatch.model_routing import route_model
+    from hfpatch.model.routing import route_model
 
     class Config:
         _attn_implementation_internal = "eager"

@@ -45,7 +45,7 @@ def _step(model, ids, positions):
 
 def _autocast_world(rank, world):
     import hfpatch
-    from hfpatch import semantics
+    from hfpatch.attention import semantics
     from hfpatch.release.sweep.tiny import build_tiny
 
     seen = []  # (q, k, v) dtypes as the attention calls arrive

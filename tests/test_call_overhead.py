@@ -34,9 +34,9 @@ import pytest
 import torch
 
 import hfpatch
-from hfpatch import codegen, dispatch, semantics
+from hfpatch.attention import codegen, dispatch, semantics
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.semantics import RingContext, StepState, ring_attention
+from hfpatch.attention.semantics import RingContext, StepState, ring_attention
 from test_semantics import _call
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")

@@ -92,7 +92,7 @@ def test_the_guard_sees_imports_in_functions_strings_and_helpers(tmp_path, monke
     monkeypatch.setattr(sys.modules[__name__], "_LOCAL_DIRS", (tmp_path,))
     (tmp_path / "helper.py").write_text("def f():\n    from transformers import AutoModel\n")
     cases = {
-        "in_function.py": "def test():\n    import hfpatch.patcher\n",
+        "in_function.py": "def test():\n    import hfpatch.attention.patcher\n",
         "in_string.py": "CODE = 'import os; import transformers'\n",
         "as_module.py": "ARGS = ['-m', 'hfpatch', 'check']\n",
         "by_call.py": "import importlib\nimportlib.import_module('transformers.modeling_utils')\n",

@@ -226,7 +226,7 @@ def test_sequence_units_follow_the_step_layout(variant, world, packed, units):
 
 
 def test_demo_model_families_are_the_tiny_models():
-    from hfpatch._models import MODEL_NAMES
+    from hfpatch.cli.demo_models import MODEL_NAMES
 
     assert MODEL_FAMILIES == MODEL_NAMES
 

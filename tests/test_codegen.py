@@ -7,7 +7,7 @@ import traceback
 
 import pytest
 
-from hfpatch import codegen
+from hfpatch.attention import codegen
 from hfpatch.errors import PatchError, UnsupportedArgument
 from hfpatch.signatures import load_registry, match
 

@@ -52,10 +52,10 @@ def _inputs(kind):
 
 def _baseline(model_name, ids, docs, proj):
     """Non-CP eager logits and gradients of sum(logits * proj); packed rows document by document."""
-    from hfpatch._models import build_model, eager_reference_overrides
+    from hfpatch.cli.demo_models import build_model, eager_reference_overrides
 
     model = build_model(model_name, **eager_reference_overrides(model_name))
-    from hfpatch._models import reference_logits
+    from hfpatch.cli.demo_models import reference_logits
 
     logits = reference_logits(model, ids, docs)
     (logits * proj).sum().backward()
@@ -63,7 +63,7 @@ def _baseline(model_name, ids, docs, proj):
 
 
 def _run_case(mesh, func, model_name, kind):
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
     from hfpatch.dropin import axolotl
 
     cp_group = mesh["cp"].get_group()

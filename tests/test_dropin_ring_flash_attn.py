@@ -192,7 +192,7 @@ DOCS_STEPS = ([5, 11, 1, 7, 8], [16, 3, 13])   # two steps of 32 packed tokens; 
 
 def _baseline(model_name, ids, docs, proj):
     """Non-CP eager run, document by document: logits (1, T, V) and parameter gradients of sum(logits * proj)."""
-    from hfpatch._models import build_model, eager_reference_overrides
+    from hfpatch.cli.demo_models import build_model, eager_reference_overrides
 
     model = build_model(model_name, **eager_reference_overrides(model_name))
     pieces, start = [], 0
@@ -207,7 +207,7 @@ def _baseline(model_name, ids, docs, proj):
 
 def _hf_flow(rank, world, model_name):
     """ring-flash-attn's README flow, only the import changed; two steps with different documents."""
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
     from hfpatch.dropin.ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
 
     group = dist.group.WORLD

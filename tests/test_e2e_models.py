@@ -53,7 +53,7 @@ def _baseline(model, ids, docs):
     from hfpatch.inputs import shift_labels, token_loss_sum
 
     model.zero_grad(set_to_none=True)
-    from hfpatch._models import reference_logits
+    from hfpatch.cli.demo_models import reference_logits
 
     logits = reference_logits(model, ids, docs)
     loss_sum, count = token_loss_sum(logits, shift_labels(ids))
@@ -90,7 +90,7 @@ def _compare(label, loss, grads, ref_loss, ref_grads, loss_tolerance=LOSS, grad_
 
 def _run_case(rank, world, model_name, kind, kernel, verify):
     import hfpatch
-    from hfpatch._models import build_model, eager_reference_overrides
+    from hfpatch.cli.demo_models import build_model, eager_reference_overrides
 
     ids, pos, docs = {"batch": _batch_inputs, "packed": _packed_inputs,
                       "packed-zigzag": lambda: _packed_inputs(ZIGZAG_DOCS)}[kind]()
@@ -108,7 +108,7 @@ def _run_case(rank, world, model_name, kind, kernel, verify):
 
 def _check_tolerance_detects_off_by_one(rank, world):
     """The comparison is sharp enough: a sliding window one token wider moves Mistral's loss far beyond it."""
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     ids, _, _ = _batch_inputs()
     right, _ = _baseline(build_model("mistral"), ids, None)
@@ -119,12 +119,12 @@ def _check_tolerance_detects_off_by_one(rank, world):
 def _apply_before_model_import(rank, world):
     """In a fresh process: apply first, import and build the model afterwards; every layer still runs the ring."""
     import hfpatch
-    from hfpatch import model_routing
+    from hfpatch.model import routing as model_routing
 
     assert "transformers.models.llama.modeling_llama" not in sys.modules, "the model module was already imported"
     patch = hfpatch.apply(dist.group.WORLD)
     try:
-        from hfpatch._models import build_model
+        from hfpatch.cli.demo_models import build_model
         import transformers.modeling_flash_attention_utils as mfau
 
         ids, _, _ = _batch_inputs()
@@ -144,7 +144,7 @@ def _apply_before_model_import(rank, world):
 def _switch_modes(rank, world):
     """RING_ATTN_SWITCH=reference (read at apply), then the runtime switch to the ring and to the original."""
     import hfpatch
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     ids, _, _ = _batch_inputs()
     ref_loss, ref_grads = _baseline(build_model("llama"), ids, None)
@@ -183,7 +183,7 @@ def _bf16_within_kernel_tolerance(rank, world):
     """bf16: the CP step agrees with the non-CP bf16 step within the table's bf16 "cp" entries (loss and every
     gradient, max|err| / max|ref|); bf16 rounding differs between the two."""
     import hfpatch
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     ids, _, _ = _batch_inputs()
     ref_loss, ref_grads = _baseline(build_model("llama", dtype=torch.bfloat16), ids, None)
@@ -235,7 +235,7 @@ def test_gemma2_flash_path_of_4_47_needs_a_mask(monkeypatch):
 
     if not _gemma2_flash_path_broken():
         pytest.skip("only transformers 4.47.x: Gemma2's flash path there crashes without an attention mask")
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     # 4.47.1's GenerationConfig warns about use_cache=False with a malformed log call; pytest's log handler raises
     # on it in this (main) process. Silence transformers' warnings for the build only.

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import hfpatch
-from hfpatch import patcher
+from hfpatch.attention import patcher
 from hfpatch.errors import PatchError
 
 MFAU = "transformers.modeling_flash_attention_utils"

@@ -1,5 +1,5 @@
 """``hfpatch.integrations`` in one process: the release gates, the CPU-only accelerate context, the batch
-preparation's padding and refusals, the loss conventions of ``hfpatch.labels.averaged_over_group`` and TRL's fused
+preparation's padding and refusals, the loss conventions of ``hfpatch.model.labels.averaged_over_group`` and TRL's fused
 LM head, and ``enable`` without CP (the trainer left exactly as it was). The multi-process equality of whole
 training runs is tests/test_integrations.py."""
 from __future__ import annotations
@@ -130,8 +130,8 @@ def test_right_padding_with_ignored_labels_is_accepted():
 
 
 def _hooked_model(world_size: int):
-    from hfpatch._models import build_model
-    from hfpatch.labels import install_labels_hook
+    from hfpatch.cli.demo_models import build_model
+    from hfpatch.model.labels import install_labels_hook
 
     model = build_model("llama")
     ctx = types.SimpleNamespace(world_size=world_size, group=None)
@@ -139,7 +139,7 @@ def _hooked_model(world_size: int):
 
 
 def test_averaged_share_without_cp_is_the_model_loss():
-    from hfpatch.labels import averaged_over_group
+    from hfpatch.model.labels import averaged_over_group
 
     model, hooks = _hooked_model(world_size=1)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -155,7 +155,7 @@ def test_averaged_share_without_cp_is_the_model_loss():
 
 
 def test_fused_lm_head_under_cp_needs_shift_labels_and_the_averaged_convention():
-    from hfpatch.labels import averaged_over_group
+    from hfpatch.model.labels import averaged_over_group
 
     model, hooks = _hooked_model(world_size=2)
     ids = torch.randint(0, 128, (1, 8))
@@ -182,7 +182,7 @@ def test_enable_without_cp_leaves_the_trainer_as_it_was(tmp_path):
     from transformers import Trainer, TrainingArguments
 
     import hfpatch.integrations
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     trainer = Trainer(model=build_model("llama"), args=TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1))
@@ -269,7 +269,7 @@ def test_a_forgotten_enable_is_named_before_torch_fails():
     from accelerate import Accelerator
 
     import hfpatch.integrations
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
     from hfpatch.errors import MissingEnable
 
     guarded = Accelerator._prepare_cp

@@ -23,7 +23,7 @@ def _bart_entry():
 def _aligned_world(rank, world, entry):
     import hfpatch
     from hfpatch.errors import UnsupportedArgument
-    from hfpatch.model_positions import position_kwargs
+    from hfpatch.model.positions import position_kwargs
     from hfpatch.release.sweep.run import check_class
     from hfpatch.release.sweep.tiny import build_tiny
 

@@ -1,4 +1,4 @@
-"""Positions from the input's length under CP (``hfpatch.model_positions``): every decoder class of the installed
+"""Positions from the input's length under CP (``hfpatch.model.positions``): every decoder class of the installed
 release whose position module numbers tokens by the input's length (the BART family, Whisper, MusicGen) trains
 exactly under ``hfpatch.apply(model=)`` on 2 gloo ranks -- batch (zigzag, contiguous ring, stripe) and packed
 (llama3, zigzag) -- and a position module hfpatch does not recognise stays refused by name.
@@ -9,7 +9,7 @@ non-CP step the same model on the whole batch in switch mode "local", with HF's 
 sweep's rule (``hfpatch.release.sweep.run``): loss within ``LOSS_RTOL`` relative, every parameter's summed gradient within
 ``GRAD_RTOL`` of its largest entry (plus ``GRAD_FLOOR`` of the model's largest gradient). The loss is taken from
 the logits, not from ``model(labels=)``: these classes' own loss does not shift the labels on every release,
-which ``hfpatch.labels`` refuses under CP by name -- a separate matter from positions.
+which ``hfpatch.model.labels`` refuses under CP by name -- a separate matter from positions.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ FAMILY = ("BartForCausalLM", "MBartForCausalLM", "PLBartForCausalLM", "Blenderbo
 SEQ = 32
 PACKED_DOCS = (16, 24, 24)  # every document a multiple of 2 x world size (zigzag varlen)
 # case -> (kernel, packed, pass the position ids of shard_inputs to the model). Every class runs CASES; the
-# representatives of each way positions are fed (hfpatch.model_positions.FEEDS: Bart's learned table by
+# representatives of each way positions are fed (hfpatch.model.positions.FEEDS: Bart's learned table by
 # position_ids on 4.53+ and by past_key_values_length before, MusicGen's buffer by past_key_values_length,
 # Whisper's owner taking position_ids) run every layout in LAYOUT_CASES too.
 CASES = {"batch-zigzag": ("auto", False, True), "packed-llama3": ("auto", True, True)}
@@ -222,8 +222,8 @@ def _with_custom_positions(model, *, same_name: bool):
 
 
 def test_every_family_position_module_on_this_release_is_recognised():
-    from hfpatch.model_audit import audit
-    from hfpatch.model_positions import recognise
+    from hfpatch.model.audit import audit
+    from hfpatch.model.positions import recognise
     from hfpatch.release.sweep.tiny import build_tiny
 
     entries = _entries()
@@ -238,7 +238,7 @@ def test_every_family_position_module_on_this_release_is_recognised():
 
 @pytest.mark.parametrize("same_name", [False, True])
 def test_unrecognised_position_module_stays_refused(same_name):
-    from hfpatch.model_audit import audit
+    from hfpatch.model.audit import audit
 
     findings = audit(_with_custom_positions(_bart(), same_name=same_name))
     assert [(f.path, f.kind) for f in findings] == [("model.decoder.embed_positions", "positions")]
@@ -246,7 +246,7 @@ def test_unrecognised_position_module_stays_refused(same_name):
 
 
 def test_changed_forward_signature_is_not_recognised(monkeypatch):
-    from hfpatch.model_audit import audit
+    from hfpatch.model.audit import audit
 
     model = _bart()
     cls = type(model.model.decoder.embed_positions)
@@ -261,7 +261,7 @@ def test_changed_forward_signature_is_not_recognised(monkeypatch):
 
 
 def test_encoder_decoder_is_not_recognised():
-    from hfpatch.model_positions import recognise
+    from hfpatch.model.positions import recognise
 
     model = _bart()
     model.config.is_encoder_decoder = True

@@ -39,7 +39,7 @@ MARGIN = 10.0
 def _seeded(rank, world, dtypes):
     import hfpatch
     from hfpatch.errors import ModelDivergence
-    from hfpatch.model_probe import probe_tolerance
+    from hfpatch.model.probe import probe_tolerance
 
     group = dist.group.WORLD
     rows = pm.run(("small",), pm.SEEDED, dtypes, torch.device("cpu"), group)

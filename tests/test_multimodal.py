@@ -1,6 +1,6 @@
 """Multimodal models under ``apply(model=)``: the encoder of another modality (vision, audio) is not a token mixer
 (``model_audit.modality_towers``), and image / video / audio inputs are refused by name while CP is active
-(``hfpatch.model_inputs``), on real HF classes.
+(``hfpatch.model.inputs_guard``), on real HF classes.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _llama_with_audio_tower():
     import transformers
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     model = build_model("llama")
     config = transformers.WhisperConfig(d_model=32, encoder_layers=1, encoder_attention_heads=2,
@@ -29,7 +29,7 @@ def _llama_with_audio_tower():
 
 
 def test_a_tower_of_another_modality_is_not_a_token_mixer():
-    from hfpatch.model_audit import audit, modality_towers
+    from hfpatch.model.audit import audit, modality_towers
 
     model = _llama_with_audio_tower()
     assert modality_towers(model) == ["audio_tower"]
@@ -43,7 +43,7 @@ def test_a_tower_of_another_modality_is_not_a_token_mixer():
 def test_released_multimodal_classes_audit_clean(model_type):
     """The released composites whose towers hold convolutions or position tables: nothing in the towers is a
     finding (their text stacks are what the model sweep proves exact)."""
-    from hfpatch.model_audit import audit, modality_towers
+    from hfpatch.model.audit import audit, modality_towers
     from hfpatch.release.sweep.catalog import flash_causal_lm_classes
     from hfpatch.release.sweep.tiny import NotBuilt, build_tiny
 
@@ -61,7 +61,7 @@ def test_released_multimodal_classes_audit_clean(model_type):
 def test_guard_refuses_modality_inputs_only_while_cp_is_active():
     import hfpatch
     from hfpatch.errors import UnsupportedArgument
-    from hfpatch.model_inputs import install_inputs_guard
+    from hfpatch.model.inputs_guard import install_inputs_guard
 
     class Echo(torch.nn.Module):
         def forward(self, input_ids=None, **kwargs):

@@ -12,7 +12,7 @@ import pytest
 
 import transformers.modeling_flash_attention_utils as mfau
 import transformers.modeling_utils as modeling_utils
-from hfpatch import patcher
+from hfpatch.attention import patcher
 from hfpatch.errors import PatchError
 
 try:  # integrations/flash_attention.py and the attention interface exist from 4.48 on

@@ -70,7 +70,7 @@ def test_rank_check_scope_restores_per_call_checking_on_exit():
 def _hfpatch_world(rank, world):
     """Through hfpatch: one cross-rank check per step (the first layer), none for the other layers."""
     import hfpatch
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     model = build_model("llama", num_hidden_layers=3)
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))

@@ -145,7 +145,7 @@ def test_model_routing_also_switches_module_copies_of_attn_implementation():
     ``config._attn_implementation`` into ``self._attn_implementation`` at construction, and their mask builder
     reads the copy; switching only the config left them building the eager 4-D mask, which the ring (rightly)
     refused as a padding mask. The switch sets the copies too, and restore() puts back exactly what was there."""
-    from hfpatch.model_routing import FLASH_IMPLEMENTATION, route_model
+    from hfpatch.model.routing import FLASH_IMPLEMENTATION, route_model
 
     class Config:
         _attn_implementation_internal = "eager"
@@ -184,7 +184,7 @@ def test_model_routing_handles_4_47_gemma2_per_call_dispatch(monkeypatch):
     model, switches its config, and binds the wrapper for that function (removed again by restore)."""
     import types as _types
 
-    from hfpatch.model_routing import FLASH_IMPLEMENTATION, route_model
+    from hfpatch.model.routing import FLASH_IMPLEMENTATION, route_model
 
     modeling = _types.ModuleType("hfpatch_test_modeling_gemma2_447")
     exec(

@@ -1,4 +1,4 @@
-"""``hfpatch.semantics.ring_attention`` / ``reference_attention`` called the way the generated wrapper calls them
+"""``hfpatch.attention.semantics.ring_attention`` / ``reference_attention`` called the way the generated wrapper calls them
 (HF-style roles, q/k/v (B, S_local, H, D)), against plain attention on the whole sequence written here in float64,
 forward and gradients; plus the refusals and the input helpers.
 
@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
-from hfpatch import version_gates, semantics
+from hfpatch import version_gates
+from hfpatch.attention import semantics
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import reduce_loss, shard_inputs, shift_labels, token_loss_sum
-from hfpatch.semantics import RingContext, parse_kernel, plan_step, reference_attention, ring_attention
+from hfpatch.attention.semantics import RingContext, parse_kernel, plan_step, reference_attention, ring_attention
 
 RTOL = 2e-5
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hfpatch
-from hfpatch import dispatch, switch
+from hfpatch import switch
+from hfpatch.attention import dispatch
 from hfpatch.signatures import registry
 
 
@@ -144,7 +145,7 @@ class _Recorder:
 
 
 def test_dispatcher_routes_every_call_by_the_current_mode(monkeypatch):
-    from hfpatch import semantics
+    from hfpatch.attention import semantics
 
     live, match = _live_match()
     rec = _Recorder()
@@ -171,7 +172,7 @@ def test_dispatcher_routes_every_call_by_the_current_mode(monkeypatch):
 
 
 def test_dispatcher_threads_with_different_modes_are_isolated(monkeypatch):
-    from hfpatch import semantics
+    from hfpatch.attention import semantics
 
     live, match = _live_match()
     rec = _Recorder()

@@ -67,7 +67,7 @@ def _world(rank, world, out_dir):
 def _reference(layout: str, world: int = WORLD):
     """Loss and gradients of one process on the whole sequence of ``world`` ranks' tokens without CP (eager
     attention, full logits)."""
-    from hfpatch._models import reference_logits
+    from hfpatch.cli.demo_models import reference_logits
     from hfpatch.inputs import shift_labels, token_loss_sum
 
     model = ts.build_model(SHAPE, torch.device("cpu"), torch.float32, attn_implementation="eager")

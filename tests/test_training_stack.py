@@ -11,7 +11,7 @@ around the decoder layers, and ``torch.compile``.
 2. Checkpointing: the recomputation in backward runs the ring again (counted apart: ``recomputed_calls``) and
    reproduces every attention output bit for bit; the per-forward counters still show exactly one ring call per
    layer per forward.
-3. torch.compile: the attention call is one opaque operator (``hfpatch/_opaque.py``). The whole stack compiled
+3. torch.compile: the attention call is one opaque operator (``hfpatch/attention/opaque.py``). The whole stack compiled
    (FSDP2 + CP + checkpointing + ``torch.compile(model)``) equals the single-process run on a batch step; and
    ``torch.compile(model, fullgraph=True)`` (CP only) traces the model without a graph break, one operator per
    layer, with loss and gradients equal to eager on a packed step. Backend ``aot_eager``: the full Dynamo +
@@ -70,7 +70,7 @@ def _replica_loss(model, ids, docs):
     independent documents on every transformers release)."""
     from hfpatch.inputs import shift_labels, token_loss_sum
 
-    from hfpatch._models import reference_logits
+    from hfpatch.cli.demo_models import reference_logits
 
     logits = reference_logits(model, ids, docs)
     loss_sum, count = token_loss_sum(logits, shift_labels(ids))
@@ -80,7 +80,7 @@ def _replica_loss(model, ids, docs):
 def _reference_run(steps: int):
     """Single process, no CP: per step the mean over dp replicas of their token-mean losses; SGD steps.
     Returns [(loss, {name: parameter after the step})]."""
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     model = build_model("llama")
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -108,7 +108,7 @@ def _sum_over_cp_hook(cp_group, active: bool):
 def _parallel_model(mesh, *, checkpointing: bool, cp_reduction: bool = True):
     """The stack: build -> hfpatch.apply(mesh["cp"], model=) -> checkpoint layers -> fully_shard over dp."""
     import hfpatch
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -222,7 +222,7 @@ def _compiled_fsdp_cp_matches_reference(rank, world, mesh, reference, backend: s
 
 def _record_attention_outputs(model) -> list:
     """[(module name, attention output)] of every attention call, the recomputations included."""
-    from hfpatch.model_routing import attention_modules
+    from hfpatch.attention.discovery import attention_modules
 
     outputs: list = []
     for name, module in attention_modules(model):
@@ -252,7 +252,7 @@ def _missing_cp_reduction_is_detected(rank, world, mesh, reference):
 def _compile_matches_eager(rank, world, mesh, backends):
     """Within one cp group: eager vs torch.compile(fullgraph=True) on a packed step (one compilation)."""
     import hfpatch
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
     from hfpatch.inputs import token_loss_sum
 
     model = build_model("llama")

@@ -1,5 +1,5 @@
 """Whole-model correctness under ``hfpatch.apply(model=)``: what is refused before training (``model_audit``), the
-whole-model probe (``model_probe``), and ``model(..., labels=...)`` (``hfpatch.labels``), on real HF model classes
+whole-model probe (``model_probe``), and ``model(..., labels=...)`` (``hfpatch.model.labels``), on real HF model classes
 (tiny, random weights, fp32) over 2 gloo ranks.
 
 Every refusal test checks the named error's fields (module path, class, kind) and that nothing is left installed.
@@ -45,7 +45,7 @@ def _unknown_to_the_mixer_registry(module):
 
 def _bart():
     """A Bart decoder whose position module hfpatch does not recognise: a user's subclass of Bart's (same name,
-    defined here), which hfpatch.model_positions does not feed, so its positions stay from the input's length."""
+    defined here), which hfpatch.model.positions does not feed, so its positions stay from the input's length."""
     import transformers
 
     config = transformers.BartConfig(vocab_size=128, d_model=64, decoder_layers=2, encoder_layers=2,
@@ -82,8 +82,8 @@ def _nothing_installed():
 
 
 def test_audit_finds_nothing_in_a_plain_decoder():
-    from hfpatch._models import build_model
-    from hfpatch.model_audit import audit
+    from hfpatch.cli.demo_models import build_model
+    from hfpatch.model.audit import audit
 
     assert audit(build_model("llama")) == []
     assert audit(build_model("mixtral")) == []
@@ -97,7 +97,7 @@ def _needs_lfm2():
 
 
 def test_audit_names_every_mixer_layer_and_its_class():
-    from hfpatch.model_audit import audit
+    from hfpatch.model.audit import audit
 
     _needs_lfm2()
     model = _lfm2()
@@ -109,8 +109,8 @@ def test_audit_names_every_mixer_layer_and_its_class():
 
 def test_audit_finds_an_unnamed_convolution_structurally():
     """A Conv1d in a module whose class name no pattern knows is still a finding, at the convolution's path."""
-    from hfpatch._models import build_model
-    from hfpatch.model_audit import audit
+    from hfpatch.cli.demo_models import build_model
+    from hfpatch.model.audit import audit
 
     model = build_model("llama")
     model.model.layers[0].token_conv = torch.nn.Conv1d(64, 64, 4, groups=64, padding=3)
@@ -120,7 +120,7 @@ def test_audit_finds_an_unnamed_convolution_structurally():
 
 
 def test_audit_positions_from_the_input_length():
-    from hfpatch.model_audit import audit
+    from hfpatch.model.audit import audit
 
     findings = audit(_bart())
     assert [(f.path, f.kind) for f in findings] == [("model.decoder.embed_positions", "positions")]
@@ -129,8 +129,8 @@ def test_audit_positions_from_the_input_length():
 
 
 def test_audit_router_aux_loss():
-    from hfpatch._models import build_model
-    from hfpatch.model_audit import audit
+    from hfpatch.cli.demo_models import build_model
+    from hfpatch.model.audit import audit
 
     findings = audit(build_model("mixtral", output_router_logits=True))
     assert [f.kind for f in findings] == ["router-aux-loss"]
@@ -148,7 +148,7 @@ def test_verify_argument_is_validated():
 
 def _refusals(rank, world):
     import hfpatch
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
     from hfpatch.errors import ModelDivergence, UnsupportedModel
 
     import transformers
@@ -206,7 +206,7 @@ def _refusals(rank, world):
 
 def _reference(model_name, ids, **forward):
     """Non-CP loss of ``model(ids, labels=ids)`` (HF's own loss) and the gradients, eager, whole batch."""
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
 
     model = build_model(model_name)
     loss = model(input_ids=ids, labels=ids, use_cache=False, **forward).loss
@@ -231,7 +231,7 @@ def _assert_equal(label, loss, grads, ref_loss, ref_grads):
 
 def _labels(rank, world):
     import hfpatch
-    from hfpatch._models import build_model
+    from hfpatch.cli.demo_models import build_model
     from hfpatch.errors import UnsupportedArgument
     from hfpatch.inputs import IGNORE_INDEX, shift_labels
 
@@ -327,8 +327,8 @@ def _probe_over_a_group_without_cpu_transport(rank, world):
     declaring the gloo group so): the probe runs over a gloo group of the same ranks made for it, destroyed after,
     and the patch keeps the CP group."""
     import hfpatch
-    from hfpatch import model_probe
-    from hfpatch._models import build_model
+    from hfpatch.model import probe as model_probe
+    from hfpatch.cli.demo_models import build_model
 
     made = []
     new_group = dist.new_group

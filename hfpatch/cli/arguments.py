@@ -67,7 +67,7 @@ def require_cp_world(world_size: int, *, option: str = "--world-size") -> None:
 def cpu_kernel(kernel: str) -> tuple[str, str]:
     """``(variant, backend)`` of ``kernel`` ("variant" or "variant:backend", as ``hfpatch.apply(kernel=)``) when it
     can run on CPU processes; ``UsageError`` otherwise."""
-    from hfpatch.semantics import VARIANTS, parse_kernel  # not at the top: torch, which `--help` must not load
+    from hfpatch.attention.semantics import VARIANTS, parse_kernel  # not at the top: torch, which `--help` must not load
     from ring_kernels.backends import available_backends  # not at the top: torch, as above
 
     fix = "Fix: --kernel auto (the default)."

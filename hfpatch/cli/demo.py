@@ -12,7 +12,7 @@ from hfpatch.cli.arguments import HelpFormatter, UsageError, cpu_kernel, positiv
 
 __all__ = ["build_parser", "run", "MODEL_FAMILIES", "sequence_units"]
 
-# The tiny model families of hfpatch._models.MODEL_NAMES (which imports torch, so --help cannot read it;
+# The tiny model families of hfpatch.cli.demo_models.MODEL_NAMES (which imports torch, so --help cannot read it;
 # tests/test_cli.py checks that the two agree).
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "mixtral", "qwen2_moe")
 
@@ -53,7 +53,7 @@ def sequence_units(variant: str, world_size: int, *, packed: bool) -> tuple[int,
     ``layout`` to split it over ``world_size`` ranks, and with packed zigzag every document a multiple of the
     document unit. The layouts are ``ring_kernels.layout``'s: zigzag cuts 2N chunks (of each document, when
     packed), contiguous and stripe N."""
-    from hfpatch.semantics import plan_step  # not at the top: torch, which `--help` must not load
+    from hfpatch.attention.semantics import plan_step  # not at the top: torch, which `--help` must not load
 
     _, layout = plan_step(variant, packed=packed)
     if world_size == 1:  # a world of one holds the whole sequence, whatever the layout

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hfpatch
-from hfpatch._models import build_model, eager_reference_overrides
+from hfpatch.cli.demo_models import build_model, eager_reference_overrides
 from hfpatch.inputs import shift_labels, token_loss_sum
 
 __all__ = ["run_demo", "report", "DemoOptions", "StepResult", "LOSS_RTOL", "GRAD_RTOL", "BATCH"]

@@ -15,7 +15,7 @@ import torch
 
 import hfpatch
 from hfpatch.errors import PatchError
-from hfpatch.semantics import StepState
+from hfpatch.attention.semantics import StepState
 
 __all__: list = []
 

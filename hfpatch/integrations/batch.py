@@ -5,7 +5,7 @@ A batch as transformers' and TRL's collators build it (every rank of a CP group 
 ``position_ids``; optional ``attention_mask`` (right padding only); TRL's padding-free extras ``cu_seq_lens_q/k``,
 ``max_length_q/k``, ``seq_idx`` (one row of packed documents). ``prepare_batch`` returns the inputs of this rank:
 ``input_ids`` and GLOBAL ``position_ids`` (within each document when packed) in the ring's layout, and
-``shift_labels`` (already shifted, recognised by the labels hook of ``hfpatch.labels`` and by TRL's fused LM
+``shift_labels`` (already shifted, recognised by the labels hook of ``hfpatch.model.labels`` and by TRL's fused LM
 head). Everything the ring derives itself is dropped after it has been checked:
 
 - ``attention_mask``: accepted when every row is ones followed by zeros (right padding) and every padded
@@ -26,7 +26,7 @@ import torch
 
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import IGNORE_INDEX
-from hfpatch.semantics import packed_cu_seqlens
+from hfpatch.attention.semantics import packed_cu_seqlens
 
 __all__ = ["prepare_batch", "PACKING_KEYS"]
 

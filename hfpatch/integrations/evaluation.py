@@ -31,7 +31,7 @@ import torch
 
 from hfpatch.inputs import IGNORE_INDEX
 from hfpatch.integrations.batch import prepare_batch
-from hfpatch.labels import averaged_over_group
+from hfpatch.model.labels import averaged_over_group
 from ring_kernels.layout import unshard
 
 __all__ = ["prediction_step", "OneCopyPerCPGroup"]

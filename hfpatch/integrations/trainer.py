@@ -10,7 +10,7 @@ it):
   ``shift_labels`` in the ring's layout, packed documents from the position ids (TRL's padding-free batches);
 - accelerate's ``_prepare_cp`` (PyTorch CP hooks that drop the attention mask and refuse every non-full-attention
   layer) -> nothing: attention is hfpatch's ring, installed by ``hfpatch.apply(mesh["cp"], model=model)``;
-- ``trainer.compute_loss`` runs inside ``hfpatch.labels.averaged_over_group()``: each rank's loss is its share of
+- ``trainer.compute_loss`` runs inside ``hfpatch.model.labels.averaged_over_group()``: each rank's loss is its share of
   the token-weighted loss of the global batch, scaled so that the trainer's own reductions (the mean of the logged
   loss over every rank, gradients averaged over dp x cp) give exactly the non-CP loss and gradient, with
   ``num_items_in_batch`` and gradient accumulation as the trainer handles them without CP;
@@ -37,7 +37,7 @@ from hfpatch.errors import MissingEnable, UnsupportedArgument
 from hfpatch.integrations import evaluation
 from hfpatch.integrations.batch import prepare_batch
 from hfpatch.integrations.requirements import check_releases
-from hfpatch.labels import averaged_over_group
+from hfpatch.model.labels import averaged_over_group
 
 __all__ = ["enable", "TrainerCP", "guard_missing_enable"]
 
@@ -255,7 +255,7 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     ``on_unsupported`` and ``verify`` are ``hfpatch.apply``'s. Without a ``ParallelismConfig`` or with
     ``cp_size=1`` it applies nothing and the trainer trains as it would without hfpatch.
 
-    ``keep_attention``: None (default), or ``hfpatch.keep_attention``'s budget (GiB, ``"auto"``, ``"all"``): the
+    ``keep_attention``: None (default), or ``hfpatch.model.keep_attention``'s budget (GiB, ``"auto"``, ``"all"``): the
     checkpointing the trainer sets up (``gradient_checkpointing=True``, or FSDP's ``activation_checkpointing``)
     keeps each layer's attention output, so the recomputation skips the ring forward (``TrainerCP.kept``). It
     needs one of those two on (``UnsupportedArgument`` otherwise) and CP active (ignored without CP).
@@ -279,7 +279,7 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     handle = TrainerCP(trainer, patch, cp_size)
     handle._install()
     if keep_attention is not None and handle.active:
-        handle.kept = hfpatch.keep_attention(model, budget=keep_attention)
+        handle.kept = hfpatch.model.keep_attention(model, budget=keep_attention)
     trainer.hfpatch_cp = handle
     logger.info("%s", _summary(handle, keep_attention))
     return handle

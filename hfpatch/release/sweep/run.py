@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import hfpatch
 from hfpatch.errors import HfpatchError, ModelDivergence, UnsupportedArgument, UnsupportedModel
-from hfpatch.model_positions import position_kwargs
+from hfpatch.model.positions import position_kwargs
 from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes
 from hfpatch.release.sweep.tiny import NotBuilt, build_tiny, training_inputs, training_labels
 from ring_kernels.tolerances import tolerance

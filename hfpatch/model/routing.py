@@ -31,9 +31,10 @@ from typing import Any, Callable
 import torch
 
 from hfpatch import version_gates
+from hfpatch.attention.discovery import attention_modules
 from hfpatch.errors import UnsupportedArgument
 
-__all__ = ["FLASH_IMPLEMENTATION", "ModelRouting", "route_model", "attention_modules"]
+__all__ = ["FLASH_IMPLEMENTATION", "ModelRouting", "route_model"]
 
 FLASH_IMPLEMENTATION = "flash_attention_2"
 _FLASH_NAME = "_flash_attention_forward"
@@ -82,19 +83,6 @@ class ModelRouting:
         self.added_attrs.clear()
         self.classes.clear()
         self.configs.clear()
-
-
-def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The outermost submodules of ``model`` whose class name contains "Attention" (LlamaAttention,
-    LlamaFlashAttention2, FalconAttention, ...), with their qualified names: the layers that should run the ring."""
-    found: list[tuple[str, torch.nn.Module]] = []
-    for name, module in model.named_modules():
-        if "Attention" not in type(module).__name__:
-            continue
-        if any(name.startswith(outer + ".") for outer, _ in found):
-            continue
-        found.append((name, module))
-    return found
 
 
 def _configs(model: torch.nn.Module) -> list[Any]:

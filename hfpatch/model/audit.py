@@ -12,7 +12,7 @@ sequence on a rank that holds a shard of it. ``audit(model)`` returns one ``Find
                      registry recognises (``hfpatch.mixers.recognise``: class, forward fingerprint and kernel
                      signatures of a known release) are no finding: ``apply`` runs them exactly under CP.
 ``positions``        the model's ``forward`` takes no ``position_ids`` while it has a position module (a learned
-                     or sinusoidal table, rotary embeddings) that ``hfpatch.model_positions`` does not recognise:
+                     or sinusoidal table, rotary embeddings) that ``hfpatch.model.positions`` does not recognise:
                      positions then come from the input's length, so rank r would number its tokens from 0. The
                      recognised ones (the BART-family, Whisper and MusicGen decoders' tables) are fed each rank's
                      global positions instead.
@@ -21,7 +21,7 @@ sequence on a rank that holds a shard of it. ``audit(model)`` returns one ``Find
 
 Each finding names the module path and class, the reason and the fix; a finding never depends on anything but
 the model, so every rank of a CP group reaches the same verdict. What no rule here knows (a future release's
-new mixer, a user's custom module) is caught by the whole-model probe (``hfpatch.model_probe``).
+new mixer, a user's custom module) is caught by the whole-model probe (``hfpatch.model.probe``).
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hfpatch import mixers as _mixers, model_positions
+from hfpatch import mixers as _mixers
+
+from hfpatch.model import positions as model_positions
 
 __all__ = ["Finding", "MIXER_CLASS_PATTERN", "audit", "describe"]
 
@@ -156,7 +158,7 @@ def _accepts_position_ids(model: torch.nn.Module) -> bool:
 
 
 def _position_findings(model: torch.nn.Module) -> list[Finding]:
-    """The first position module that numbers tokens by the input's length and that ``hfpatch.model_positions``
+    """The first position module that numbers tokens by the input's length and that ``hfpatch.model.positions``
     does not recognise (a recognised one is fed each rank's global positions by ``apply``)."""
     if _accepts_position_ids(model):
         return []

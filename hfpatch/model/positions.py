@@ -35,7 +35,7 @@ would attend to each other.
 Recognition is by class (name and defining transformers module) and by the forward's signature (parameter names,
 kinds and defaults), per release generation; the owner model must not be an encoder-decoder (its encoder's
 sequence is not sharded the same way). A position module hfpatch does not recognise -- another class, a subclass,
-a forward whose signature changed -- stays refused by ``hfpatch.model_audit`` (finding kind "positions").
+a forward whose signature changed -- stays refused by ``hfpatch.model.audit`` (finding kind "positions").
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def why_unrecognised(model: torch.nn.Module, module: torch.nn.Module) -> str:
     entries = _BY_CLASS.get((cls.__module__, cls.__name__))
     if not entries:
         return (f"hfpatch feeds global positions only into the position modules it recognises "
-                f"(hfpatch.model_positions.RECOGNISED), and {cls.__module__}.{cls.__name__} is not one of them.")
+                f"(hfpatch.model.positions.RECOGNISED), and {cls.__module__}.{cls.__name__} is not one of them.")
     if _is_encoder_decoder(model):
         return ("hfpatch feeds global positions into this module only in a decoder-only model; this model is an "
                 "encoder-decoder, whose encoder sequence CP does not shard.")
@@ -355,7 +355,7 @@ def _owner(model: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
 def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> list:
     """Hook every recognised position module of ``model`` (module docstring); returns the hook handles
     (``.remove()`` each). ``ctx_of()``: the live ``RingContext`` (None once the patch is inactive or removed)."""
-    from hfpatch.model_audit import modality_towers  # model_audit imports this module
+    from hfpatch.model.audit import modality_towers  # model_audit imports this module
 
     towers = modality_towers(model)  # vision/audio encoders: their positions number frames, never token shards
     handles: list = []

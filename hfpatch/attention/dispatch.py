@@ -18,7 +18,7 @@ Per call:
    counted, then ``run_mode``: ``"ring"`` -> ``semantics.ring_attention`` (every refusal, the step, the plan,
    which runs it), after which the site keeps that plan; ``"original"`` -> the original transformers function,
    re-called by parameter name; ``"reference"``/``"local"`` -> ``semantics``. While Dynamo traces
-   (torch.compile) the call is one opaque operator (``hfpatch._opaque``).
+   (torch.compile) the call is one opaque operator (``hfpatch.attention.opaque``).
 
 Counts live per thread (``ThreadState``: no lock per call; readers sum every thread's), under the call's site, so
 that ``Patch`` can say which attention layers ran the ring in the last forward and which did not. After
@@ -35,11 +35,11 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from hfpatch import _opaque
-from hfpatch import codegen as _codegen
-from hfpatch import semantics as _semantics
+from hfpatch.attention import opaque as _opaque
+from hfpatch.attention import codegen as _codegen
+from hfpatch.attention import semantics as _semantics
 from hfpatch import switch as _switch
-from hfpatch.model_routing import attention_modules
+from hfpatch.attention.discovery import attention_modules
 
 __all__ = ["Dispatcher", "LayerRecord", "Site", "ThreadState"]
 
@@ -311,7 +311,7 @@ class Dispatcher:
         call = _codegen.role_call(self.match, values)
         if _is_compiling():
             # Dynamo cannot trace the ring (P2P, data-dependent checks): one opaque operator that runs the rest
-            # at run time (hfpatch/_opaque.py).
+            # at run time (hfpatch/attention/opaque.py).
             return _opaque.compiled_call(self, call, extra)
         if self.removed:
             return self.call_original(call, extra)
@@ -430,7 +430,7 @@ class Dispatcher:
 
         def begin(module, args):
             if _is_compiling():
-                return  # compiled calls keep one record per layer and are counted by layer_idx (hfpatch/_opaque.py)
+                return  # compiled calls keep one record per layer and are counted by layer_idx (hfpatch/attention/opaque.py)
             self.begin_forward()
             state = threads.state
             state.outer_bound.append(state.bound)
@@ -496,7 +496,7 @@ class Dispatcher:
     def begin_forward(self) -> None:
         """Start a new per-forward record (a forward pre-hook of a tracked model calls this)."""
         if torch.compiler.is_compiling():
-            return  # a lock cannot be traced; compiled calls keep one record per layer (hfpatch/_opaque.py)
+            return  # a lock cannot be traced; compiled calls keep one record per layer (hfpatch/attention/opaque.py)
         with self._lock:
             self._forward.clear()
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hfpatch import inputs as _inputs
-from hfpatch.model_positions import position_kwargs
+from hfpatch.model.positions import position_kwargs
 from hfpatch import switch as _switch
 from hfpatch.errors import HfpatchError, ModelDivergence, VerificationError
 from ring_kernels.tolerances import tolerance
@@ -342,7 +342,7 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
 def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float) -> tuple[str, Optional[str]]:
     """(alignment, refusal) of the model's own non-CP ``model(ids, labels=ids).loss``: ("shifted", None) when it is
     the token-mean cross-entropy of its logits with HF's one-token shift, ("aligned", None) when it is that without
-    a shift (each position against its own label) -- the two losses ``hfpatch.labels`` computes under CP --, else
+    a shift (each position against its own label) -- the two losses ``hfpatch.model.labels`` computes under CP --, else
     ("shifted", the reason it is neither: a model that shifts twice, adds a term, or fails with labels)."""
     try:
         with _switch.switch("local"):

@@ -1,10 +1,10 @@
 """The one semantic implementation behind every generated wrapper: what each argument of
 ``_flash_attention_forward`` means under context parallelism, and how it reaches ``ring_kernels``.
 
-The wrapper (``hfpatch.codegen``) maps the caller's arguments, by name, onto roles (``hfpatch.signatures.roles``)
+The wrapper (``hfpatch.attention.codegen``) maps the caller's arguments, by name, onto roles (``hfpatch.signatures.roles``)
 and calls the dispatcher, which calls ``ring_attention(call, extra, ctx)`` here -- ``ring_plan`` (every refusal,
 the step, the kernel's arguments) and ``RingPlan.run`` -- and keeps the plan per call site for the calls it computes
-as is (``hfpatch.dispatch``). ``call`` maps role -> value,
+as is (``hfpatch.attention.dispatch``). ``call`` maps role -> value,
 ``extra`` holds the trailing ``**kwargs`` (4.48+). Shapes (flash-attn layout, this rank's shard):
 
     query:            (B, S_local, H,  D)
@@ -155,7 +155,7 @@ class RingContext:
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # The plans of ``plan_step`` (the StepState they were built for): (causal, scale, window, softcap) -> RingPlan.
     # A call whose step is another object starts a new table; assigning a field a plan bakes in drops it. A plan is
-    # current while ``plan.step is ctx.plan_step`` (what a caller that keeps plans, ``hfpatch.dispatch``, checks).
+    # current while ``plan.step is ctx.plan_step`` (what a caller that keeps plans, ``hfpatch.attention.dispatch``, checks).
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     plan_step: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -693,7 +693,7 @@ def ring_plan(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContex
 
 def current_plan(ctx: Any, causal: Any, scale: Any, window: Any, softcap: Any) -> Optional[RingPlan]:
     """The cached plan of this configuration for ``ctx``'s current step, if a call built one (None otherwise, and
-    for a context that is not a ``RingContext``). What ``hfpatch.dispatch`` keeps per call site after a call."""
+    for a context that is not a ``RingContext``). What ``hfpatch.attention.dispatch`` keeps per call site after a call."""
     plans = ctx._plans if isinstance(ctx, RingContext) else None
     if not plans or ctx.plan_step is _NO_PLANS:
         return None
