@@ -1,8 +1,10 @@
-"""Version gates: every transformers release boundary hfpatch knows about, as a named ``packaging`` constant.
+"""Version gates: every transformers release boundary hfpatch's code branches on, as a named ``packaging`` constant.
 
 Compare with these constants, never with strings (``"4.100" >= "4.43"`` is False). Each constant names the
 first release *series* where the behaviour holds (``X.Y.0``); the release that was read to establish it is in
-the comment (read from the wheel of the latest patch of every minor release).
+the comment (read from the wheel of the latest patch of every minor release). A gate exists for code that
+behaves differently across a boundary; a change of ``_flash_attention_forward``'s signature alone needs none (the
+signature registry, ``hfpatch.signatures``, matches the live function itself).
 """
 from __future__ import annotations
 
@@ -34,24 +36,15 @@ TRANSFORMERS_CU_SEQ_LENS = Version("4.47.0")
 # plain dict; `**kwargs` appears in the signature; models dispatch through ALL_ATTENTION_FUNCTIONS.
 TRANSFORMERS_ATTENTION_FUNCTIONS = Version("4.48.0")
 
-# 4.51.3: ALL_ATTENTION_FUNCTIONS becomes an AttentionInterface instance with a `register` classmethod.
-TRANSFORMERS_ATTENTION_INTERFACE_CLASS = Version("4.51.0")
+# 4.49.0: `fa_peft_integration_check` casts q, k and v to `target_dtype` when the QUERY is fp32 (4.49.0 - 5.23:
+# `query.dtype`, from 4.54 `q.dtype`). 4.47.1 - 4.48.3 decide by the VALUE's dtype; before 4.47 the function has no
+# `target_dtype` (each attention class casts before the call).
+TRANSFORMERS_TARGET_DTYPE_BY_QUERY = Version("4.49.0")
 
-# 4.53.3: `attn_implementation` parameter at index 18.
-TRANSFORMERS_ATTN_IMPLEMENTATION_PARAM = Version("4.53.0")
-
-# 4.54.1: that parameter is renamed `implementation` (S6) ...
-TRANSFORMERS_IMPLEMENTATION_RENAMED = Version("4.54.0")
-
-# 5.0.0: ... and renamed back to `attn_implementation` (S5 again).
-TRANSFORMERS_IMPLEMENTATION_RENAME_REVERTED = Version("5.0.0")
-
-# 5.1.0: models call ALL_ATTENTION_FUNCTIONS.get_interface(name, default), which raises KeyError for an
-# unregistered name other than "eager".
-TRANSFORMERS_GET_INTERFACE = Version("5.1.0")
-
-# 5.19.0: block_table, k_cache, v_cache (paged KV cache) parameters added (S7).
-TRANSFORMERS_KV_CACHE_PARAMS = Version("5.19.0")
+# 4.56.2: `_process_flash_attention_kwargs` converts `sliding_window` to flash-attn's window_size as
+# (sliding_window - 1, sliding_window - 1) (a window of `sliding_window` tokens including the current one, the
+# same as the eager/sdpa masks). 4.43.4 - 4.55.4 pass (sliding_window, sliding_window): one more key to the left.
+TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE = Version("4.56.0")
 
 
 def parse_version(text: str, *, argument: str = "transformers version") -> Version:
@@ -82,13 +75,3 @@ def is_supported_release(version: Version) -> bool:
     """True for releases that have the module-level ``_flash_attention_forward`` hfpatch patches."""
     # Compare the base version so that pre-releases of 4.43 (4.43.0rc1 < 4.43.0) count as 4.43.
     return Version(version.base_version) >= TRANSFORMERS_MIN_SUPPORTED
-
-# 4.56.2: `_process_flash_attention_kwargs` converts `sliding_window` to flash-attn's window_size as
-# (sliding_window - 1, sliding_window - 1) (a window of `sliding_window` tokens including the current one, the
-# same as the eager/sdpa masks). 4.43.4 - 4.55.4 pass (sliding_window, sliding_window): one more key to the left.
-TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE = Version("4.56.0")
-
-# 4.49.0: `fa_peft_integration_check` casts q, k and v to `target_dtype` when the QUERY is fp32 (4.49.0 - 5.23:
-# `query.dtype`, from 4.54 `q.dtype`). 4.47.1 - 4.48.3 decide by the VALUE's dtype; before 4.47 the function has no
-# `target_dtype` (each attention class casts before the call).
-TRANSFORMERS_TARGET_DTYPE_BY_QUERY = Version("4.49.0")
