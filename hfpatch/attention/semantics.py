@@ -11,7 +11,7 @@ as is (``hfpatch.attention.dispatch``). ``call`` maps role -> value,
     key, value:       (B, S_local, Hk, D)     H % Hk == 0 (GQA: the kernels never repeat K/V heads)
     returned output:  (B, S_local, H,  D)     dtype of query
 
-What each role means here (the README section "What ring attention honours and what it refuses" is the user's
+What each role means here (docs/user-guide.md's "What ring attention honours and what it refuses" is the user's
 copy of this table):
 
 - ``is_causal``, ``softmax_scale`` (None: D ** -0.5), GQA: passed to the kernels.

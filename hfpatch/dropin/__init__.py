@@ -6,7 +6,7 @@
 - ``hfpatch.dropin.axolotl``: axolotl's ring-attention patch (``register_ring_attn_from_device_mesh``,
   ``get_ring_attn_group``, ``set_ring_attn_group``, ``update_ring_attn_params``, ``RingAttnFunc``).
 
-Switching is a one-line import change; the README section "Migrating from ring-flash-attn / axolotl" lists
+Switching is a one-line import change; docs/migration.md lists
 where the behaviour differs (always towards refusing what cannot be honoured instead of ignoring it).
 """
 
