@@ -4,6 +4,10 @@ The flow of one apply: resolve the group -> read ``RING_ATTN_SWITCH`` -> match t
 ``_flash_attention_forward`` against the registry -> render the wrapper -> plan every binding site -> install
 all-or-nothing -> switch the model (``model=``) -> verify identity -> numeric probe -> ``Patch``. Any failure
 after the install removes everything again before the error propagates.
+
+A ``Patch`` holds every part it installed in one ``hfpatch.undo.UndoStack`` (the attention patch, the model's
+routing, its position, mixer, tracking, labels and inputs hooks, the switch default), in install order;
+``remove()`` takes them out newest first, each even if another fails. The parts it reads keep typed fields.
 """
 from __future__ import annotations
 
@@ -14,21 +18,23 @@ from collections import Counter
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from hfpatch import inputs, switch as switch_module, verify as verify_module, version_gates
 from hfpatch.attention import codegen, patcher
 from hfpatch.model import audit as model_audit, positions as model_positions
 from hfpatch.attention.dispatch import Dispatcher
-from hfpatch.errors import (ModelDivergence, PatchError, SignatureMismatch, UnsupportedModel, UnsupportedRelease,
-                            VerificationError)
+from hfpatch.errors import (AlreadyRemoved, ModelDivergence, PatchError, SignatureMismatch, UnsupportedModel,
+                            UnsupportedRelease, VerificationError)
 from hfpatch.model.labels import install_labels_hook
 from hfpatch.mixers import MixerInstallation, install_mixers
 from hfpatch.model.inputs_guard import install_inputs_guard
 from hfpatch.model.probe import ProbeResult, probe_model
 from hfpatch.attention.discovery import attention_modules
-from hfpatch.model.routing import route_model
+from hfpatch.model.routing import ModelRouting, route_model
 from hfpatch.attention.semantics import RingContext, parse_kernel
 from hfpatch.signatures import registry
+from hfpatch.undo import UndoStack, is_wrapper, mark_wrapper
 from hfpatch.verify import group_max
 from ring_kernels.backends import choices
 
@@ -59,38 +65,42 @@ class Patch:
     (e.g. "S7-5.19.0"). ``sites``: "module.attr" of every binding site holding the wrapper (modules imported
     after apply included). ``calls``: Counter layer -> calls that ran the ring. ``switch``: the switch module
     (``patch.switch.current_mode()``, ``patch.switch.set_switch(mode)``, ``with patch.switch(mode):``).
-    ``ctx``: the ``semantics.RingContext`` (None when inactive).
+    ``ctx``: the ``semantics.RingContext`` (None when inactive). ``removed``: whether ``remove()`` ran.
     """
 
     def __init__(self, *, active: bool, reason: Optional[str], signature_id: Optional[str] = None,
-                 ctx: Any = None, installation: Any = None, dispatcher: Any = None, match: Any = None,
-                 previous_switch: Optional[str] = None) -> None:
+                 ctx: Optional[RingContext] = None, dispatcher: Optional[Dispatcher] = None, match: Any = None) -> None:
         self.active = active
         self.reason = reason
         self.signature_id = signature_id
         self.ctx = ctx
         self.switch = switch_module
-        self._installation = installation
-        self._dispatcher = dispatcher
         self._match = match
-        self._previous_switch = previous_switch
-        self._model_routings: list = []
-        self._hooks: list = []
+        # Every part this patch installed, in install order; remove() takes them out newest first.
+        self._undo = UndoStack("hfpatch")
+        # The parts it reads (each also on the undo stack, where installed): None until installed.
+        self._dispatcher: Optional[Dispatcher] = dispatcher
+        self._installation: Optional[patcher.Installation] = None
+        self._routing: Optional[ModelRouting] = None
+        self._mixers: Optional[MixerInstallation] = None
         # Why model(labels=) is refused under CP for the model of apply(model=) (set by the whole-model probe).
         self.labels_refusal: Optional[str] = None
         self.labels_alignment: str = "shifted"  # the model's own loss: "shifted" or "aligned" (model_probe)
         # The whole-model probe's result (model_probe.ProbeResult: worst error, where, how many tensors compared),
         # or None where it did not run (no model=, verify="fast" or False, an inactive patch).
         self.probe: Optional[ProbeResult] = None
-        self._removed = False
 
     # ------------------------------------------------------------------------------------ inspection
     @property
+    def removed(self) -> bool:
+        return self._undo.removed
+
+    @property
     def sites(self) -> list[str]:
-        if self._installation is None or self._removed:
+        if self._installation is None or self.removed:
             return []
         injected = [f"{module.__name__}._flash_attention_forward (injected by model=)"
-                    for record in self._model_routings for module, _ in record.injected]
+                    for module, _ in (self._routing.injected if self._routing is not None else [])]
         return [site.label for site in self._installation.sites] + injected
 
     @property
@@ -122,9 +132,7 @@ class Patch:
         kernel, each holding a wrapper whose ``__wrapped__`` is the kernel the release picked; ``calls``: Counter
         (kernel role, switch mode) -> calls). None without ``model=``, when inactive, or after ``remove()``. For
         reading: ``remove()`` takes the mixers out with the rest of the patch."""
-        if self._removed:
-            return None
-        return next((hook for hook in self._hooks if isinstance(hook, MixerInstallation)), None)
+        return None if self.removed else self._mixers
 
     def reset_calls(self) -> None:
         """Clear ``calls``, ``mode_calls`` and the per-forward record."""
@@ -141,7 +149,7 @@ class Patch:
     def __repr__(self) -> str:
         if not self.active:
             return f"<hfpatch.Patch inactive: {self.reason}>"
-        state = "removed" if self._removed else f"{len(self.sites)} sites"
+        state = "removed" if self.removed else f"{len(self.sites)} sites"
         return f"<hfpatch.Patch {self.signature_id} {self.ctx.variant}:{self.ctx.backend} " \
                f"world={self.ctx.world_size} {state}>"
 
@@ -151,7 +159,8 @@ class Patch:
         (``apply(model=...)`` does this for its model)."""
         if self._dispatcher is None:
             return
-        self._hooks.extend(self._dispatcher.track(model))  # also binds its attention layers' call sites
+        # also binds its attention layers' call sites
+        self._undo.push(self._dispatcher.track(model), f"the forward tracking of {type(model).__name__}")
 
     def layers_seen(self) -> list:
         """Layer keys (layer index, or "Class@id") that ran the ring in the last forward of a tracked model
@@ -191,55 +200,33 @@ class Patch:
     def live_ctx_or_none(self):
         """The ``RingContext`` while this patch is active and not removed, else None (what the labels hook of
         ``apply(model=)`` reads per forward)."""
-        return self.ctx if self.active and not self._removed else None
+        return self.ctx if self.active and not self.removed else None
 
     def _live_ctx(self):
         # After remove() attention is no longer ring attention: sharding inputs would feed shards to the
         # original function silently. Refuse instead.
-        if self.active and self._removed:
+        if self.active and self.removed:
             raise PatchError("this patch was removed; shard_inputs/reduce_loss would feed shards to unpatched "
                              "attention. Fix: apply again, or use the full batch without hfpatch.")
         return self.ctx if self.active else None
 
     # ------------------------------------------------------------------------------------------ removal
     def remove(self) -> None:
-        """Restore every binding site (by identity), the model(s) switched by ``model=``, and the switch
-        default; remove the import hook. A second ``remove()`` raises ``PatchError``."""
+        """Take out every part, newest first: the model's hooks, its routing, the wrapper at every binding site
+        (by identity) and the import hook, the switch default. Every part is removed even if another fails; then
+        ``RemovalFailed`` (a ``PatchError``) names each failure (``SitesRebound`` among them for sites someone
+        else rebound after apply, left as they are). A second ``remove()`` raises ``AlreadyRemoved``."""
         global _active
-        if self._removed:
-            raise PatchError(f"{self!r} was already removed; remove() is not idempotent (a second call would hide "
-                             "a double-remove bug). Fix: call remove() once, or use `with hfpatch.apply(...)`.")
-        self._removed = True
-        foreign: list[str] = []
-        errors: list[str] = []
-
-        def attempt(step) -> None:  # every step runs even if an earlier one failed: restore as much as possible
-            try:
-                step()
-            except Exception as exc:  # collected and reported together below
-                errors.append(f"{type(exc).__name__}: {exc}")
-
-        for hook in self._hooks:
-            attempt(hook.remove)
-        for record in reversed(self._model_routings):
-            attempt(record.restore)
-        if self._installation is not None:
-            attempt(lambda: foreign.extend(self._installation.restore()))
-        if self._dispatcher is not None:
-            self._dispatcher.removed = True  # a stale wrapper reference now calls the original
-        if self._previous_switch is not None:
-            self.switch.set_switch(self._previous_switch)
-        with _active_lock:
-            if _active is self:
-                _active = None
-        if foreign or errors:
-            raise PatchError(
-                "hfpatch was removed, but not cleanly: "
-                + (f"these sites had been rebound by someone else after apply and were left as they are: "
-                   f"{', '.join(foreign)} (fix: remove the other patch too, or apply it before hfpatch). "
-                   if foreign else "")
-                + (f"restoring failed: {'; '.join(errors)}." if errors else "")
-            )
+        if self.removed:
+            raise AlreadyRemoved(f"{self!r} was already removed; remove() is not idempotent (a second call would "
+                                 "hide a double-remove bug). Fix: call remove() once, or use "
+                                 "`with hfpatch.apply(...)`.", what=repr(self))
+        try:
+            self._undo.remove()
+        finally:
+            with _active_lock:
+                if _active is self:
+                    _active = None
         if self.active:
             logger.info("hfpatch: removed (%s); transformers restored", self.signature_id)
 
@@ -247,7 +234,7 @@ class Patch:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._removed:
+        if not self.removed:
             self.remove()
 
 
@@ -258,8 +245,6 @@ def _resolve_group(cp_group):
     """A ProcessGroup, or None; a 1-D DeviceMesh gives its group; anything else is a TypeError."""
     if cp_group is None:
         return None
-    import torch.distributed as dist
-
     if isinstance(cp_group, dist.ProcessGroup):
         return cp_group
     try:
@@ -299,7 +284,7 @@ def _inactive(reason: str, *, level: int = logging.INFO, model: Optional[torch.n
     logger.log(level, "hfpatch: not active (%s); transformers untouched, input helpers are the identity", reason)
     patch = Patch(active=False, reason=reason)
     if model is not None:
-        patch._hooks.extend(install_labels_hook(model, lambda: None))
+        patch._undo.push(install_labels_hook(model, lambda: None), "the labels hook")
     return patch
 
 
@@ -346,8 +331,6 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
 
     env_mode = switch_module.mode_from_env()  # a bad RING_ATTN_SWITCH is an error even without CP
     group = _resolve_group(cp_group)
-    import torch.distributed as dist
-
     if group is None or dist.get_world_size(group) == 1:
         with _active_lock:
             _check_no_active_patch()
@@ -425,7 +408,8 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
     failure: Optional[BaseException] = None
     try:
         patch = _install_here(group, kernel, model, match, version)
-        patch._previous_switch = switch_module.set_switch(env_mode)
+        previous = switch_module.set_switch(env_mode)
+        patch._undo.callback(lambda: switch_module.set_switch(previous), "the switch default")
     except BaseException as exc:  # re-raised below, after the other ranks have been told
         failure = exc
     # Agree before the probe: its ring exchanges blocks between ranks, so a rank that failed and skipped it would
@@ -469,29 +453,35 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
 def _install_here(group, kernel, model, match, version) -> Patch:
     """This rank's part of apply: render, install at every site, switch the model, check identity. On failure
     everything it did is undone before the error propagates."""
-    import transformers.modeling_flash_attention_utils as mfau
+    import transformers.modeling_flash_attention_utils as mfau  # not at the top: importing hfpatch must not load it
 
     original = mfau._flash_attention_forward
-    if getattr(original, "__hfpatch_wrapper__", False):
+    if is_wrapper(original):
         raise PatchError("transformers' _flash_attention_forward is already an hfpatch wrapper from a patch that was "
                          "not removed cleanly. Fix: restart the process.")
     ctx = RingContext.for_group(group, kernel=kernel)
     dispatcher = Dispatcher(original=original, match=match, ctx=ctx)
     ctx.call_original = dispatcher.call_original
-    wrapper = codegen.render(match, dispatcher.entry, original=original)
-    wrapper.__hfpatch_wrapper__ = True  # lets a later apply recognise a wrapper left behind
-    installation = patcher.install(patcher.plan(original), wrapper)  # all-or-nothing by itself
-    patch = Patch(active=True, reason=None, signature_id=match.id, ctx=ctx, installation=installation,
-                  dispatcher=dispatcher, match=match)
+    wrapper = mark_wrapper(codegen.render(match, dispatcher.entry, original=original))  # a later apply sees it
+    patch = Patch(active=True, reason=None, signature_id=match.id, ctx=ctx, dispatcher=dispatcher, match=match)
+
+    def retire_dispatcher() -> None:
+        dispatcher.removed = True  # a stale wrapper reference now calls the original
+
+    undo = patch._undo
+    undo.callback(retire_dispatcher, "the dispatcher")
     try:
+        installation = patcher.install(patcher.plan(original), wrapper)  # all-or-nothing by itself
+        patch._installation = undo.push(installation, "the attention patch")
         if model is not None:
-            patch._model_routings.append(route_model(model, wrapper, transformers_version=version))
-            patch._hooks.extend(model_positions.install(model, patch.live_ctx_or_none))  # global positions
-            patch._hooks.append(install_mixers(model, ctx))  # recognised sequence mixers under CP (hfpatch.mixers)
+            patch._routing = undo.push(route_model(model, wrapper, transformers_version=version), "the model routing")
+            undo.push(model_positions.install(model, patch.live_ctx_or_none), "the position hooks")  # global positions
+            # recognised sequence mixers under CP (hfpatch.mixers)
+            patch._mixers = undo.push(install_mixers(model, ctx), "the sequence mixers")
             patch.track(model)
-            patch._hooks.extend(install_labels_hook(model, patch.live_ctx_or_none, lambda: patch.labels_refusal,
-                                                   lambda: patch.labels_alignment))
-            patch._hooks.extend(install_inputs_guard(model, patch.live_ctx_or_none))  # images/audio refused
+            undo.push(install_labels_hook(model, patch.live_ctx_or_none, lambda: patch.labels_refusal,
+                                          lambda: patch.labels_alignment), "the labels hook")
+            undo.push(install_inputs_guard(model, patch.live_ctx_or_none), "the inputs guard")  # images/audio refused
         verify_module.identity(installation)
     except BaseException:
         _remove_quietly(patch)
@@ -502,7 +492,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
 def _remove_quietly(patch: Optional[Patch]) -> None:
     """Undo a half-finished apply while another error propagates: a failure to restore is logged, not raised,
     so that the error the user sees is the one that caused the rollback."""
-    if patch is None or patch._removed:
+    if patch is None or patch.removed:
         return
     try:
         patch.remove()

@@ -15,6 +15,9 @@ __all__ = [
     "UnsupportedArgument",
     "PatchError",
     "VerificationError",
+    "AlreadyRemoved",
+    "RemovalFailed",
+    "SitesRebound",
     "UnsupportedRelease",
     "UnsupportedModel",
     "ModelDivergence",
@@ -89,6 +92,37 @@ class PatchError(HfpatchError, RuntimeError):
 
 class VerificationError(PatchError):
     """The patch was installed but a check (identity at every site, numeric probe, layer count) failed."""
+
+
+class AlreadyRemoved(PatchError):
+    """``remove()`` of something hfpatch installed, called a second time: an error, not a no-op, because a second
+    call hides a double-remove bug. Field: ``what`` (what had been removed)."""
+
+    def __init__(self, message: str, *, what: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+class RemovalFailed(PatchError):
+    """Removing an installation failed at one or more of its parts; every other part was still removed.
+
+    Fields: ``what`` (the installation), ``failures`` (list of (part, exception), in the order they were removed:
+    newest first). Its cause is the one exception, or an ``ExceptionGroup`` of them all.
+    """
+
+    def __init__(self, message: str, *, what: str, failures: list) -> None:
+        super().__init__(message)
+        self.what = what
+        self.failures = failures
+
+
+class SitesRebound(PatchError):
+    """Removing the attention patch found binding sites that someone else rebound after apply; they were left as
+    they are (every other site holds the original again). Field: ``sites`` (their labels, "module.attr")."""
+
+    def __init__(self, message: str, *, sites: list[str]) -> None:
+        super().__init__(message)
+        self.sites = sites
 
 
 class UnsupportedModel(HfpatchError, ValueError):

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hfpatch import inputs, switch as _switch
+from hfpatch import inputs, modes as _switch
+from hfpatch.attention.patcher import Installation
 from hfpatch.errors import VerificationError
 
 __all__ = ["identity", "numeric", "group_max", "PROBE_TOLERANCE"]
@@ -33,7 +34,7 @@ PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 _PROBE_SHAPE = dict(batch=2, heads=4, kv_heads=2, head_dim=8, tokens_per_rank=8)
 
 
-def identity(installation: Any) -> None:
+def identity(installation: Installation) -> None:
     """Raise ``VerificationError`` unless every site and interface route holds ``installation.wrapper``."""
     wrapper = installation.wrapper
     wrong = [f"{s.label} holds {s.current()!r}" for s in installation.sites if s.current() is not wrapper]

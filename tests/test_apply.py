@@ -63,7 +63,7 @@ def _assert_untouched(original, model=None):
     from hfpatch.attention import patcher
 
     assert _all_bound_to(original)
-    assert not any(isinstance(f, patcher._RebindFinder) for f in sys.meta_path)
+    assert not any(isinstance(f, patcher.RebindFinder) for f in sys.meta_path)
     assert active_patch() is None
     if model is not None:
         assert model.config._attn_implementation == "eager"
@@ -229,7 +229,7 @@ def _case_context_manager(group):
             assert _bindings()[0] is not original
             raise RuntimeError("inside the block")
     _assert_untouched(original)
-    assert patch._removed
+    assert patch.removed
 
 
 def _case_failures_leave_nothing(group):

@@ -682,8 +682,7 @@ def test_a_tracked_models_sites_are_bound_only_while_its_forward_runs(kernels, m
             m.setattr(_Layers, "forward", lambda self, *a: (_ for _ in ()).throw(RuntimeError("layer failed")))
             tracked(q, k, v)
     assert d._threads.state.bound is None and d.calls == {0: 3, 1: 3, 2: 3}
-    for hook in hooks:
-        hook.remove()
+    hooks.remove()
 
 
 def _bench():

@@ -255,7 +255,7 @@ def _hf_misuse(rank, world, patch, model):
     from hfpatch.dropin.ring_flash_attn import substitute_hf_flash_attn
 
     again = substitute_hf_flash_attn(None, 1, model=model)  # a second call replaces the first; None: default group
-    assert again.active and again is not patch and patch._removed and hfpatch.active_patch() is again
+    assert again.active and again is not patch and patch.removed and hfpatch.active_patch() is again
     assert again.ctx.world_size == world
     patch = again
     update_ring_flash_attn_params(torch.tensor([0, 8, 24], dtype=torch.int32), dist.group.WORLD)

@@ -134,7 +134,7 @@ def _apply_before_model_import(rank, world):
         try:
             loss, grads = _cp_step(patch, model, ids, None)
         finally:
-            switched.restore()
+            switched.remove()
         assert patch.mode_calls.get("ring", 0) == model.config.num_hidden_layers, patch.mode_calls
     finally:
         patch.remove()

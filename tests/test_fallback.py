@@ -86,7 +86,7 @@ def test_identity_helpers_give_the_non_cp_loss(untouched):
         loss = patch.reduce_loss(loss_sum, mask.sum())
     # the same number as HF's own (shifting) loss on the whole batch
     torch.testing.assert_close(loss, model(input_ids=ids, labels=labels).loss)
-    assert patch._removed  # the context manager removed it
+    assert patch.removed  # the context manager removed it
 
 
 def test_group_of_one_rank_is_inactive(untouched, world_of_one):
@@ -104,11 +104,11 @@ def test_inactive_patch_context_manager_removes_on_exception(untouched):
     with pytest.raises(KeyError):
         with hfpatch.apply() as patch:
             raise KeyError("x")
-    assert patch._removed
+    assert patch.removed
     with pytest.raises(PatchError):
         patch.remove()
 
 
 def test_no_rebind_finder_left_behind_by_inactive_apply(untouched):
     hfpatch.apply()
-    assert not any(isinstance(f, patcher._RebindFinder) for f in sys.meta_path)
+    assert not any(isinstance(f, patcher.RebindFinder) for f in sys.meta_path)

@@ -150,8 +150,7 @@ def test_averaged_share_without_cp_is_the_model_loss():
         counted = model(input_ids=ids, shift_labels=shift, num_items_in_batch=torch.tensor(15.0)).loss
     torch.testing.assert_close(share, own)
     torch.testing.assert_close(counted, own * 30 / 15)      # the trainer's divisor, as given
-    for hook in hooks:
-        hook.remove()
+    hooks.remove()
 
 
 def test_fused_lm_head_under_cp_needs_shift_labels_and_the_averaged_convention():
@@ -165,8 +164,7 @@ def test_fused_lm_head_under_cp_needs_shift_labels_and_the_averaged_convention()
     with averaged_over_group(), pytest.raises(UnsupportedArgument) as info:
         model(input_ids=ids, labels=ids, fused_lm_head=True)
     assert info.value.parameter == "labels"
-    for hook in hooks:
-        hook.remove()
+    hooks.remove()
 
 
 # ------------------------------------------------------------------------------------------------- enable

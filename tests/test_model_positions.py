@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
+from hfpatch.undo import is_wrapper
 
 FAMILY = ("BartForCausalLM", "MBartForCausalLM", "PLBartForCausalLM", "BlenderbotForCausalLM",
           "BlenderbotSmallForCausalLM", "MarianForCausalLM", "PegasusForCausalLM", "WhisperForCausalLM",
@@ -281,7 +282,7 @@ def _refusal_checks():
     assert (info.value.kind, info.value.module_path, info.value.module_class) == \
         ("positions", "model.decoder.embed_positions", "ShiftedPositionalEmbedding")
     assert hfpatch.active_patch() is None
-    assert not getattr(mfau._flash_attention_forward, "__hfpatch_wrapper__", False)
+    assert not is_wrapper(mfau._flash_attention_forward)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     patch = hfpatch.apply(dist.group.WORLD, model=model, on_unsupported="fallback")
     assert not patch.active and "ShiftedPositionalEmbedding" in patch.reason

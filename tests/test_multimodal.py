@@ -1,6 +1,6 @@
 """Multimodal models under ``apply(model=)``: the encoder of another modality (vision, audio) is not a token mixer
-(``model_audit.modality_towers``), and image / video / audio inputs are refused by name while CP is active
-(``hfpatch.model.inputs_guard``), on real HF classes.
+(``hfpatch.model.routing.modality_towers``), and image / video / audio inputs are refused by name while CP is
+active (``hfpatch.model.inputs_guard``), on real HF classes.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def _llama_with_audio_tower():
 
 
 def test_a_tower_of_another_modality_is_not_a_token_mixer():
-    from hfpatch.model.audit import audit, modality_towers
+    from hfpatch.model.audit import audit
+    from hfpatch.model.routing import modality_towers
 
     model = _llama_with_audio_tower()
     assert modality_towers(model) == ["audio_tower"]
@@ -43,7 +44,8 @@ def test_a_tower_of_another_modality_is_not_a_token_mixer():
 def test_released_multimodal_classes_audit_clean(model_type):
     """The released composites whose towers hold convolutions or position tables: nothing in the towers is a
     finding (their text stacks are what the model sweep proves exact)."""
-    from hfpatch.model.audit import audit, modality_towers
+    from hfpatch.model.audit import audit
+    from hfpatch.model.routing import modality_towers
     from hfpatch.release.sweep.catalog import flash_causal_lm_classes
     from hfpatch.release.sweep.tiny import NotBuilt, build_tiny
 
@@ -82,8 +84,7 @@ def test_guard_refuses_modality_inputs_only_while_cp_is_active():
         assert model(input_ids=ids, pixel_values=torch.zeros(1, 3, 8, 8)) is ids
     ctx.world_size = 1
     assert model(input_ids=ids, pixel_values=torch.zeros(1, 3, 8, 8)) is ids
-    for handle in handles:
-        handle.remove()
+    handles.remove()
     ctx.world_size = 2
     assert model(input_ids=ids, pixel_values=torch.zeros(1, 3, 8, 8)) is ids
 

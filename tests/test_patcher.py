@@ -13,7 +13,7 @@ import pytest
 import transformers.modeling_flash_attention_utils as mfau
 import transformers.modeling_utils as modeling_utils
 from hfpatch.attention import patcher
-from hfpatch.errors import PatchError
+from hfpatch.errors import PatchError, SitesRebound
 
 try:  # integrations/flash_attention.py and the attention interface exist from 4.48 on
     import transformers.integrations.flash_attention as integ
@@ -34,7 +34,7 @@ def original():
     yield fn
     # every test must leave transformers exactly as it found it
     assert mfau._flash_attention_forward is fn and (integ is None or integ._flash_attention_forward is fn)
-    assert not any(isinstance(f, patcher._RebindFinder) for f in sys.meta_path)
+    assert not any(isinstance(f, patcher.RebindFinder) for f in sys.meta_path)
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_install_and_restore_every_site_by_identity(original):
             fn = modeling_utils.ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
             assert fn.__globals__["_flash_attention_forward"] is _wrapper  # what the interface entry calls
         assert inst.hook in sys.meta_path
-        assert inst.restore() == []
+        inst.remove()  # raises SitesRebound if a site was left
         assert module.fa_alias is original
     finally:
         del sys.modules[module.__name__]
@@ -125,7 +125,7 @@ def test_module_imported_after_install_gets_wrapper_and_original_back(original, 
         # the module's loader is the real one, untouched (the one-shot exec hook is gone): nothing sees hfpatch
         assert type(late.__loader__) is importlib.machinery.SourceFileLoader
         assert late.__spec__.loader is late.__loader__ and "exec_module" not in vars(late.__loader__)
-        inst.restore()
+        inst.remove()
         assert late._flash_attention_forward is original and late.aliased is original and saved.fa is original
     finally:
         del sys.modules["hfpatch_saved_reference"]
@@ -137,7 +137,7 @@ def test_restore_sweeps_modules_that_bypassed_the_import_system(original):
     stray.fa = mfau._flash_attention_forward  # copied from a patched module without an import
     sys.modules[stray.__name__] = stray
     try:
-        inst.restore()
+        inst.remove()
         assert stray.fa is original
     finally:
         del sys.modules[stray.__name__]
@@ -215,7 +215,9 @@ def test_restore_leaves_a_site_someone_else_rebound_and_reports_it(original):
         inst = patcher.install(patcher.plan(original), _wrapper)
         other = lambda *a, **k: None  # noqa: E731  (another patcher, applied after hfpatch)
         module.fa_alias = other
-        assert inst.restore() == ["hfpatch_test_foreign.fa_alias"]
+        with pytest.raises(SitesRebound) as info:
+            inst.remove()
+        assert info.value.sites == ["hfpatch_test_foreign.fa_alias"]
         assert module.fa_alias is other  # not clobbered
     finally:
         del sys.modules[module.__name__]

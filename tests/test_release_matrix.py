@@ -172,7 +172,7 @@ def test_model_routing_also_switches_module_copies_of_attn_implementation():
     record = route_model(model, lambda *a, **k: None, transformers_version=Version("4.48.0"))
     assert model.model._attn_implementation == FLASH_IMPLEMENTATION
     assert "_attn_implementation" not in model.other.__dict__
-    record.restore()
+    record.remove()
     assert model.model.__dict__["_attn_implementation"] == "eager"
     assert "_attn_implementation" not in model.other.__dict__
 
@@ -216,6 +216,6 @@ def test_model_routing_handles_4_47_gemma2_per_call_dispatch(monkeypatch):
     record = route_model(model, wrapper, transformers_version=Version("4.47.1"))
     assert model.config._attn_implementation_internal == FLASH_IMPLEMENTATION
     assert modeling.flash_attention_forward(1) == ("ring", 1)
-    record.restore()
+    record.remove()
     assert model.config._attn_implementation_internal == "eager"
     assert "_flash_attention_forward" not in modeling.__dict__

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
+from hfpatch.undo import is_wrapper
 from ring_kernels.tolerances import assert_close, tolerance
 
 LOSS = tolerance("cp", torch.float32, "loss")
@@ -75,7 +76,7 @@ def _nothing_installed():
     import transformers.modeling_flash_attention_utils as mfau
 
     assert hfpatch.active_patch() is None
-    assert not getattr(mfau._flash_attention_forward, "__hfpatch_wrapper__", False)
+    assert not is_wrapper(mfau._flash_attention_forward)
 
 
 # ------------------------------------------------------------------------------------ audit (one process)

@@ -40,6 +40,7 @@ from hfpatch.attention import codegen as _codegen
 from hfpatch.attention import semantics as _semantics
 from hfpatch import switch as _switch
 from hfpatch.attention.discovery import attention_modules
+from hfpatch.undo import UndoStack
 
 __all__ = ["Dispatcher", "LayerRecord", "Site", "ThreadState"]
 
@@ -416,10 +417,10 @@ class Dispatcher:
                 return site
         return self._site(_slot(layer_idx, module))
 
-    def track(self, model: torch.nn.Module) -> list:
+    def track(self, model: torch.nn.Module) -> UndoStack:
         """Make each forward of ``model`` a new "last forward" (``begin_forward``), and bind its attention modules'
         sites by ``layer_idx`` for the calls made while that forward runs on this thread (an index shared by two
-        of its attention modules is left to the stack). Returns the hook handles (``.remove()`` undoes)."""
+        of its attention modules is left to the stack). Returns both hooks as one ``UndoStack`` (``remove()``)."""
         by_index: dict = {}
         for _name, module in attention_modules(model):
             index = getattr(module, "layer_idx", None)
@@ -442,7 +443,8 @@ class Dispatcher:
                 return
             state.bound = state.outer_bound.pop()
 
-        return [model.register_forward_pre_hook(begin), model.register_forward_hook(end, always_call=True)]
+        return UndoStack(f"the forward tracking of {type(model).__name__}", model.register_forward_pre_hook(begin),
+                         model.register_forward_hook(end, always_call=True))
 
     # ------------------------------------------------------------------------------------- counting
     def _count(self, mode: str, site: Site) -> None:

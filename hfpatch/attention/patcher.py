@@ -16,12 +16,13 @@ distinction). Callers reach it through:
    leads to the original is recorded as an ``InterfaceRoute`` and checked by ``verify.identity``. An entry
    whose globals dict belongs to no imported module gets its globals patched as a site of its own; one that
    holds the original in a closure cannot be rebound and is refused before anything changes.
-4. modules imported *after* apply: a ``sys.meta_path`` finder (removed by ``restore``) rebinds the original,
-   and records the wrapper, in each new module right after it executes -- so ``restore`` also puts the
-   original back there.
+4. modules imported *after* apply: a ``sys.meta_path`` finder (``RebindFinder``, removed by ``remove``) rebinds
+   the original, and records the wrapper, in each new module right after it executes -- so ``remove`` also
+   puts the original back there.
 
 ``install`` validates every site first, then swaps; if one swap fails, the ones already made are undone
-before the error is raised.
+before the error is raised. It returns an ``Installation``, whose ``remove()`` (``hfpatch.undo.Removable``)
+puts the original back by identity.
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from hfpatch.errors import PatchError
+from hfpatch.errors import AlreadyRemoved, PatchError, SitesRebound
 
-__all__ = ["TARGET_MODULE", "TARGET_ATTR", "Site", "InterfaceRoute", "Plan", "Installation", "plan", "install"]
+__all__ = ["TARGET_MODULE", "TARGET_ATTR", "Site", "InterfaceRoute", "Plan", "Installation", "RebindFinder", "plan",
+           "install"]
 
 TARGET_MODULE = "transformers.modeling_flash_attention_utils"
 TARGET_ATTR = "_flash_attention_forward"
@@ -208,25 +210,25 @@ def validate(plan_: Plan) -> None:
         )
 
 
-# ------------------------------------------------------------------------------------ install / restore
+# ------------------------------------------------------------------------------------- install / remove
 
 
 class Installation:
-    """The installed state: which sites now hold ``wrapper``, and the import hook. ``restore`` undoes it."""
+    """The installed state: which sites now hold ``wrapper``, and the import hook. ``remove`` undoes it."""
 
     def __init__(self, plan_: Plan, wrapper: Callable) -> None:
         self.original = plan_.original
         self.wrapper = wrapper
         self.sites: list[Site] = []
         self.routes = list(plan_.routes)
-        self.hook: _RebindFinder | None = None
+        self.hook: RebindFinder | None = None
         self._lock = threading.Lock()
         self.installed = False
 
     # -- called by the import hook for each newly executed module
     def adopt_module(self, module: types.ModuleType) -> None:
         """Rebind ``original`` to the wrapper in a freshly imported module, and record any binding to the
-        wrapper there (it came through a patched module), so that ``restore`` puts the original back."""
+        wrapper there (it came through a patched module), so that ``remove`` puts the original back."""
         for key, value in list(module.__dict__.items()):
             if value is self.original:
                 site = Site(module, key, self.original, f"{module.__name__}.{key}")
@@ -238,10 +240,14 @@ class Installation:
             with self._lock:
                 self.sites.append(site)
 
-    def restore(self) -> list[str]:
+    def remove(self) -> None:
         """Put the original back at every site that holds the wrapper, remove the import hook, and sweep
         ``sys.modules`` for any other module holding the wrapper (e.g. one executed bypassing the import
-        system). Returns the labels of sites someone else rebound meanwhile (left as they are)."""
+        system). Sites someone else rebound meanwhile are left as they are and named, once everything else is
+        restored, by ``SitesRebound``; a second call raises ``AlreadyRemoved``."""
+        if not self.installed:
+            raise AlreadyRemoved(f"the attention patch of {len(self.sites)} sites was already removed (or never "
+                                 "completed its install). Fix: remove it once.", what="patcher.Installation")
         if self.hook is not None:
             self.hook.uninstall()
             self.hook = None
@@ -260,7 +266,10 @@ class Installation:
                     if value is self.wrapper:
                         setattr(module, key, self.original)
         self.installed = False
-        return foreign
+        if foreign:
+            raise SitesRebound(
+                f"these sites had been rebound by someone else after apply and were left as they are: "
+                f"{', '.join(foreign)}. Fix: remove the other patch too, or apply it before hfpatch.", sites=foreign)
 
 
 def install(plan_: Plan, wrapper: Callable, *, import_hook: bool = True) -> Installation:
@@ -275,7 +284,7 @@ def install(plan_: Plan, wrapper: Callable, *, import_hook: bool = True) -> Inst
             done.append(site)
             installation.sites.append(site)
         if import_hook:
-            installation.hook = _RebindFinder(installation)
+            installation.hook = RebindFinder(installation)
             installation.hook.install()
     except BaseException as exc:
         failed_at = plan_.sites[len(done)].label if len(done) < len(plan_.sites) else "the import hook"
@@ -312,14 +321,14 @@ _PER_MODULE_LOADERS = (
 )
 
 
-class _RebindFinder(importlib.abc.MetaPathFinder):
+class RebindFinder(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path``: finds each module through the other finders and arranges that, right after
     the module's code has run, ``installation.adopt_module(module)`` sees it.
 
     Only file-based modules are intercepted (``.py``, ``.pyc`` and extension files), because their loader is a fresh object per module: an instance attribute ``exec_module`` on it
     wraps that one module's execution and is deleted right after, so the spec, ``__loader__`` and the loader's
     type are exactly what they would be without hfpatch. Other loaders (built-ins, zip archives, custom ones)
-    may be shared between modules and are left alone; ``Installation.restore`` still sweeps those modules.
+    may be shared between modules and are left alone; ``Installation.remove`` still sweeps those modules.
     """
 
     def __init__(self, installation: Installation) -> None:

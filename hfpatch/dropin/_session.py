@@ -33,7 +33,7 @@ class Session:
     @property
     def live(self) -> bool:
         """True while the patch is installed (active and not removed)."""
-        return bool(self.patch.active) and not self.patch._removed
+        return bool(self.patch.active) and not self.patch.removed
 
 
 _current: Optional[Session] = None

@@ -34,6 +34,7 @@ from hfpatch.mixers.kernel import KernelCall, SequenceKernel
 from hfpatch.mixers.kinds import KERNELS
 from hfpatch.mixers.registry import recognise
 from hfpatch.mixers.segments import SegmentPlan, segments_of_layout
+from hfpatch.undo import is_wrapper, mark_wrapper
 
 __all__ = ["MixerInstallation", "install_mixers"]
 
@@ -116,12 +117,11 @@ class MixerInstallation:
                 return kernel.reference(call, plan)
             return kernel.run_cp(call, plan)
 
-        wrapper.__hfpatch_mixer__ = True
-        return wrapper
+        return mark_wrapper(wrapper)
 
     def rebind(self, module: Any, name: str, kernel: SequenceKernel) -> None:
         original = module.__dict__[name]
-        if getattr(original, "__hfpatch_mixer__", False):
+        if is_wrapper(original):
             raise PatchError(f"{module.__name__}.{name} is already an hfpatch mixer wrapper from a patch that was not "
                              "removed cleanly. Fix: restart the process.")
         wrapper = self.wrap(original, kernel)
@@ -133,7 +133,7 @@ class MixerInstallation:
         on two ranks or more, otherwise what was there (the class's method, or an instance-level one such as
         accelerate's hooks set). A bound method, so that ``copy.deepcopy`` binds the copy's to the copy."""
         previous = mixer.__dict__.get(method)
-        if getattr(previous, "__hfpatch_mixer__", False):
+        if is_wrapper(previous):
             raise PatchError(f"{type(mixer).__name__}.{method} is already an hfpatch mixer replacement from a patch "
                              "that was not removed cleanly. Fix: restart the process.")
         installation = self
@@ -146,7 +146,7 @@ class MixerInstallation:
                 return getattr(type(self), method)(self, *args, **kwargs)
             return cp_form(self, *args, **kwargs)
 
-        replacement.__hfpatch_mixer__ = True
+        mark_wrapper(replacement)
         bound = types.MethodType(replacement, mixer)
         setattr(mixer, method, bound)
         self._replaced.append((mixer, method, bound, previous))

@@ -6,3 +6,10 @@ ids and rotary tables the global numbering; ``labels`` aligns shifted labels acr
 ``inputs_guard`` refuses unsharded inputs; ``probe`` compares the patched model with the unpatched one on a
 small input; ``keep_attention`` keeps each ring call's output through activation checkpointing.
 """
+from __future__ import annotations
+
+# The public entry ``hfpatch.model.keep_attention(model, budget=...)`` is the function, not its module of the same
+# name (importing the submodule binds the module here first; this rebinds the name to the function).
+from hfpatch.model.keep_attention import KeptAttention, keep_attention
+
+__all__ = ["KeptAttention", "keep_attention"]

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from hfpatch import mixers as _mixers
-
 from hfpatch.model import positions as model_positions
+from hfpatch.model.routing import modality_towers
 
 __all__ = ["Finding", "MIXER_CLASS_PATTERN", "audit", "describe"]
 
@@ -121,22 +121,6 @@ def _family_part(class_name: str, model: torch.nn.Module) -> str:
     return class_name[shared:]
 
 
-def modality_towers(model: torch.nn.Module) -> list[str]:
-    """Paths of the sub-models that encode another modality (vision, audio): a ``PreTrainedModel`` inside
-    ``model`` whose config is neither the model's nor its text config. They read pixels or audio features,
-    which hfpatch never shards (every rank encodes them whole), not the token sequence; the token-mixing rules
-    do not apply inside them."""
-    from transformers import PreTrainedModel
-
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return [name for name, module in model.named_modules()
-            if name and isinstance(module, PreTrainedModel)
-            and getattr(module, "config", None) is not None
-            and module.config is not config and module.config is not text
-            and type(module.config) is not type(text) and type(module.config) is not type(config)]
-
-
 def _accepts_position_ids(model: torch.nn.Module) -> bool:
     """``model.forward`` takes ``position_ids``: by name, or through ``**kwargs`` handed on to a text model
     that takes them by name (composite models: MOSS-Transcribe-Diarize's ``language_model``)."""
@@ -148,7 +132,7 @@ def _accepts_position_ids(model: torch.nn.Module) -> bool:
         return True
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return False
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # not at the top: importing hfpatch must not load transformers
 
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

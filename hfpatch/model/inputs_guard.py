@@ -16,6 +16,7 @@ import torch
 
 from hfpatch import switch as _switch
 from hfpatch.errors import UnsupportedArgument
+from hfpatch.undo import UndoStack
 
 __all__ = ["MODALITY_INPUT_PREFIXES", "install_inputs_guard"]
 
@@ -30,8 +31,9 @@ def _is_modality_input(name: str, value: Any) -> bool:
         MODALITY_INPUT_PREFIXES)
 
 
-def install_inputs_guard(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> list:
-    """Hook ``model``'s forward as the module docstring says; returns the hook handles (``.remove()`` each).
+def install_inputs_guard(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> UndoStack:
+    """Hook ``model``'s forward as the module docstring says; returns the hook as an ``UndoStack`` (``remove()``
+    takes it off).
     ``ctx_of()``: the ``RingContext`` of the step (None when the patch is inactive or removed)."""
 
     def before(module, args, kwargs):
@@ -50,4 +52,5 @@ def install_inputs_guard(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> l
                 )
         return None
 
-    return [model.register_forward_pre_hook(before, with_kwargs=True)]
+    return UndoStack(f"the inputs guard of {type(model).__name__}",
+                     model.register_forward_pre_hook(before, with_kwargs=True))

@@ -52,6 +52,7 @@ from hfpatch import inputs
 from hfpatch import switch as _switch
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import aligned_labels, is_shifted
+from hfpatch.undo import UndoStack
 
 __all__ = ["install_labels_hook", "averaged_over_group"]
 
@@ -88,8 +89,9 @@ class _Pending(threading.local):
 
 def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
                         refusal_of: Callable[[], Optional[str]] = lambda: None,
-                        alignment_of: Callable[[], str] = lambda: "shifted") -> list:
-    """Hook ``model``'s forward as the module docstring says; returns the hook handles (``.remove()`` each).
+                        alignment_of: Callable[[], str] = lambda: "shifted") -> UndoStack:
+    """Hook ``model``'s forward as the module docstring says; returns both hooks as one ``UndoStack``
+    (``remove()`` takes them off).
     ``ctx_of()``: the ``RingContext`` of the step (None when the patch is inactive or removed); ``refusal_of()``:
     why this model's labels cannot be honoured under CP (set from the whole-model probe), or None;
     ``alignment_of()``: how the model's own loss pairs logits with labels ("shifted" or "aligned", from the probe)."""
@@ -175,8 +177,9 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
         fields = {key: value for key, value in output.items() if key != "loss"}
         return type(output)(loss=loss, **fields)
 
-    return [model.register_forward_pre_hook(before, with_kwargs=True),
-            model.register_forward_hook(after, with_kwargs=True)]
+    return UndoStack(f"the labels hook of {type(model).__name__}",
+                     model.register_forward_pre_hook(before, with_kwargs=True),
+                     model.register_forward_hook(after, with_kwargs=True))
 
 
 def _fused_head(active: bool, labels, shift) -> None:
@@ -226,7 +229,5 @@ def _averaged_share(ctx, loss_sum: torch.Tensor, count: torch.Tensor, num_items:
     world = ctx.world_size if ctx is not None and ctx.world_size > 1 else 1
     total = count.detach().to(torch.float64).reshape(1)
     if world > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(total, group=ctx.group)
+        torch.distributed.all_reduce(total, group=ctx.group)
     return loss_sum * world / total[0].clamp(min=1).to(loss_sum.dtype)

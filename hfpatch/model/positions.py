@@ -47,6 +47,8 @@ import torch
 
 from hfpatch import switch as _switch
 from hfpatch.errors import UnsupportedArgument
+from hfpatch.model.routing import modality_towers
+from hfpatch.undo import UndoStack
 from ring_kernels.layout import local_positions
 
 __all__ = ["PositionEntry", "RECOGNISED", "MAX_RUNS", "recognise", "why_unrecognised", "signature_text",
@@ -352,13 +354,12 @@ def _owner(model: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
     return model.get_submodule(parent) if parent else model
 
 
-def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> list:
-    """Hook every recognised position module of ``model`` (module docstring); returns the hook handles
-    (``.remove()`` each). ``ctx_of()``: the live ``RingContext`` (None once the patch is inactive or removed)."""
-    from hfpatch.model.audit import modality_towers  # model_audit imports this module
-
+def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> UndoStack:
+    """Hook every recognised position module of ``model`` (module docstring); returns the hooks as one
+    ``UndoStack`` (``remove()`` takes them all off). ``ctx_of()``: the live ``RingContext`` (None once the patch is
+    inactive or removed)."""
     towers = modality_towers(model)  # vision/audio encoders: their positions number frames, never token shards
-    handles: list = []
+    handles = UndoStack(f"the position hooks of {type(model).__name__}")
     owners: dict[int, _OwnerPositions] = {}
     try:
         for name, module in model.named_modules():
@@ -373,10 +374,9 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> list:
                 owner = owners.get(id(owner_module))
                 if owner is None:
                     owner = owners[id(owner_module)] = _OwnerPositions(owner_module)
-                    handles.append(owner_module.register_forward_pre_hook(owner, with_kwargs=True))
-            handles.append(module.register_forward_hook(_feed_hook(entry, ctx_of, owner), with_kwargs=True))
+                    handles.push(owner_module.register_forward_pre_hook(owner, with_kwargs=True), f"{name}'s owner")
+            handles.push(module.register_forward_hook(_feed_hook(entry, ctx_of, owner), with_kwargs=True), name)
     except BaseException:
-        for handle in handles:
-            handle.remove()
+        handles.remove()
         raise
     return handles

@@ -19,7 +19,10 @@ transformers' flash-attn availability check (the bundled ring kernels do not nee
   ... in 5.x; several in 4.43-4.47) lack the name without flash-attn: it is injected (the wrapper) and deleted
   again on restore.
 
-Everything changed is recorded in a ``ModelRouting`` whose ``restore()`` puts it back exactly.
+Everything changed is recorded in a ``ModelRouting`` whose ``remove()`` puts it back exactly.
+
+``modality_towers(model)`` names the sub-models that encode another modality (vision, audio): the parts of a model
+that never see the token sequence, which the audit's rules and the position hooks leave alone.
 """
 from __future__ import annotations
 
@@ -32,9 +35,10 @@ import torch
 
 from hfpatch import version_gates
 from hfpatch.attention.discovery import attention_modules
-from hfpatch.errors import UnsupportedArgument
+from hfpatch.errors import AlreadyRemoved, UnsupportedArgument
+from hfpatch.undo import is_wrapper, mark_wrapper
 
-__all__ = ["FLASH_IMPLEMENTATION", "ModelRouting", "route_model"]
+__all__ = ["FLASH_IMPLEMENTATION", "ModelRouting", "route_model", "modality_towers"]
 
 FLASH_IMPLEMENTATION = "flash_attention_2"
 _FLASH_NAME = "_flash_attention_forward"
@@ -55,9 +59,14 @@ class ModelRouting:
     module_impls: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
     # (module, name, previous, replacement): module-level functions of transformers replaced while switched.
     replaced: list[tuple[types.ModuleType, str, Any, Any]] = field(default_factory=list)
+    removed: bool = field(default=False, init=False)
 
-    def restore(self) -> None:
-        """Undo every change, newest first."""
+    def remove(self) -> None:
+        """Undo every change, newest first; a second call raises ``AlreadyRemoved``."""
+        if self.removed:
+            raise AlreadyRemoved("this model's attention routing was already removed. Fix: remove it once.",
+                                 what="routing.ModelRouting")
+        self.removed = True
         for module, name, previous, replacement in reversed(self.replaced):
             if module.__dict__.get(name) is replacement:
                 setattr(module, name, previous)
@@ -190,7 +199,7 @@ def _guard_target_dtype(model: torch.nn.Module, record: ModelRouting) -> None:
     the attention module (``get_target_dtype``) and raises a bare ``StopIteration`` for modules that have none
     (GPT-2 and GPT-SW3 project with transformers' ``Conv1D``). While the model is switched, that lookup falls
     back to the module's first floating-point parameter -- the dtype the same rule means -- and is restored by
-    ``restore()``. The ring ignores the target dtype (it computes in the inputs' dtype)."""
+    ``remove()``. The ring ignores the target dtype (it computes in the inputs' dtype)."""
     integration = sys.modules.get("transformers.integrations.flash_attention")
     if integration is None:
         try:
@@ -198,7 +207,7 @@ def _guard_target_dtype(model: torch.nn.Module, record: ModelRouting) -> None:
         except ImportError:  # before 4.48: no shared integration
             return
     original = integration.__dict__.get("get_target_dtype")
-    if original is not None and getattr(original, "__hfpatch_guard__", False):
+    if original is not None and is_wrapper(original):
         return
     without_linear = [name for name, module in attention_modules(model)
                       if not any(isinstance(m, torch.nn.Linear) for m in module.modules())]
@@ -215,7 +224,7 @@ def _guard_target_dtype(model: torch.nn.Module, record: ModelRouting) -> None:
             weights = [p for p in module.parameters() if p.is_floating_point()]
             return weights[0].dtype if weights and query.dtype == torch.float32 else None
 
-    get_target_dtype.__hfpatch_guard__ = True
+    mark_wrapper(get_target_dtype)
     get_target_dtype.__wrapped__ = original
     integration.get_target_dtype = get_target_dtype
     record.replaced.append((integration, "get_target_dtype", original, get_target_dtype))
@@ -274,6 +283,22 @@ def route_model(model: Any, wrapper: Callable, *, transformers_version=None) -> 
         _inject_missing_bindings(model, wrapper, record)
         _guard_target_dtype(model, record)
     except BaseException:
-        record.restore()
+        record.remove()
         raise
     return record
+
+
+def modality_towers(model: torch.nn.Module) -> list[str]:
+    """Paths of the sub-models that encode another modality (vision, audio): a ``PreTrainedModel`` inside
+    ``model`` whose config is neither the model's nor its text config. They read pixels or audio features,
+    which hfpatch never shards (every rank encodes them whole), not the token sequence; the token-mixing rules
+    do not apply inside them."""
+    from transformers import PreTrainedModel  # not at the top: importing hfpatch must not load transformers
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [name for name, module in model.named_modules()
+            if name and isinstance(module, PreTrainedModel)
+            and getattr(module, "config", None) is not None
+            and module.config is not config and module.config is not text
+            and type(module.config) is not type(text) and type(module.config) is not type(config)]
