@@ -1,4 +1,5 @@
-"""The test harness ``_dist.run_world``: gloo worlds on CPU, NCCL worlds on 2 GPUs (skipped without them)."""
+"""ring_kernels.world, the local worlds of the tests (through tests/_dist.py) and of the command line: gloo worlds on
+CPU, NCCL worlds on 2 GPUs (skipped without them)."""
 import os
 import time
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import _dist
-from _dist import DistributedFailure, run_world
+from ring_kernels import world
+from ring_kernels.world import DistributedFailure, report, run_world
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
@@ -34,6 +35,12 @@ def _sleep(rank, world_size):
     time.sleep(600)
 
 
+def _count_up(rank, world_size, n):
+    for i in range(n):
+        report((rank, i))
+    return "done"
+
+
 def test_world_runs_collectives_and_returns_each_ranks_value():
     values = run_world(3, _allreduce)
     assert values == [{"rank": r, "backend": "gloo", "env_rank": r} for r in range(3)]
@@ -44,10 +51,23 @@ def test_world_reports_the_failing_rank():
         run_world(2, _fail_on_rank_1, timeout=60)
 
 
+def test_ranks_report_while_they_run_and_a_world_may_have_no_time_limit():
+    seen = []
+    assert run_world(2, _count_up, 3, timeout=None, on_report=lambda rank, value: seen.append((rank, value))) \
+        == ["done", "done"]
+    assert sorted(seen) == [(r, (r, i)) for r in range(2) for i in range(3)]
+    assert [v for r, v in seen if r == 0] == [(0, 0), (0, 1), (0, 2)]      # each rank's reports in order
+
+
+def test_report_outside_a_world_is_an_error():
+    with pytest.raises(RuntimeError, match="report\\(\\) is for a rank of run_world"):
+        report(1)
+
+
 def test_a_failure_stops_a_hung_peer_after_the_grace_period(monkeypatch):
     """Without the grace period the parent would wait for the whole timeout (here 120 s). Rank 1 may be stopped
     too: it reported its traceback, then tearing down the group can wait for rank 0."""
-    monkeypatch.setattr(_dist, "_FAILURE_GRACE_S", 1.0)
+    monkeypatch.setattr(world, "FAILURE_GRACE_S", 1.0)
     start = time.monotonic()
     with pytest.raises(DistributedFailure, match=r"(?s)boom from rank 1.*ranks \[0(, 1)?\] were stopped 1s after"):
         run_world(2, _rank_0_hangs_rank_1_fails, timeout=120)
@@ -119,7 +139,7 @@ def test_nccl_world_runs_one_gpu_per_rank_and_reports_failures(monkeypatch):
     values = run_world(2, _nccl_rank, backend="nccl", timeout=120)
     assert [v["backend"] for v in values] == ["nccl", "nccl"]
     assert [v["bound"] for v in values] in ([None, None], ["cuda:0", "cuda:1"]), values
-    monkeypatch.setattr(_dist, "_FAILURE_GRACE_S", 3.0)
+    monkeypatch.setattr(world, "FAILURE_GRACE_S", 3.0)
     with pytest.raises(DistributedFailure, match=r"(?s)rank 1.*boom from rank 1 on cuda:1"):
         run_world(2, _nccl_rank_1_fails, backend="nccl", timeout=120)
 
@@ -134,9 +154,9 @@ def test_a_taken_store_port_starts_the_world_again_on_another(monkeypatch):
     holder.listen()
     taken = holder.getsockname()[1]
     ports = iter([taken])
-    free = _dist._free_port
-    monkeypatch.setattr(_dist, "_free_port", lambda: next(ports, None) or free())
-    monkeypatch.setattr(_dist, "_FAILURE_GRACE_S", 1.0)
+    free = world.free_port
+    monkeypatch.setattr(world, "free_port", lambda: next(ports, None) or free())
+    monkeypatch.setattr(world, "FAILURE_GRACE_S", 1.0)
     try:
         values = run_world(2, _allreduce, timeout=120)
     finally:
@@ -151,8 +171,8 @@ def test_a_port_taken_every_time_is_reported(monkeypatch):
     holder = socket.socket()
     holder.bind(("", 0))
     holder.listen()
-    monkeypatch.setattr(_dist, "_free_port", lambda: holder.getsockname()[1])
-    monkeypatch.setattr(_dist, "_FAILURE_GRACE_S", 0.5)
+    monkeypatch.setattr(world, "free_port", lambda: holder.getsockname()[1])
+    monkeypatch.setattr(world, "FAILURE_GRACE_S", 0.5)
     try:
         with pytest.raises(DistributedFailure, match=r"(?s)port was taken before rank 0 could bind it, 3 times"):
             run_world(2, _allreduce, timeout=120)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from ring_kernels.world import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -53,12 +54,6 @@ def _under_the_ci_pin() -> None:
     skip_unless_ci_pin("the examples' launches (tests/test_example.py runs examples/train_cp.py on every release)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(launcher: list, example: str, *args: str) -> str:
     """Run ``python -m <launcher> examples/<example> <args>`` from the repository root; its stdout, after
     asserting exit status 0."""
@@ -81,7 +76,7 @@ def _accelerate_launch(processes: int) -> list:
     # --multi_gpu only picks accelerate's multi-process launcher (CPU processes here); a free port, not 29500,
     # which another test's launch may hold at the same time.
     return ["accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
 
 
 def _check_trainer_report(out: str, steps: int) -> None:

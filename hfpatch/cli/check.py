@@ -20,7 +20,6 @@ import argparse
 import inspect
 import json
 import platform
-import socket
 import sys
 import time
 import traceback
@@ -252,42 +251,14 @@ class _WorldError(RuntimeError):
     """The throwaway world could not run (spawn failure, timeout, a crashed process)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_world(world_size: int, kernel: str, timeout: float = _DRY_RUN_TIMEOUT_S) -> list[dict]:
     """Run ``_dry_run_rank`` on ``world_size`` spawned processes; return their fact dicts, by rank."""
-    import torch.multiprocessing as mp
+    from ring_kernels.world import DistributedFailure, run_world  # deferred (torch): `--help` must not load it
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_dry_run_rank, args=(r, world_size, port, kernel, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results: dict[int, dict] = {}
-    while not queue.empty():
-        facts = queue.get()
-        results[facts["rank"]] = facts
-    if hung:
-        raise _WorldError(f"ranks {hung} did not finish within {timeout:.0f}s (deadlock, or a loaded machine: "
-                          "--timeout S allows more)")
-    missing = [r for r in range(world_size) if r not in results]
-    if missing:
-        codes = {r: procs[r].exitcode for r in missing}
-        raise _WorldError(f"ranks {missing} exited without a report (exit codes {codes})")
-    return [results[r] for r in range(world_size)]
+    try:
+        return run_world(world_size, _dry_run_rank, kernel, timeout=timeout)
+    except DistributedFailure as exc:
+        raise _WorldError(f"{exc} (a loaded machine: --timeout S allows more)" if exc.hung else str(exc)) from exc
 
 
 def _holders(obj: Any) -> list[str]:
@@ -303,21 +274,11 @@ def _holders(obj: Any) -> list[str]:
     return sorted(found)
 
 
-def _dry_run_rank(rank: int, world_size: int, port: int, kernel: str, queue) -> None:
-    """One process of the dry run: join the gloo world, apply + verify + remove, report facts on ``queue``."""
-    facts: dict[str, Any] = {"rank": rank, "ok": False}
-    try:
-        import torch
-        import torch.distributed as dist
+def _dry_run_rank(rank: int, world_size: int, kernel: str) -> dict:
+    """One process of the dry run, in the gloo world: apply + verify + remove; the facts it found."""
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
-    except Exception as exc:
-        facts.update(error=f"cannot join the gloo world: {type(exc).__name__}: {exc}", error_kind="environment")
-        queue.put(facts)
-        return
+    facts: dict[str, Any] = {"rank": rank, "ok": False}
     try:
         _apply_verify_remove(facts, dist.group.WORLD, kernel)
     except BaseException as exc:  # reported to the parent, never hidden: the traceback travels with it
@@ -328,12 +289,7 @@ def _dry_run_rank(rank: int, world_size: int, port: int, kernel: str, queue) -> 
         )
         if facts["error_kind"] != "hfpatch":
             facts["traceback"] = traceback.format_exc()
-    finally:
-        queue.put(facts)
-        try:
-            dist.destroy_process_group()
-        except Exception:  # the world may already be broken by the failure reported above
-            pass
+    return facts
 
 
 def _import_integration(facts: dict) -> None:

@@ -7,19 +7,16 @@ did not run and the output says so), 1 on a mismatch or when a rank fails.
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import hfpatch
 from hfpatch.cli.demo_models import build_model, eager_reference_overrides
 from hfpatch.inputs import shift_labels, token_loss_sum
+from ring_kernels.world import DistributedFailure, run_world
 
 __all__ = ["run_demo", "report", "DemoOptions", "StepResult", "LOSS_RTOL", "GRAD_RTOL", "BATCH"]
 
@@ -61,37 +58,20 @@ class DemoOptions:
     document_unit: int = 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_demo(options: DemoOptions) -> int:
     """Spawn the ranks, collect rank 0's results, print them; the exit status."""
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
     rows = "1 packed row" if options.packed else f"batch {BATCH}"
     processes = f"{options.world_size} CPU process{'es' if options.world_size > 1 else ''}"
     print(f"hfpatch demo: tiny {options.model} (2 layers, hidden 64, 4 heads / 2 KV heads), {processes} (gloo), "
           f"kernel {options.kernel!r}, {rows} x {options.seq_len} tokens, {options.steps} step(s)", flush=True)
     start = time.time()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, options, results)) for r in range(options.world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    messages = []
-    while not results.empty():
-        messages.append(results.get())
-    failures = [m for m in messages if m[0] == "error"]
-    if failures or any(p.exitcode != 0 for p in procs):
-        for _, rank, text in sorted(failures, key=lambda m: m[1]):
-            print(f"--- rank {rank} failed ---\n{text}")
+    try:
+        ranks = run_world(options.world_size, _rank_main, options, timeout=None)
+    except DistributedFailure as exc:
+        print(exc)
         print("FAILED: a rank did not finish (see above)")
         return 1
-    _, steps, inactive_reason = next(m for m in messages if m[0] == "result")
+    steps, inactive_reason = ranks[0]
     return report(steps, time.time() - start, inactive_reason=inactive_reason)
 
 
@@ -116,20 +96,9 @@ def report(steps: list, seconds: float, *, inactive_reason: str | None = None) -
 # --------------------------------------------------------------------------------------------- a rank
 
 
-def _rank_main(rank: int, port: int, options: DemoOptions, results) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=options.world_size)
-        try:
-            steps, inactive_reason = _train(rank, options)
-        finally:
-            dist.destroy_process_group()
-        if rank == 0:
-            results.put(("result", steps, inactive_reason))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-        raise SystemExit(1)
+def _rank_main(rank: int, world_size: int, options: DemoOptions) -> tuple[list, str | None]:
+    """One rank of the demo's world: ``_train``'s steps and the patch's inactive reason."""
+    return _train(rank, options)
 
 
 def _inputs(options: DemoOptions, step: int):

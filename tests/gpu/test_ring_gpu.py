@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_world
 
 pytestmark = [pytest.mark.gpu]
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -126,26 +125,10 @@ def _pin_triton_blocks():
     triton_attn._set_fixed_blocks({"fwd": (64, 64), "dkdv": (64, 64), "dq": (64, 64)})
 
 
-def _rank_main(rank, world, port, errors):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(rank)
-        _pin_triton_blocks()
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        try:
-            for case in _cases():
-                _run_case(rank, case)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_main(rank, world):
+    _pin_triton_blocks()
+    for case in _cases():
+        _run_case(rank, case)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -227,21 +210,4 @@ def test_ring_variants_on_cuda_match_reference():
         for case in _cases():
             _run_case(rank, case)
         return
-    ctx = torch.multiprocessing.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, WORLD, port, errors)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(600)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
-    assert not hung, f"ranks {hung} hung"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_world(WORLD, _rank_main, backend="nccl", timeout=600)

@@ -19,10 +19,6 @@ not an hfpatch error, under CP only). The ranks agree on each verdict (the worst
 """
 from __future__ import annotations
 
-import datetime
-import os
-import queue
-import socket
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -37,6 +33,7 @@ from hfpatch.model.positions import position_kwargs
 from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes
 from hfpatch.release.sweep.tiny import NotBuilt, build_tiny, training_inputs, training_labels
 from ring_kernels.tolerances import tolerance
+from ring_kernels.world import DistributedFailure, report, run_world
 
 __all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "check_class", "run_sweep"]
 
@@ -207,33 +204,16 @@ def _check_here(entry, group, kernel, hfpatch, HfpatchError, NotBuilt, build_tin
 # ------------------------------------------------------------------------------------------ the world
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_main(rank: int, world: int, names: Optional[list], kernel: str) -> None:
+    """One rank of the sweep's world: check every catalog class (or those in ``names``); rank 0 reports each
+    verdict as it is reached."""
+    from transformers.utils import logging as hf_logging
 
-
-def _rank_main(rank: int, world: int, port: int, names: Optional[list], kernel: str, results) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()  # tiny configs trip many harmless warnings
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-        try:
-            entries = [e for e in flash_causal_lm_classes() if names is None or e.class_name in names]
-            for entry in entries:
-                verdict = check_class(entry, dist.group.WORLD, kernel=kernel)
-                if rank == 0:
-                    results.put(("verdict", verdict.to_json()))
-        finally:
-            dist.destroy_process_group()
+    hf_logging.set_verbosity_error()  # tiny configs trip many harmless warnings
+    for entry in [e for e in flash_causal_lm_classes() if names is None or e.class_name in names]:
+        verdict = check_class(entry, dist.group.WORLD, kernel=kernel)
         if rank == 0:
-            results.put(("done", None))
-    except BaseException:
-        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise SystemExit(1)
+            report(verdict.to_json())
 
 
 def run_sweep(*, world_size: int = 2, classes: Optional[list[str]] = None, kernel: str = "auto",
@@ -241,40 +221,15 @@ def run_sweep(*, world_size: int = 2, classes: Optional[list[str]] = None, kerne
     """Spawn ``world_size`` CPU processes (gloo) and check every catalog class (or those named in ``classes``);
     returns the verdicts in catalog order. ``progress(verdict)`` is called as each arrives. Raises
     ``RuntimeError`` with the failing rank's traceback if a rank dies (a defect of the sweep itself)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, classes, kernel, results))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
     verdicts: list[Verdict] = []
-    failure = None
-    while True:
-        try:
-            kind, payload = results.get(timeout=10)
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if not p.is_alive()]
-            if dead:
-                failure = f"a rank exited (codes {dead}) without reporting"
-                break
-            continue
-        if kind == "verdict":
-            verdicts.append(Verdict(**payload))
-            if progress is not None:
-                progress(verdicts[-1])
-        elif kind == "error":
-            failure = payload
-            break
-        else:
-            break
-    for p in procs:
-        p.join(timeout=60 if failure is None else 5)
-        if p.is_alive():
-            p.kill()
-    if failure is not None:
-        raise RuntimeError(f"the model sweep's world failed after {len(verdicts)} classes:\n{failure}")
-    return verdicts
 
+    def arrived(rank: int, payload: dict) -> None:
+        verdicts.append(Verdict(**payload))
+        if progress is not None:
+            progress(verdicts[-1])
+
+    try:
+        run_world(world_size, _rank_main, classes, kernel, timeout=None, group_timeout=300.0, on_report=arrived)
+    except DistributedFailure as exc:
+        raise RuntimeError(f"the model sweep's world failed after {len(verdicts)} classes:\n{exc}") from exc
+    return verdicts
