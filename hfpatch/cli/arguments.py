@@ -67,8 +67,8 @@ def require_cp_world(world_size: int, *, option: str = "--world-size") -> None:
 def cpu_kernel(kernel: str) -> tuple[str, str]:
     """``(variant, backend)`` of ``kernel`` ("variant" or "variant:backend", as ``hfpatch.apply(kernel=)``) when it
     can run on CPU processes; ``UsageError`` otherwise."""
-    from hfpatch.attention.semantics import VARIANTS, parse_kernel  # not at the top: torch, which `--help` must not load
-    from ring_kernels.backends import available_backends  # not at the top: torch, as above
+    from hfpatch.attention.semantics import VARIANTS, parse_kernel  # deferred (torch): `--help` must not load it
+    from ring_kernels.backends import available_backends  # deferred (torch): as above
 
     fix = "Fix: --kernel auto (the default)."
     try:

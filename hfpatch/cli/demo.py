@@ -53,7 +53,7 @@ def sequence_units(variant: str, world_size: int, *, packed: bool) -> tuple[int,
     ``layout`` to split it over ``world_size`` ranks, and with packed zigzag every document a multiple of the
     document unit. The layouts are ``ring_kernels.layout``'s: zigzag cuts 2N chunks (of each document, when
     packed), contiguous and stripe N."""
-    from hfpatch.attention.semantics import plan_step  # not at the top: torch, which `--help` must not load
+    from hfpatch.attention.semantics import plan_step  # deferred (torch): `--help` must not load it
 
     _, layout = plan_step(variant, packed=packed)
     if world_size == 1:  # a world of one holds the whole sequence, whatever the layout
@@ -78,7 +78,7 @@ def _check_seq_len(seq_len: int, variant: str, world_size: int, packed: bool) ->
 def run(args: argparse.Namespace) -> int:
     variant, _ = cpu_kernel(args.kernel)
     document_unit = _check_seq_len(args.seq_len, variant, args.world_size, args.packed)
-    from hfpatch.cli.demo_world import DemoOptions, run_demo  # not at the top: torch, as above
+    from hfpatch.cli.demo_world import DemoOptions, run_demo  # deferred (torch): as above
 
     return run_demo(DemoOptions(model=args.model, world_size=args.world_size, steps=args.steps,
                                 seq_len=args.seq_len, kernel=args.kernel, packed=args.packed,

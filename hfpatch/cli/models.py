@@ -93,8 +93,8 @@ def _print_catalog(catalog: list) -> int:
 
 def run(args: argparse.Namespace) -> int:
     _check_options(args)
-    from hfpatch.release.sweep import flash_causal_lm_classes  # not at the top: torch; `--help` must not load it
-    from hfpatch.release.sweep.run import run_sweep  # not at the top: torch and transformers, as above
+    from hfpatch.release.sweep import flash_causal_lm_classes  # deferred (torch): `--help` must not load it
+    from hfpatch.release.sweep.run import run_sweep  # deferred (torch): as above
 
     if args.list:
         return _print_catalog(flash_causal_lm_classes())
@@ -110,7 +110,7 @@ def _report(args: argparse.Namespace, verdicts: list, seconds: float) -> int:
     import torch
     import transformers
 
-    from hfpatch.release.sweep import table  # not at the top: torch, which `--help` must not load
+    from hfpatch.release.sweep import table  # deferred (torch): `--help` must not load it
 
     defects = [v for v in verdicts if v.verdict in ("silent", "unnamed")]
     if args.json:
