@@ -1,9 +1,9 @@
 """Correctness gate: every timed variant must first reproduce plain single-process attention.
 
-The reference is ``softmax(Q K^T * scale + mask) V`` written out in float64 on the *unsharded* inputs (K/V
-heads repeated for GQA), with gradients from autograd. Tolerances are the project's (issue 2):
-bf16/fp16 relative Frobenius error < 1e-2 for the output and < 5e-2 for gradients; fp32 max abs error
-relative to the tensor's max abs value < 1e-5.
+The reference is ``softmax(Q K^T * scale + mask) V`` on the *unsharded* inputs in float64
+(``ring_kernels.backends.reference.plain_attention``), with gradients from autograd. Tolerances are the
+project's (issue 2): bf16/fp16 relative Frobenius error < 1e-2 for the output and < 5e-2 for gradients; fp32 max
+abs error relative to the tensor's max abs value < 1e-5.
 """
 from __future__ import annotations
 
@@ -12,13 +12,9 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["reference_attention", "document_ids", "relative_errors", "passes", "max_over_ranks"]
+from ring_kernels.backends.reference import plain_attention
 
-
-def document_ids(doc_lengths: Sequence[int], device) -> torch.Tensor:
-    """One document id per token of the packed sequence: (T,) int64."""
-    lengths = torch.tensor(list(doc_lengths), device=device)
-    return torch.repeat_interleave(torch.arange(len(doc_lengths), device=device), lengths)
+__all__ = ["reference_attention", "relative_errors", "passes", "max_over_ranks"]
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool,
@@ -29,19 +25,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
     makes documents independent (varlen). Returns ``out, dq, dk, dv`` in float64, shaped like the inputs.
     """
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    kr = k64.repeat_interleave(group, dim=2)
-    vr = v64.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q64, kr) * scale
-    s = q.shape[1]
-    allowed = torch.ones(s, s, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = torch.tril(allowed)
+    cu_seqlens = None
     if doc_lengths is not None:
-        ids = document_ids(doc_lengths, q.device)
-        allowed &= ids[:, None] == ids[None, :]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), vr)
+        cu_seqlens = torch.tensor([0, *doc_lengths], device=q.device).cumsum(0)
+    out = plain_attention(q64, k64, v64, causal=causal, softmax_scale=scale, cu_seqlens=cu_seqlens)
     dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.double())
     return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
 

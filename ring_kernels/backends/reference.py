@@ -1,6 +1,7 @@
-"""The plain-math block backend: explicit scores, any mask, softcap; the ground truth for the others.
+"""Plain attention written out: the block backend that is the ground truth for the others, and ``plain_attention``
+on whole sequences, the one reference hfpatch's checks and the benchmarks' gate compare against.
 
-It materialises the (B, Hk, G, Sq, Sk) score tensor, so it is for correctness and small blocks (and the
+Both materialise the (B, Hk, G, Sq, Sk) score tensor, so they are for correctness and small blocks (and the
 cases no fast backend can do), not for speed. GQA is computed by grouping query heads, never by repeating
 K/V: q (B, Sq, Hk*G, D) is viewed as (B, Hk, G, Sq, D) against k (B, Hk, 1, Sk, D).
 """
@@ -13,7 +14,7 @@ import torch
 from ..merge import safe_lse
 from .base import EMPTY, FULL, BlockMask
 
-__all__ = ["ReferenceBackend"]
+__all__ = ["ReferenceBackend", "plain_attention"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -98,3 +99,33 @@ class ReferenceBackend:
         dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale        # (B, Hk, Sk, D)
         dq = dq.reshape(b, h, sq, d).permute(0, 2, 1, 3).to(q.dtype)
         return dq, dk.permute(0, 2, 1, 3).to(k.dtype), dv.permute(0, 2, 1, 3).to(v.dtype)
+
+
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None,
+                    sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(QK^T) V on whole sequences, flash-attn semantics, in fp32 (fp64 for fp64 inputs); differentiable.
+
+    q (B, S, H, D), k/v (B, S, Hk, D) -> (B, S, H, D) in q's dtype. ``softmax_scale`` None: D ** -0.5.
+    ``window_size`` (left, right), -1 = unbounded; ``softcap`` > 0: scores -> softcap * tanh(scores / softcap);
+    ``cu_seqlens`` (B must be 1): the documents of a packed row, each attending only to itself. ``sink`` (H,):
+    attention sinks, as HF's eager sink attention computes them: one more logit per head (neither scaled nor
+    capped) in every row's softmax, whose value is 0. A row that sees no key gives 0.
+    """
+    b, seq, heads, dim = q.shape
+    scale = dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    documents = None
+    if cu_seqlens is not None:
+        positions = torch.arange(seq, device=q.device)
+        documents = torch.searchsorted(cu_seqlens.to(q.device, torch.int64), positions, right=True)
+    mask = BlockMask(causal=causal, window=tuple(window_size), q_doc=documents, k_doc=documents)
+    qg, kg, vg = _grouped(q, k, v)
+    scores, _ = _scores(qg, kg, scale, softcap, _visible(mask, seq, seq, q.device))   # (B, Hk, G, S, S)
+    if sink is not None:
+        column = sink.to(scores.dtype).reshape(1, *scores.shape[1:3], 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)            # rows with no key: 0, not NaN
+    out = torch.matmul(probs, vg)                                          # (B, Hk, G, S, D)
+    return out.reshape(b, heads, seq, dim).permute(0, 2, 1, 3).to(q.dtype)
