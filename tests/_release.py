@@ -20,7 +20,8 @@ RELEASE_INDEPENDENT = {
     "test_backends.py": "ring_kernels' block-attention backends against a plain reference",
     "test_benchmarks_cpu.py": "benchmarks/ (ring_bench, native_cp, cpu_peak_memory) on ring_kernels; the release "
                               "is only a version string in the result stamp",
-    "test_dist_harness.py": "the gloo test harness tests/_dist.py",
+    "test_dist_harness.py": "ring_kernels.world, the local worlds of the tests (tests/_dist.py) on gloo",
+    "test_import_graph.py": "scripts/import_graph.py reads the source with ast; nothing it checks is imported",
     "test_host_syncs.py": "benchmarks/host_path.py's host-op counter on ring_kernels' varlen path",
     "test_layout.py": "ring_kernels.layout shard / unshard",
     "test_merge.py": "ring_kernels' LSE merge (eager and the fused Triton kernels under the interpreter)",
