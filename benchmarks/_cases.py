@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["AttnConfig", "CONFIGS", "BATCH_VARIANTS", "VARLEN_VARIANTS", "CAUSAL_ONLY", "VARIANT_LAYOUT",
-           "MODES", "local_document_mix", "global_document_mix", "attention_flops"]
+__all__ = ["AttnConfig", "CONFIGS", "BATCH_VARIANTS", "VARLEN_VARIANTS", "CAUSAL_ONLY", "GRID_VARIANTS",
+           "VARIANT_LAYOUT", "MODES", "usp_split", "local_document_mix", "global_document_mix", "attention_flops"]
 
 
 @dataclass(frozen=True)
@@ -29,16 +29,26 @@ CONFIGS: Dict[str, AttnConfig] = {
     "mha": AttnConfig("mha", nheads=32, nheads_k=32, head_dim=128),
 }
 
-BATCH_VARIANTS = ("ring", "zigzag", "stripe")
-VARLEN_VARIANTS = ("ring_varlen", "zigzag_varlen", "llama3")
-# zigzag and stripe exist to balance causal work; the library refuses causal=False for them.
-CAUSAL_ONLY = frozenset({"zigzag", "stripe", "zigzag_varlen"})
-# The ring_kernels layout of the inputs each variant expects.
+BATCH_VARIANTS = ("ring", "zigzag", "stripe", "ulysses", "usp")
+VARLEN_VARIANTS = ("ring_varlen", "zigzag_varlen", "llama3", "ulysses_varlen")
+# zigzag and stripe exist to balance causal work; the library refuses causal=False for them. usp runs the zigzag
+# ring across its Ulysses groups.
+CAUSAL_ONLY = frozenset({"zigzag", "stripe", "zigzag_varlen", "usp"})
+# Variants that need a 2-D grid of ranks (a Ulysses group size and a ring group size, both >= 2).
+GRID_VARIANTS = frozenset({"usp"})
+# The ring_kernels layout of the inputs each variant expects ("usp": ring_kernels.usp_shard, zigzag ring).
 VARIANT_LAYOUT = {
-    "ring": "contiguous", "zigzag": "zigzag", "stripe": "stripe",
-    "ring_varlen": "contiguous", "zigzag_varlen": "zigzag", "llama3": "contiguous",
+    "ring": "contiguous", "zigzag": "zigzag", "stripe": "stripe", "ulysses": "contiguous", "usp": "usp",
+    "ring_varlen": "contiguous", "zigzag_varlen": "zigzag", "llama3": "contiguous", "ulysses_varlen": "contiguous",
 }
 MODES = ("fwd", "fwd_bwd")
+
+
+def usp_split(world_size: int) -> Optional[Tuple[int, int]]:
+    """(Ulysses group size U, ring group size R) of the squarest grid of ``world_size`` ranks with U >= R >= 2
+    (4: 2 x 2, 8: 4 x 2, 6: 3 x 2), or None (fewer than 4 ranks, or a prime number)."""
+    splits = [(world_size // r, r) for r in range(2, int(math.isqrt(world_size)) + 1) if world_size % r == 0]
+    return splits[-1] if splits else None
 
 
 def local_document_mix(tokens: int, world_size: int, seed: int = 0) -> List[int]:

@@ -8,6 +8,9 @@
 - llama3: the module-level tensor collectives ``ring_kernels.llama3._all_gather_tensor`` /
   ``_reduce_scatter_tensor`` become a copy of this rank's own part (the all-gather fills only our slot of the
   gathered buffer, the reduce-scatter takes our slot of the full gradient), returning a finished work object.
+- ulysses, ulysses_varlen: the all-to-all ``ring_kernels.ulysses._all_to_all_single`` becomes one copy of the
+  send buffer into the receive buffer (each rank's slot keeps what was meant for that rank), returning a
+  finished work object; usp: both that and the ring's ``RingExchange.start``.
 
 Everything else (the per-block kernels, the LSE merge, the gradient accumulation, buffer management) runs
 unchanged, so
@@ -30,6 +33,8 @@ __all__ = ["no_communication", "nocomm_unavailable_reason", "NoCommCounter"]
 
 _RING_EXCHANGE_VARIANTS = frozenset({"ring", "zigzag", "stripe", "ring_varlen", "zigzag_varlen"})
 _LLAMA3_COLLECTIVES = ("_all_gather_tensor", "_reduce_scatter_tensor")
+_ULYSSES_VARIANTS = frozenset({"ulysses", "ulysses_varlen"})
+_ULYSSES_COLLECTIVE = "_all_to_all_single"
 
 
 class NoCommCounter:
@@ -66,6 +71,14 @@ def nocomm_unavailable_reason(variant: str) -> Optional[str]:
             return f"ring_kernels.llama3 is not importable ({exc})"
         missing = [n for n in _LLAMA3_COLLECTIVES if not callable(getattr(llama3, n, None))]
         return f"ring_kernels.llama3 has no {missing} to replace" if missing else None
+    if variant in _ULYSSES_VARIANTS or variant == "usp":
+        try:
+            import ring_kernels.ulysses as ulysses
+        except ImportError as exc:
+            return f"ring_kernels.ulysses is not importable ({exc})"
+        if not callable(getattr(ulysses, _ULYSSES_COLLECTIVE, None)):
+            return f"ring_kernels.ulysses has no {_ULYSSES_COLLECTIVE} to replace"
+        return nocomm_unavailable_reason("ring") if variant == "usp" else None
     return f"no communication stand-in is known for variant {variant!r}"
 
 
@@ -112,6 +125,28 @@ def _llama3_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:
             (llama3, "_reduce_scatter_tensor", reduce_scatter_without_communication)]
 
 
+def _ulysses_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:
+    import ring_kernels.ulysses as ulysses
+
+    def all_to_all_without_communication(output, input, output_split_sizes=None, input_split_sizes=None,
+                                         group=None, async_op=False):
+        counter.calls += 1
+        output.copy_(input)
+        return _Done() if async_op else None
+
+    return [(ulysses, _ULYSSES_COLLECTIVE, all_to_all_without_communication)]
+
+
+def _patches(variant: str, counter: NoCommCounter) -> List[Tuple[object, str, object]]:
+    if variant == "llama3":
+        return _llama3_patches(counter)
+    if variant in _ULYSSES_VARIANTS:
+        return _ulysses_patches(counter)
+    if variant == "usp":
+        return _ulysses_patches(counter) + _ring_patches(counter)
+    return _ring_patches(counter)
+
+
 @contextlib.contextmanager
 def no_communication(variant: str) -> Iterator[NoCommCounter]:
     """Within the block, ``variant`` copies locally instead of communicating; restored on exit.
@@ -123,7 +158,7 @@ def no_communication(variant: str) -> Iterator[NoCommCounter]:
     if reason is not None:
         raise ValueError(f"no_communication(variant={variant!r}): {reason}")
     counter = NoCommCounter()
-    patches = _llama3_patches(counter) if variant == "llama3" else _ring_patches(counter)
+    patches = _patches(variant, counter)
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     for owner, name, replacement in patches:
         setattr(owner, name, replacement)

@@ -5,6 +5,9 @@ Every ``make_*`` returns ``step(mode)`` where mode is ``"fwd"`` (forward only, n
 so nothing accumulates between iterations).
 
 Shapes: batch q/dout (1, S, H, D), k/v (1, S, Hk, D); varlen q/dout (T, H, D), k/v (T, Hk, D).
+
+``usp`` runs on the grid of process groups given once to ``set_usp_grid`` (every rank in one Ulysses group and
+one ring group); its inputs are sharded by ``ring_kernels.usp_shard`` with the zigzag ring.
 """
 from __future__ import annotations
 
@@ -16,18 +19,24 @@ import torch
 
 from _cases import VARIANT_LAYOUT, AttnConfig
 
-__all__ = ["Inputs", "make_inputs", "shard_inputs", "shard_tensors", "ring_function", "make_ring_step", "make_backend_step",
-           "make_varlen_single_step", "cu_seqlens_of", "input_bytes", "ring_outputs_and_grads"]
+__all__ = ["Inputs", "make_inputs", "shard_inputs", "shard_tensors", "ring_function", "make_ring_step",
+           "make_backend_step", "make_varlen_single_step", "cu_seqlens_of", "input_bytes", "ring_outputs_and_grads",
+           "set_usp_grid"]
 
 # ring_kernels public name of each variant; looked up at run time so a missing one is reported, not fatal.
 _FUNCTIONS = {
     "ring": "ring_attn_func", "zigzag": "zigzag_ring_attn_func", "stripe": "stripe_attn_func",
     "ring_varlen": "ring_attn_varlen_func", "zigzag_varlen": "zigzag_ring_attn_varlen_func",
-    "llama3": "llama3_attn_varlen_func",
+    "llama3": "llama3_attn_varlen_func", "ulysses": "ulysses_attn_func", "ulysses_varlen": "ulysses_attn_varlen_func",
+    "usp": "usp_attn_func",
 }
 # Where a name may live while ring_kernels/__init__.py does not export it yet.
 _MODULES = ("ring_kernels", "ring_kernels.layout", "ring_kernels.ring", "ring_kernels.zigzag",
-            "ring_kernels.stripe", "ring_kernels.varlen", "ring_kernels.llama3")
+            "ring_kernels.stripe", "ring_kernels.varlen", "ring_kernels.llama3", "ring_kernels.ulysses",
+            "ring_kernels.usp")
+# The usp ring variant (zigzag: causal work balanced over the ring) and its grid (``set_usp_grid``).
+USP_RING_VARIANT = "zigzag"
+_USP_GRID: Dict[str, object] = {}
 
 
 def _api(name: str) -> Callable:
@@ -44,6 +53,22 @@ def _api(name: str) -> Callable:
 
 def ring_function(variant: str) -> Callable:
     return _api(_FUNCTIONS[variant])
+
+
+def set_usp_grid(ulysses_group, ring_group) -> None:
+    """The process groups every ``usp`` call and shard of this process uses."""
+    _USP_GRID.update(ulysses_group=ulysses_group, ring_group=ring_group)
+
+
+def _usp_grid() -> Dict[str, object]:
+    if not _USP_GRID:
+        raise LookupError("variant 'usp' needs a grid of process groups: call set_usp_grid first")
+    return dict(_USP_GRID, ring_variant=USP_RING_VARIANT)
+
+
+def _group_kwargs(variant: str, group) -> Dict[str, object]:
+    """The keyword arguments that place ``variant`` on its ranks: ``group``, or usp's grid."""
+    return _usp_grid() if variant == "usp" else {"group": group}
 
 
 @dataclass
@@ -88,6 +113,9 @@ def shard_tensors(tensors: Dict[str, torch.Tensor], variant: str, doc_lengths: O
 
     Batch tensors are (1, S, H*, D), sharded along dim 1; varlen (``doc_lengths`` given) (T, H*, D) along dim 0.
     """
+    if variant == "usp":
+        usp_shard = _api("usp_shard")
+        return {name: usp_shard(t, dim=1, **_usp_grid()).contiguous() for name, t in tensors.items()}
     shard = _api("shard")
     layout = VARIANT_LAYOUT[variant]
     if doc_lengths is not None:
@@ -127,7 +155,7 @@ def make_ring_step(variant: str, local: Inputs, *, causal: bool, backend: str, g
                    global_doc_lengths: Optional[Sequence[int]] = None) -> Callable[[str], object]:
     """``step(mode)`` running ``variant`` on this rank's shard ``local`` over ``group``."""
     fn = ring_function(variant)
-    kwargs = dict(group=group, causal=causal, backend=backend)
+    kwargs = dict(_group_kwargs(variant, group), causal=causal, backend=backend)
     if local.varlen:
         cu = cu_seqlens_of(global_doc_lengths, local.q.device)
         return _stepper(lambda q, k, v: fn(q, k, v, cu, **kwargs), local)
@@ -139,7 +167,7 @@ def ring_outputs_and_grads(variant: str, local: Inputs, *, causal: bool, backend
     """One forward+backward of ``variant``: this rank's ``out, dq, dk, dv`` (for the correctness gate)."""
     fn = ring_function(variant)
     q, k, v = (t.detach().requires_grad_() for t in (local.q, local.k, local.v))
-    kwargs = dict(group=group, causal=causal, backend=backend)
+    kwargs = dict(_group_kwargs(variant, group), causal=causal, backend=backend)
     if local.varlen:
         out = fn(q, k, v, cu_seqlens_of(global_doc_lengths, q.device), **kwargs)
     else:

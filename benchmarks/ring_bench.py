@@ -1,5 +1,10 @@
 """Ring attention benchmark: every variant x backend against single-GPU attention and PyTorch's native CP.
 
+Variants: the ring layouts (ring, zigzag, stripe; ring_varlen, zigzag_varlen, llama3), Ulysses (ulysses,
+ulysses_varlen: the head split by all-to-all) and USP (usp: Ulysses groups of consecutive ranks x the zigzag ring
+across them, on the squarest grid of the ranks with both sides >= 2 -- 4 ranks: 2 x 2; recorded as skipped where
+there is none).
+
 Run (2 GPUs; see benchmarks/README.md for what each number means):
 
     torchrun --nproc-per-node 2 benchmarks/ring_bench.py --out benchmarks/results/
@@ -35,12 +40,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # Sibling modules, and the checkout's ring_kernels even where the project is not pip-installed (GPU machine).
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
-from _cases import (BATCH_VARIANTS, CAUSAL_ONLY, CONFIGS, MODES, VARLEN_VARIANTS,  # noqa: E402
-                    AttnConfig, attention_flops, global_document_mix, local_document_mix)
+from _cases import (BATCH_VARIANTS, CAUSAL_ONLY, CONFIGS, GRID_VARIANTS, MODES, VARLEN_VARIANTS,  # noqa: E402
+                    AttnConfig, attention_flops, global_document_mix, local_document_mix, usp_split)
 from _check import max_over_ranks, passes, reference_attention, relative_errors  # noqa: E402
 from _nocomm import no_communication, nocomm_unavailable_reason  # noqa: E402
 from _runners import (Inputs, input_bytes, make_backend_step, make_inputs,  # noqa: E402
-                      make_ring_step, make_varlen_single_step, ring_outputs_and_grads, shard_inputs,
+                      make_ring_step, make_varlen_single_step, ring_outputs_and_grads, set_usp_grid, shard_inputs,
                       shard_tensors)
 from _stamp import backend_choices, stamp  # noqa: E402
 from _timing import peak_memory_bytes, time_callable  # noqa: E402
@@ -150,6 +155,7 @@ class Bench:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # A group of one per rank: the library's own single-GPU path for the varlen baseline.
         self.solo_group, _ = dist.new_subgroups(group_size=1)
+        self.usp_grid, self.usp_absent = self._usp_grid() if "usp" in args.variants else (None, None)
         self.mesh = None
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         self.backends = self._backends()
@@ -180,6 +186,18 @@ class Bench:
         if missing:
             raise SystemExit(f"--backends: {missing} not available on {self.device.type}; available: {available}")
         return wanted
+
+    def _usp_grid(self):
+        """((U, R), None) after making usp's groups -- Ulysses groups of U consecutive ranks (one node's
+        all-to-all), rings of R ranks across them -- or (None, why not)."""
+        split = usp_split(self.world)
+        if split is None:
+            return None, f"usp needs a grid of at least 2 x 2 ranks; {self.world} ranks make none"
+        u, r = split
+        ulysses, _ = dist.new_subgroups_by_enumeration([list(range(j * u, (j + 1) * u)) for j in range(r)])
+        ring, _ = dist.new_subgroups_by_enumeration([list(range(i, self.world, u)) for i in range(u)])
+        set_usp_grid(ulysses, ring)
+        return (u, r), None
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
@@ -298,9 +316,17 @@ def run_group(bench: Bench, cfg: AttnConfig, layout: str, causal: bool, tokens: 
 
     global_in = make_inputs(cfg, tokens * n, dtype=bench.dtype, device=bench.device, seed=2, doc_lengths=doc_global)
     for variant in variants:
+        if variant in GRID_VARIANTS and bench.usp_grid is None:
+            for backend in bench.backends:
+                for mode in args.modes:
+                    bench.record(**common, kind="ring", variant=variant, backend=backend, mode=mode,
+                                 status="skipped", reason=bench.usp_absent)
+            continue
         local, err = _attempt(bench, lambda x=global_in, v=variant: shard_inputs(x, v))
         for backend in bench.backends:
             base = dict(common, kind="ring", variant=variant, backend=backend)
+            if variant in GRID_VARIANTS:
+                base["grid"] = "{} ulysses x {} ring".format(*bench.usp_grid)
             if err is not None:
                 bench.record(**base, status=err[0], reason=err[1])
                 continue
@@ -527,7 +553,7 @@ def _document(bench: Bench) -> dict:
             "layouts": args.layouts, "variants": args.variants, "backends": bench.backends,
             "backends_left_out": bench.backends_left_out,
             "causal": args.causal, "modes": args.modes, "native": args.native, "native_rotate": args.native_rotate,
-            "nocomm": not args.no_nocomm, "skip_rank_check": args.skip_rank_check, "dtype": args.dtype, "check_tokens_per_rank": args.check_tokens,
+            "usp_grid": bench.usp_grid, "nocomm": not args.no_nocomm, "skip_rank_check": args.skip_rank_check, "dtype": args.dtype, "check_tokens_per_rank": args.check_tokens,
             "iters": {str(t): dict(zip(("warmup", "iters"), _iters_for(t, args))) for t in args.tokens},
             "argv": sys.argv[1:],
         },

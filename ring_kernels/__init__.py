@@ -1,4 +1,4 @@
-"""Ring attention kernels: ring, zigzag, stripe and llama3 context parallelism over torch.distributed.
+"""Context-parallel attention kernels over torch.distributed: ring, zigzag, stripe, llama3, Ulysses and USP.
 
 Tensors use flash-attn's layout: q (batch, seqlen_local, nheads, headdim), k/v with nheads_k dividing nheads.
 Shard a global sequence with ``shard(x, layout=...)`` (``"contiguous"`` for ring, ``"zigzag"``, ``"stripe"``),
@@ -17,6 +17,8 @@ Modules: ``engine`` (blocks, ring loops, autograd) and ``rounding`` (each row ro
 layouts ``ring``, ``zigzag``, ``stripe``; ``documents`` (packed-document planning, the cu_seqlens cache) under
 ``varlen`` (ring and zigzag over documents) and ``llama3`` (all-gathered K/V); ``backends`` compute blocks;
 ``checkpointing`` keeps each ring call's output through activation checkpointing (the recomputation skips the ring).
+``ulysses`` splits heads instead of the sequence (an all-to-all before and after attention; any layout, batch and
+varlen); ``usp`` runs a ring variant across groups of Ulysses ranks (a 2-D split; ``usp_shard`` shards for it).
 """
 
 from ring_kernels.errors import RingInputError
@@ -28,10 +30,14 @@ from ring_kernels.stripe import stripe_attn_func
 from ring_kernels.zigzag import zigzag_ring_attn_func
 from ring_kernels.varlen import ring_attn_varlen_func, zigzag_ring_attn_varlen_func
 from ring_kernels.llama3 import llama3_attn_varlen_func
+from ring_kernels.ulysses import ulysses_attn_func, ulysses_attn_varlen_func
+from ring_kernels.usp import usp_attn_func, usp_attn_varlen_func, usp_shard, usp_unshard
 
 __all__ = [
     "ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func",
     "ring_attn_varlen_func", "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func",
+    "ulysses_attn_func", "ulysses_attn_varlen_func", "usp_attn_func", "usp_attn_varlen_func", "usp_shard",
+    "usp_unshard",
     "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard", "rank_check_scope",
     "RANK_CHECKED", "RingInputError", "RingOptions", "get_options", "set_options", "use_options",
 ]

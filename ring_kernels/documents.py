@@ -31,7 +31,7 @@ from .backends.base import BlockMask
 from .comm import group_rank_and_size
 from .engine import Block
 
-__all__ = ["FULL_MASK", "classify", "StepBuilder", "documents_overlapping", "CuEntry", "VarlenCall",
+__all__ = ["FULL_MASK", "classify", "StepBuilder", "documents_overlapping", "CuEntry", "cu_entry", "VarlenCall",
            "clear_cu_cache"]
 
 FULL_MASK = BlockMask()
@@ -105,7 +105,7 @@ def _check_cu_type(fn: str, cu_seqlens) -> None:
 
 def _check_cu_seqlens(fn: str, cu_seqlens) -> torch.Tensor:
     """cu_seqlens as a CPU int64 tensor (num_docs + 1,), starting at 0, non-decreasing.
-    On CUDA the copy waits for every queued kernel: call through ``_cu_entry``, which does it once per tensor."""
+    On CUDA the copy waits for every queued kernel: call through ``cu_entry``, which does it once per tensor."""
     _check_cu_type(fn, cu_seqlens)
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     lengths = cu[1:] - cu[:-1]
@@ -179,7 +179,7 @@ class CuEntry:
 _MISSING = object()
 
 
-def _cu_entry(fn: str, cu_seqlens) -> CuEntry:
+def cu_entry(fn: str, cu_seqlens) -> CuEntry:
     """The cache entry of ``cu_seqlens`` (validated once per object and version; errors as ``_check_cu_seqlens``).
     A hit reads tensor metadata only: no device->host copy, no ``.item()``."""
     _check_cu_type(fn, cu_seqlens)
@@ -213,7 +213,7 @@ def clear_cu_cache() -> None:
 
 class VarlenCall:
     """Validated arguments of one varlen call: rank, world, cu (CPU int64) and its cache ``entry``, local
-    tokens, scale, window. No device sync when cu_seqlens is cached (``_cu_entry``) and the ranks' check is
+    tokens, scale, window. No device sync when cu_seqlens is cached (``cu_entry``) and the ranks' check is
     skipped (a world of one, or ``rank_check_scope``)."""
 
     def __init__(self, fn: str, q, k, v, cu_seqlens, *, group, causal, softmax_scale, window_size, softcap,
@@ -224,7 +224,7 @@ class VarlenCall:
         self.scale = validation.resolve_scale(fn, softmax_scale, q.shape[-1])
         self.softcap = float(softcap)
         self.causal = bool(causal)
-        self.entry = _cu_entry(fn, cu_seqlens)
+        self.entry = cu_entry(fn, cu_seqlens)
         self.cu = self.entry.cu
         self.rank, self.world = group_rank_and_size(group)
         t, h, d = q.shape[-3:]                        # (T, H, D) or HF's packed row (1, T, H, D)

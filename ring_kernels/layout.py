@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["LAYOUTS", "LocalVarlen", "shard", "unshard", "local_positions", "local_varlen"]
+__all__ = ["LAYOUTS", "LocalVarlen", "shard", "unshard", "local_positions", "rank_positions", "local_varlen"]
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 _VARLEN_LAYOUTS = ("contiguous", "zigzag")
@@ -149,6 +149,19 @@ def local_positions(
     if isinstance(seqlen_global, bool) or not isinstance(seqlen_global, int) or seqlen_global < 0:
         raise TypeError(f"seqlen_global must be a non-negative int, got {seqlen_global!r}")
     rank, world_size = _rank_and_size(group)
+    cu = _check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
+    return _positions(seqlen_global, rank, world_size, layout, cu)
+
+
+def rank_positions(seqlen_global: int, rank: int, world_size: int, *, layout: str,
+                   cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Global positions rank ``rank`` of ``world_size`` holds, in its local order: LongTensor
+    (seqlen_global // world_size,) on the CPU. ``local_positions`` for any rank, no process group needed (a
+    caller that regathers every rank's part, as Ulysses' all-to-all does, needs all of them)."""
+    if isinstance(seqlen_global, bool) or not isinstance(seqlen_global, int) or seqlen_global < 0:
+        raise TypeError(f"seqlen_global must be a non-negative int, got {seqlen_global!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} is not a rank of a group of world_size={world_size!r}")
     cu = _check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
     return _positions(seqlen_global, rank, world_size, layout, cu)
 

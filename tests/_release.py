@@ -30,6 +30,7 @@ RELEASE_INDEPENDENT = {
                                   "gloo worlds",
     "test_ring_options.py": "ring_kernels' options object (defaults, setter, scope, environment override)",
     "test_ring_sinks.py": "ring_kernels' attention sinks in every variant on gloo worlds",
+    "test_ring_ulysses.py": "ring_kernels' Ulysses and USP attention on gloo worlds",
     "test_ring_varlen.py": "ring_kernels' varlen ring / zigzag / llama3 engines on gloo worlds",
     "test_transport.py": "ring_kernels' transport and ring exchange",
     "test_triton_backend.py": "ring_kernels' Triton kernel under the interpreter (hfpatch never picks a backend "
@@ -38,6 +39,7 @@ RELEASE_INDEPENDENT = {
     "gpu/test_ring_gpu.py": "ring_kernels on CUDA (skipped on CPU)",
     "gpu/test_transport_gpu.py": "ring_kernels' transports on CUDA (skipped on CPU)",
     "gpu/test_triton_gpu.py": "ring_kernels' Triton kernel on CUDA (skipped on CPU)",
+    "gpu/test_ulysses_gpu.py": "ring_kernels' Ulysses and USP on CUDA (skipped on CPU)",
 }
 
 # Modules that must run on the same pytest-xdist worker (tests/conftest.py's scheduler, `--dist loadscope`): they

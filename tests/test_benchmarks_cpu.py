@@ -25,8 +25,9 @@ from _summary import summarize  # noqa: E402
 import _stamp  # noqa: E402
 import report  # noqa: E402
 
-RING_VARIANTS = {"batch": {"ring", "zigzag", "stripe"}, "varlen": {"ring_varlen", "zigzag_varlen", "llama3"}}
-CAUSAL_ONLY = {"zigzag", "stripe", "zigzag_varlen"}
+RING_VARIANTS = {"batch": {"ring", "zigzag", "stripe", "ulysses"},
+                 "varlen": {"ring_varlen", "zigzag_varlen", "llama3", "ulysses_varlen"}}
+CAUSAL_ONLY = {"zigzag", "stripe", "zigzag_varlen", "usp"}
 BACKENDS = ("torch_cpu", "reference")
 ARGV = ["--device", "cpu", "--tokens", "64", "--configs", "tiny:4:2:32", "--iters", "1", "--warmup", "0",
         "--check-tokens", "64", "--backends", ",".join(BACKENDS), "--tag", "cpu_test"]
@@ -115,8 +116,13 @@ def test_stamp_and_settings(bench_doc):
     assert bench_doc["settings"]["configs"] == [{"name": "tiny", "nheads": 4, "nheads_k": 2, "head_dim": 32}]
 
 
+def _measured(results):
+    """Ring rows of the variants a world of 2 runs (usp needs a 2 x 2 grid)."""
+    return [r for r in results if r["kind"] == "ring" and r["variant"] != "usp"]
+
+
 def test_every_variant_and_backend_measured_after_passing_the_gate(bench_doc):
-    ring = [r for r in bench_doc["results"] if r["kind"] == "ring"]
+    ring = _measured(bench_doc["results"])
     seen = set()
     for r in ring:
         assert r["status"] == "ok", r
@@ -137,6 +143,14 @@ def test_every_variant_and_backend_measured_after_passing_the_gate(bench_doc):
     assert seen == expected
 
 
+def test_usp_without_a_grid_says_so(bench_doc):
+    """2 ranks make no 2 x 2 grid: every usp row is recorded as skipped with the reason, none timed."""
+    usp = [r for r in bench_doc["results"] if r["variant"] == "usp"]
+    assert {(r["backend"], r["mode"]) for r in usp} == {(b, m) for b in BACKENDS for m in ("fwd", "fwd_bwd")}
+    assert all(r["status"] == "skipped" and "2 x 2" in r["reason"] and "time_ms" not in r for r in usp), usp
+    assert bench_doc["settings"]["usp_grid"] is None
+
+
 def test_single_baselines_and_nocomm_runs(bench_doc):
     res = bench_doc["results"]
     singles = {(r["layout"], r["backend"], r["causal"], r["mode"]) for r in res
@@ -148,7 +162,7 @@ def test_single_baselines_and_nocomm_runs(bench_doc):
     nocomm = [r for r in res if r["kind"] == "ring_nocomm"]
     for r in nocomm:   # the stand-ins replaced the communication (else the harness marks the run skipped)
         assert r["status"] == "ok" and r["time_ms"]["median_ms"] > 0, r
-    assert len(nocomm) == sum(1 for r in res if r["kind"] == "ring")
+    assert len(nocomm) == len(_measured(res))
     # No CUDA here: PyTorch's native CP is recorded as skipped with the reason, never silently absent.
     native = [r for r in res if r["kind"] == "native_cp"]
     assert native and all(r["status"] == "skipped" and "CUDA" in r["reason"] for r in native)
@@ -175,7 +189,7 @@ def test_refused_and_wrong_are_recorded_and_never_timed(bench_doc):
 
 def test_summary_rows_and_markdown(bench_doc):
     rows = [s for s in bench_doc["summary"] if s["kind"] == "ring"]
-    assert len(rows) == sum(1 for r in bench_doc["results"] if r["kind"] == "ring")
+    assert len(rows) == len(_measured(bench_doc["results"]))
     for s in rows:
         assert s["efficiency"] == pytest.approx(2 * s["t_single_ms"] / s["t_ms"])
         assert s["efficiency_vs_best"] <= s["efficiency"] * (1 + 1e-12)

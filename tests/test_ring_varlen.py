@@ -680,7 +680,7 @@ def test_llama3_plan_local_blocks_first_remote_blocks_only_for_crossing_document
 # ------------------------------------------------------------------------------ cu_seqlens host cache
 #
 # hfpatch passes the same cu_seqlens object to every layer of a step: the host copy (a device sync on CUDA),
-# its validation and the plans are made once per object and version (``documents._cu_entry``). Identity, not
+# its validation and the plans are made once per object and version (``documents.cu_entry``). Identity, not
 # content, keys the cache: a new tensor with equal content is a miss.
 
 _CACHE_DOCS = {"ring": [3, 4, 2, 3], "zigzag": [2, 4, 0, 6], "llama3": [3, 4, 2, 3]}   # 12 tokens each
