@@ -5,7 +5,7 @@
     patch.remove()                                   # transformers exactly as before
     kept = hfpatch.model.keep_attention(model, budget="auto")   # checkpointing's recomputation skips the ring forward
 
-``hfpatch.switch`` is both the switch module and, called, its per-thread context manager.
+``hfpatch.switch`` is the switch (``hfpatch.modes.switch``): called, its per-thread context manager.
 
 The public names are imported on first use (PEP 562 ``__getattr__``): ``import hfpatch`` loads neither torch nor
 transformers, so the command line (``hfpatch --help``, ``--version``) starts at once; ``hfpatch.apply`` and the
@@ -24,8 +24,9 @@ _EXPORTS = {
     "active_patch": "hfpatch.api",
     "keep_attention": "hfpatch.model.keep_attention",
     "KeptAttention": "hfpatch.model.keep_attention",
-    "set_switch": "hfpatch.switch",
-    "current_mode": "hfpatch.switch",
+    "switch": "hfpatch.modes",
+    "set_switch": "hfpatch.modes",
+    "current_mode": "hfpatch.modes",
     "HfpatchError": "hfpatch.errors",
     "SignatureMismatch": "hfpatch.errors",
     "UnsupportedArgument": "hfpatch.errors",
@@ -43,8 +44,8 @@ __all__ = ["apply", "Patch", "active_patch", "keep_attention", "KeptAttention", 
 
 
 def __getattr__(name: str):
-    if name == "switch":                      # the callable submodule itself
-        return importlib.import_module("hfpatch.switch")
+    if name == "model":                       # the model wing (keep_attention)
+        return importlib.import_module("hfpatch.model")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hfpatch' has no attribute {name!r}")

@@ -1,18 +1,19 @@
-"""The one call path -- ``Dispatcher.entry`` runs a call site's cached ``semantics.RingPlan``, and plans every other
-call -- keeps every behaviour; and its cost stays within budget.
+"""The one call path -- ``Dispatcher.entry`` runs a call site's kept ``semantics.RingPlan`` when the call's inputs equal
+the plan's, and plans every other call -- keeps every behaviour; and its cost stays within budget.
 
-What the path caches, and what each test proves it never reuses stale:
+What the path keeps, and what each test proves it never reuses stale:
 
-- ``RingPlan`` (kernel name + kwargs) per (step object, is_causal, softmax_scale, sliding_window, softcap): a new step,
-  a changed keyword, a changed context field (backend, heads_k_stride) and a changed shape (a derived step has the
-  global length in it) each give the kernel the arguments of a fresh, uncached run.
+- ``RingPlan`` (kernel name + kwargs), built by ``ring_plan`` for one call and kept by the dispatcher with the call's
+  inputs (``dispatch.INPUTS``): a new step, a changed keyword, a changed context field (backend, heads_k_stride;
+  ``RingContext.version``) and a changed shape (a derived step has the global length in it) each give the kernel
+  the arguments of a fresh run.
 - derived ``StepState`` per step: a modified position_ids tensor (same object, new version) is derived again.
-- every refusal still runs on every call after a plan is cached; the switch is read on every call.
+- every refusal still runs on every call after a plan is kept; the switch is read on every call.
 - counting without a lock: exact over threads (tests/test_switch.py), recomputations kept apart, one record per
   module even when two modules share a layer index, ``_calling_module`` skips frames whose code cannot hold it.
 - the rendered wrapper passes every role by position (for every registry entry, the values a role dict would hold);
   a site's plan is reused only for a call it computes (position_ids identity and version, shape, configuration,
-  context fields, step); the refusals, the switch, removal, per-module counting and recomputation counting hold
+  context version, sinks); the refusals, the switch, removal, per-module counting and recomputation counting hold
   when a site has a plan; the kernel runs inside the step's rank-check scope, which ends with the call.
 - a model given to ``track`` binds its layers' sites by ``layer_idx`` only while its own forward runs on this
   thread: another model's calls with the same indices are recorded under their own modules.
@@ -491,6 +492,28 @@ def test_the_fast_path_never_reuses_a_stale_step_or_plan(kernels, monkeypatch):
     ctx.set_step(None)  # derived again, from the new shape
     _flash_integration(module, wrapper, *short, **_hf_kwargs(wrapper, sliding_window=3))
     assert kernels.last()[0] == "ring_attn_func" and kernels.last()[2]["window_size"] == semantics._window_size(3, 4)
+
+
+def test_the_kept_plan_carries_the_inputs_it_was_built_for(kernels, monkeypatch):
+    """``ring_plan`` returns the plan with the call's inputs (``dispatch.INPUTS``); the site keeps that very plan and
+    runs it for the next call with equal inputs."""
+    ctx = RingContext(rank=0, world_size=1)
+    wrapper, _d, _o, spy = _rendered(ctx, monkeypatch)
+    built = []
+    planned = semantics.ring_plan
+    monkeypatch.setattr(semantics, "ring_plan", lambda *a, **kw: built.append(planned(*a, **kw)) or built[-1])
+    module = _Attention(layer_idx=0)
+    q, k, v = _qkv(seq=8)
+    for _ in range(3):
+        _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper, softmax_scale=0.5))
+    assert len(built) == 1 and spy.slow == 1 and spy.fast == 2 and len(kernels.seen) == 3
+    inputs = dict(zip(dispatch.INPUTS, built[0].inputs))
+    assert len(built[0].inputs) == len(dispatch.INPUTS)
+    assert inputs["mode"] == "ring" and inputs["context version"] == ctx.version and inputs["softmax_scale"] == 0.5
+    assert inputs["query.shape"] == q.shape and inputs["key.numel()"] == k.numel() and inputs["is_causal"] is True
+    ctx.backend = "reference"  # a field the plan is built from: a new context version, a new plan
+    _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper, softmax_scale=0.5))
+    assert len(built) == 2 and built[1].inputs[1] == ctx.version and kernels.last()[2]["backend"] == "reference"
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -257,7 +257,7 @@ def _fast_kernels(modeling):
     """Stand-ins for causal-conv1d's and mamba-ssm's kernels, in their parameter order (not the torch
     functions'), computing through the torch functions by keyword; and a fused Mamba2 kernel that must never run
     under CP. Returns {name: replacement}."""
-    from hfpatch.switch import current_mode
+    from hfpatch.modes import current_mode
 
     conv, ssd, fused = modeling.causal_conv1d_fn, modeling.mamba2_chunk_scan, modeling.mamba2_split_conv1d_scan_combined
 

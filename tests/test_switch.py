@@ -11,6 +11,7 @@ import torch
 import hfpatch
 from hfpatch import switch
 from hfpatch.attention import dispatch
+from hfpatch.attention.semantics import RingContext
 from hfpatch.signatures import registry
 
 
@@ -62,8 +63,8 @@ def test_set_switch_returns_previous_and_context_nests_and_restores_on_error():
     assert hfpatch.current_mode() == "reference"
 
 
-def test_module_is_callable_and_not_shadowed():
-    import hfpatch.switch as module
+def test_the_switch_is_one_callable_object():
+    from hfpatch.modes import switch as module
 
     assert hfpatch.switch is module
     with hfpatch.switch("reference") as mode:
@@ -114,6 +115,26 @@ def test_override_is_per_thread_default_is_process_wide():
     assert result["late"] == "reference"
 
 
+def test_thread_mode_is_this_threads_mode_kept_current():
+    own = switch.thread_mode()
+    assert own is hfpatch.switch.thread_mode() and own.mode == "ring" and own.overrides == []
+    with hfpatch.switch("reference"):
+        assert own.mode == "reference" == hfpatch.current_mode() and own.overrides == ["reference"]
+    hfpatch.set_switch("original")  # a new default reaches the held object
+    assert own.mode == "original"
+    seen = {}
+
+    def other():
+        seen["state"] = switch.thread_mode()
+        with hfpatch.switch("local"):
+            seen["inside"] = seen["state"].mode
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen["state"] is not own and seen["inside"] == "local" and own.mode == "original"
+
+
 # ------------------------------------------------------------------------------- per-call routing
 
 
@@ -151,7 +172,7 @@ def test_dispatcher_routes_every_call_by_the_current_mode(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(semantics, "ring_attention", rec.make("ring", 1.0))
     monkeypatch.setattr(semantics, "reference_attention", rec.make("reference", 2.0))
-    dispatcher = dispatch.Dispatcher(original=rec.make("original", 3.0), match=match, ctx=object())
+    dispatcher = dispatch.Dispatcher(original=rec.make("original", 3.0), match=match, ctx=RingContext())
     call = {"query": torch.zeros(1, 4, 2, 8), "key": torch.zeros(1, 4, 1, 8), "value": torch.zeros(1, 4, 1, 8),
             "attention_mask": None, "query_length": 4, "is_causal": True}
     assert dispatcher(call, {}).flatten()[0].item() == 1.0
@@ -178,7 +199,7 @@ def test_dispatcher_threads_with_different_modes_are_isolated(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(semantics, "ring_attention", rec.make("ring", 1.0))
     monkeypatch.setattr(semantics, "reference_attention", rec.make("reference", 2.0))
-    dispatcher = dispatch.Dispatcher(original=rec.make("original", 3.0), match=match, ctx=object())
+    dispatcher = dispatch.Dispatcher(original=rec.make("original", 3.0), match=match, ctx=RingContext())
     call = {"query": torch.zeros(1, 2, 1, 4), "key": torch.zeros(1, 2, 1, 4), "value": torch.zeros(1, 2, 1, 4),
             "attention_mask": None, "query_length": 2, "is_causal": True}
     expected = {"ring": 1.0, "original": 3.0, "reference": 2.0}

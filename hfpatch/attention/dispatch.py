@@ -4,25 +4,29 @@
 ``_flash_attention_forward`` that calls ``dispatcher.entry(<each role of codegen.ROLE_ORDER>, extra_kwargs)``.
 Per call:
 
-1. The call site: the attention layer that made the call, as a ``Site`` (one per layer, kept for the patch's life).
-   A model given to ``track`` (``apply(model=)`` does) has its attention modules' sites bound once, by
+1. The call site: the attention layer that made the call, as a ``CallSite`` (one per layer, kept for the patch's
+   life). A model given to ``track`` (``apply(model=)`` does) has its attention modules' sites bound once, by
    ``layer_idx``, and used while that model's forward runs on this thread (transformers passes ``layer_idx`` from
    4.54 on); any other call finds its module on the stack: the wrapper's caller (transformers' integration,
    4.48+) first, then ``_calling_module``.
-2. The site's plan: the ``semantics.RingPlan`` a ring call of its configuration ran. When this call is one that
-   plan computes -- switch "ring", nothing to refuse or derive (no mask, dropout, cache or ``cu_seq_lens``), the
-   same step, the same position ids (object and version), query shape, key size, configuration and attention
-   sinks (the ``s_aux`` object the plan was kept with) -- the call is counted and ``plan.run(q, k, v, sink)``
-   computes it on q, k, v cast as HF casts them (``semantics.cast_to_target``).
-3. Anything else is planned (``plan_and_run``): the role dict, the mode (``switch.current_mode()``), the call
-   counted, then ``run_mode``: ``"ring"`` -> ``semantics.ring_attention`` (every refusal, the step, the plan,
-   which runs it), after which the site keeps that plan; ``"original"`` -> the original transformers function,
-   re-called by parameter name; ``"reference"``/``"local"`` -> ``semantics``. While Dynamo traces
-   (torch.compile) the call is one opaque operator (``hfpatch.attention.opaque``).
+2. The call's inputs (``INPUTS``): the switch mode, the context's version, the position ids (object and version),
+   query shape, key size, configuration, the roles the ring refuses or derives from (mask, dropout, document
+   lengths, paged cache) and the attention sinks. The site's plan (the ``semantics.RingPlan`` its last planned
+   ring call ran, or another configuration's that the site kept) carries the inputs it was kept for: when they
+   equal this call's -- one tuple comparison -- the call is counted and ``plan.run(q, k, v, sink)`` computes it
+   on q, k, v cast as HF casts them (``semantics.cast_to_target``).
+3. Anything else is planned (``plan_and_run``): the role dict, the call counted under its mode, then ``"ring"`` ->
+   ``semantics.ring_plan`` (every refusal, the step, the kernel's
+   arguments); the plan runs and, when nothing in the call is refused or derived per call, the site keeps it with
+   its inputs (``CallSite.plans``: the one plan cache);
+   ``"original"`` -> the original transformers function, re-called by parameter name; ``"reference"``/``"local"``
+   -> ``semantics``. While Dynamo traces (torch.compile) the call is one opaque operator
+   (``hfpatch.attention.opaque``). ``semantics.ring_attention`` is the ring's seam: replaced (a test's stand-in for a
+   wrong or failing ring), it computes every ring call that reaches the planner, and no plan is kept.
 
 Counts live per thread (``ThreadState``: no lock per call; readers sum every thread's), under the call's site, so
 that ``Patch`` can say which attention layers ran the ring in the last forward and which did not. After
-``Patch.remove()`` (``removed = True`` drops every site's plans) a wrapper may still be referenced somewhere (a
+``Patch.remove()`` (``removed = True`` drops every plan) a wrapper may still be referenced somewhere (a
 user variable): it then calls the original function, exactly what the restored binding sites call.
 """
 from __future__ import annotations
@@ -38,11 +42,11 @@ import torch
 from hfpatch.attention import opaque as _opaque
 from hfpatch.attention import codegen as _codegen
 from hfpatch.attention import semantics as _semantics
-from hfpatch import switch as _switch
+from hfpatch import modes as _modes
 from hfpatch.attention.discovery import attention_modules
 from hfpatch.undo import UndoStack
 
-__all__ = ["Dispatcher", "LayerRecord", "Site", "ThreadState"]
+__all__ = ["Dispatcher", "LayerRecord", "CallSite", "ThreadState", "INPUTS"]
 
 # How far up the stack to look for the attention module that made the call: wrapper -> INTEG's
 # flash_attention_forward(module, ...) (4.48+) or the *FlashAttention2.forward(self, ...) method (4.43-4.47).
@@ -60,7 +64,7 @@ _export_flag = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") e
     "_NoFlag", (), {"_is_compiling_flag": False})
 # The autograd engine's current graph task (-1: no backward running on this thread); see _opaque.is_recomputing.
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_current_mode = _switch.current_mode
+_current_mode = _modes.current_mode
 _RECOMPUTED = "<recomputed>"  # the kind under which a recomputed call is counted (never a switch mode)
 
 # id(code) -> (code, names): which of _HOLDER_NAMES a frame of that code can hold. Reading ``frame.f_locals`` builds
@@ -71,18 +75,30 @@ _MAX_HOLDERS = 4096
 _last_caller: tuple = (None, ())  # (code, names) of the last wrapper caller ``_site_from_stack`` read
 _getframe, _Module = sys._getframe, torch.nn.Module
 _MAX_SITES = 4096  # call sites kept per dispatcher (a model has one per attention layer); beyond this, restart
-_MAX_SITE_PLANS = 8  # configurations kept per site (a layer has one); beyond this, restart
+_MAX_SITE_PLANS = 8  # plans of one step kept per site (a layer has one configuration); beyond this, restart
 
-# Positions in codegen.ROLE_ORDER of the roles a site's plan is checked against.
-_AT = {role: i for i, role in enumerate(_codegen.ROLE_ORDER)}
-_POSITIONS = _AT["position_ids"]
-# A call's key: its configuration, its dropout, then the roles a plan only runs when they are None (what the ring
-# would otherwise refuse or derive from: a mask, document lengths, a paged cache). ``Dispatcher.entry`` builds it in
-# this order; a plan is kept only under a key whose dropout is falsy and whose absent roles are None.
-_KEY_ROLES = ("is_causal", "softmax_scale", "sliding_window", "softcap", "dropout", "attention_mask", "cu_seq_lens_q",
-              "cu_seq_lens_k", "block_table", "k_cache", "v_cache")
-_KEY_AT = tuple(_AT[r] for r in _KEY_ROLES)
-_KEY_DROPOUT, _KEY_ABSENT = _KEY_ROLES.index("dropout"), _KEY_ROLES.index("attention_mask")
+# What a call's inputs hold, in the order ``Dispatcher.entry`` builds them: everything a ring plan is built from
+# or the ring refuses. A plan kept with its inputs (``RingPlan.inputs``) computes every call whose inputs equal them.
+# A tensor is held after its id: the tuples compare left to right and stop at the first difference, so a tensor is
+# compared only with itself (a kept plan holds it, so its id cannot be reused) and never by value.
+INPUTS = ("mode", "context version", "id(position_ids)", "position_ids", "position_ids._version", "query.shape",
+          "key.numel()", "is_causal", "softmax_scale", "sliding_window", "type(sliding_window)", "softcap",
+          "dropout", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "block_table", "k_cache", "v_cache",
+          "id(s_aux)", "s_aux", "cache or cache_seqlens given")
+_STEP_INPUTS = slice(1, 7)  # the step a plan belongs to: the context's version and the step's tensors and shapes
+_WINDOW_TYPE = INPUTS.index("type(sliding_window)")
+_DROPOUT = INPUTS.index("dropout")
+_ABSENT = slice(INPUTS.index("attention_mask"), INPUTS.index("v_cache") + 1)  # what a kept plan's call lacks
+_KEPT_WINDOW_TYPES = (int, type(None))  # True == 1, 2.0 == 2: another type is planned (and refused) every call
+# The ring that plans and keeps (``ring_plan`` + ``RingPlan.run``); another object there is run as given.
+_PLANNED_RING = _semantics.ring_attention
+
+
+def _keeps(inputs: tuple) -> bool:
+    """Whether a plan of these inputs may be kept: nothing in the call is refused or derived per call (no
+    dropout, mask, document lengths, paged cache or cache kwargs; an int or no window)."""
+    return (not inputs[_DROPOUT] and all(value is None for value in inputs[_ABSENT]) and not inputs[-1]
+            and inputs[_WINDOW_TYPE] in _KEPT_WINDOW_TYPES)
 
 
 @dataclass(frozen=True)
@@ -95,46 +111,44 @@ class LayerRecord:
     mode: str
 
 
-class Site:
-    """One call site -- an attention layer -- and the ring plans its ring calls ran.
+class CallSite:
+    """One call site -- an attention layer -- and the ring plans it keeps.
 
     key, module_id:  what its calls are counted and recorded under (see ``LayerRecord``).
-    plans:           call key (``_KEY_ROLES``: the configuration as the wrapper passed it, a falsy dropout, None for
-                     every role that must be absent) -> the ``semantics.RingPlan`` to reuse; a plan is valid while
-                     ``plan.step is ctx.plan_step`` and the call has the step inputs the plans were built from:
-    plan, call_key:  the plan kept last and its key: a call with an equal key (a layer makes one) reuses it after one
-                     tuple comparison;
-    position_ids, version:  the position ids tensor (identity) and its ``_version`` (None: no position ids, or a
-                     step from ``shard_inputs``, which states its layout itself);
-    query_shape:     the query's ``torch.Size``; ``key_numel``: the key's element count (a longer key: a KV cache);
-    sink:            the attention sinks (``s_aux``) of the call that kept the plans, checked by ``semantics.sink_of``
-                     (a layer passes the same parameter on every call): a call with another sink is planned again.
+    plans:           ``RingPlan.inputs`` -> the plan, every one of the same step (``_STEP_INPUTS``): a call whose
+                     inputs equal a kept plan's runs it (``Dispatcher.entry``);
+    plan:            the plan kept last (None: none), compared first: a layer makes one configuration of call.
     """
 
-    __slots__ = ("key", "module_id", "plans", "plan", "call_key", "position_ids", "version", "query_shape",
-                 "key_numel", "sink")
+    __slots__ = ("key", "module_id", "plans", "plan")
 
     def __init__(self, key: Hashable, module_id: int | None) -> None:
         self.key = key
         self.module_id = module_id
         self.plans: dict = {}
-        self.plan = self.call_key = None
-        self.position_ids = self.version = self.query_shape = self.key_numel = self.sink = None
+        self.plan = None
 
-    def forget_plans(self) -> None:
-        """Drop every kept plan: the next call is planned (``Dispatcher.plan_and_run``)."""
-        self.plans = {}  # a new dict, not cleared: another thread may be reading the old one
-        self.plan = self.call_key = None
-
-    def plan_for(self, call_key: tuple):
-        """The kept plan of another call key than the last one's, or None (an unhashable value has none)."""
+    def plan_for(self, inputs: tuple):
+        """The kept plan of these inputs, or None (an unhashable input has none)."""
         try:
-            return self.plans.get(call_key)
+            return self.plans.get(inputs)
         except TypeError:
             return None
 
+    def keep(self, plan) -> None:
+        """Keep ``plan`` under its inputs; plans of another step are dropped (and the tensors they hold)."""
+        last, plans = self.plan, self.plans
+        if last is None or last.inputs[_STEP_INPUTS] != plan.inputs[_STEP_INPUTS] or len(plans) >= _MAX_SITE_PLANS:
+            plans = {}  # a new dict, not cleared: another thread may be reading the old one
+        plans[plan.inputs] = plan
+        self.plans, self.plan = plans, plan
+
+    def forget(self) -> None:
+        """Drop every kept plan: the next call is planned (``Dispatcher.plan_and_run``)."""
+        self.plans, self.plan = {}, None
+
     def __repr__(self) -> str:
-        return f"<Site {self.key!r} module={self.module_id} plans={[p.kernel for p in self.plans.values()]}>"
+        return f"<CallSite {self.key!r} module={self.module_id} plans={list(self.plans.values())}>"
 
 
 def _holder_names(code) -> tuple:
@@ -184,12 +198,11 @@ def _calling_module(depth: int = 2) -> torch.nn.Module | None:
 class ThreadState:
     """One thread's state: call counts ``by_kind[kind][site] -> calls`` (kind a switch mode or ``_RECOMPUTED``;
     ``ring`` and ``recomputed`` are two of them; only its own thread writes them, so counting takes no lock;
-    readers sum every thread's), and ``bound``, the sites of the tracked model whose forward runs on this thread
-    (layer_idx -> Site; None outside one), ``outer_bound`` those of the enclosing tracked forwards, and
-    ``switch_stack``, this thread's override stack of ``hfpatch.switch`` (the list object ``switch.current_mode``
-    reads: one per thread, never replaced)."""
+    readers sum every thread's), ``bound``, the sites of the tracked model whose forward runs on this thread
+    (layer_idx -> CallSite; None outside one), ``outer_bound`` those of the enclosing tracked forwards, and
+    ``thread_mode``, this thread's ``hfpatch.modes.ThreadMode`` (its ``mode``: the switch for this thread's calls)."""
 
-    __slots__ = ("ring", "recomputed", "by_kind", "bound", "outer_bound", "switch_stack")
+    __slots__ = ("ring", "recomputed", "by_kind", "bound", "outer_bound", "thread_mode")
 
     def __init__(self) -> None:
         self.ring: dict = {}
@@ -197,7 +210,7 @@ class ThreadState:
         self.by_kind: dict = {"ring": self.ring, _RECOMPUTED: self.recomputed}
         self.bound: dict | None = None
         self.outer_bound: list = []
-        self.switch_stack: list = _switch._local.stack  # read in the thread that owns it
+        self.thread_mode = _modes.thread_mode()  # read in the thread that owns it
 
 
 class _PerThread(threading.local):
@@ -226,9 +239,9 @@ class Dispatcher:
         self._every_thread: list = []
         self._threads = _PerThread(self._every_thread)
         self.opaque_token = _opaque.register_dispatcher(self)  # how torch.compile's opaque operator finds us
-        self._sites: dict[tuple, Site] = {}
-        # Site -> the mode of its last call in the current forward (one item store per call: atomic).
-        self._forward: dict[Site, str] = {}
+        self._sites: dict[tuple, CallSite] = {}
+        # CallSite -> the mode of its last call in the current forward (one item store per call: atomic).
+        self._forward: dict[CallSite, str] = {}
         self._lock = threading.Lock()  # for the readers, reset and the site table, never taken per call
         self.entry = self._make_entry()
 
@@ -236,11 +249,10 @@ class Dispatcher:
     def _make_entry(self) -> Callable:
         """The wrapper's handler: ``entry(<each role of codegen.ROLE_ORDER>, extra)`` (see the module docstring).
         A closure, not a method: what it reads on every call are cells, not attribute lookups. Removal needs no
-        check here: ``removed = True`` drops every site's plans, and ``plan_and_run`` reads it."""
+        check here: ``removed = True`` drops every plan, and ``plan_and_run`` reads it."""
         ctx = self.ctx
         threads = self._threads
         forward = self._forward
-        switch_module = _switch  # switch.current_mode, inlined: the thread's stack, else the default
         site_from_stack = self._site_from_stack
         plan_and_run = self.plan_and_run
         cast_to_target = _semantics.cast_to_target
@@ -249,42 +261,41 @@ class Dispatcher:
         def entry(query, key, value, attention_mask, query_length, is_causal, dropout, position_ids, softmax_scale,
                   sliding_window, use_top_left_mask, softcap, deterministic, cu_seq_lens_q, cu_seq_lens_k,
                   max_length_q, max_length_k, target_dtype, implementation, block_table, k_cache, v_cache, extra):
-            site = None
+            site = inputs = None
             if not (dynamo_compiling() or export_flag._is_compiling_flag):
                 state = threads.state
-                bound = state.bound
-                if bound is not None and extra:
-                    site = bound.get(extra.get("layer_idx"))
+                sink, paged = None, False
+                if extra:
+                    if state.bound is not None:
+                        site = state.bound.get(extra.get("layer_idx"))
+                    sink = extra.get("s_aux")
+                    paged = "cache" in extra or "cache_seqlens" in extra
                 if site is None:
                     site = site_from_stack(extra)
-                call_key = (is_causal, softmax_scale, sliding_window, softcap, dropout, attention_mask, cu_seq_lens_q,
-                            cu_seq_lens_k, block_table, k_cache, v_cache)  # _KEY_ROLES
-                plan = site.plan if call_key == site.call_key else site.plan_for(call_key)
-                stack = state.switch_stack
-                if (plan is not None and plan.step is ctx.plan_step
-                        and (stack[-1] if stack else switch_module._default_mode) == "ring"
-                        and (sliding_window is None or type(sliding_window) is int)  # True == 1, 2.0 == 2: refused
-                        and position_ids is site.position_ids
-                        and (site.version is None or position_ids._version == site.version)
-                        and ((extra.get("s_aux") is site.sink and "cache" not in extra
-                              and "cache_seqlens" not in extra) if extra else site.sink is None)
-                        and query.shape == site.query_shape and key.numel() == site.key_numel):
-                    if graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward
-                        counts = state.recomputed
-                    else:
-                        counts = state.ring
+                inputs = (state.thread_mode.mode, ctx.version, id(position_ids), position_ids,
+                          getattr(position_ids, "_version", None), query.shape, key.numel(), is_causal, softmax_scale,
+                          sliding_window, type(sliding_window), softcap, dropout, attention_mask, cu_seq_lens_q,
+                          cu_seq_lens_k, block_table, k_cache, v_cache, id(sink), sink, paged)  # INPUTS
+                plan = site.plan
+                if plan is not None and plan.inputs != inputs:
+                    plan = site.plan_for(inputs)  # another configuration of this layer's, or None
+                if plan is not None:
+                    if graph_task_id() == -1:
                         forward[site] = "ring"
+                        counts = state.ring
+                    else:  # checkpointing re-runs a layer in backward: not a new forward
+                        counts = state.recomputed
                     try:
                         counts[site] += 1
                     except KeyError:  # the site's first call on this thread (or since reset)
                         counts[site] = 1
                     if target_dtype is not None:
                         query, key, value = cast_to_target(target_dtype, query, key, value)
-                    return plan.run(query, key, value, site.sink)
+                    return plan.run(query, key, value, sink)
             return plan_and_run(site, (
                 query, key, value, attention_mask, query_length, is_causal, dropout, position_ids, softmax_scale,
                 sliding_window, use_top_left_mask, softcap, deterministic, cu_seq_lens_q, cu_seq_lens_k,
-                max_length_q, max_length_k, target_dtype, implementation, block_table, k_cache, v_cache), extra)
+                max_length_q, max_length_k, target_dtype, implementation, block_table, k_cache, v_cache), extra, inputs)
 
         return entry
 
@@ -299,16 +310,17 @@ class Dispatcher:
         if value:
             with self._lock:
                 for site in self._sites.values():
-                    site.forget_plans()  # the entry runs no plan: its calls reach plan_and_run, which reads this
+                    site.forget()  # the entry runs no plan: its calls reach plan_and_run, which reads this
 
     def __call__(self, call: dict, extra: dict) -> torch.Tensor:
         """``entry`` with the arguments as ``{role: value}`` (roles not in ``call`` are not passed on)."""
         return self.entry(*_codegen.role_args(call), extra)
 
-    def plan_and_run(self, site: Site | None, values: tuple, extra: dict) -> torch.Tensor:
-        """A call the site's plan does not compute as is: route it by the switch, count it, and keep the ring plan
-        that ran for the site's next call. ``values``: the roles in ``codegen.ROLE_ORDER``; ``site``: the call
-        site (None while compiling or after removal)."""
+    def plan_and_run(self, site: CallSite | None, values: tuple, extra: dict, inputs: tuple | None = None
+                     ) -> torch.Tensor:
+        """A call the site's plan does not compute as is: route it by the switch and count it; a ring call runs
+        (and keeps) a plan (``run_ring``). ``values``: the roles in ``codegen.ROLE_ORDER``; ``site``: the call site
+        and ``inputs`` the call's ``INPUTS`` (both None while compiling)."""
         call = _codegen.role_call(self.match, values)
         if _is_compiling():
             # Dynamo cannot trace the ring (P2P, data-dependent checks): one opaque operator that runs the rest
@@ -316,46 +328,33 @@ class Dispatcher:
             return _opaque.compiled_call(self, call, extra)
         if self.removed:
             return self.call_original(call, extra)
-        mode = _current_mode()
+        mode = _current_mode() if inputs is None else inputs[0]
         self._count(mode, site)
-        out = self.run_mode(mode, call, extra)
         if mode == "ring":
-            self._keep_plan(site, values, call, extra)
-        return out
+            return self.run_ring(site, call, extra, inputs)
+        return self.run_mode(mode, call, extra)
 
-    def _keep_plan(self, site: Site, values: tuple, call: dict, extra: dict) -> None:
-        """Keep on ``site`` the plan that computed this ring call, if it built one to reuse (``semantics.
-        current_plan``) and its key is one a plan may run under (``_KEY_ROLES``: no dropout, mask, document
-        lengths or paged cache); plans kept for other step inputs (position ids, shape) are dropped."""
-        call_key = tuple(values[i] for i in _KEY_AT)  # as the entry builds it
-        if call_key[_KEY_DROPOUT] or any(value is not None for value in call_key[_KEY_ABSENT:]):
-            return
-        get = call.get  # semantics keys its plans by the call's configuration, a missing is_causal as True
-        plan = _semantics.current_plan(self.ctx, get("is_causal", True), get("softmax_scale"),
-                                       get("sliding_window"), get("softcap"))
-        if plan is None:
-            return
-        shape = values[0].shape
-        positions = values[_POSITIONS]
-        derived = getattr(self.ctx, "step", None) is None  # a derived step depends on the positions' contents
-        version = positions._version if derived and isinstance(positions, torch.Tensor) else None
-        key_numel = values[1].numel()
-        plans = site.plans
-        if (positions is not site.position_ids or version != site.version or shape != site.query_shape
-                or key_numel != site.key_numel or len(plans) >= _MAX_SITE_PLANS):
-            site.forget_plans()
-            plans = site.plans
-            site.position_ids, site.version, site.query_shape, site.key_numel = positions, version, shape, key_numel
-        plans[call_key] = plan
-        site.sink = extra.get("s_aux") if extra else None
-        site.plan, site.call_key = plan, call_key
+    def run_ring(self, site: CallSite, call: dict, extra: dict, inputs: tuple | None) -> torch.Tensor:
+        """Run a ring call by a new plan (``semantics.ring_plan``: every refusal, the step, the kernel's
+        arguments); the site keeps it when it ran and ``_keeps`` allows (a call that raised keeps nothing)."""
+        ctx = self.ctx
+        if _semantics.ring_attention is not _PLANNED_RING:
+            return _semantics.ring_attention(call, extra, ctx)  # the ring replaced (see the module docstring)
+        q, k, v = _semantics.cast_to_target(call.get("target_dtype"), call["query"], call["key"], call["value"])
+        sink = _semantics.sink_of(extra, q)
+        keep = inputs is not None and _keeps(inputs)
+        plan = _semantics.ring_plan(call, extra, ctx, inputs=inputs if keep else None)
+        out = plan.run(q, k, v, sink)
+        if keep:
+            site.keep(plan)
+        return out
 
     def compiled_forward(self, call: dict, extra: dict) -> str:
         """Run-time part of a compiled call: the mode to run, counted like an eager call (the caller module is
         not on the stack in compiled code: the key is ``layer_idx``, or "<compiled>")."""
         if self.removed:
             return "original"
-        mode = _switch.current_mode()
+        mode = _current_mode()
         layer_idx = extra.get("layer_idx") if isinstance(extra, dict) else None
         self._count(mode, self._site((layer_idx if isinstance(layer_idx, int) else "<compiled>", None)))
         return mode
@@ -375,16 +374,16 @@ class Dispatcher:
         return self.original(**_codegen.original_kwargs(self.match, call, extra))
 
     # ------------------------------------------------------------------------------------- call sites
-    def _site(self, slot: tuple) -> Site:
+    def _site(self, slot: tuple) -> CallSite:
         site = self._sites.get(slot)
         if site is None:
             with self._lock:
                 if len(self._sites) >= _MAX_SITES:
                     self._sites.clear()
-                site = self._sites.setdefault(slot, Site(*slot))
+                site = self._sites.setdefault(slot, CallSite(*slot))
         return site
 
-    def _site_from_stack(self, extra: dict) -> Site:
+    def _site_from_stack(self, extra: dict) -> CallSite:
         """The site of the module found on the stack. Depth 3 (this frame, ``entry``, the wrapper) is the wrapper's
         caller, transformers' ``flash_attention_forward(module, ...)`` on 4.48+: read first, inline, its holder
         names cached for the last code seen there; any other frame through ``_calling_module``."""
@@ -447,7 +446,7 @@ class Dispatcher:
                          model.register_forward_hook(end, always_call=True))
 
     # ------------------------------------------------------------------------------------- counting
-    def _count(self, mode: str, site: Site) -> None:
+    def _count(self, mode: str, site: CallSite) -> None:
         # Two modules with the same layer index (an encoder and a decoder) are two sites: they stay apart.
         state = self._threads.state
         if _graph_task_id() != -1:  # checkpointing re-runs a layer in backward: not a new forward

@@ -41,6 +41,7 @@ from typing import Any, List, Mapping, Tuple
 import torch
 
 from hfpatch.errors import PatchError
+from hfpatch.modes import MODES
 from ring_kernels.checkpointing import current_region
 
 __all__ = ["OP_NAME", "BACKWARD_OP_NAME", "register_dispatcher", "compiled_call", "is_recomputing"]
@@ -48,7 +49,6 @@ __all__ = ["OP_NAME", "BACKWARD_OP_NAME", "register_dispatcher", "compiled_call"
 OP_NAME = "hfpatch::flash_attention"
 BACKWARD_OP_NAME = "hfpatch::flash_attention_backward"
 
-_MODES = ("ring", "reference", "original", "local")  # mode_code = index
 _TENSOR, _INT, _CONST = "tensor", "int", "const"
 
 # Dispatchers by token: the operator's schema can only carry numbers, so the dispatcher travels as a token.
@@ -187,7 +187,7 @@ def _flash_attention(tensors: List[torch.Tensor], ints: List[int], token: int,
     with _autograd_enabled(False):
         out = dispatcher.run_mode(mode, call, extra)
     out = _private_output(out.to(call["query"].dtype), tensors)
-    return out, torch.tensor(_MODES.index(mode), dtype=torch.int64, device=out.device)
+    return out, torch.tensor(MODES.index(mode), dtype=torch.int64, device=out.device)
 
 
 @_flash_attention.register_fake
@@ -204,7 +204,7 @@ def _flash_attention_backward(grad_out: torch.Tensor, tensors: List[torch.Tensor
     """Recompute the call in the mode the forward ran and differentiate it: [dq, dk, dv], shaped like q, k, v."""
     dispatcher = _dispatcher(token)
     call, extra = _rebuild(tensors, ints, spec_id)
-    mode = _MODES[int(mode_code)]
+    mode = MODES[int(mode_code)]
     leaves = {role: call[role].detach().requires_grad_() for role in ("query", "key", "value")}
     call.update(leaves)
     with _autograd_enabled(True):

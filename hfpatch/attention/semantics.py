@@ -2,9 +2,9 @@
 ``_flash_attention_forward`` means under context parallelism, and how it reaches ``ring_kernels``.
 
 The wrapper (``hfpatch.attention.codegen``) maps the caller's arguments, by name, onto roles (``hfpatch.signatures.roles``)
-and calls the dispatcher, which calls ``ring_attention(call, extra, ctx)`` here -- ``ring_plan`` (every refusal,
-the step, the kernel's arguments) and ``RingPlan.run`` -- and keeps the plan per call site for the calls it computes
-as is (``hfpatch.attention.dispatch``). ``call`` maps role -> value,
+and calls the dispatcher, which plans a ring call here -- ``ring_plan`` (every refusal, the step, the kernel's
+arguments) -- runs it (``RingPlan.run``) and keeps the plan for the calls it computes as is
+(``hfpatch.attention.dispatch``); ``ring_attention`` is the two in one. ``call`` maps role -> value,
 ``extra`` holds the trailing ``**kwargs`` (4.48+). Shapes (flash-attn layout, this rank's shard):
 
     query:            (B, S_local, H,  D)
@@ -68,7 +68,6 @@ __all__ = [
     "plan_step",
     "RingPlan",
     "ring_plan",
-    "current_plan",
     "ring_attention",
     "reference_attention",
     "local_attention",
@@ -83,10 +82,8 @@ _AUTO = "auto"
 # Kwargs that HF's own function would act on; every other kwarg is ignored by it and by us.
 _PAGED_KWARGS = ("cache", "cache_seqlens")
 
-# RingContext fields that a cached RingPlan depends on: assigning any of them invalidates the plans.
+# RingContext fields a RingPlan is built from: assigning any of them increments ``RingContext.version``.
 _PLAN_INPUTS = frozenset({"group", "rank", "world_size", "variant", "backend", "heads_k_stride", "step"})
-_NO_PLANS = object()  # a plan_step no step is: the next call builds a new plan table
-_MAX_PLANS = 64  # distinct call configurations per step (a model has a handful); beyond this the table restarts
 _EMPTY: Mapping[str, Any] = {}
 
 
@@ -122,6 +119,15 @@ class StepState:
     # (an all_gather + host sync, ~0.8 ms of idle GPU per call on 2xH200) runs once per step and shape, not per
     # layer (ring_kernels.rank_check_scope). A new StepState per step starts empty.
     rank_checked: set = field(default_factory=set, compare=False, repr=False)
+    # device -> ``cu_seqlens`` on that device: copied once per step and device, for every plan of the step.
+    cu_by_device: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def cu_seqlens_on(self, device: torch.device) -> torch.Tensor:
+        """The step's GLOBAL ``cu_seqlens`` on ``device`` (a packed step only)."""
+        cu = self.cu_by_device.get(device)
+        if cu is None:
+            cu = self.cu_by_device[device] = self.cu_seqlens.to(device)
+        return cu
 
 
 @dataclass
@@ -138,6 +144,9 @@ class RingContext:
     call_original:   optional ``(call, extra) -> Tensor`` that re-calls transformers' original function (set by
                      the dispatcher); ``reference_attention`` uses it on the gathered sequence when flash-attn can
                      run, else computes the same semantics in plain math.
+    version:         incremented whenever a field a plan is built from is assigned (group, rank, world_size,
+                     variant, backend, heads_k_stride, step), like a tensor's ``_version``: a kept plan whose inputs
+                     hold another version is stale (``hfpatch.attention.dispatch`` compares it on every call).
     """
 
     group: Any = None
@@ -150,19 +159,15 @@ class RingContext:
     call_original: Optional[Callable[[dict, dict], torch.Tensor]] = None
     # role -> (tensor, tensor._version, result): per-step derivations keyed on the tensor HF passes to every layer.
     _seen: dict = field(default_factory=dict, repr=False)
-    # source -> the StepState last derived from HF's arguments (no shard_inputs): one object per step, so that its
-    # identity can key the plans below.
+    # source -> the StepState last derived from HF's arguments (no shard_inputs): one object per step, so that
+    # every layer of the step shares its rank-check set and its cu_seqlens copies.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # The plans of ``plan_step`` (the StepState they were built for): (causal, scale, window, softcap) -> RingPlan.
-    # A call whose step is another object starts a new table; assigning a field a plan bakes in drops it. A plan is
-    # current while ``plan.step is ctx.plan_step`` (what a caller that keeps plans, ``hfpatch.attention.dispatch``, checks).
-    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    plan_step: Any = field(default=None, init=False, repr=False, compare=False)
+    version: int = field(default=0, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
         if name in _PLAN_INPUTS:  # the group, variant, backend, stride or step a plan was built from changed
-            object.__setattr__(self, "plan_step", _NO_PLANS)
+            object.__setattr__(self, "version", self.__dict__.get("version", 0) + 1)
             derived = self.__dict__.get("_derived")
             if derived:  # derived states bake in the variant and the world size
                 derived.clear()
@@ -187,7 +192,7 @@ class RingContext:
 
     def set_step(self, step: Optional[StepState]) -> None:
         """Install the state of a new step (None: derive it from each call's arguments again)."""
-        self.step = step  # drops the plans and the derived states too (__setattr__)
+        self.step = step  # a new version, and the derived states dropped (__setattr__)
         self._seen.clear()
 
 
@@ -588,33 +593,33 @@ _RANK_CHECKED = ring_kernels.RANK_CHECKED
 
 
 class RingPlan:
-    """What every call of one configuration in one step runs: the ring_kernels function (by name: looked up per
-    call, so a replaced ``ring_kernels`` attribute takes effect) and its keyword arguments. Built once per
-    (step, causal, softmax_scale, sliding_window, softcap) by ``ring_plan``; ``run`` is the only place hfpatch
+    """What a ring call runs: the ring_kernels function (by name: looked up per call, so a replaced
+    ``ring_kernels`` attribute takes effect) and its keyword arguments, for one step and one configuration
+    (causal, softmax_scale, sliding_window, softcap). Built by ``ring_plan``; ``run`` is the only place hfpatch
     calls a ring kernel.
 
-    step:        the StepState it was built for (current while ``step is ctx.plan_step``).
+    step:        the StepState it was built for.
     kernel:      the ring_kernels function name; ``kwargs``: its keyword arguments (the kernel gets its own copy).
-    packed:      the step is one packed row: the kernel also takes the step's GLOBAL int32 ``cu_seqlens``, kept
-                 here as one copy per device it was needed on.
+    packed:      the step is one packed row: the kernel also takes the step's GLOBAL int32 ``cu_seqlens``
+                 (``StepState.cu_seqlens_on``: one copy per step and device).
+    inputs:      what its caller built it for (``ring_plan(..., inputs=)``), compared with a later call's to reuse
+                 it (``hfpatch.attention.dispatch``); None: not to be reused.
     """
 
-    __slots__ = ("step", "kernel", "kwargs", "packed", "cu_seqlens", "rank_checked")
+    __slots__ = ("step", "kernel", "kwargs", "packed", "cu_by_device", "rank_checked", "inputs")
 
-    def __init__(self, step: StepState, kernel: str, kwargs: dict, packed: bool,
-                 cu_seqlens: Optional[torch.Tensor]) -> None:
+    def __init__(self, step: StepState, kernel: str, kwargs: dict, packed: bool, inputs: Optional[tuple] = None
+                 ) -> None:
         self.step = step
         self.kernel = kernel
         self.kwargs = kwargs
         self.packed = packed
-        self.cu_seqlens = {} if cu_seqlens is None else {cu_seqlens.device: cu_seqlens}
+        self.cu_by_device = step.cu_by_device
         self.rank_checked = step.rank_checked
+        self.inputs = inputs
 
-    def cu_on(self, device: torch.device) -> torch.Tensor:
-        cu = self.cu_seqlens.get(device)
-        if cu is None:
-            cu = self.cu_seqlens[device] = next(iter(self.cu_seqlens.values())).to(device)
-        return cu
+    def __repr__(self) -> str:
+        return f"<RingPlan {self.kernel} {self.step.layout} packed={self.packed}>"
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: Optional[torch.Tensor] = None
             ) -> torch.Tensor:
@@ -626,9 +631,9 @@ class RingPlan:
         token = _RANK_CHECKED.set(self.rank_checked)
         try:
             if self.packed:
-                cu = self.cu_seqlens.get(q.device)
+                cu = self.cu_by_device.get(q.device)
                 if cu is None:
-                    cu = self.cu_on(q.device)
+                    cu = self.step.cu_seqlens_on(q.device)
                 if sink is None:
                     return kernel(q, k, v, cu, **self.kwargs)
                 return kernel(q, k, v, cu, sink=sink, **self.kwargs)
@@ -639,21 +644,8 @@ class RingPlan:
             _RANK_CHECKED.reset(token)
 
 
-def _plan_for(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext) -> RingPlan:
-    """The cached ``RingPlan`` of this step and call configuration (built on the first call that needs it)."""
-    if ctx.plan_step is not step:  # a new step (or a changed context): the old plans are stale
-        ctx._plans = {}
-        ctx.plan_step = step
-    key = (causal, scale, window, softcap)
-    plan = ctx._plans.get(key)
-    if plan is None:
-        if len(ctx._plans) >= _MAX_PLANS:
-            ctx._plans.clear()
-        plan = ctx._plans[key] = _build_plan(step, causal, scale, window, softcap, ctx)
-    return plan
-
-
-def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext) -> RingPlan:
+def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext,
+                inputs: Optional[tuple]) -> RingPlan:
     kwargs = dict(
         group=ctx.group,
         causal=bool(causal),
@@ -667,7 +659,7 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
             kwargs["heads_k_stride"] = ctx.heads_k_stride
         name = _VARLEN_KERNELS[step.kernel]
         _kernel(name)  # fails now, with the name, if this ring_kernels lacks it
-        return RingPlan(step, name, kwargs, True, step.cu_seqlens)
+        return RingPlan(step, name, kwargs, True, inputs)
     kernel = step.kernel
     if not kwargs["causal"] and kwargs["window_size"] == (-1, -1):
         # Full attention does not depend on where the keys sit, so the contiguous ring computes it for any layout
@@ -675,30 +667,23 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
         kernel = "ring"
     name = _BATCH_KERNELS[kernel]
     _kernel(name)
-    return RingPlan(step, name, kwargs, False, None)
+    return RingPlan(step, name, kwargs, False, inputs)
 
 
-def ring_plan(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> RingPlan:
+def ring_plan(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext, *,
+              inputs: Optional[tuple] = None) -> RingPlan:
     """The plan that computes this call: every refusal runs (``UnsupportedArgument`` for what ring attention cannot
-    honour), the step's layout comes from ``ctx.step`` or is derived once per step, and the kernel's arguments are
-    built once per step and configuration. ``call``: role -> value; ``extra``: the caller's other keywords."""
+    honour), the step's layout comes from ``ctx.step`` or is derived once per step, and the kernel's arguments come
+    from the call's configuration. ``call``: role -> value; ``extra``: the caller's other keywords; ``inputs``:
+    kept as ``RingPlan.inputs`` (what a caller that reuses the plan compares later calls with; not read here).
+    Nothing is cached here: a caller that reuses plans keeps them (``hfpatch.attention.dispatch``)."""
     q, k = call["query"], call["key"]
     get = call.get
     window, softcap = get("sliding_window"), get("softcap")
     q_shape = q.shape
     _refuse(call, extra or _EMPTY, q_shape, k, ctx, window, softcap)
     step = _step_for_call(call, q, ctx, q_shape)
-    return _plan_for(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx)
-
-
-def current_plan(ctx: Any, causal: Any, scale: Any, window: Any, softcap: Any) -> Optional[RingPlan]:
-    """The cached plan of this configuration for ``ctx``'s current step, if a call built one (None otherwise, and
-    for a context that is not a ``RingContext``). What ``hfpatch.attention.dispatch`` keeps per call site after a call."""
-    plans = ctx._plans if isinstance(ctx, RingContext) else None
-    if not plans or ctx.plan_step is _NO_PLANS:
-        return None
-    plan = plans.get((causal, scale, window, softcap))
-    return plan if plan is not None and plan.step is ctx.plan_step else None
+    return _build_plan(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx, inputs)
 
 
 def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> torch.Tensor:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from hfpatch import inputs as _inputs
 from hfpatch.model.positions import position_kwargs
-from hfpatch import switch as _switch
+from hfpatch import modes as _switch
 from hfpatch.errors import HfpatchError, ModelDivergence, VerificationError
 from ring_kernels.tolerances import tolerance
 
