@@ -462,7 +462,8 @@ def _positions_to(steps: List[List[Block]], device: torch.device) -> List[List[B
 
 
 def run_batch(fn: str, q, k, v, *, group, causal, softmax_scale, backend, window_size, softcap, dropout_p, sink,
-              layout_code: int, make_steps: Callable[[int, int, int, bool, Tuple[int, int]], List[List[Block]]]):
+              layout_code: validation.LayoutCode,
+              make_steps: Callable[[int, int, int, bool, Tuple[int, int]], List[List[Block]]]):
     """Validate, build the per-step blocks for this rank, pick the backend, and run the autograd ring."""
     validation.check_qkv(fn, q, k, v)
     window = validation.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)

@@ -621,7 +621,8 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     fn = "llama3_attn_varlen_func"
     stride = _check_stride(fn, heads_k_stride, k.shape[-2] if isinstance(k, torch.Tensor) and k.dim() >= 3 else 1)
     call = VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
-                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=12,
+                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink,
+                      layout_code=validation.LayoutCode.LLAMA3_VARLEN,
                       extra_fields=[("heads_k_stride", stride)])
     prepared = call.entry.get(("llama3", call.rank, call.world, call.local, call.causal, call.window),
                               lambda: _Llama3Prepared(_llama3_plan(call.cu, call.rank, call.world, call.local,

@@ -13,6 +13,7 @@ import torch
 
 from .backends.base import BlockMask
 from .engine import ALL, Block, positional_steps, run_batch
+from .validation import LayoutCode
 
 __all__ = ["ring_attn_func", "ring_steps"]
 
@@ -50,4 +51,4 @@ def ring_attn_func(q, k, v, *, group=None, causal=False, softmax_scale=None, bac
     """
     return run_batch("ring_attn_func", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
                      backend=backend, window_size=window_size, softcap=softcap, dropout_p=dropout_p,
-                     sink=sink, layout_code=0, make_steps=ring_steps)
+                     sink=sink, layout_code=LayoutCode.RING, make_steps=ring_steps)

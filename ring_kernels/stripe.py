@@ -14,7 +14,7 @@ import torch
 
 from .backends.base import BlockMask
 from .engine import ALL, Block, positional_steps, run_batch
-from .validation import require_causal
+from .validation import LayoutCode, require_causal
 
 __all__ = ["stripe_attn_func", "stripe_positions", "stripe_steps"]
 
@@ -53,5 +53,5 @@ def stripe_attn_func(q, k, v, *, group=None, causal=True, softmax_scale=None, ba
     fn = "stripe_attn_func"
     require_causal(fn, causal)
     return run_batch(fn, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, backend=backend,
-                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=2,
-                     make_steps=stripe_steps)
+                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink,
+                     layout_code=LayoutCode.STRIPE, make_steps=stripe_steps)

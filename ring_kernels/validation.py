@@ -13,6 +13,7 @@ signatures is in effect. Two public ways to put one in effect, the same context 
 from __future__ import annotations
 
 import contextvars
+import enum
 import math
 from typing import Optional, Sequence, Set, Tuple
 
@@ -23,7 +24,7 @@ from .errors import RingInputError
 from .options import get_options
 
 __all__ = ["RingInputError", "check_qkv", "check_options", "check_sink", "resolve_scale", "check_ranks_agree",
-           "require_causal", "rank_check_scope", "RANK_CHECKED"]
+           "require_causal", "rank_check_scope", "RANK_CHECKED", "LayoutCode"]
 
 def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool = False) -> None:
     """q (B, S, H, D) and k, v (B, S, Hk, D) consistent, H % Hk == 0. With ``varlen``: (T, H, D)/(T, Hk, D), or
@@ -170,6 +171,20 @@ class rank_check_scope:  # noqa: N801 -- used like a function: ``with rank_check
 
     def __exit__(self, *exc) -> None:
         RANK_CHECKED.reset(self._token)
+
+
+class LayoutCode(enum.IntEnum):
+    """The "layout" field of a kernel's ``check_ranks_agree``: which kernel, and so which split of the sequence, a
+    call was made for. Two ranks that call different kernels then fail together, naming the field, instead of
+    exchanging blocks of different shapes. The values are what the ranks gather (numbers, never compared across
+    releases of ring_kernels)."""
+
+    RING = 0               # ring_attn_func: contiguous
+    ZIGZAG = 1             # zigzag_ring_attn_func
+    STRIPE = 2             # stripe_attn_func
+    RING_VARLEN = 10       # ring_attn_varlen_func: contiguous documents
+    ZIGZAG_VARLEN = 11     # zigzag_ring_attn_varlen_func
+    LLAMA3_VARLEN = 12     # llama3_attn_varlen_func: contiguous, K/V all-gathered
 
 
 def check_ranks_agree(fn: str, group, fields: Sequence[Tuple[str, float]], device: torch.device) -> None:

@@ -308,7 +308,8 @@ def ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, soft
     """
     fn = "ring_attn_varlen_func"
     call = VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
-                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=10)
+                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink,
+                      layout_code=validation.LayoutCode.RING_VARLEN)
     return _run_ring_varlen(q, k, v, sink, call, _ring_prepared(call), backend, group)
 
 
@@ -329,5 +330,6 @@ def zigzag_ring_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=True
     fn = "zigzag_ring_attn_varlen_func"
     validation.require_causal(fn, causal, alternative="ring_attn_varlen_func")
     call = VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
-                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=11)
+                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink,
+                      layout_code=validation.LayoutCode.ZIGZAG_VARLEN)
     return _run_ring_varlen(q, k, v, sink, call, _zigzag_prepared(fn, call), backend, group)

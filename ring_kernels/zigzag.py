@@ -15,7 +15,7 @@ import torch
 
 from .backends.base import BlockMask
 from .engine import ALL, Block, positional_steps, run_batch
-from .validation import RingInputError, require_causal
+from .validation import LayoutCode, RingInputError, require_causal
 
 __all__ = ["zigzag_ring_attn_func", "zigzag_positions", "zigzag_steps"]
 
@@ -62,5 +62,5 @@ def zigzag_ring_attn_func(q, k, v, *, group=None, causal=True, softmax_scale=Non
             f"(two chunks per rank): make the global length a multiple of 2 * world_size (pad it)",
             argument="q", value=tuple(q.shape))
     return run_batch(fn, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, backend=backend,
-                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=1,
-                     make_steps=zigzag_steps)
+                     window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink,
+                     layout_code=LayoutCode.ZIGZAG, make_steps=zigzag_steps)
