@@ -74,7 +74,6 @@ import json
 import math
 import os
 import re
-import socket
 import statistics
 import sys
 import time
@@ -92,6 +91,7 @@ if _HERE not in sys.path:
 from _cases import global_document_mix, local_document_mix  # noqa: E402
 from _stamp import stamp  # noqa: E402
 from _timing import time_callable  # noqa: E402
+from ring_kernels.world import free_port  # noqa: E402
 
 __all__ = ["ModelShape", "LLAMA3_8B", "FLOP_FORMULA", "model_flops", "peak_flops", "step_data", "build_model",
            "ChunkedLoss", "make_runner", "run_rows", "main",
@@ -912,10 +912,8 @@ def join_process_group(device_type: str) -> bool:
     if dist.is_initialized():
         return False
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     if device_type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
