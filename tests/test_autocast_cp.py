@@ -12,7 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
+from hfpatch.attention import semantics
+from hfpatch.release.sweep.catalog import flash_causal_lm_classes
+from hfpatch.release.sweep.tiny import build_tiny
 from ring_kernels.tolerances import assert_close, tolerance
 
 CLASSES = ("LlamaForCausalLM", "GptOssForCausalLM")  # plain attention, and attention sinks
@@ -31,8 +35,6 @@ def _reads_cpu_autocast() -> bool:
 
 
 def _entries():
-    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
-
     return [e for e in flash_causal_lm_classes() if e.class_name in CLASSES and e.importable]
 
 
@@ -44,10 +46,6 @@ def _step(model, ids, positions):
 
 
 def _autocast_world(rank, world):
-    import hfpatch
-    from hfpatch.attention import semantics
-    from hfpatch.release.sweep.tiny import build_tiny
-
     seen = []  # (q, k, v) dtypes as the attention calls arrive
     cast = semantics.cast_to_target
 

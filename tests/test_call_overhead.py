@@ -10,7 +10,7 @@ What the path keeps, and what each test proves it never reuses stale:
 - derived ``StepState`` per step: a modified position_ids tensor (same object, new version) is derived again.
 - every refusal still runs on every call after a plan is kept; the switch is read on every call.
 - counting without a lock: exact over threads (tests/test_switch.py), recomputations kept apart, one record per
-  module even when two modules share a layer index, ``_calling_module`` skips frames whose code cannot hold it.
+  module even when two modules share a layer index, ``calling_module`` skips frames whose code cannot hold it.
 - the rendered wrapper passes every role by position (for every registry entry, the values a role dict would hold);
   a site's plan is reused only for a call it computes (position_ids identity and version, shape, configuration,
   context version, sinks); the refusals, the switch, removal, per-module counting and recomputation counting hold
@@ -33,12 +33,16 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import hfpatch
+import ring_kernels
 from hfpatch.attention import codegen, dispatch, semantics
+from hfpatch.signatures import registry
+from ring_kernels import validation as rk_validation
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.attention.semantics import RingContext, StepState, ring_attention
-from test_semantics import _call
+from test_semantics import hf_call
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 _KERNELS = ("ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func", "ring_attn_varlen_func",
@@ -49,8 +53,6 @@ class _Kernels:
     """``ring_kernels``' functions replaced by recorders of (name, args, kwargs); each returns its query."""
 
     def __init__(self, monkeypatch):
-        import ring_kernels
-
         self.seen = []
         for name in _KERNELS:
             monkeypatch.setattr(ring_kernels, name, self._recorder(name))
@@ -77,7 +79,7 @@ def _qkv(batch=1, seq=8, dtype=torch.float32):
 
 def _world_of_one_cu(monkeypatch):
     """Derive packing without a collective (world of one): the all-gather of one rank is the identity."""
-    monkeypatch.setattr(semantics, "_global_cu_from_position_ids",
+    monkeypatch.setattr(semantics, "global_cu_from_position_ids",
                         lambda p, seq_local, ctx: semantics.packed_cu_seqlens(p.reshape(-1)))
 
 
@@ -93,20 +95,20 @@ def test_a_new_step_never_reuses_the_previous_steps_plan(kernels):
     q, k, v = _qkv(seq=8)
     ctx.set_step(StepState(kernel="zigzag", layout="zigzag", packed=False, batch_size=1, seq_len_global=16,
                            seq_len_local=8))
-    ring_attention(_call(q, k, v), {}, ctx)
+    ring_attention(hf_call(q, k, v), {}, ctx)
     assert kernels.last()[0] == "zigzag_ring_attn_func"
     # Same shapes, new step objects: each one's own kernel and document boundaries, never the cached ones.
     for cu in ([0, 5, 16], [0, 9, 12, 16]):
         cu = torch.tensor(cu, dtype=torch.int32)
         ctx.set_step(StepState(kernel="llama3", layout="contiguous", packed=True, batch_size=1, seq_len_global=16,
                                seq_len_local=8, cu_seqlens=cu))
-        out = ring_attention(_call(q, k, v, position_ids=_PACKED_POSITIONS), {}, ctx)
+        out = ring_attention(hf_call(q, k, v, position_ids=_PACKED_POSITIONS), {}, ctx)
         name, args, kwargs = kernels.last()
         assert name == "llama3_attn_varlen_func" and torch.equal(args[3], cu) and args[0] is q  # the packed row as is
         assert out.shape == q.shape
     ctx.set_step(StepState(kernel="stripe", layout="stripe", packed=False, batch_size=1, seq_len_global=16,
                            seq_len_local=8))
-    ring_attention(_call(q, k, v), {}, ctx)
+    ring_attention(hf_call(q, k, v), {}, ctx)
     assert kernels.last()[0] == "stripe_attn_func"
 
 
@@ -125,9 +127,9 @@ def test_each_call_configuration_gets_its_own_kwargs(kernels):
     seen = {}
     for _round in range(2):  # the second round hits the cached plans
         for i, cfg in enumerate(configs):
-            ring_attention(_call(q, k, v, **cfg), {}, ctx)
+            ring_attention(hf_call(q, k, v, **cfg), {}, ctx)
             name, _args, kwargs = kernels.last()
-            want_window = (-1, -1) if cfg["window"] is None else semantics._window_size(cfg["window"], 16)
+            want_window = (-1, -1) if cfg["window"] is None else semantics.window_size_of(cfg["window"], 16)
             assert kwargs["causal"] is cfg["causal"] and kwargs["softmax_scale"] == cfg["scale"]
             assert kwargs["window_size"] == want_window and kwargs["softcap"] == (cfg["softcap"] or 0.0)
             assert name == "ring_attn_func"  # derived batch step: contiguous ring
@@ -143,13 +145,13 @@ def test_a_changed_context_field_drops_the_plans(kernels):
                      seq_len_local=8, cu_seqlens=torch.tensor([0, 7, 16], dtype=torch.int32))
     ctx.set_step(step)
     pos = _PACKED_POSITIONS
-    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
+    ring_attention(hf_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[2]["backend"] == "auto" and kernels.last()[2]["heads_k_stride"] is None
     ctx.heads_k_stride = 1  # what hfpatch.dropin sets after apply
-    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
+    ring_attention(hf_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[2]["heads_k_stride"] == 1
     ctx.backend = "reference"
-    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
+    ring_attention(hf_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[2]["backend"] == "reference"
     assert ctx.step is step  # the step itself was not replaced: the field change alone invalidated the plans
 
@@ -159,10 +161,10 @@ def test_a_changed_shape_or_dtype_is_derived_again(kernels):
     for seq, dtype in ((8, torch.float32), (8, torch.bfloat16), (2, torch.bfloat16), (8, torch.float32)):
         q, k, v = _qkv(seq=seq, dtype=dtype)
         # sliding_window 10: no window on a 4-token global sequence, a window on a 16-token one.
-        out = ring_attention(_call(q, k, v, window=10), {}, ctx)
+        out = ring_attention(hf_call(q, k, v, window=10), {}, ctx)
         _name, args, kwargs = kernels.last()
         assert args[0] is q and out.dtype == dtype and out.shape == q.shape
-        assert kwargs["window_size"] == semantics._window_size(10, 2 * seq)
+        assert kwargs["window_size"] == semantics.window_size_of(10, 2 * seq)
         assert (kwargs["window_size"] == (-1, -1)) == (2 * seq <= 10)
 
 
@@ -170,10 +172,10 @@ def test_a_shard_inputs_step_refuses_other_shapes_after_a_cached_call(kernels):
     ctx = RingContext(rank=0, world_size=2)
     ctx.set_step(StepState(kernel="zigzag", layout="zigzag", packed=False, batch_size=1, seq_len_global=16,
                            seq_len_local=8))
-    ring_attention(_call(*_qkv(seq=8)), {}, ctx)
+    ring_attention(hf_call(*_qkv(seq=8)), {}, ctx)
     for _ in range(2):
         with pytest.raises(UnsupportedArgument, match="shard_inputs prepared this step"):
-            ring_attention(_call(*_qkv(seq=4)), {}, ctx)
+            ring_attention(hf_call(*_qkv(seq=4)), {}, ctx)
 
 
 def test_position_ids_modified_in_place_are_derived_again(kernels, monkeypatch):
@@ -182,14 +184,14 @@ def test_position_ids_modified_in_place_are_derived_again(kernels, monkeypatch):
     q, k, v = _qkv(seq=8)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     for _layer in range(2):
-        ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
+        ring_attention(hf_call(q, k, v, position_ids=pos), {}, ctx)
         assert kernels.last()[0] == "llama3_attn_varlen_func"
         assert kernels.last()[1][3].tolist() == [0, 3, 8]
     pos.copy_(torch.arange(8)[None])  # same object, new contents: one sequence now
-    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
+    ring_attention(hf_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[0] == "ring_attn_func"
     pos.copy_(torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5]]))
-    ring_attention(_call(q, k, v, position_ids=pos), {}, ctx)
+    ring_attention(hf_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[1][3].tolist() == [0, 2, 8]
 
 
@@ -204,25 +206,25 @@ def test_position_ids_modified_in_place_are_derived_again(kernels, monkeypatch):
 def test_refusals_still_run_after_a_cached_plan(kernels, bad, match):
     ctx = RingContext(rank=0, world_size=1)
     q, k, v = _qkv(seq=8)
-    ring_attention(_call(q, k, v, window=1), {}, ctx)  # plans cached for window=1 (True == 1 as a dict key)
-    ring_attention(_call(q, k, v), {}, ctx)
+    ring_attention(hf_call(q, k, v, window=1), {}, ctx)  # plans cached for window=1 (True == 1 as a dict key)
+    ring_attention(hf_call(q, k, v), {}, ctx)
     with pytest.raises(UnsupportedArgument, match=match):
-        ring_attention(_call(q, k, v, **bad), {}, ctx)
+        ring_attention(hf_call(q, k, v, **bad), {}, ctx)
 
 
 def test_extra_kwargs_and_kv_cache_refused_after_a_cached_plan(kernels):
     ctx = RingContext(rank=0, world_size=1)
     q, k, v = _qkv(seq=8)
-    ring_attention(_call(q, k, v), {"layer_idx": 0, "s_aux": None}, ctx)
+    ring_attention(hf_call(q, k, v), {"layer_idx": 0, "s_aux": None}, ctx)
     for extra, match in (({"s_aux": torch.zeros(3)}, "attention sinks have shape"), ({"cache": object()}, "KV cache"),
                          ({"cache_seqlens": torch.zeros(1)}, "KV cache")):
         with pytest.raises(UnsupportedArgument, match=match):
-            ring_attention(_call(q, k, v), extra, ctx)
+            ring_attention(hf_call(q, k, v), extra, ctx)
     longer_k = torch.randn(1, 12, 4, 8)
     with pytest.raises(UnsupportedArgument, match="KV cache"):
-        ring_attention(_call(q, longer_k, longer_k), {}, ctx)
+        ring_attention(hf_call(q, longer_k, longer_k), {}, ctx)
     ones = torch.ones(1, 8, dtype=torch.long)
-    ring_attention(_call(q, k, v, attention_mask=ones), {}, ctx)  # all ones: accepted, as before
+    ring_attention(hf_call(q, k, v, attention_mask=ones), {}, ctx)  # all ones: accepted, as before
 
 
 # ---------------------------------------------------------------------------------------- the dispatcher
@@ -245,8 +247,6 @@ def _wrapper(dispatcher, call, extra):  # the generated wrapper's frame (holds n
 
 
 def _dispatcher(ctx):
-    from hfpatch.signatures import registry
-    import inspect
     import transformers.modeling_flash_attention_utils as mfau
 
     match = registry.require(inspect.signature(mfau._flash_attention_forward))
@@ -261,7 +261,7 @@ def test_the_switch_is_read_on_every_call_of_a_cached_plan(kernels):
     d, originals = _dispatcher(ctx)
     module = _Attention(layer_idx=0)
     q, k, v = _qkv(seq=8)
-    call = _call(q, k, v)
+    call = hf_call(q, k, v)
     _integration(module, d, call, {})
     with hfpatch.switch("original"):
         assert torch.equal(_integration(module, d, call, {}), q * 3.0)
@@ -274,7 +274,7 @@ def test_the_switch_is_read_on_every_call_of_a_cached_plan(kernels):
 def test_two_modules_with_one_layer_index_are_recorded_apart(kernels):
     d, _ = _dispatcher(RingContext(rank=0, world_size=1))
     encoder, decoder, unnamed = _Attention(layer_idx=0), _Attention(layer_idx=0), _Attention()
-    call = _call(*_qkv(seq=8))
+    call = hf_call(*_qkv(seq=8))
     for module in (encoder, decoder, unnamed):
         _integration(module, d, call, {})
     records = {(r.key, r.module_id) for r in d.forward_records()}
@@ -291,8 +291,8 @@ def test_two_modules_with_one_layer_index_are_recorded_apart(kernels):
 def test_calling_module_reads_only_frames_that_can_hold_it():
     attention = _Attention(layer_idx=3)  # not called `module`: this frame must not hold one
 
-    def inner():  # depth 0 is _calling_module itself: start at this frame
-        return dispatch._calling_module(depth=1)
+    def inner():  # depth 0 is calling_module itself: start at this frame
+        return dispatch.calling_module(depth=1)
 
     def not_a_module_local(module):  # a local named `module` that is not an nn.Module is skipped
         return inner()
@@ -307,7 +307,7 @@ def test_calling_module_reads_only_frames_that_can_hold_it():
 
     assert holder(attention) is attention
     assert closure_holder(attention) is attention
-    assert dispatch._calling_module(depth=1) is None  # nothing on this test's stack holds a module
+    assert dispatch.calling_module(depth=1) is None  # nothing on this test's stack holds a module
 
 
 def test_recomputation_is_counted_apart(monkeypatch):
@@ -322,7 +322,7 @@ def test_recomputation_is_counted_apart(monkeypatch):
     q.requires_grad_(True)
 
     def layer(q):
-        return _integration(module, d, _call(q, k, v), {})
+        return _integration(module, d, hf_call(q, k, v), {})
 
     checkpoint(layer, q, use_reentrant=False).sum().backward()
     assert d.calls == {7: 1} and d.recomputed == {7: 1} and d.mode_calls == {"ring": 1}
@@ -338,7 +338,6 @@ def test_recomputation_is_counted_apart(monkeypatch):
 
 
 def _live_match():
-    from hfpatch.signatures import registry
     import transformers.modeling_flash_attention_utils as mfau
 
     return registry.require(inspect.signature(mfau._flash_attention_forward))
@@ -398,10 +397,8 @@ def test_every_registry_entry_passes_every_role_by_position():
     """For every signature generation: the wrapper passes, in ``codegen.ROLE_ORDER``, the caller's value of each
     role its signature has and None for the others, then the ``**kwargs`` dict; ``role_call`` gives the role dict
     back (the signature's roles only)."""
-    from hfpatch.signatures.registry import load_registry, match
-
-    for entry in load_registry():
-        found = match(entry.signature())
+    for entry in registry.load_registry():
+        found = registry.match(entry.signature())
         seen = []
         wrapper = codegen.render(found, lambda *values: seen.append(values) or "handled")
         params = list(entry.signature().parameters.values())
@@ -428,7 +425,7 @@ def test_the_fast_call_runs_the_kernel_with_the_generic_paths_arguments(kernels,
         out = _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper, softmax_scale=0.5))
     assert spy.fast == 2 and spy.slow == 1  # the first call built the plan
     name, args, kwargs = kernels.last()
-    ring_attention(_call(q, k, v, scale=0.5), {}, RingContext(rank=0, world_size=1))  # an uncached run
+    ring_attention(hf_call(q, k, v, scale=0.5), {}, RingContext(rank=0, world_size=1))  # an uncached run
     assert kernels.last()[0] == name and kernels.last()[2] == kwargs and args[0] is q and torch.equal(out, q)
     assert d.calls == {2: 3} and [(r.key, r.module_id) for r in d.forward_records()] == [(2, id(module))]
 
@@ -491,7 +488,7 @@ def test_the_fast_path_never_reuses_a_stale_step_or_plan(kernels, monkeypatch):
         _flash_integration(module, wrapper, *short, **_hf_kwargs(wrapper))
     ctx.set_step(None)  # derived again, from the new shape
     _flash_integration(module, wrapper, *short, **_hf_kwargs(wrapper, sliding_window=3))
-    assert kernels.last()[0] == "ring_attn_func" and kernels.last()[2]["window_size"] == semantics._window_size(3, 4)
+    assert kernels.last()[0] == "ring_attn_func" and kernels.last()[2]["window_size"] == semantics.window_size_of(3, 4)
 
 
 def test_the_kept_plan_carries_the_inputs_it_was_built_for(kernels, monkeypatch):
@@ -600,8 +597,6 @@ def test_the_fast_path_keeps_modules_with_one_layer_index_apart_and_counts_recom
 def test_the_fast_path_scopes_the_kernels_rank_check_to_the_step(monkeypatch):
     """The kernel runs inside the step's rank-check scope (the check once per step and shape), and the scope
     ends with the call, also when the kernel raises."""
-    import ring_kernels
-
     scopes = []
 
     def kernel(q, k, v, **kwargs):
@@ -635,32 +630,29 @@ def test_rank_checked_is_the_public_form_of_rank_check_scope(monkeypatch):
     ``check_ranks_agree`` reads: setting it is that scope, without the scope object."""
     import contextvars
 
-    import ring_kernels
-    import torch.distributed as dist
-    from ring_kernels import validation as _validate
 
     assert "RANK_CHECKED" in ring_kernels.__all__ and isinstance(ring_kernels.RANK_CHECKED, contextvars.ContextVar)
-    assert ring_kernels.RANK_CHECKED is _validate.RANK_CHECKED is _validate._CHECKED
+    assert ring_kernels.RANK_CHECKED is rk_validation.RANK_CHECKED is rk_validation._CHECKED
     seen = set()
     with ring_kernels.rank_check_scope(seen):
         assert ring_kernels.RANK_CHECKED.get() is seen
     assert ring_kernels.RANK_CHECKED.get() is None
     # check_ranks_agree reads it: a signature recorded in the set is not gathered again. (A "group" of 2 that no
     # process joins: a gather would fail, so returning proves the skip; outside the set it does try to gather.)
-    monkeypatch.setattr(_validate, "get_options", ring_kernels.RingOptions)   # the defaults: checks on
+    monkeypatch.setattr(rk_validation, "get_options", ring_kernels.RingOptions)   # the defaults: checks on
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     gathered = []
-    monkeypatch.setattr(_validate, "_gather_and_compare", lambda *args: gathered.append(args[0]))
+    monkeypatch.setattr(rk_validation, "_gather_and_compare", lambda *args: gathered.append(args[0]))
     group, fields = object(), (("seqlen_local", 8.0),)
     seen.add((id(group), "fn", fields))
     token = ring_kernels.RANK_CHECKED.set(seen)
     try:
-        _validate.check_ranks_agree("fn", group, fields, torch.device("cpu"))
-        _validate.check_ranks_agree("other", group, fields, torch.device("cpu"))  # not in the set: gathered, added
+        rk_validation.check_ranks_agree("fn", group, fields, torch.device("cpu"))
+        rk_validation.check_ranks_agree("other", group, fields, torch.device("cpu"))  # not in the set: gathered, added
     finally:
         ring_kernels.RANK_CHECKED.reset(token)
     assert gathered == ["other"] and (id(group), "other", fields) in seen
-    _validate.check_ranks_agree("fn", group, fields, torch.device("cpu"))  # no scope: every call is checked
+    rk_validation.check_ranks_agree("fn", group, fields, torch.device("cpu"))  # no scope: every call is checked
     assert gathered == ["other", "fn"]
 
 
@@ -689,7 +681,7 @@ def test_a_tracked_models_sites_are_bound_only_while_its_forward_runs(kernels, m
     wrapper, d, _o, spy = _rendered(ctx, monkeypatch)
     tracked, other = _Layers(wrapper), _Layers(wrapper)
     hooks = d.track(tracked)
-    monkeypatch.setattr(dispatch, "_calling_module", lambda depth=2: pytest.fail("a bound call read the stack"))
+    monkeypatch.setattr(dispatch, "calling_module", lambda depth=2: pytest.fail("a bound call read the stack"))
     q, k, v = _qkv(seq=8)
     for _ in range(2):
         tracked(q, k, v)
@@ -735,8 +727,6 @@ def test_benchmark_runs_at_tiny_counts():
     text = bench.render(result)
     assert "added us" in text and result["stamp"]["torch"] in text and len(text.splitlines()) == 6 + len(rows)
     assert hfpatch.active_patch() is None  # the benchmark removed its patch
-    import torch.distributed as dist
-
     assert not dist.is_initialized()  # and its world of one
 
 

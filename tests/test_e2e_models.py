@@ -208,7 +208,7 @@ def _world(rank, world, cases, extras):
     if extras.get("semantics_cases"):
         import test_semantics
 
-        test_semantics._cases_world(rank, world, extras["semantics_cases"], ["ring_attention"])
+        test_semantics.cases_world(rank, world, extras["semantics_cases"], ["ring_attention"])
 
 
 _MODELS = ["llama", "qwen2", "mistral", "gemma2", "mixtral"]

@@ -20,6 +20,7 @@ from hfpatch.attention import semantics
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import reduce_loss, shard_inputs, shift_labels, token_loss_sum
 from hfpatch.attention.semantics import RingContext, parse_kernel, plan_step, reference_attention, ring_attention
+from ring_kernels.layout import local_positions
 
 RTOL = 2e-5
 
@@ -70,7 +71,7 @@ def _close(name, got, want):
     assert err <= RTOL * max(scale, 1e-6), f"{name}: max err {err:.3e} vs scale {scale:.3e}"
 
 
-def _call(q, k, v, *, causal=True, position_ids=None, scale=None, window=None, softcap=None, **more):
+def hf_call(q, k, v, *, causal=True, position_ids=None, scale=None, window=None, softcap=None, **more):
     """The roles dict the generated wrapper builds for transformers 5.23 (S7), for an fp32 model (target_dtype: the
     dtype of its Linear weights, what 5.23's ``get_target_dtype`` gives for an fp32 query outside autocast)."""
     call = dict(query=q, key=k, value=v, attention_mask=None, query_length=q.shape[1], is_causal=causal,
@@ -158,7 +159,7 @@ def _run_case(case, fn, rank, world):
         cu = torch.tensor([0] + list(torch.tensor(docs).cumsum(0)), dtype=torch.int32)
         more = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(docs), max_length_k=max(docs))
         local_pos = None
-    call = _call(ql, kl, vl, causal=causal, position_ids=local_pos, scale=scale, window=window, softcap=softcap, **more)
+    call = hf_call(ql, kl, vl, causal=causal, position_ids=local_pos, scale=scale, window=window, softcap=softcap, **more)
     out = fn(call, extra, ctx)
     assert out.shape == ql.shape and out.dtype == ql.dtype
     (out * dout.index_select(1, index)).sum().backward()
@@ -176,13 +177,11 @@ def _run_case(case, fn, rank, world):
 
 def semantics_index(ctx, seq, pos):
     """The global token indices this rank holds for the step shard_inputs just recorded."""
-    from ring_kernels.layout import local_positions
-
     step = ctx.step
     return local_positions(seq, ctx.group, layout=step.layout, cu_seqlens=step.cu_seqlens)
 
 
-def _cases_world(rank, world, cases, fns):
+def cases_world(rank, world, cases, fns):
     torch.manual_seed(0)
     for fn_name in fns:
         fn = getattr(semantics, fn_name)
@@ -193,13 +192,13 @@ def _cases_world(rank, world, cases, fns):
 def _collective_counting_world(rank, world):
     """The state of a step without shard_inputs is derived once (one all-gather), not once per layer."""
     calls = []
-    original = semantics._global_cu_from_position_ids
+    original = semantics.global_cu_from_position_ids
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    semantics._global_cu_from_position_ids = counting
+    semantics.global_cu_from_position_ids = counting
     try:
         q, k, v, _, pos = _global_tensors(packed=True, seed=3)
         per = q.shape[1] // world
@@ -207,17 +206,17 @@ def _collective_counting_world(rank, world):
         local_pos = pos[:, index]
         ctx = RingContext(rank=rank, world_size=world)
         for _layer in range(4):  # HF passes the same position_ids tensor to every layer
-            ring_attention(_call(*(t[:, index] for t in (q, k, v)), position_ids=local_pos), {}, ctx)
+            ring_attention(hf_call(*(t[:, index] for t in (q, k, v)), position_ids=local_pos), {}, ctx)
         assert len(calls) == 1, f"derived the packing {len(calls)} times for 4 layers of one step"
         new_step_pos = local_pos.clone()
-        ring_attention(_call(*(t[:, index] for t in (q, k, v)), position_ids=new_step_pos), {}, ctx)
+        ring_attention(hf_call(*(t[:, index] for t in (q, k, v)), position_ids=new_step_pos), {}, ctx)
         assert len(calls) == 2, "a new position_ids tensor (a new step) must be derived again"
     finally:
-        semantics._global_cu_from_position_ids = original
+        semantics.global_cu_from_position_ids = original
 
 
 def _two_rank_world(rank, world, cases, fns):
-    _cases_world(rank, world, cases, fns)
+    cases_world(rank, world, cases, fns)
     _shard_and_loss_world(rank, world)
     _collective_counting_world(rank, world)
 
@@ -258,7 +257,7 @@ def _qkv(batch=1, seq=8):
 def test_refusals_name_the_parameter_value_reason_and_fix(role, value, words):
     q, k, v = _qkv()
     with pytest.raises(UnsupportedArgument) as info:
-        ring_attention(_call(q, k, v, **{role: value}), {}, _local_ctx())
+        ring_attention(hf_call(q, k, v, **{role: value}), {}, _local_ctx())
     err = info.value
     assert err.parameter == role and err.value is value
     assert words in err.reason
@@ -271,7 +270,7 @@ def test_refusals_name_the_parameter_value_reason_and_fix(role, value, words):
 def test_refused_kwargs(name, value):
     q, k, v = _qkv()
     with pytest.raises(UnsupportedArgument) as info:
-        ring_attention(_call(q, k, v), {name: value}, _local_ctx())
+        ring_attention(hf_call(q, k, v), {name: value}, _local_ctx())
     assert info.value.parameter == name
 
 
@@ -285,7 +284,7 @@ def test_refused_kwargs(name, value):
 def test_malformed_sinks_are_refused_by_name(fn, value, words):
     q, k, v = _qkv()
     with pytest.raises(UnsupportedArgument, match=r"s_aux") as info:
-        fn(_call(q, k, v), {"s_aux": value}, _local_ctx())
+        fn(hf_call(q, k, v), {"s_aux": value}, _local_ctx())
     assert info.value.parameter == "s_aux" and info.value.value is value and words in info.value.reason
 
 
@@ -300,7 +299,7 @@ def test_sinks_in_a_world_of_one_and_in_local_mode(fn, packed):
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     more = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5) if packed else {}
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
-    out = fn(_call(*leaves[:3], **more), {"s_aux": leaves[3]}, _local_ctx())
+    out = fn(hf_call(*leaves[:3], **more), {"s_aux": leaves[3]}, _local_ctx())
     ref = [t.clone().double().requires_grad_(True) for t in (q, k, v, sink)]
     want = _expected(*ref[:3], causal=True, docs=docs, sink=ref[3])
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
@@ -309,20 +308,20 @@ def test_sinks_in_a_world_of_one_and_in_local_mode(fn, packed):
     _close("out", out, want)
     for label, got, r in zip(("q", "k", "v", "s_aux"), leaves, ref):
         _close(f"d{label}", got.grad, r.grad)
-    no_sink = fn(_call(q, k, v, **more), {"s_aux": None}, _local_ctx())
+    no_sink = fn(hf_call(q, k, v, **more), {"s_aux": None}, _local_ctx())
     _close("s_aux=None", no_sink, _expected(q, k, v, causal=True, docs=docs))
 
 
 def test_kv_cache_decode_is_refused():
     q, k, v = _qkv(seq=8)
     with pytest.raises(UnsupportedArgument, match="use_cache=False"):
-        ring_attention(_call(q[:, :1], k, v, query_length=1), {}, _local_ctx())
+        ring_attention(hf_call(q[:, :1], k, v, query_length=1), {}, _local_ctx())
 
 
 def test_all_ones_mask_is_dropped_and_ignored_kwargs_change_nothing():
     q, k, v = _qkv()
-    plain = ring_attention(_call(q, k, v), {}, _local_ctx())
-    masked = ring_attention(_call(q, k, v, attention_mask=torch.ones(1, 8, dtype=torch.bool)),
+    plain = ring_attention(hf_call(q, k, v), {}, _local_ctx())
+    masked = ring_attention(hf_call(q, k, v, attention_mask=torch.ones(1, 8, dtype=torch.bool)),
                             {"layer_idx": 3, "output_attentions": False}, _local_ctx())
     assert torch.equal(plain, masked)
     _close("world of one", plain, _expected(q, k, v, causal=True))
@@ -336,15 +335,15 @@ def test_target_dtype_casts_as_the_installed_release(fn):
     by_query = _INSTALLED is None or _INSTALLED >= version_gates.TRANSFORMERS_TARGET_DTYPE_BY_QUERY
     mixed_v = v.to(torch.bfloat16)
     if by_query:
-        out = fn(_call(q, k, mixed_v, target_dtype=torch.bfloat16), {}, _local_ctx())
-        want = fn(_call(*(t.to(torch.bfloat16) for t in (q, k, v)), target_dtype=None), {}, _local_ctx())
+        out = fn(hf_call(q, k, mixed_v, target_dtype=torch.bfloat16), {}, _local_ctx())
+        want = fn(hf_call(*(t.to(torch.bfloat16) for t in (q, k, v)), target_dtype=None), {}, _local_ctx())
         assert out.dtype == torch.bfloat16 and torch.equal(out, want)
-    out = fn(_call(q, k, v, target_dtype=torch.bfloat16), {}, _local_ctx())
+    out = fn(hf_call(q, k, v, target_dtype=torch.bfloat16), {}, _local_ctx())
     assert out.dtype == torch.bfloat16
-    assert fn(_call(q, k, v, target_dtype=torch.float32), {}, _local_ctx()).dtype == torch.float32
-    assert fn(_call(q, k, v, target_dtype=None), {}, _local_ctx()).dtype == torch.float32
+    assert fn(hf_call(q, k, v, target_dtype=torch.float32), {}, _local_ctx()).dtype == torch.float32
+    assert fn(hf_call(q, k, v, target_dtype=None), {}, _local_ctx()).dtype == torch.float32
     half = [t.to(torch.bfloat16) for t in (q, k, v)]
-    assert fn(_call(*half, target_dtype=torch.float16), {}, _local_ctx()).dtype == torch.bfloat16  # only fp32 is cast
+    assert fn(hf_call(*half, target_dtype=torch.float16), {}, _local_ctx()).dtype == torch.bfloat16  # only fp32 is cast
 
 
 def test_the_release_rule_of_target_dtype(monkeypatch):
@@ -355,7 +354,7 @@ def test_the_release_rule_of_target_dtype(monkeypatch):
     try:
         for version, cast in (("4.48.3", False), ("4.49.0", True), ("5.23.0", True)):
             monkeypatch.setattr(semantics.version_gates, "installed_transformers_version", lambda: Version(version))
-            semantics._target_dtype_by_query.cache_clear()
+            semantics.target_dtype_by_query.cache_clear()
             got = semantics.cast_to_target(torch.bfloat16, *mixed)
             assert [t.dtype for t in got] == ([torch.bfloat16] * 3 if cast else [t.dtype for t in mixed]), version
             # before 4.49 the value's dtype decides: an fp32 value with a bf16 query casts all three
@@ -364,7 +363,7 @@ def test_the_release_rule_of_target_dtype(monkeypatch):
                                               else [torch.bfloat16] * 3), version
     finally:
         monkeypatch.undo()
-        semantics._target_dtype_by_query.cache_clear()
+        semantics.target_dtype_by_query.cache_clear()
 
 
 def test_sliding_window_follows_the_installed_release(monkeypatch):
@@ -372,19 +371,19 @@ def test_sliding_window_follows_the_installed_release(monkeypatch):
 
     def installed(version):
         monkeypatch.setattr(semantics.version_gates, "installed_transformers_version", lambda: Version(version))
-        semantics._window_is_inclusive.cache_clear()
+        semantics.window_is_inclusive.cache_clear()
 
     try:
         installed("5.23.0")
-        assert semantics._window_size(4, 32) == (3, 3)
-        assert semantics._window_size(40, 32) == (-1, -1)  # HF applies a window only when keys outnumber it
+        assert semantics.window_size_of(4, 32) == (3, 3)
+        assert semantics.window_size_of(40, 32) == (-1, -1)  # HF applies a window only when keys outnumber it
         installed("4.56.2")
-        assert semantics._window_size(4, 32) == (3, 3)
+        assert semantics.window_size_of(4, 32) == (3, 3)
         installed("4.55.4")
-        assert semantics._window_size(4, 32) == (4, 4)
+        assert semantics.window_size_of(4, 32) == (4, 4)
     finally:
         monkeypatch.undo()
-        semantics._window_is_inclusive.cache_clear()
+        semantics.window_is_inclusive.cache_clear()
 
 
 def test_stale_step_is_refused():
@@ -393,10 +392,10 @@ def test_stale_step_is_refused():
                                      seq_len_global=16, seq_len_local=8, position_ids=torch.arange(8)[None]))
     q, k, v = _qkv(batch=2, seq=8)
     with pytest.raises(UnsupportedArgument, match="shard_inputs"):
-        ring_attention(_call(q, k, v, position_ids=torch.arange(8, 16)[None]), {}, ctx)
+        ring_attention(hf_call(q, k, v, position_ids=torch.arange(8, 16)[None]), {}, ctx)
     q, k, v = _qkv(batch=1, seq=8)
     with pytest.raises(UnsupportedArgument, match="batch 2"):
-        ring_attention(_call(q, k, v), {}, ctx)
+        ring_attention(hf_call(q, k, v), {}, ctx)
 
 
 def test_local_cu_seq_lens_are_refused():
@@ -404,7 +403,7 @@ def test_local_cu_seq_lens_are_refused():
     q, k, v = _qkv(seq=8)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(UnsupportedArgument, match="GLOBAL packed row"):
-        ring_attention(_call(q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu), {}, ctx)
+        ring_attention(hf_call(q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu), {}, ctx)
 
 
 def test_packed_step_without_positions_in_the_call_is_refused():
@@ -412,7 +411,7 @@ def test_packed_step_without_positions_in_the_call_is_refused():
     (a model whose attention never receives them): non-CP attention would run the row as one sequence, the ring
     would keep the documents apart -- refused, never run (4.48+: every model reaches the flash path through the
     integration, which hands on the position ids the model passes)."""
-    if not semantics._integration_passes_positions():
+    if not semantics.integration_passes_positions():
         pytest.skip("before 4.48 most models' flash path takes no position ids: a shard_inputs step is computed "
                     "document by document as declared")
     ctx = RingContext(rank=0, world_size=2)
@@ -422,7 +421,7 @@ def test_packed_step_without_positions_in_the_call_is_refused():
                                      cu_seqlens=torch.tensor([0, 3, 16], dtype=torch.int32), position_ids=positions))
     q, k, v = _qkv(seq=8)
     with pytest.raises(UnsupportedArgument, match="neither position_ids nor cu_seq_lens") as info:
-        ring_attention(_call(q, k, v), {}, ctx)
+        ring_attention(hf_call(q, k, v), {}, ctx)
     assert info.value.parameter == "position_ids" and "padded rows" in info.value.fix
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hfpatch
-from hfpatch import switch
-from hfpatch.attention import dispatch
+from hfpatch import modes, switch
+from hfpatch.attention import dispatch, semantics
 from hfpatch.attention.semantics import RingContext
 from hfpatch.signatures import registry
 
@@ -64,7 +64,7 @@ def test_set_switch_returns_previous_and_context_nests_and_restores_on_error():
 
 
 def test_the_switch_is_one_callable_object():
-    from hfpatch.modes import switch as module
+    module = modes.switch
 
     assert hfpatch.switch is module
     with hfpatch.switch("reference") as mode:
@@ -166,8 +166,6 @@ class _Recorder:
 
 
 def test_dispatcher_routes_every_call_by_the_current_mode(monkeypatch):
-    from hfpatch.attention import semantics
-
     live, match = _live_match()
     rec = _Recorder()
     monkeypatch.setattr(semantics, "ring_attention", rec.make("ring", 1.0))
@@ -193,8 +191,6 @@ def test_dispatcher_routes_every_call_by_the_current_mode(monkeypatch):
 
 
 def test_dispatcher_threads_with_different_modes_are_isolated(monkeypatch):
-    from hfpatch.attention import semantics
-
     live, match = _live_match()
     rec = _Recorder()
     monkeypatch.setattr(semantics, "ring_attention", rec.make("ring", 1.0))

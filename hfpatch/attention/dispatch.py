@@ -8,7 +8,7 @@ Per call:
    life). A model given to ``track`` (``apply(model=)`` does) has its attention modules' sites bound once, by
    ``layer_idx``, and used while that model's forward runs on this thread (transformers passes ``layer_idx`` from
    4.54 on); any other call finds its module on the stack: the wrapper's caller (transformers' integration,
-   4.48+) first, then ``_calling_module``.
+   4.48+) first, then ``calling_module``.
 2. The call's inputs (``INPUTS``): the switch mode, the context's version, the position ids (object and version),
    query shape, key size, configuration, the roles the ring refuses or derives from (mask, dropout, document
    lengths, paged cache) and the attention sinks. The site's plan (the ``semantics.RingPlan`` its last planned
@@ -46,7 +46,7 @@ from hfpatch import modes as _modes
 from hfpatch.attention.discovery import attention_modules
 from hfpatch.undo import UndoStack
 
-__all__ = ["Dispatcher", "LayerRecord", "CallSite", "ThreadState", "INPUTS"]
+__all__ = ["Dispatcher", "LayerRecord", "CallSite", "ThreadState", "INPUTS", "calling_module"]
 
 # How far up the stack to look for the attention module that made the call: wrapper -> INTEG's
 # flash_attention_forward(module, ...) (4.48+) or the *FlashAttention2.forward(self, ...) method (4.43-4.47).
@@ -172,7 +172,7 @@ def _slot(layer_idx: Any, module: torch.nn.Module | None) -> tuple:
     return key, None if module is None else id(module)
 
 
-def _calling_module(depth: int = 2) -> torch.nn.Module | None:
+def calling_module(depth: int = 2) -> torch.nn.Module | None:
     """The ``nn.Module`` whose code called the wrapper: the ``module`` argument of transformers'
     ``flash_attention_forward`` or the ``self`` of an attention ``forward``, found within ``_MAX_FRAMES`` frames
     from ``depth`` (the frame that called the dispatcher's entry; 0 is this function's own frame).
@@ -386,7 +386,7 @@ class Dispatcher:
     def _site_from_stack(self, extra: dict) -> CallSite:
         """The site of the module found on the stack. Depth 3 (this frame, ``entry``, the wrapper) is the wrapper's
         caller, transformers' ``flash_attention_forward(module, ...)`` on 4.48+: read first, inline, its holder
-        names cached for the last code seen there; any other frame through ``_calling_module``."""
+        names cached for the last code seen there; any other frame through ``calling_module``."""
         global _last_caller
         frame = _getframe(3)
         code = frame.f_code
@@ -406,7 +406,7 @@ class Dispatcher:
                     module = candidate
                     break
         if module is None:
-            module = _calling_module(3)
+            module = calling_module(3)
         layer_idx = extra.get("layer_idx") if extra else None
         if layer_idx is None and module is not None:
             layer_idx = getattr(module, "layer_idx", None)

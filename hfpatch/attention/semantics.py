@@ -74,6 +74,12 @@ __all__ = [
     "plain_attention",
     "sink_of",
     "cast_to_target",
+    "window_size_of",
+    "packed_cu_seqlens",
+    "global_cu_from_position_ids",
+    "target_dtype_by_query",
+    "window_is_inclusive",
+    "integration_passes_positions",
 ]
 
 VARIANTS = ("zigzag", "ring", "stripe", "llama3")
@@ -321,7 +327,7 @@ def cast_to_target(target_dtype: Optional[torch.dtype], q: torch.Tensor, k: torc
                    v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as the installed release's flash path casts them (``fa_peft_integration_check``): all three to
     ``target_dtype`` when it is given and the query (before 4.49: the value) is fp32; else unchanged."""
-    if target_dtype is None or (q if _target_dtype_by_query() else v).dtype is not torch.float32:
+    if target_dtype is None or (q if target_dtype_by_query() else v).dtype is not torch.float32:
         return q, k, v
     if q.dtype is target_dtype and k.dtype is target_dtype and v.dtype is target_dtype:
         return q, k, v
@@ -329,7 +335,9 @@ def cast_to_target(target_dtype: Optional[torch.dtype], q: torch.Tensor, k: torc
 
 
 @functools.lru_cache(maxsize=None)
-def _target_dtype_by_query() -> bool:
+def target_dtype_by_query() -> bool:
+    """The installed release casts to ``target_dtype`` when the query (4.49+; before: the value) is fp32 (read once;
+    ``cache_clear()`` reads it again)."""
     version = version_gates.installed_transformers_version()
     return version is None or version >= version_gates.TRANSFORMERS_TARGET_DTYPE_BY_QUERY
 
@@ -370,19 +378,19 @@ def _cached(ctx: RingContext, key: str, tensor: torch.Tensor, compute: Callable[
 # --------------------------------------------------------------------------------------- kernel arguments
 
 
-def _window_size(sliding_window: Optional[int], seq_len_global: int) -> Tuple[int, int]:
+def window_size_of(sliding_window: Optional[int], seq_len_global: int) -> Tuple[int, int]:
     """flash-attn ``window_size`` for HF's ``sliding_window``, converted as the installed release converts it."""
     # HF applies the window only when the keys outnumber it (the key length is the GLOBAL length here: that is
     # what the non-CP run sees); a window at least as long as the sequence excludes nothing anyway.
     if sliding_window is None or seq_len_global <= sliding_window:
         return (-1, -1)
-    if _window_is_inclusive():
+    if window_is_inclusive():
         return (sliding_window - 1, sliding_window - 1)
     return (sliding_window, sliding_window)
 
 
 @functools.lru_cache(maxsize=None)
-def _window_is_inclusive() -> bool:
+def window_is_inclusive() -> bool:
     """True when the installed release gives flash-attn (w - 1, w - 1) for sliding_window w (read once: the
     metadata lookup is too slow for the per-layer hot path)."""
     version = version_gates.installed_transformers_version()
@@ -421,7 +429,7 @@ def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext,
         # document by document as declared (docs/user-guide.md).
         if step.packed and step.source == "shard_inputs" and call.get("position_ids") is None \
                 and call.get("cu_seq_lens_q") is None and call.get("cu_seq_lens_k") is None \
-                and _integration_passes_positions():
+                and integration_passes_positions():
             raise UnsupportedArgument(
                 "position_ids", None,
                 "shard_inputs found several documents in this packed row (position ids that restart), but this "
@@ -439,7 +447,7 @@ def _step_for_call(call: Mapping[str, Any], q: torch.Tensor, ctx: RingContext,
 
 
 @functools.lru_cache(maxsize=None)
-def _integration_passes_positions() -> bool:
+def integration_passes_positions() -> bool:
     """The installed release routes every model's attention through its integration (4.48+), which hands on the
     position ids a model passes."""
     version = version_gates.installed_transformers_version()
@@ -495,7 +503,7 @@ def _derived_step(call: Mapping[str, Any], batch: int, seq_local: int, ctx: Ring
         position_ids = get("position_ids")
         cu = None
         if position_ids is not None and batch == 1 and seq_local > 1:
-            cu = _cached(ctx, "position_ids", position_ids, _global_cu_from_position_ids, seq_local, ctx)
+            cu = _cached(ctx, "position_ids", position_ids, global_cu_from_position_ids, seq_local, ctx)
         source = "shape" if cu is None else "position_ids"
     # The same StepState object for every layer of the step (its identity keys the plans). It holds its ``cu``
     # alive, so ``is`` tells the step's own boundaries from a new step's.
@@ -509,7 +517,7 @@ def _derived_step(call: Mapping[str, Any], batch: int, seq_local: int, ctx: Ring
     return state
 
 
-def _global_cu_from_position_ids(position_ids: torch.Tensor, seq_local: int, ctx: RingContext):
+def global_cu_from_position_ids(position_ids: torch.Tensor, seq_local: int, ctx: RingContext):
     """All-gather this row's positions (contiguous split) and apply HF's packing rule to the whole row.
 
     Returns the GLOBAL int32 cu_seqlens, or None when the row is one sequence. One collective, once per step.
@@ -651,7 +659,7 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
         causal=bool(causal),
         softmax_scale=None if scale is None else float(scale),
         backend=ctx.backend,
-        window_size=_window_size(window, step.seq_len_global),
+        window_size=window_size_of(window, step.seq_len_global),
         softcap=float(softcap or 0.0),
     )
     if step.packed:
@@ -714,7 +722,7 @@ def reference_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: 
     sink = sink_of(extra, q)
     step = _step_for_call(call, q, ctx)
     causal = bool(call.get("is_causal", True))
-    window = _window_size(call.get("sliding_window"), step.seq_len_global)
+    window = window_size_of(call.get("sliding_window"), step.seq_len_global)
     if step.packed:
         cu = step.cu_seqlens.to(q.device)
         gathered = [unshard(t[0], ctx.group, layout=step.layout, dim=0, cu_seqlens=cu).unsqueeze(0) for t in (q, k, v)]
@@ -747,7 +755,7 @@ def local_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: Ring
     if out is None:
         out = plain_attention(q, k, v, causal=bool(call.get("is_causal", True)),
                               softmax_scale=call.get("softmax_scale"),
-                              window_size=_window_size(call.get("sliding_window"), q.shape[1]),
+                              window_size=window_size_of(call.get("sliding_window"), q.shape[1]),
                               softcap=float(call.get("softcap") or 0.0), cu_seqlens=cu, sink=sink)
     return out.contiguous()  # as flash-attn returns it: some models .view() the output
 
