@@ -13,7 +13,7 @@ import pytest
 import transformers.modeling_flash_attention_utils as mfau
 import transformers.modeling_utils as modeling_utils
 from hfpatch.attention import patcher
-from hfpatch.errors import PatchError, SitesRebound
+from hfpatch.errors import AlreadyRemoved, PatchError, SitesRebound
 
 try:  # integrations/flash_attention.py and the attention interface exist from 4.48 on
     import transformers.integrations.flash_attention as integ
@@ -221,3 +221,11 @@ def test_restore_leaves_a_site_someone_else_rebound_and_reports_it(original):
         assert module.fa_alias is other  # not clobbered
     finally:
         del sys.modules[module.__name__]
+
+
+def test_removing_twice_is_an_error(original):
+    inst = patcher.install(patcher.plan(original), _wrapper)
+    inst.remove()
+    with pytest.raises(AlreadyRemoved):
+        inst.remove()
+    assert mfau._flash_attention_forward is original
