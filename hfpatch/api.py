@@ -379,7 +379,7 @@ def _match_live_signature(on_unsupported: str):
         raise UnsupportedRelease(f"{what}. Fix: install transformers>={version_gates.TRANSFORMERS_MIN_SUPPORTED}.",
                                  transformers_version=None if version is None else str(version),
                                  requirement=f">={version_gates.TRANSFORMERS_MIN_SUPPORTED}")
-    import transformers.modeling_flash_attention_utils as mfau
+    import transformers.modeling_flash_attention_utils as mfau  # not at the top: importing hfpatch must not load it
 
     live = mfau._flash_attention_forward
     try:

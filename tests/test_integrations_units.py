@@ -194,32 +194,32 @@ def test_enable_without_cp_leaves_the_trainer_as_it_was(tmp_path):
 
 
 def test_losses_that_see_a_shard_are_refused():
-    from hfpatch.integrations.trainer import _refuse_unsupported_losses
+    from hfpatch.integrations.trainer import refuse_unsupported_losses
 
     base = dict(label_smoother=None, compute_loss_func=None, aux_loss_enabled=False,
                 args=types.SimpleNamespace(label_smoothing_factor=0.1))
-    _refuse_unsupported_losses(types.SimpleNamespace(**base))
+    refuse_unsupported_losses(types.SimpleNamespace(**base))
     for field, value, parameter in (("label_smoother", object(), "label_smoothing_factor"),
                                     ("compute_loss_func", len, "compute_loss_func"),
                                     ("aux_loss_enabled", True, "router_aux_loss_coef")):
         with pytest.raises(UnsupportedArgument) as info:
-            _refuse_unsupported_losses(types.SimpleNamespace(**{**base, field: value}))
+            refuse_unsupported_losses(types.SimpleNamespace(**{**base, field: value}))
         assert info.value.parameter == parameter
 
 
 def test_keep_attention_without_checkpointing_is_refused():
     """``enable(keep_attention=...)`` needs the trainer's checkpointing (transformers' or FSDP's) to keep through."""
-    from hfpatch.integrations.trainer import _require_checkpointing
+    from hfpatch.integrations.trainer import require_checkpointing
 
     def trainer(gradient_checkpointing, fsdp_checkpointing):
         plugin = types.SimpleNamespace(activation_checkpointing=fsdp_checkpointing)
         return types.SimpleNamespace(args=types.SimpleNamespace(gradient_checkpointing=gradient_checkpointing),
                                      accelerator=types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin)))
 
-    _require_checkpointing(trainer(True, False), "auto")
-    _require_checkpointing(trainer(False, True), "auto")
+    require_checkpointing(trainer(True, False), "auto")
+    require_checkpointing(trainer(False, True), "auto")
     with pytest.raises(UnsupportedArgument) as info:
-        _require_checkpointing(trainer(False, False), 12)
+        require_checkpointing(trainer(False, False), 12)
     assert info.value.parameter == "keep_attention" and info.value.value == 12
     assert "gradient_checkpointing=True" in str(info.value)
 
@@ -243,21 +243,21 @@ def test_eval_gather_keeps_one_copy_per_cp_group():
 
 
 def test_enable_logs_what_runs_and_what_fell_back():
-    from hfpatch.integrations.trainer import _summary
+    from hfpatch.integrations.trainer import summary_line
 
     trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(num_processes=4))
     ctx = types.SimpleNamespace(variant="zigzag", backend="reference")
     mixers = types.SimpleNamespace(modules=[("model.layers.0.mixer", "Mamba2Mixer", "mamba2")])
     active = types.SimpleNamespace(trainer=trainer, cp_size=2, fallback=False, kept=object(), eval_step="cp",
                                    patch=types.SimpleNamespace(ctx=ctx, mixers=mixers, labels_refusal=None))
-    line = _summary(active, "all")
+    line = summary_line(active, "all")
     for part in ("zigzag:reference", "cp=2 of 4", "1 sequence mixers", "evaluate()/predict()", "'all'",
                  "refused: nothing"):
         assert part in line, (part, line)
     fallback = types.SimpleNamespace(trainer=trainer, cp_size=2, fallback=True,
                                      patch=types.SimpleNamespace(reason="model refused"))
-    assert "FELL BACK" in _summary(fallback) and "model refused" in _summary(fallback)
-    assert "without CP" in _summary(types.SimpleNamespace(trainer=trainer, cp_size=1))
+    assert "FELL BACK" in summary_line(fallback) and "model refused" in summary_line(fallback)
+    assert "without CP" in summary_line(types.SimpleNamespace(trainer=trainer, cp_size=1))
 
 
 def test_a_forgotten_enable_is_named_before_torch_fails():

@@ -200,7 +200,7 @@ def guard_missing_enable() -> None:
     Accelerator._prepare_cp = _prepare_cp
 
 
-def _require_checkpointing(trainer, keep_attention) -> None:
+def require_checkpointing(trainer, keep_attention) -> None:
     """``keep_attention`` keeps outputs through activation checkpointing: the trainer must set it up."""
     plugin = getattr(getattr(trainer.accelerator, "state", None), "fsdp_plugin", None)
     if trainer.args.gradient_checkpointing or getattr(plugin, "activation_checkpointing", False):
@@ -228,7 +228,7 @@ def _cp_mesh(trainer):
     return trainer.accelerator.torch_device_mesh["cp"], pc.cp_size
 
 
-def _refuse_unsupported_losses(trainer) -> None:
+def refuse_unsupported_losses(trainer) -> None:
     if getattr(trainer, "label_smoother", None) is not None:
         raise UnsupportedArgument(
             "label_smoothing_factor", trainer.args.label_smoothing_factor,
@@ -271,9 +271,9 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
                            "has already prepared the model. Fix: call it right after building the trainer.")
     mesh, cp_size = _cp_mesh(trainer)
     if cp_size > 1:
-        _refuse_unsupported_losses(trainer)
+        refuse_unsupported_losses(trainer)
     if keep_attention is not None and cp_size > 1:
-        _require_checkpointing(trainer, keep_attention)
+        require_checkpointing(trainer, keep_attention)
     model = trainer.model
     patch = hfpatch.apply(mesh, model=model, kernel=kernel, on_unsupported=on_unsupported, verify=verify)
     handle = TrainerCP(trainer, patch, cp_size)
@@ -281,11 +281,11 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     if keep_attention is not None and handle.active:
         handle.kept = hfpatch.model.keep_attention(model, budget=keep_attention)
     trainer.hfpatch_cp = handle
-    logger.info("%s", _summary(handle, keep_attention))
+    logger.info("%s", summary_line(handle, keep_attention))
     return handle
 
 
-def _summary(handle: TrainerCP, keep_attention: Any = None) -> str:
+def summary_line(handle: TrainerCP, keep_attention: Any = None) -> str:
     """The one line ``enable`` logs: what runs under CP, what was made exact, what was refused or fell back."""
     name = type(handle.trainer).__name__
     if handle.cp_size == 1:
