@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hfpatch import inputs, switch as switch_module, verify as verify_module, version_gates
+from hfpatch import inputs, modes, verify as verify_module, version_gates
 from hfpatch.attention import codegen, patcher
 from hfpatch.model import audit as model_audit, positions as model_positions
 from hfpatch.attention.dispatch import Dispatcher
@@ -63,8 +63,9 @@ class Patch:
     ``on_unsupported="fallback"``): transformers is untouched and the input helpers are the identity.
     ``reason``: why it is inactive (None when active). ``signature_id``: the registry entry matched
     (e.g. "S7-5.19.0"). ``sites``: "module.attr" of every binding site holding the wrapper (modules imported
-    after apply included). ``calls``: Counter layer -> calls that ran the ring. ``switch``: the switch module
-    (``patch.switch.current_mode()``, ``patch.switch.set_switch(mode)``, ``with patch.switch(mode):``).
+    after apply included). ``calls``: Counter layer -> calls that ran the ring. ``switch``: the switch,
+    ``hfpatch.modes.switch`` (``patch.switch.current_mode()``, ``patch.switch.set_switch(mode)``,
+    ``with patch.switch(mode):``).
     ``ctx``: the ``semantics.RingContext`` (None when inactive). ``removed``: whether ``remove()`` ran.
     """
 
@@ -74,7 +75,7 @@ class Patch:
         self.reason = reason
         self.signature_id = signature_id
         self.ctx = ctx
-        self.switch = switch_module
+        self.switch = modes.switch
         self._match = match
         # Every part this patch installed, in install order; remove() takes them out newest first.
         self._undo = UndoStack("hfpatch")
@@ -329,7 +330,7 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
     """
     _validate_arguments(kernel, on_unsupported, verify, model)
 
-    env_mode = switch_module.mode_from_env()  # a bad RING_ATTN_SWITCH is an error even without CP
+    env_mode = modes.mode_from_env()  # a bad RING_ATTN_SWITCH is an error even without CP
     group = _resolve_group(cp_group)
     if group is None or dist.get_world_size(group) == 1:
         with _active_lock:
@@ -408,8 +409,8 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
     failure: Optional[BaseException] = None
     try:
         patch = _install_here(group, kernel, model, match, version)
-        previous = switch_module.set_switch(env_mode)
-        patch._undo.callback(lambda: switch_module.set_switch(previous), "the switch default")
+        previous = modes.set_switch(env_mode)
+        patch._undo.callback(lambda: modes.set_switch(previous), "the switch default")
     except BaseException as exc:  # re-raised below, after the other ranks have been told
         failure = exc
     # Agree before the probe: its ring exchanges blocks between ranks, so a rank that failed and skipped it would

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hfpatch import inputs, modes as _switch
+from hfpatch import inputs, modes
 from hfpatch.attention.patcher import Installation
 from hfpatch.errors import VerificationError
 
@@ -103,7 +103,7 @@ def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float | None 
     failure = ""
     previous_step = ctx.step
     try:
-        with _switch.switch("ring"):
+        with modes.switch("ring"):
             for causal in (True, False):
                 batch = inputs.shard_inputs(ctx, torch.zeros(shape["batch"], seq, dtype=torch.long, device=device))
                 index = batch["position_ids"][0].to(device)  # global positions this rank holds, in order

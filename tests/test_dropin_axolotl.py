@@ -136,11 +136,11 @@ def _axolotl_part(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))
-    from test_e2e_models import _gemma2_flash_path_broken
+    from test_e2e_models import gemma2_flash_path_broken
 
     model = None
     for func, model_name, kind in CASES[world]:  # each register replaces the previous patch
-        if model_name == "gemma2" and _gemma2_flash_path_broken():
+        if model_name == "gemma2" and gemma2_flash_path_broken():
             model_name = "mistral"
         model, _ = _run_case(mesh, func, model_name, kind)
     _refusals(mesh, model)

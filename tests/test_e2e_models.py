@@ -214,7 +214,7 @@ def _world(rank, world, cases, extras):
 _MODELS = ["llama", "qwen2", "mistral", "gemma2", "mixtral"]
 
 
-def _gemma2_flash_path_broken() -> bool:
+def gemma2_flash_path_broken() -> bool:
     """transformers 4.47.x: Gemma2's own flash path (``modeling_gemma2.flash_attention_forward``) reads
     ``seq_len`` only when an attention mask is given and raises UnboundLocalError without one, before
     ``_flash_attention_forward`` is reached -- with or without hfpatch. 4.48 moved it to the shared
@@ -227,13 +227,13 @@ def _gemma2_flash_path_broken() -> bool:
 
 
 def _runnable(cases):
-    return [c for c in cases if not (c[0] == "gemma2" and _gemma2_flash_path_broken())]
+    return [c for c in cases if not (c[0] == "gemma2" and gemma2_flash_path_broken())]
 
 
 def test_gemma2_flash_path_of_4_47_needs_a_mask(monkeypatch):
     import pytest
 
-    if not _gemma2_flash_path_broken():
+    if not gemma2_flash_path_broken():
         pytest.skip("only transformers 4.47.x: Gemma2's flash path there crashes without an attention mask")
     from hfpatch.cli.demo_models import build_model
 

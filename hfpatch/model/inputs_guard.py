@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from hfpatch import switch as _switch
+from hfpatch.modes import current_mode
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.undo import UndoStack
 
@@ -38,7 +38,7 @@ def install_inputs_guard(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> U
 
     def before(module, args, kwargs):
         ctx = ctx_of()
-        if ctx is None or ctx.world_size <= 1 or _switch.current_mode() == "local":
+        if ctx is None or ctx.world_size <= 1 or current_mode() == "local":
             return None
         for name, value in kwargs.items():
             if _is_modality_input(name, value):

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from hfpatch import inputs
-from hfpatch import switch as _switch
+from hfpatch.modes import current_mode
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import aligned_labels, is_shifted
 from hfpatch.undo import UndoStack
@@ -115,7 +115,7 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
             return None
         ctx = ctx_of()
         # Switch mode "local" runs the model on the whole sequence without CP: its own loss is the non-CP loss.
-        active = ctx is not None and ctx.world_size > 1 and _switch.current_mode() != "local"
+        active = ctx is not None and ctx.world_size > 1 and current_mode() != "local"
         if kwargs.get("fused_lm_head"):
             return _fused_head(active, labels, shift)
         if shift is None and not is_shifted(labels):
@@ -170,7 +170,7 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
             return None
         shifted, num_items = entry
         logits = output.logits if hasattr(output, "logits") else output[0]
-        ctx = ctx_of() if _switch.current_mode() != "local" else None
+        ctx = ctx_of() if current_mode() != "local" else None
         loss = _loss(ctx, logits, shifted, num_items, averaged=_reduction.averaged)
         if isinstance(output, tuple):
             return (loss,) + output

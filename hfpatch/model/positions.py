@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from hfpatch import switch as _switch
+from hfpatch.modes import current_mode
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.model.routing import modality_towers
 from hfpatch.undo import UndoStack
@@ -328,7 +328,7 @@ def _feed_hook(entry: PositionEntry, ctx_of: Callable[[], Any], owner: Optional[
 
     def hook(module, args, kwargs, output):
         ctx = ctx_of()
-        if ctx is None or ctx.world_size < 2 or _switch.current_mode() not in _SHARDED_MODES:
+        if ctx is None or ctx.world_size < 2 or current_mode() not in _SHARDED_MODES:
             return None
         forward = type(module).forward
         bound = inspect.signature(forward).bind(module, *args, **kwargs)

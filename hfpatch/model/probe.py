@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from hfpatch import inputs as _inputs
 from hfpatch.model.positions import position_kwargs
-from hfpatch import modes as _switch
+from hfpatch import modes
 from hfpatch.errors import HfpatchError, ModelDivergence, VerificationError
 from ring_kernels.tolerances import tolerance
 
@@ -305,13 +305,13 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
     try:
         model.eval()
         with torch.no_grad():
-            with _switch.switch("local"), _named_failure(model, "non-CP"):
+            with modes.switch("local"), _named_failure(model, "non-CP"):
                 probe.record(model, seq, input_ids=ids, use_cache=False,
                              **position_kwargs(model, torch.arange(seq, device=device)[None]))
             labels_alignment, labels_refusal = _own_loss_check(model, ids, tolerance=tolerance)
             batch = _inputs.shard_inputs(ctx, ids)
             index = batch["position_ids"][0].to(device)  # the global token indices this rank holds, in its order
-            with _switch.switch("ring"), _named_failure(model, "CP"):
+            with modes.switch("ring"), _named_failure(model, "CP"):
                 probe.force(model, index, input_ids=batch["input_ids"], use_cache=False,
                             **position_kwargs(model, batch["position_ids"]))
         errors = torch.tensor(probe.errors, dtype=torch.float64)
@@ -345,7 +345,7 @@ def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float) -> tuple[str,
     a shift (each position against its own label) -- the two losses ``hfpatch.model.labels`` computes under CP --, else
     ("shifted", the reason it is neither: a model that shifts twice, adds a term, or fails with labels)."""
     try:
-        with _switch.switch("local"):
+        with modes.switch("local"):
             output = model(input_ids=ids, labels=ids, use_cache=False,
                            **position_kwargs(model, torch.arange(ids.shape[1], device=ids.device)[None]))
     except Exception as exc:  # the model's own labels path; CP's loss path is ours
