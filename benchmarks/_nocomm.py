@@ -8,7 +8,7 @@
 - llama3: the module-level tensor collectives ``ring_kernels.llama3._all_gather_tensor`` /
   ``_reduce_scatter_tensor`` become a copy of this rank's own part (the all-gather fills only our slot of the
   gathered buffer, the reduce-scatter takes our slot of the full gradient), returning a finished work object.
-- ulysses, ulysses_varlen: the all-to-all ``ring_kernels.ulysses._all_to_all_single`` becomes one copy of the
+- ulysses, ulysses_varlen: the all-to-all ``ring_kernels.ulysses.all_to_all_single`` becomes one copy of the
   send buffer into the receive buffer (each rank's slot keeps what was meant for that rank), returning a
   finished work object; usp: both that and the ring's ``RingExchange.start``.
 
@@ -34,7 +34,7 @@ __all__ = ["no_communication", "nocomm_unavailable_reason", "NoCommCounter"]
 _RING_EXCHANGE_VARIANTS = frozenset({"ring", "zigzag", "stripe", "ring_varlen", "zigzag_varlen"})
 _LLAMA3_COLLECTIVES = ("_all_gather_tensor", "_reduce_scatter_tensor")
 _ULYSSES_VARIANTS = frozenset({"ulysses", "ulysses_varlen"})
-_ULYSSES_COLLECTIVE = "_all_to_all_single"
+_ULYSSES_COLLECTIVE = "all_to_all_single"
 
 
 class NoCommCounter:

@@ -57,11 +57,11 @@ from .layout import LAYOUTS, rank_positions
 from .validation import RingInputError
 
 __all__ = ["ulysses_attn_func", "ulysses_attn_varlen_func", "kv_replication", "check_heads", "HeadExchange",
-           "head_exchange", "head_parallel"]
+           "head_exchange", "head_parallel", "all_to_all_single"]
 
-# The one collective, looked up at every call (benchmarks/_nocomm.py replaces it to time Ulysses without
-# communication).
-_all_to_all_single = dist.all_to_all_single
+# The one collective, looked up at every call: replaceable (tests count the calls through it, and
+# benchmarks/_nocomm.py times Ulysses without communication by putting a local copy in its place).
+all_to_all_single = dist.all_to_all_single
 
 _VARLEN_LAYOUTS = ("contiguous", "zigzag")
 _LAYOUT_CODES = {"contiguous": 20, "zigzag": 21, "stripe": 22}     # varlen: + 3 (the ranks' agreement check)
@@ -246,7 +246,7 @@ def _exchange(sends: Sequence[torch.Tensor], group, unpack: Callable[[int, torch
     pending = []
     for send in sends:
         recv = torch.empty_like(send)
-        pending.append((recv, _all_to_all_single(recv, send, group=group, async_op=True)))
+        pending.append((recv, all_to_all_single(recv, send, group=group, async_op=True)))
     results = []
     for i, (recv, work) in enumerate(pending):
         work.wait()

@@ -18,7 +18,12 @@ import torch.distributed as dist
 import ring_kernels as rk
 from _dist import run_world
 from ring_kernels import ulysses
+from ring_kernels.backends.base import BlockMask
+from ring_kernels.backends.reference import ReferenceBackend
+from ring_kernels.checkpointing import OutputKeeper
+from ring_kernels.checkpointing import checkpoint as kept_checkpoint
 from ring_kernels.tolerances import assert_close, tolerance
+from torch.utils.checkpoint import checkpoint
 
 _LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -55,13 +60,13 @@ def reference(q, k, v, sink, *, causal, scale, window=(-1, -1), softcap=0.0, doc
 # ---------------------------------------------------------------------------------------------- cases
 
 
-def _case(variant="ulysses", layout="contiguous", causal=True, h=8, hk=2, d=16, dtype=torch.float32,
+def make_case(variant="ulysses", layout="contiguous", causal=True, h=8, hk=2, d=16, dtype=torch.float32,
           backend="torch_cpu", **extra):
     return dict(variant=variant, layout=layout, causal=causal, h=h, hk=hk, d=d, dtype=dtype, backend=backend,
                 **extra)
 
 
-def _documents(world: int):
+def documents_for(world: int):
     """Global document lengths, each a multiple of 2N (zigzag), one empty, crossing rank boundaries."""
     unit = 2 * world
     return [3 * unit, unit, 0, 2 * unit, unit]
@@ -76,31 +81,31 @@ def ulysses_cases(world: int):
     for layout in _LAYOUTS:
         for causal in (True, False):
             for h, hk in ((4, 4), (8, 2), replicated):
-                cases.append(_case(layout=layout, causal=causal, h=h, hk=hk, seqlen_local=6))
-        cases.append(_case(layout=layout, window=(3, 0), seqlen_local=6))                       # causal window
-        cases.append(_case(layout=layout, causal=False, window=(2, 3), seqlen_local=6, h=replicated[0],
+                cases.append(make_case(layout=layout, causal=causal, h=h, hk=hk, seqlen_local=6))
+        cases.append(make_case(layout=layout, window=(3, 0), seqlen_local=6))                       # causal window
+        cases.append(make_case(layout=layout, causal=False, window=(2, 3), seqlen_local=6, h=replicated[0],
                            hk=replicated[1]))
-        cases.append(_case(layout=layout, sink=True, seqlen_local=4))
+        cases.append(make_case(layout=layout, sink=True, seqlen_local=4))
     cases += [
-        _case(dtype=torch.bfloat16, seqlen_local=8),
-        _case(layout="zigzag", dtype=torch.bfloat16, h=replicated[0], hk=replicated[1], seqlen_local=6),
-        _case(layout="stripe", backend="reference", causal=False, d=24, seqlen_local=5),
-        _case(layout="contiguous", batch=1, seqlen_local=6),
-        _case(layout="zigzag", batch=1, seqlen_local=6, causal=False),
-        _case(layout="zigzag", backend="auto", softcap=3.0, softmax_scale=0.3, seqlen_local=6),   # picks reference
-        _case(layout="stripe", window=(4, 0), sink=True, h=replicated[0], hk=replicated[1], seqlen_local=6),
+        make_case(dtype=torch.bfloat16, seqlen_local=8),
+        make_case(layout="zigzag", dtype=torch.bfloat16, h=replicated[0], hk=replicated[1], seqlen_local=6),
+        make_case(layout="stripe", backend="reference", causal=False, d=24, seqlen_local=5),
+        make_case(layout="contiguous", batch=1, seqlen_local=6),
+        make_case(layout="zigzag", batch=1, seqlen_local=6, causal=False),
+        make_case(layout="zigzag", backend="auto", softcap=3.0, softmax_scale=0.3, seqlen_local=6),   # picks reference
+        make_case(layout="stripe", window=(4, 0), sink=True, h=replicated[0], hk=replicated[1], seqlen_local=6),
     ]
-    docs = _documents(world)
+    docs = documents_for(world)
     for layout in ("contiguous", "zigzag"):
         for causal in (True, False):
-            cases.append(_case("ulysses_varlen", layout, causal, documents=docs))
-        cases.append(_case("ulysses_varlen", layout, True, h=replicated[0], hk=replicated[1], documents=docs,
+            cases.append(make_case("ulysses_varlen", layout, causal, documents=docs))
+        cases.append(make_case("ulysses_varlen", layout, True, h=replicated[0], hk=replicated[1], documents=docs,
                            sink=True))
-        cases.append(_case("ulysses_varlen", layout, True, window=(3, 0), documents=docs, packed_row=True))
-        cases.append(_case("ulysses_varlen", layout, True, documents=docs, standin=True))
-    cases.append(_case("ulysses_varlen", "contiguous", False, documents=docs, standin=True, dtype=torch.bfloat16,
+        cases.append(make_case("ulysses_varlen", layout, True, window=(3, 0), documents=docs, packed_row=True))
+        cases.append(make_case("ulysses_varlen", layout, True, documents=docs, standin=True))
+    cases.append(make_case("ulysses_varlen", "contiguous", False, documents=docs, standin=True, dtype=torch.bfloat16,
                        packed_row=True))
-    cases.append(_case("ulysses_varlen", "contiguous", True, documents=[5, 14, 13, 4], backend="reference",
+    cases.append(make_case("ulysses_varlen", "contiguous", True, documents=[5, 14, 13, 4], backend="reference",
                        softcap=2.0))                    # documents need not divide by 2N with 'contiguous'
     for i, case in enumerate(cases):
         case["seed"] = 1000 * world + i
@@ -113,19 +118,19 @@ def usp_cases():
     cases = []
     for ring_variant, causal in (("zigzag", True), ("ring", True), ("ring", False), ("stripe", True)):
         for h, hk in ((8, 2), (4, 1)):
-            cases.append(_case("usp", ring_variant=ring_variant, causal=causal, h=h, hk=hk, seqlen_local=4))
+            cases.append(make_case("usp", ring_variant=ring_variant, causal=causal, h=h, hk=hk, seqlen_local=4))
     cases += [
-        _case("usp", ring_variant="zigzag", window=(5, 0), sink=True, seqlen_local=4),
-        _case("usp", ring_variant="ring", causal=False, window=(3, 2), seqlen_local=3, batch=1),
-        _case("usp", ring_variant="stripe", sink=True, dtype=torch.bfloat16, seqlen_local=4),
-        _case("usp", ring_variant="zigzag", transposed=True, h=4, hk=1, seqlen_local=4),
+        make_case("usp", ring_variant="zigzag", window=(5, 0), sink=True, seqlen_local=4),
+        make_case("usp", ring_variant="ring", causal=False, window=(3, 2), seqlen_local=3, batch=1),
+        make_case("usp", ring_variant="stripe", sink=True, dtype=torch.bfloat16, seqlen_local=4),
+        make_case("usp", ring_variant="zigzag", transposed=True, h=4, hk=1, seqlen_local=4),
     ]
     docs = [8, 12, 0, 4, 8]                            # multiples of 2R = 4 (zigzag over the ring)
     for ring_variant, causal in (("zigzag", True), ("ring", True), ("ring", False), ("llama3", True)):
-        cases.append(_case("usp_varlen", ring_variant=ring_variant, causal=causal, documents=docs))
-    cases.append(_case("usp_varlen", ring_variant="llama3", causal=False, h=4, hk=1, documents=docs, sink=True,
+        cases.append(make_case("usp_varlen", ring_variant=ring_variant, causal=causal, documents=docs))
+    cases.append(make_case("usp_varlen", ring_variant="llama3", causal=False, h=4, hk=1, documents=docs, sink=True,
                        packed_row=True))
-    cases.append(_case("usp_varlen", ring_variant="zigzag", window=(3, 0), documents=docs, transposed=True))
+    cases.append(make_case("usp_varlen", ring_variant="zigzag", window=(3, 0), documents=docs, transposed=True))
     for i, case in enumerate(cases):
         case["seed"] = 9000 + i
     return cases
@@ -134,7 +139,7 @@ def usp_cases():
 # ---------------------------------------------------------------------------------------------- running
 
 
-class _Grid:
+class Grid:
     """The groups of the 2 x 2 grid (made once per world: every rank creates every group, in one order)."""
 
     def __init__(self, rank: int):
@@ -172,6 +177,42 @@ def _call(case, grid, local, cu, sink):
     fn = {"ulysses": rk.ulysses_attn_func, "ulysses_varlen": rk.ulysses_attn_varlen_func,
           "usp": rk.usp_attn_func, "usp_varlen": rk.usp_attn_varlen_func}[variant]
     return fn(*local, *((cu,) if cu is not None else ()), **options)
+
+
+class DocumentKernel:
+    """A CPU stand-in for torch's packed-document flash kernel (``torch_cuda_varlen.VarlenKernel``'s contract):
+    every document of the segments through the reference block backend (aligned causal when ``seg.causal``), out
+    (T, H, D) and lse (H, T); counts its calls, so a test can prove that one call served every document."""
+
+    name = "document_standin"
+
+    def __init__(self):
+        self.forward_calls = self.backward_calls = 0
+        self.block = ReferenceBackend()
+
+    @staticmethod
+    def _documents(seg):
+        cu = seg.cu_q.tolist()
+        return [slice(a, b) for a, b in zip(cu, cu[1:])]
+
+    def forward(self, q, k, v, seg, *, scale):
+        self.forward_calls += 1
+        out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0])
+        for rows in self._documents(seg):
+            o, l = self.block.forward(q[None, rows], k[None, rows], v[None, rows], scale=scale,
+                                      mask=BlockMask(causal=seg.causal))
+            out[rows], lse[:, rows] = o[0], l[0]
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, seg, *, scale):
+        self.backward_calls += 1
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for rows in self._documents(seg):
+            grads = self.block.backward(dout[None, rows], q[None, rows], k[None, rows], v[None, rows],
+                                        out[None, rows], lse[None, :, rows], scale=scale,
+                                        mask=BlockMask(causal=seg.causal))
+            dq[rows], dk[rows], dv[rows] = (g[0] for g in grads)
+        return dq, dk, dv
 
 
 class _StandinKernel:
@@ -215,9 +256,7 @@ def run_case(rank: int, world: int, case: dict, grid=None, device="cpu") -> None
     part = lambda x: row(sharded(x))  # noqa: E731
     local = [part(x).to(device).contiguous().requires_grad_() for x in (q, k, v)]
     sink_leaf = sink.clone().to(device).requires_grad_() if sink is not None else None
-    from test_ring_varlen import _PlainVarlenKernel
-
-    standin = _PlainVarlenKernel() if case.get("standin") else None
+    standin = DocumentKernel() if case.get("standin") else None
     with _StandinKernel(standin):
         out = _call(case, grid, local, cu.to(device) if cu is not None else None, sink_leaf)
         out.backward(part(dout).to(device))
@@ -243,17 +282,17 @@ class _CountingAllToAll:
     """Within the block, every all-to-all of ``ring_kernels.ulysses`` is counted: (send shape, dtype)."""
 
     def __enter__(self):
-        self.calls, self.saved = [], ulysses._all_to_all_single
+        self.calls, self.saved = [], ulysses.all_to_all_single
 
         def counting(output, input, *args, **kwargs):
             self.calls.append((tuple(input.shape), input.dtype))
             return self.saved(output, input, *args, **kwargs)
 
-        ulysses._all_to_all_single = counting
+        ulysses.all_to_all_single = counting
         return self
 
     def __exit__(self, *exc):
-        ulysses._all_to_all_single = self.saved
+        ulysses.all_to_all_single = self.saved
 
 
 def _all_to_all_counts(rank: int, world: int) -> None:
@@ -285,11 +324,6 @@ def _all_to_all_counts(rank: int, world: int) -> None:
 def _kept_checkpoint(rank: int, world: int) -> None:
     """In a kept checkpoint region the recomputation takes the forward's out and lse (the attention is not run
     again; the all-to-alls are), and the gradients are those of plain checkpointing, bit for bit."""
-    from torch.utils.checkpoint import checkpoint
-
-    from ring_kernels.checkpointing import OutputKeeper
-    from ring_kernels.checkpointing import checkpoint as kept_checkpoint
-
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 6, n, 16, generator=gen, requires_grad=True) for n in (8, 2, 2))
     def layer(q, k, v):
@@ -334,7 +368,7 @@ def _refusals_in_a_group(rank: int, world: int, grid) -> None:
                  r"nheads=3 is not divisible by the size of ulysses_group, 2", "nheads")
 
 
-def _usp_sharding(rank: int, grid: _Grid) -> None:
+def _usp_sharding(rank: int, grid: Grid) -> None:
     """usp_shard: the ring layout over the ring group (rank // 2 on the grid), then halves over the Ulysses group
     (rank % 2); positions written here. usp_unshard gathers them back."""
     expected = {"zigzag": [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]],   # chunks 0, 3 | 1, 2
@@ -349,7 +383,7 @@ def _usp_sharding(rank: int, grid: _Grid) -> None:
 
 
 def _world(rank: int, world: int, cases) -> None:
-    grid = _Grid(rank) if world == 4 else None
+    grid = Grid(rank) if world == 4 else None
     if grid is not None:
         _usp_sharding(rank, grid)
     for case in cases:

@@ -10,40 +10,41 @@ import pytest
 import torch
 
 from _dist import run_world
+from test_ring_ulysses import Grid, documents_for, make_case, run_case
 
 pytestmark = [pytest.mark.gpu]
 
 
 def _cases(world: int):
-    from test_ring_ulysses import _case, _documents
-
     replicated = (6, 3) if world == 2 else (4, 1)
     cases = []
     for backend, dtype in (("torch_cudnn", torch.bfloat16), ("torch_flash", torch.bfloat16),
                            ("torch_efficient", torch.float32), ("auto", torch.float16)):
         for layout in ("contiguous", "zigzag", "stripe"):
             for causal, (h, hk) in ((True, (8, 2)), (False, replicated)):
-                cases.append(_case(layout=layout, causal=causal, h=h, hk=hk, d=64, dtype=dtype, backend=backend,
+                cases.append(make_case(layout=layout, causal=causal, h=h, hk=hk, d=64, dtype=dtype, backend=backend,
                                    seqlen_local=130))
     cases += [
-        _case(layout="zigzag", window=(50, 0), sink=True, d=64, dtype=torch.bfloat16, backend="auto", seqlen_local=96),
-        _case(layout="stripe", causal=False, window=(20, 30), d=64, dtype=torch.float32, backend="torch_efficient",
-              seqlen_local=64),
+        make_case(layout="zigzag", window=(50, 0), sink=True, d=64, dtype=torch.bfloat16, backend="auto",
+                  seqlen_local=96),
+        make_case(layout="stripe", causal=False, window=(20, 30), d=64, dtype=torch.float32,
+                  backend="torch_efficient", seqlen_local=64),
     ]
-    docs = [d * 8 for d in _documents(world)]
+    docs = [d * 8 for d in documents_for(world)]
     for backend, dtype in (("torch_flash", torch.bfloat16), ("auto", torch.bfloat16),
                            ("torch_efficient", torch.float32)):
         for layout, causal in (("contiguous", True), ("zigzag", True), ("contiguous", False)):
-            cases.append(_case("ulysses_varlen", layout, causal, d=64, dtype=dtype, backend=backend, documents=docs))
-    cases.append(_case("ulysses_varlen", "zigzag", True, h=replicated[0], hk=replicated[1], d=64, sink=True,
+            cases.append(make_case("ulysses_varlen", layout, causal, d=64, dtype=dtype, backend=backend,
+                                   documents=docs))
+    cases.append(make_case("ulysses_varlen", "zigzag", True, h=replicated[0], hk=replicated[1], d=64, sink=True,
                        dtype=torch.bfloat16, backend="torch_flash", documents=docs, packed_row=True))
     if world == 4:
         for ring_variant, causal in (("zigzag", True), ("ring", False), ("stripe", True)):
-            cases.append(_case("usp", ring_variant=ring_variant, causal=causal, d=64, dtype=torch.bfloat16,
+            cases.append(make_case("usp", ring_variant=ring_variant, causal=causal, d=64, dtype=torch.bfloat16,
                                backend="torch_cudnn", seqlen_local=128))
-        cases.append(_case("usp_varlen", ring_variant="llama3", causal=True, d=64, dtype=torch.bfloat16,
+        cases.append(make_case("usp_varlen", ring_variant="llama3", causal=True, d=64, dtype=torch.bfloat16,
                            backend="torch_flash", documents=[64, 96, 0, 32, 64], sink=True))
-        cases.append(_case("usp_varlen", ring_variant="zigzag", causal=True, h=4, hk=1, d=64, dtype=torch.bfloat16,
+        cases.append(make_case("usp_varlen", ring_variant="zigzag", causal=True, h=4, hk=1, d=64, dtype=torch.bfloat16,
                            backend="auto", documents=[64, 96, 0, 32, 64]))
     for i, case in enumerate(cases):
         case["seed"] = 700 + i
@@ -51,9 +52,7 @@ def _cases(world: int):
 
 
 def _rank(rank: int, world: int) -> None:
-    from test_ring_ulysses import _Grid, run_case
-
-    grid = _Grid(rank) if world == 4 else None
+    grid = Grid(rank) if world == 4 else None
     device = torch.device("cuda", rank)
     for case in _cases(world):
         run_case(rank, world, case, grid, device=device)
