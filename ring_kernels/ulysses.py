@@ -54,7 +54,7 @@ from .comm import group_rank_and_size
 from .documents import StepBuilder, VarlenCall, classify
 from .engine import ALL, Block, fold_sink, sink_grad
 from .layout import LAYOUTS, rank_positions
-from .validation import RingInputError
+from .validation import LayoutCode, RingInputError
 
 __all__ = ["ulysses_attn_func", "ulysses_attn_varlen_func", "kv_replication", "check_heads", "HeadExchange",
            "head_exchange", "head_parallel", "all_to_all_single"]
@@ -64,7 +64,10 @@ __all__ = ["ulysses_attn_func", "ulysses_attn_varlen_func", "kv_replication", "c
 all_to_all_single = dist.all_to_all_single
 
 _VARLEN_LAYOUTS = ("contiguous", "zigzag")
-_LAYOUT_CODES = {"contiguous": 20, "zigzag": 21, "stripe": 22}     # varlen: + 3 (the ranks' agreement check)
+# The "layout" field of the ranks' agreement check, per (layout, varlen).
+_LAYOUT_CODES = {("contiguous", False): LayoutCode.ULYSSES, ("zigzag", False): LayoutCode.ULYSSES_ZIGZAG,
+                 ("stripe", False): LayoutCode.ULYSSES_STRIPE, ("contiguous", True): LayoutCode.ULYSSES_VARLEN,
+                 ("zigzag", True): LayoutCode.ULYSSES_VARLEN_ZIGZAG}
 
 
 # -------------------------------------------------------------------------------------------- checks
@@ -90,7 +93,7 @@ def check_heads(fn: str, nheads: int, world: int, group: str = "group") -> None:
             f"zigzag_ring_attn_func), which splits only the sequence", argument="nheads", value=nheads)
 
 
-def _layout_code(fn: str, layout, *, varlen: bool) -> int:
+def _layout_code(fn: str, layout, *, varlen: bool) -> LayoutCode:
     if layout not in LAYOUTS:
         raise RingInputError(
             f"{fn}: layout={layout!r} is not a layout; expected one of {LAYOUTS} (how the sequence was sharded: "
@@ -100,7 +103,7 @@ def _layout_code(fn: str, layout, *, varlen: bool) -> int:
             f"{fn}: layout={layout!r} has no varlen form (ring_kernels.shard splits packed documents "
             f"{' or '.join(map(repr, _VARLEN_LAYOUTS))}); shard the packed sequence with one of those",
             argument="layout", value=layout)
-    return _LAYOUT_CODES[layout] + (3 if varlen else 0)
+    return _LAYOUT_CODES[layout, varlen]
 
 
 def _check_zigzag_length(fn: str, seqlen: int) -> None:

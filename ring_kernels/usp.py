@@ -40,26 +40,28 @@ from .llama3 import llama3_attn_varlen_func
 from .ring import ring_attn_func
 from .stripe import stripe_attn_func
 from .ulysses import check_heads, head_exchange, head_parallel
-from .validation import RingInputError
+from .validation import LayoutCode, RingInputError
 from .varlen import ring_attn_varlen_func, zigzag_ring_attn_varlen_func
 from .zigzag import zigzag_ring_attn_func
 
 __all__ = ["usp_attn_func", "usp_attn_varlen_func", "usp_layout", "usp_shard", "usp_unshard", "RING_VARIANTS",
            "VARLEN_RING_VARIANTS"]
 
-# ring_variant -> (the ring function, its layout over the ring group, code for the ranks' agreement check)
-RING_VARIANTS: Dict[str, Tuple[Callable, str, int]] = {
-    "ring": (ring_attn_func, "contiguous", 30), "zigzag": (zigzag_ring_attn_func, "zigzag", 31),
-    "stripe": (stripe_attn_func, "stripe", 32),
+# ring_variant -> (the ring function, its layout over the ring group, the layout field of the ranks' agreement check)
+RING_VARIANTS: Dict[str, Tuple[Callable, str, LayoutCode]] = {
+    "ring": (ring_attn_func, "contiguous", LayoutCode.USP_RING),
+    "zigzag": (zigzag_ring_attn_func, "zigzag", LayoutCode.USP_ZIGZAG),
+    "stripe": (stripe_attn_func, "stripe", LayoutCode.USP_STRIPE),
 }
-VARLEN_RING_VARIANTS: Dict[str, Tuple[Callable, str, int]] = {
-    "ring": (ring_attn_varlen_func, "contiguous", 33), "zigzag": (zigzag_ring_attn_varlen_func, "zigzag", 34),
-    "llama3": (llama3_attn_varlen_func, "contiguous", 35),
+VARLEN_RING_VARIANTS: Dict[str, Tuple[Callable, str, LayoutCode]] = {
+    "ring": (ring_attn_varlen_func, "contiguous", LayoutCode.USP_RING_VARLEN),
+    "zigzag": (zigzag_ring_attn_varlen_func, "zigzag", LayoutCode.USP_ZIGZAG_VARLEN),
+    "llama3": (llama3_attn_varlen_func, "contiguous", LayoutCode.USP_LLAMA3_VARLEN),
 }
 _CAUSAL_ONLY = ("zigzag", "stripe")
 
 
-def _variant(fn: str, ring_variant, varlen: bool) -> Tuple[Callable, str, int]:
+def _variant(fn: str, ring_variant, varlen: bool) -> Tuple[Callable, str, LayoutCode]:
     table = VARLEN_RING_VARIANTS if varlen else RING_VARIANTS
     if ring_variant not in table:
         other = RING_VARIANTS if varlen else VARLEN_RING_VARIANTS
@@ -143,7 +145,7 @@ def usp_attn_func(q, k, v, *, ulysses_group, ring_group, ring_variant="zigzag", 
     if s == 0 or b == 0:
         raise RingInputError(f"{fn}: q has shape {tuple(q.shape)}; batch and seqlen_local must be >= 1 on every rank",
                              argument="q", value=tuple(q.shape))
-    fields = [("ring_variant", code), ("batch", b), ("seqlen_local", s), ("nheads", h), ("nheads_k", k.shape[2]),
+    fields = [("layout", code), ("batch", b), ("seqlen_local", s), ("nheads", h), ("nheads_k", k.shape[2]),
               ("headdim", d), ("dtype", validation.dtype_code(q.dtype)), ("causal", int(bool(causal))),
               ("softmax_scale", scale), ("softcap", float(softcap)), ("window_left", window[0]),
               ("window_right", window[1]), ("sink", int(sink is not None))]
@@ -180,7 +182,7 @@ def usp_attn_varlen_func(q, k, v, cu_seqlens, *, ulysses_group, ring_group, ring
     validation.check_sink(fn, sink, h, q.device)
     _, world = _check_common(fn, causal, ring_variant, ulysses_group, ring_group)
     entry = cu_entry(fn, cu_seqlens)
-    fields = [("ring_variant", code), ("local_tokens", t), ("nheads", h), ("nheads_k", k.shape[-2]),
+    fields = [("layout", code), ("local_tokens", t), ("nheads", h), ("nheads_k", k.shape[-2]),
               ("headdim", d), ("dtype", validation.dtype_code(q.dtype)), ("causal", int(bool(causal))),
               ("softmax_scale", scale), ("softcap", float(softcap)), ("window_left", window[0]),
               ("window_right", window[1]), ("cu_seqlens length", entry.cu.numel()),

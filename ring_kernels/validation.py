@@ -185,6 +185,17 @@ class LayoutCode(enum.IntEnum):
     RING_VARLEN = 10       # ring_attn_varlen_func: contiguous documents
     ZIGZAG_VARLEN = 11     # zigzag_ring_attn_varlen_func
     LLAMA3_VARLEN = 12     # llama3_attn_varlen_func: contiguous, K/V all-gathered
+    ULYSSES = 20           # ulysses_attn_func on contiguous shards (+ 1: zigzag, + 2: stripe)
+    ULYSSES_ZIGZAG = 21
+    ULYSSES_STRIPE = 22
+    ULYSSES_VARLEN = 23    # ulysses_attn_varlen_func on contiguous documents (+ 1: zigzag)
+    ULYSSES_VARLEN_ZIGZAG = 24
+    USP_RING = 30          # usp_attn_func over ring_attn_func (+ 1: zigzag, + 2: stripe), checked on ulysses_group
+    USP_ZIGZAG = 31
+    USP_STRIPE = 32
+    USP_RING_VARLEN = 33   # usp_attn_varlen_func over ring_attn_varlen_func (+ 1: zigzag, + 2: llama3)
+    USP_ZIGZAG_VARLEN = 34
+    USP_LLAMA3_VARLEN = 35
 
 
 def check_ranks_agree(fn: str, group, fields: Sequence[Tuple[str, float]], device: torch.device) -> None:
