@@ -53,21 +53,21 @@ __all__ = ["CopyEngineExchange", "CopyEngineUnavailableError", "copy_engine_unav
 TRANSPORT_ENV = ENVIRONMENT["transport"]
 SIGNAL_ENV = ENVIRONMENT["copy_engine_signal"]
 _MAX_TENSORS = 4
-_ALIGN = 256                    # byte alignment of each tensor in a staging (any dtype can view it)
+ALIGN = 256                     # byte alignment of each tensor in a staging (any dtype can view it)
 _GROW_GRANULE = 2 << 20         # stagings grow in 2 MiB steps: ring shapes are fixed, so little is wasted
-_READY, _DONE = 0, 1            # barrier channels (each staging has its own signal pad, so tags never collide)
+READY, DONE = 0, 1              # barrier channels (each staging has its own signal pad, so tags never collide)
 _PROBE_TIMEOUT_MS = 60_000
 DEFAULT_TIMEOUT_MS = 600_000    # like NCCL's default: a rank that never arrives traps the barrier kernel
 
 
 # The CUDA calls of the exchange's data path go through this name, so that tests can run that path on CPU
 # processes with stand-ins (tests/test_transport.py); nothing else replaces it.
-_cuda = torch.cuda
+cuda = torch.cuda
 
 
-def _exchange_device() -> torch.device:
+def exchange_device() -> torch.device:
     """The device this process's exchanges run on: the current CUDA device."""
-    return torch.device("cuda", _cuda.current_device())
+    return torch.device("cuda", cuda.current_device())
 
 
 class CopyEngineUnavailableError(RuntimeError):
@@ -84,7 +84,7 @@ class CopyEngineUnavailableError(RuntimeError):
 _SYMM_API = ("get_buffer", "barrier", "rank", "world_size")
 
 
-def _symmetric_memory():
+def symmetric_memory():
     """(module, None) when torch has the symmetric-memory API used here, else (None, why)."""
     try:
         from torch.distributed import _symmetric_memory as symm
@@ -117,12 +117,12 @@ def _rendezvous(symm, tensor: torch.Tensor, group_name: str):
     return symm.rendezvous(tensor, group_name)
 
 
-def _aligned(nbytes: int, align: int = _ALIGN) -> int:
+def _aligned(nbytes: int, align: int = ALIGN) -> int:
     return -(-nbytes // align) * align
 
 
-def _layout(tensors: Sequence[torch.Tensor]) -> Tuple[List[int], int]:
-    """Byte offsets of ``tensors`` packed one after another in a staging (each _ALIGN-aligned), and the total."""
+def layout(tensors: Sequence[torch.Tensor]) -> Tuple[List[int], int]:
+    """Byte offsets of ``tensors`` packed one after another in a staging (each ALIGN-aligned), and the total."""
     offsets, end = [], 0
     for t in tensors:
         offsets.append(end)
@@ -130,7 +130,7 @@ def _layout(tensors: Sequence[torch.Tensor]) -> Tuple[List[int], int]:
     return offsets, end
 
 
-def _view(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+def view(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     """The bytes of ``raw`` (uint8) at ``offset`` seen as a tensor of ``like``'s dtype and shape."""
     nbytes = like.numel() * like.element_size()
     return raw[offset:offset + nbytes].view(like.dtype).view(like.shape)
@@ -148,10 +148,10 @@ def _local_reason(device: torch.device) -> Optional[str]:
                 f"NVLink/PCIe peer access)")
     if not torch.cuda.is_available():
         return "CUDA is not available in this process"
-    return _symmetric_memory()[1]
+    return symmetric_memory()[1]
 
 
-def _peer_reason(me: int, infos: List[dict]) -> Optional[str]:
+def peer_reason(me: int, infos: List[dict]) -> Optional[str]:
     """Why the ranks (``infos``: host, device index, local reason) cannot reach each other, or None."""
     for r, info in enumerate(infos):
         if info["reason"]:
@@ -167,19 +167,19 @@ def _peer_reason(me: int, infos: List[dict]) -> Optional[str]:
     return None
 
 
-def _probe(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
+def probe(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
     """Collective: one tiny exchange through symmetric memory; None when every value arrived."""
-    symm, _ = _symmetric_memory()
+    symm, _ = symmetric_memory()
     rank, world = group_rank_and_size(group)
     try:
-        buf = symm.empty(_ALIGN, dtype=torch.uint8, device=device)
+        buf = symm.empty(ALIGN, dtype=torch.uint8, device=device)
         handle = _rendezvous(symm, buf, _group_name(group))
         mine = torch.full((4,), rank + 1, dtype=torch.int32, device=device)
-        _view(buf, 0, mine).copy_(mine)
-        handle.barrier(_READY, _PROBE_TIMEOUT_MS)
-        got = [_view(handle.get_buffer(r, (_ALIGN,), torch.uint8), 0, mine).clone() for r in range(world)]
-        handle.barrier(_DONE, _PROBE_TIMEOUT_MS)
-        _cuda.synchronize(device)
+        view(buf, 0, mine).copy_(mine)
+        handle.barrier(READY, _PROBE_TIMEOUT_MS)
+        got = [view(handle.get_buffer(r, (ALIGN,), torch.uint8), 0, mine).clone() for r in range(world)]
+        handle.barrier(DONE, _PROBE_TIMEOUT_MS)
+        cuda.synchronize(device)
         seen = [int(g[0]) for g in got]
     except Exception as exc:   # any failure of the probe is the reason, reported to every rank
         return f"symmetric-memory probe failed on rank {rank}: {type(exc).__name__}: {exc}"
@@ -216,13 +216,13 @@ def copy_engine_unavailable_reason(group: Optional[dist.ProcessGroup] = None,
         return local
     key = (_group_name(group), device.index)
     if key not in _reasons:
-        with _cuda.device(device):
+        with cuda.device(device):
             rank = group_rank_and_size(group)[0]
             infos = _all_ranks(group, {"host": socket.gethostname(), "device": device.index, "reason": local})
             # Peer access is seen from each rank's side: agree, so that no rank picks a transport alone.
-            reason = _agreed(group, _peer_reason(rank, infos))
+            reason = _agreed(group, peer_reason(rank, infos))
             if reason is None:
-                reason = _agreed(group, _probe(group, device))
+                reason = _agreed(group, probe(group, device))
         _reasons[key] = reason
     return _reasons[key]
 
@@ -236,7 +236,7 @@ def _agreed(group, reason: Optional[str]) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------------------
 # staging: one symmetric buffer, side stream and event per (group, tag, device)
 
-class _StreamMemOps:
+class StreamMemOps:
     """``cuStreamWaitValue32`` / ``cuStreamWriteValue32`` from the CUDA driver (ctypes): a 32-bit wait or write
     executed by the stream's front end, so signalling needs no SM at all (unlike the barrier kernel). The wait
     is cyclic ``>=`` (``(int32)(*addr - value) >= 0``), so sequence numbers may wrap."""
@@ -279,13 +279,13 @@ class _StreamMemOps:
                     "cuStreamWriteValue32")
 
 
-_memops: Optional[_StreamMemOps] = None
+_memops: Optional[StreamMemOps] = None
 
 
-def _stream_memops() -> _StreamMemOps:
+def stream_memops() -> StreamMemOps:
     global _memops
     if _memops is None:
-        _memops = _StreamMemOps()
+        _memops = StreamMemOps()
     return _memops
 
 
@@ -303,8 +303,8 @@ class _Staging:
 
     def __init__(self, group: Optional[dist.ProcessGroup], tag: int, device: torch.device, signal: str):
         self.group, self.tag, self.device, self.signal = group, tag, device, signal
-        self.stream = _cuda.Stream(device=device, priority=-1)   # high priority: barriers get an SM soon
-        self.done = _cuda.Event()
+        self.stream = cuda.Stream(device=device, priority=-1)   # high priority: barriers get an SM soon
+        self.done = cuda.Event()
         self.buffer: Optional[torch.Tensor] = None      # (capacity,) uint8 in symmetric memory
         self.handle = None
         self.remote: Dict[int, torch.Tensor] = {}       # group rank -> (capacity,) uint8 view of its buffer
@@ -326,7 +326,7 @@ class _Staging:
         need = torch.tensor([nbytes], dtype=torch.int64, device=self.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
         capacity = _aligned(int(need.item()), _GROW_GRANULE)
-        symm, why = _symmetric_memory()
+        symm, why = symmetric_memory()
         if symm is None:
             raise CopyEngineUnavailableError(f"CopyEngineExchange: {why}", reason=why)
         if self.signal == "stream_memop" and self.flags is None:
@@ -345,11 +345,11 @@ class _Staging:
         self.flags = symm.empty(_aligned(12 * world), dtype=torch.uint8, device=self.device)
         handle = _rendezvous(symm, self.flags, _group_name(self.group))
         self.flags.zero_()
-        _cuda.synchronize(self.device)
+        cuda.synchronize(self.device)
         dist.barrier(group=self.group)     # every rank's flags are zero before anyone signals
         self._flags_handle = handle        # keeps the peers' mappings alive
         self._flag_views = [handle.get_buffer(r, (self.flags.numel(),), torch.uint8) for r in range(world)]
-        self.flag_ptrs = [view.data_ptr() for view in self._flag_views]
+        self.flag_ptrs = [flag.data_ptr() for flag in self._flag_views]
         self._probe_memops()
 
     def _probe_memops(self, timeout_s: float = 60.0) -> None:
@@ -358,7 +358,7 @@ class _Staging:
         message, instead of stalling every later exchange (stream waits have no timeout)."""
         import time
 
-        me, world, ops = group_rank_and_size(self.group)[0], len(self.flag_ptrs), _stream_memops()
+        me, world, ops = group_rank_and_size(self.group)[0], len(self.flag_ptrs), stream_memops()
 
         def slot(rank: int, about: int) -> int:
             return self.flag_ptrs[rank] + 4 * (2 * world + about)
@@ -369,7 +369,7 @@ class _Staging:
         for r in range(world):
             if r != me:
                 ops.wait_geq(self.stream, slot(me, r), 1)
-        arrived = _cuda.Event()
+        arrived = cuda.Event()
         arrived.record(self.stream)
         deadline = time.monotonic() + timeout_s
         while not arrived.query():
@@ -389,29 +389,29 @@ class _Staging:
         """Before refilling our staging: the reader of the previous exchange has finished reading it."""
         if self.signal == "stream_memop" and self.last_reader is not None:
             me = self.handle.rank
-            _stream_memops().wait_geq(self.stream, self._flag(me, "read", self.last_reader), self.seq)
+            stream_memops().wait_geq(self.stream, self._flag(me, "read", self.last_reader), self.seq)
 
     def announce_filled(self, reader: int, source: int, timeout_ms: int) -> None:
         """Our staging holds exchange ``seq``'s data for ``reader``; wait until ``source``'s holds ours."""
         if self.signal == "barrier":
-            self.handle.barrier(_READY, timeout_ms)
+            self.handle.barrier(READY, timeout_ms)
             return
-        me, ops = self.handle.rank, _stream_memops()
+        me, ops = self.handle.rank, stream_memops()
         ops.write(self.stream, self._flag(reader, "ready", me), self.seq)
         ops.wait_geq(self.stream, self._flag(me, "ready", source), self.seq)
 
     def announce_read(self, source: int, timeout_ms: int) -> None:
         """We have read ``source``'s staging for exchange ``seq``."""
         if self.signal == "barrier":
-            self.handle.barrier(_DONE, timeout_ms)
+            self.handle.barrier(DONE, timeout_ms)
             return
-        _stream_memops().write(self.stream, self._flag(source, "read", self.handle.rank), self.seq)
+        stream_memops().write(self.stream, self._flag(source, "read", self.handle.rank), self.seq)
 
 
 _stagings: Dict[Tuple[str, int, Optional[int], str], _Staging] = {}
 
 
-def _staging_for(group, tag: int, device: torch.device, signal: str = "barrier") -> _Staging:
+def staging_for(group, tag: int, device: torch.device, signal: str = "barrier") -> _Staging:
     key = (_group_name(group), tag, device.index, signal)
     if key not in _stagings:
         _stagings[key] = _Staging(group, tag, device, signal)
@@ -421,7 +421,7 @@ def _staging_for(group, tag: int, device: torch.device, signal: str = "barrier")
 # ---------------------------------------------------------------------------------------------------------
 # the exchange
 
-def _check_tensors(fn: str, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor],
+def check_tensors(fn: str, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor],
                    device: Optional[torch.device]) -> None:
     """send/recv: equal-length lists of 1.._MAX_TENSORS contiguous tensors (on ``device`` when given)."""
     if len(send) != len(recv):
@@ -461,7 +461,7 @@ class CopyEngineExchange:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0, reverse: bool = False,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS, signal: Optional[str] = None):
-        signal = _signal_choice(signal)
+        signal = signal_choice(signal)
         if not isinstance(reverse, bool):
             raise TypeError(f"CopyEngineExchange: reverse={reverse!r} must be a bool (True: send to the previous "
                             f"rank and receive from the next; False, the default: the other way)")
@@ -477,11 +477,11 @@ class CopyEngineExchange:
                                           else (self.next_rank, self.prev_rank))
         self._source = self._peer_next if reverse else self._peer_prev     # group rank whose staging we read
         self._reader = self._peer_prev if reverse else self._peer_next     # group rank that reads ours
-        if not _cuda.is_available():
+        if not cuda.is_available():
             why = "CUDA is not available in this process (copy engines move data between GPUs)"
             raise CopyEngineUnavailableError(f"CopyEngineExchange: {why}; use ring_kernels.comm.RingExchange or "
                                              f"make_exchange(), which picks it on CPU", reason=why)
-        self.device = _exchange_device()
+        self.device = exchange_device()
         if self.world_size > 1:
             reason = copy_engine_unavailable_reason(group, self.device)
             if reason:
@@ -490,8 +490,8 @@ class CopyEngineExchange:
                     f"transport (ring_kernels.comm.RingExchange, or the option transport='nccl')", reason=reason)
         self.signal = signal
         if self.world_size > 1 and signal == "stream_memop":
-            _stream_memops()                    # the driver entry points, checked before anything is enqueued
-        self._staging = _staging_for(group, tag, self.device, signal) if self.world_size > 1 else None
+            stream_memops()                    # the driver entry points, checked before anything is enqueued
+        self._staging = staging_for(group, tag, self.device, signal) if self.world_size > 1 else None
         self._pending = None     # (send, recv, stream they were handed over on) until wait()
 
     def _global(self, group_rank: int) -> int:
@@ -503,7 +503,7 @@ class CopyEngineExchange:
         fn = "CopyEngineExchange.start"
         if self._pending is not None:
             raise RuntimeError(f"{fn}: the previous exchange was not waited for; call wait() first")
-        _check_tensors(fn, send, recv, self.device)
+        check_tensors(fn, send, recv, self.device)
         if self.world_size == 1:
             for s, r in zip(send, recv):   # a ring of one: what we send comes straight back
                 r.copy_(s)
@@ -514,21 +514,21 @@ class CopyEngineExchange:
         if staging.owner is not None and staging.owner() is not None:
             raise RuntimeError(f"{fn}: another CopyEngineExchange with tag={self.tag} on this group is in flight "
                                f"(they share one staging buffer); wait() for it first or use a different tag")
-        send_at, send_bytes = _layout(send)
-        recv_at, recv_bytes = _layout(recv)
+        send_at, send_bytes = layout(send)
+        recv_at, recv_bytes = layout(recv)
         staging.ensure(max(send_bytes, recv_bytes))
-        current = _cuda.current_stream(self.device)
+        current = cuda.current_stream(self.device)
         side = staging.stream
         side.wait_stream(current)
-        with _cuda.stream(side):
+        with cuda.stream(side):
             staging.gate_fill()                     # the previous exchange's reader is done with our staging
             staging.seq += 1
             for t, at in zip(send, send_at):
-                _view(staging.buffer, at, t).copy_(t)
+                view(staging.buffer, at, t).copy_(t)
             staging.announce_filled(self._reader, self._source, self.timeout_ms)
             source = staging.remote[self._source]
             for t, at in zip(recv, recv_at):
-                t.copy_(_view(source, at, t))
+                t.copy_(view(source, at, t))
             staging.done.record(side)
             staging.announce_read(self._source, self.timeout_ms)
             staging.last_reader = self._reader
@@ -540,7 +540,7 @@ class CopyEngineExchange:
         if self._pending is None:
             return
         _, _, started_on = self._pending
-        current = _cuda.current_stream(self.device)
+        current = cuda.current_stream(self.device)
         current.wait_event(self._staging.done)
         if started_on != current:
             started_on.wait_event(self._staging.done)
@@ -567,11 +567,11 @@ def _choice(caller: str, name: str, given: Optional[str], choices, option: str) 
     return getattr(get_options(), option)
 
 
-def _signal_choice(signal: Optional[str]) -> str:
+def signal_choice(signal: Optional[str]) -> str:
     return _choice("CopyEngineExchange", "signal", signal, SIGNALS, "copy_engine_signal")
 
 
-def _transport_choice(transport: Optional[str]) -> str:
+def transport_choice(transport: Optional[str]) -> str:
     return _choice("make_exchange", "transport", transport, TRANSPORTS, "transport")
 
 
@@ -582,7 +582,7 @@ def _group_on_cuda(group: Optional[dist.ProcessGroup]) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
-def _ring_exchange(group, tag: int, reverse: bool) -> RingExchange:
+def ring_exchange(group, tag: int, reverse: bool) -> RingExchange:
     return RingExchange(group, tag=tag, reverse=reverse)
 
 
@@ -598,9 +598,9 @@ def make_exchange(group: Optional[dist.ProcessGroup] = None, *, tag: int = 0, re
     must still run.
     The first "copy_engine" call on a group is collective (see ``copy_engine_unavailable_reason``).
     """
-    choice = _transport_choice(transport)
+    choice = transport_choice(transport)
     if choice == "nccl" or not _group_on_cuda(group) or group_rank_and_size(group)[1] == 1:
-        return _ring_exchange(group, tag, reverse)     # a ring of one only copies: nothing to move between GPUs
+        return ring_exchange(group, tag, reverse)     # a ring of one only copies: nothing to move between GPUs
     reason = copy_engine_unavailable_reason(group, torch.device("cuda", torch.cuda.current_device()))
     if reason:
         raise CopyEngineUnavailableError(

@@ -4,9 +4,18 @@ views, tensor checks, peer reasoning). The copy-engine data path itself runs in 
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import sys
+import time
+import types
+
 import pytest
 import torch
+import torch.distributed as dist
 
+import ring_kernels as rk
 from _dist import run_world
 from ring_kernels import options
 from ring_kernels import transport as tr
@@ -31,12 +40,12 @@ def test_transport_from_environment(monkeypatch, env, expected):
         monkeypatch.delenv(tr.TRANSPORT_ENV, raising=False)
     else:
         monkeypatch.setenv(tr.TRANSPORT_ENV, env)
-    assert tr._transport_choice(None) == expected
+    assert tr.transport_choice(None) == expected
 
 
 def test_argument_overrides_environment(monkeypatch):
     monkeypatch.setenv(tr.TRANSPORT_ENV, "copy_engine")
-    assert tr._transport_choice("nccl") == "nccl"
+    assert tr.transport_choice("nccl") == "nccl"
 
 
 @pytest.mark.parametrize("bad", ["NCCL", "ce", "copy-engine", "p2p"])
@@ -96,8 +105,8 @@ def test_signal_from_environment(monkeypatch, env, expected):
         monkeypatch.delenv(tr.SIGNAL_ENV, raising=False)
     else:
         monkeypatch.setenv(tr.SIGNAL_ENV, env)
-    assert tr._signal_choice(None) == expected
-    assert tr._signal_choice("barrier") == "barrier"     # the argument wins
+    assert tr.signal_choice(None) == expected
+    assert tr.signal_choice("barrier") == "barrier"     # the argument wins
 
 
 def test_unknown_signal_environment_value_is_a_clear_error(monkeypatch):
@@ -108,15 +117,14 @@ def test_unknown_signal_environment_value_is_a_clear_error(monkeypatch):
 
 
 def test_stream_memops_without_a_cuda_driver():
-    import ctypes
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
         with pytest.raises(RuntimeError, match="CUDA driver library cannot be loaded") as info:
-            tr._StreamMemOps()
+            tr.StreamMemOps()
         assert isinstance(info.value, tr.CopyEngineUnavailableError)
     else:
-        ops = tr._StreamMemOps()    # a driver is installed: its entry points resolve
+        ops = tr.StreamMemOps()    # a driver is installed: its entry points resolve
         assert ops._wait is not None and ops._write is not None
 
 
@@ -158,7 +166,6 @@ class _FakeHandle:
         self.barriers = []
 
     def barrier(self, channel, timeout_ms):
-        import torch.distributed as dist
         assert isinstance(timeout_ms, int) and timeout_ms > 0, timeout_ms
         self.barriers.append(channel)
         dist.barrier()
@@ -184,7 +191,6 @@ class _FakeSymm:
         return t
 
     def rendezvous(self, tensor, group_name):
-        import torch.distributed as dist
         dist.barrier()                  # collective: every rank's file exists after it
         self.handles.append(_FakeHandle(self, tensor._fake_index, tensor.numel()))
         return self.handles[-1]
@@ -194,12 +200,9 @@ class _FakeMemOps:
     """cuStreamWaitValue32/WriteValue32 stand-ins: host reads/writes of the shared files' mapped addresses."""
 
     def write(self, stream, address, value):
-        import ctypes
         ctypes.c_uint32.from_address(address).value = value & 0xFFFFFFFF
 
     def wait_geq(self, stream, address, value):
-        import ctypes
-        import time
         deadline = time.monotonic() + 60
         while True:
             seen = ctypes.c_uint32.from_address(address).value
@@ -210,20 +213,17 @@ class _FakeMemOps:
 
 
 def _install_stand_ins(tr, root, rank, world):
-    import contextlib
-    import types
-
     current = _FakeStream()
-    tr._cuda = types.SimpleNamespace(
+    tr.cuda = types.SimpleNamespace(
         is_available=lambda: True, current_device=lambda: 0, Stream=lambda device=None, priority=0: _FakeStream(),
         Event=_FakeEvent, current_stream=lambda device=None: current, stream=lambda s: contextlib.nullcontext(),
         device=lambda d: contextlib.nullcontext(), synchronize=lambda device=None: None)
-    tr._exchange_device = lambda: torch.device("cpu")
+    tr.exchange_device = lambda: torch.device("cpu")
     symm = _FakeSymm(root, rank, world)
-    tr._symmetric_memory = lambda: (symm, None)
+    tr.symmetric_memory = lambda: (symm, None)
     tr.copy_engine_unavailable_reason = lambda group=None, device=None: None
     memops = _FakeMemOps()
-    tr._stream_memops = lambda: memops
+    tr.stream_memops = lambda: memops
     return symm, current
 
 
@@ -235,17 +235,10 @@ def _pattern(src, it, index, shape, dtype):
 
 def _make_exchange_cases(rank, world_size):
     """make_exchange on gloo/CPU: RingExchange for every request, data from the right neighbour."""
-    import os
-
-    import torch.distributed as dist
-    from ring_kernels import transport as tr
-    from ring_kernels.comm import RingExchange
-
     out = {"reason_cpu": tr.copy_engine_unavailable_reason(None, torch.device("cpu")),
            "reason_default": tr.copy_engine_unavailable_reason()}   # no CUDA here: the CPU reason, no collective
     os.environ[tr.TRANSPORT_ENV] = "copy_engine"
-    from ring_kernels.options import reload_environment
-    reload_environment()
+    options.reload_environment()
     for transport in (None, "nccl", "copy_engine"):
         for reverse in (False, True):
             ex = tr.make_exchange(None, tag=3, reverse=reverse, transport=transport)
@@ -284,7 +277,7 @@ def _copy_engine_exchange_cases(rank, world, tr, symm, current, signal):
         ce = make(tag=0, reverse=reverse)
         assert (ce.send_rank, ce.recv_rank) == (((rank - 1) % world, src) if reverse else ((rank + 1) % world, src))
         try:
-            ref = tr._ring_exchange(None, 0, reverse)
+            ref = tr.ring_exchange(None, 0, reverse)
         except TypeError:              # RingExchange without reverse yet: compare with the pattern only
             ref = None
         for it, case in enumerate(CE_CASES):
@@ -292,7 +285,7 @@ def _copy_engine_exchange_cases(rank, world, tr, symm, current, signal):
             got = [torch.empty(sh, dtype=dt) for sh, dt in case]
             ce.start(send, got)
             assert ce.in_flight
-            staging = tr._staging_for(None, 0, cpu, signal)
+            staging = tr.staging_for(None, 0, cpu, signal)
             assert staging.done.recorded_on[-1] is staging.stream and staging.owner() is ce
             ce.wait()
             assert current.waited_events[-1] is staging.done and not ce.in_flight and staging.owner is None
@@ -303,7 +296,7 @@ def _copy_engine_exchange_cases(rank, world, tr, symm, current, signal):
                 ref.start(send, theirs)
                 ref.wait()
                 assert all(torch.equal(a, b) for a, b in zip(got, theirs)), (signal, reverse, it)
-    staging = tr._staging_for(None, 0, cpu, signal)
+    staging = tr.staging_for(None, 0, cpu, signal)
     assert staging.capacity == 2 << 20 and staging.seq == 2 * len(CE_CASES)   # 1.2 MB at most so far: 2 MiB
     # growth past 2 MiB: every rank re-allocates in the same call
     allocations = symm.count
@@ -314,7 +307,7 @@ def _copy_engine_exchange_cases(rank, world, tr, symm, current, signal):
     ce.wait()
     assert torch.equal(got[0], _pattern((rank - 1) % world, 50, 0, (3 << 19,), torch.float32))
     assert staging.capacity == 6 << 20 and symm.count == allocations + 1
-    assert symm.handles[-1].barriers == ([tr._READY, tr._DONE] if signal == "barrier" else [])
+    assert symm.handles[-1].barriers == ([tr.READY, tr.DONE] if signal == "barrier" else [])
 
     # back to back, one send buffer overwritten after each wait()
     send, recvs = _pattern(rank, 0, 0, (64,), torch.float32), [torch.empty(64) for _ in range(6)]
@@ -335,7 +328,7 @@ def _copy_engine_exchange_cases(rank, world, tr, symm, current, signal):
     kv.wait()
     assert torch.equal(ra, _pattern((rank - 1) % world, 70, 0, (8, 4), torch.bfloat16))
     assert torch.equal(rb, _pattern((rank + 1) % world, 71, 0, (5,), torch.float32))
-    assert tr._staging_for(None, 1, cpu, signal) is not staging
+    assert tr.staging_for(None, 1, cpu, signal) is not staging
 
     # refusals: start twice, the same tag from a second object; wait() when idle is a no-op
     first, second = make(tag=0), make(tag=0)
@@ -363,16 +356,11 @@ def swap_ring_exchanges(factory):
     """Point every ring_kernels module's exchange constructor at ``factory(group, *, tag, reverse)``: the
     ``RingExchange`` bound by ``from .comm import RingExchange`` (ring.py today) and the ``make_exchange``
     bound from ``.transport`` (once ring.py calls it). Returns (what was swapped, undo)."""
-    import sys
-
-    import ring_kernels.comm as comm
-    import ring_kernels.transport as transport
-
     def via_make_exchange(group=None, *, tag=0, reverse=False, transport=None):
         return factory(group, tag=tag, reverse=reverse)
 
-    originals = {"RingExchange": (comm.RingExchange, factory),
-                 "make_exchange": (transport.make_exchange, via_make_exchange)}
+    originals = {"RingExchange": (RingExchange, factory),
+                 "make_exchange": (tr.make_exchange, via_make_exchange)}
     replaced = []
     for key, module in list(sys.modules.items()):
         if not key.startswith("ring_kernels.") or key in ("ring_kernels.comm", "ring_kernels.transport"):
@@ -391,9 +379,6 @@ def swap_ring_exchanges(factory):
 def _ring_on_stand_ins(rank, world, signal):
     """ring_attn_func / zigzag_ring_attn_func with ring.py's exchanges swapped for CopyEngineExchange (on the
     stand-ins): out, dq, dk, dv bitwise equal to the RingExchange run (CPU kernels are deterministic)."""
-    import ring_kernels as rk
-    from ring_kernels import transport as tr
-
     starts = []
 
     class Counting(tr.CopyEngineExchange):
@@ -428,11 +413,9 @@ def _ring_on_stand_ins(rank, world, signal):
 
 
 def _stand_in_world(rank, world, root):
-    from ring_kernels import transport as tr
-
     out = _make_exchange_cases(rank, world)
     symm, current = _install_stand_ins(tr, root, rank, world)
-    assert tr._probe(None, torch.device("cpu")) is None
+    assert tr.probe(None, torch.device("cpu")) is None
     for signal in tr.SIGNALS:
         out[f"exchange_cases_{signal}"] = _copy_engine_exchange_cases(rank, world, tr, symm, current, signal)
         out[f"ring_starts_{signal}"] = _ring_on_stand_ins(rank, world, signal)
@@ -456,22 +439,22 @@ def test_gloo_world_make_exchange_and_copy_engine_logic_on_stand_ins(tmp_path):
 def test_layout_aligns_every_tensor():
     tensors = [torch.empty(3, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float32),
                torch.empty(2, 5, dtype=torch.float64), torch.empty(1, dtype=torch.uint8)]
-    offsets, total = tr._layout(tensors)
+    offsets, total = tr.layout(tensors)
     assert offsets == [0, 256, 256, 512] and total == 768
-    assert all(o % tr._ALIGN == 0 for o in offsets)
+    assert all(o % tr.ALIGN == 0 for o in offsets)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64,
                                    torch.int8, torch.bool])
 def test_view_round_trips_bytes(dtype):
-    """What one rank writes through _view at its offsets is what the other reads back with the same layout."""
+    """What one rank writes through view at its offsets is what the other reads back with the same layout."""
     like = [torch.randn(4, 3).to(dtype), torch.randn(7).to(dtype), torch.randn(2, 2, 2).to(dtype)]
-    offsets, total = tr._layout(like)
+    offsets, total = tr.layout(like)
     raw = torch.zeros(total, dtype=torch.uint8)
     for t, at in zip(like, offsets):
-        tr._view(raw, at, t).copy_(t)
+        tr.view(raw, at, t).copy_(t)
     for t, at in zip(like, offsets):
-        got = tr._view(raw, at, torch.empty_like(t))
+        got = tr.view(raw, at, torch.empty_like(t))
         assert got.dtype == dtype and got.shape == t.shape and torch.equal(got, t)
 
 
@@ -479,25 +462,25 @@ def test_check_tensors_errors():
     a, b = torch.zeros(4, 4), torch.zeros(4, 4)
     fn = "CopyEngineExchange.start"
     with pytest.raises(ValueError, match="1 tensors to send but 2 receive buffers") as info:
-        tr._check_tensors(fn, [a], [a, b], None)
+        tr.check_tensors(fn, [a], [a, b], None)
     assert info.value.argument == "recv"
     with pytest.raises(ValueError, match="send has 5 tensors; between 1 and 4"):
-        tr._check_tensors(fn, [a] * 5, [b] * 5, None)
+        tr.check_tensors(fn, [a] * 5, [b] * 5, None)
     with pytest.raises(ValueError, match="send has 0 tensors"):
-        tr._check_tensors(fn, [], [], None)
+        tr.check_tensors(fn, [], [], None)
     with pytest.raises(ValueError, match=r"recv\[1\] \(shape \(4, 4\), stride \(1, 4\)\) is not; pass recv\[1\]"):
-        tr._check_tensors(fn, [a, a], [b, b.t()], None)
+        tr.check_tensors(fn, [a, a], [b, b.t()], None)
     with pytest.raises(TypeError, match=r"send\[0\] is a list, expected a torch.Tensor"):
-        tr._check_tensors(fn, [[1.0]], [b], None)
+        tr.check_tensors(fn, [[1.0]], [b], None)
     with pytest.raises(ValueError, match=r"send\[0\] is on cpu, the exchange runs on meta"):
-        tr._check_tensors(fn, [a], [b], torch.device("meta"))
-    tr._check_tensors(fn, [a, a, a, a], [b, b, b, b], torch.device("cpu"))   # the accepted case passes
+        tr.check_tensors(fn, [a], [b], torch.device("meta"))
+    tr.check_tensors(fn, [a, a, a, a], [b, b, b, b], torch.device("cpu"))   # the accepted case passes
 
 
 def test_peer_reason():
     ok = [{"host": "h", "device": 0, "reason": None}, {"host": "h", "device": 0, "reason": None}]
-    assert tr._peer_reason(0, ok) is None       # equal indices: hidden devices, left to the probe
+    assert tr.peer_reason(0, ok) is None       # equal indices: hidden devices, left to the probe
     bad = [dict(ok[0]), dict(ok[1], reason="this torch build has no symmetric memory")]
-    assert tr._peer_reason(0, bad) == "rank 1 of the group: this torch build has no symmetric memory"
+    assert tr.peer_reason(0, bad) == "rank 1 of the group: this torch build has no symmetric memory"
     far = [dict(ok[0]), dict(ok[1], host="other")]
-    assert "spans several hosts ['h', 'other']" in tr._peer_reason(1, far)
+    assert "spans several hosts ['h', 'other']" in tr.peer_reason(1, far)

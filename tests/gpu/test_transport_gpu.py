@@ -28,8 +28,12 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import ring_kernels as rk
 from _dist import run_world
+from ring_kernels import transport as tr
+from ring_kernels.comm import RingExchange
 from test_transport import swap_ring_exchanges   # the CPU suite's swap (RingExchange or make_exchange bindings)
 
 pytestmark = [pytest.mark.gpu]
@@ -104,11 +108,7 @@ def _run_pair(ex_ce, ex_ref, rank, world, case, it, reverse, device):
 
 
 def _exchange_cases(rank, world, signal):
-    import torch.distributed as dist
     from torch.distributed import _symmetric_memory as symm
-
-    from ring_kernels import transport as tr
-    from ring_kernels.comm import RingExchange
 
     device = torch.device("cuda", torch.cuda.current_device())
     _log(rank, f"signal={signal}")
@@ -122,11 +122,11 @@ def _exchange_cases(rank, world, signal):
     # 1. every case, both directions, against the pattern and RingExchange
     for reverse in (False, True):
         ce = tr.CopyEngineExchange(None, signal=signal, tag=0, reverse=reverse, timeout_ms=TIMEOUT_MS)
-        ref = tr._ring_exchange(None, 0, reverse)     # NCCL P2P, same direction
+        ref = tr.ring_exchange(None, 0, reverse)     # NCCL P2P, same direction
         for c, case in enumerate(CASES):
             _log(rank, f"case {c} reverse={reverse}: {[(tuple(s), str(d)) for s, d in case]}")
             failures += _run_pair(ce, ref, rank, world, case, c, reverse, device)
-    _log(rank, f"cases done, staging capacity {tr._staging_for(None, 0, device, signal).capacity} bytes")
+    _log(rank, f"cases done, staging capacity {tr.staging_for(None, 0, device, signal).capacity} bytes")
 
     # 2. back to back without a host sync; send overwritten right after each wait()
     ce = tr.CopyEngineExchange(None, signal=signal, tag=0, timeout_ms=TIMEOUT_MS)
@@ -233,9 +233,6 @@ def _relative(a, b):
 
 
 def _ring_cases(rank, world, signal):
-    import ring_kernels as rk
-    from ring_kernels import transport as tr
-
     device = torch.device("cuda", torch.cuda.current_device())
     starts = {"n": 0}
 
