@@ -16,9 +16,8 @@ Per call:
    equal this call's -- one tuple comparison -- the call is counted and ``plan.run(q, k, v, sink)`` computes it
    on q, k, v cast as HF casts them (``semantics.cast_to_target``).
 3. Anything else is planned (``plan_and_run``): the role dict, the call counted under its mode, then ``"ring"`` ->
-   ``semantics.ring_plan`` (every refusal, the step, the kernel's
-   arguments); the plan runs and, when nothing in the call is refused or derived per call, the site keeps it with
-   its inputs (``CallSite.plans``: the one plan cache);
+   ``semantics.ring_plan`` (every refusal, the step, the kernel's arguments); the plan runs and, when nothing in the
+   call is refused or derived per call, the site keeps it with its inputs (``CallSite.plans``: the one plan cache);
    ``"original"`` -> the original transformers function, re-called by parameter name; ``"reference"``/``"local"``
    -> ``semantics``. While Dynamo traces (torch.compile) the call is one opaque operator
    (``hfpatch.attention.opaque``). ``semantics.ring_attention`` is the ring's seam: replaced (a test's stand-in for a
@@ -85,10 +84,12 @@ INPUTS = ("mode", "context version", "id(position_ids)", "position_ids", "positi
           "key.numel()", "is_causal", "softmax_scale", "sliding_window", "type(sliding_window)", "softcap",
           "dropout", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "block_table", "k_cache", "v_cache",
           "id(s_aux)", "s_aux", "cache or cache_seqlens given")
-_STEP_INPUTS = slice(1, 7)  # the step a plan belongs to: the context's version and the step's tensors and shapes
+# The step a plan belongs to: the context's version, the position ids, the query's shape and the key's size.
+_STEP_INPUTS = slice(INPUTS.index("context version"), INPUTS.index("key.numel()") + 1)
 _WINDOW_TYPE = INPUTS.index("type(sliding_window)")
 _DROPOUT = INPUTS.index("dropout")
 _ABSENT = slice(INPUTS.index("attention_mask"), INPUTS.index("v_cache") + 1)  # what a kept plan's call lacks
+_PAGED = INPUTS.index("cache or cache_seqlens given")
 _KEPT_WINDOW_TYPES = (int, type(None))  # True == 1, 2.0 == 2: another type is planned (and refused) every call
 # The ring that plans and keeps (``ring_plan`` + ``RingPlan.run``); another object there is run as given.
 _PLANNED_RING = _semantics.ring_attention
@@ -97,7 +98,7 @@ _PLANNED_RING = _semantics.ring_attention
 def _keeps(inputs: tuple) -> bool:
     """Whether a plan of these inputs may be kept: nothing in the call is refused or derived per call (no
     dropout, mask, document lengths, paged cache or cache kwargs; an int or no window)."""
-    return (not inputs[_DROPOUT] and all(value is None for value in inputs[_ABSENT]) and not inputs[-1]
+    return (not inputs[_DROPOUT] and all(value is None for value in inputs[_ABSENT]) and not inputs[_PAGED]
             and inputs[_WINDOW_TYPE] in _KEPT_WINDOW_TYPES)
 
 
