@@ -1,4 +1,4 @@
-"""The fingerprint corpus: ``fingerprint.canonical_dump`` of every modeling module of the installed transformers,
+"""The fingerprint corpus: ``family.canonical_dump`` of every modeling module of the installed transformers,
 one 16-hex digest per file, committed for the CI pin so that every Python CI runs (and the GPU machine's) can be
 held to the keys Python 3.11 gives.
 
@@ -14,6 +14,8 @@ import hashlib
 import json
 import pathlib
 import sys
+
+from hfpatch.mixers.family import canonical_dump
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "fingerprint_corpus.json"
 
@@ -35,8 +37,6 @@ def digest(text: str) -> str:
 
 def compute() -> dict[str, str]:
     """{file relative to transformers/: digest of the canonical dump of its whole syntax tree}."""
-    from hfpatch.mixers.fingerprint import canonical_dump
-
     return {relative(path): digest(canonical_dump(ast.parse(path.read_text(encoding="utf-8"))))
             for path in modeling_files()}
 

@@ -43,6 +43,14 @@ import torch
 import torch.distributed as dist
 
 from _dist import DistributedFailure, run_world
+import hfpatch
+from hfpatch.mixers import recognise
+from hfpatch.mixers.segments import SegmentPlan, segments_of_layout
+from hfpatch.model.audit import audit
+from hfpatch.release.sweep.catalog import CatalogEntry, declares_flash
+from hfpatch.release.sweep.run import check_class
+from hfpatch.release.sweep.tiny import build_tiny
+from ring_kernels.layout import local_positions, shard
 from ring_kernels.tolerances import assert_close, relative_error, tolerance
 
 WORLD_SIZE = 4
@@ -182,8 +190,6 @@ def _entries_of(names: tuple) -> dict:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hfpatch.release.sweep.catalog import CatalogEntry, declares_flash
-
     found = {}
     for model_type, classes in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         for name in (classes,) if isinstance(classes, str) else classes:
@@ -208,8 +214,6 @@ def entries(names) -> dict:
 @functools.lru_cache(maxsize=None)
 def is_recognised(class_name: str, names: tuple) -> bool:
     """Whether the registry recognises a mixer of ``class_name``'s tiny model (``names``: the module's classes)."""
-    from hfpatch.release.sweep.tiny import build_tiny
-
     return bool(recognised(build_tiny(_entries_of(names)[class_name])))
 
 
@@ -219,9 +223,6 @@ def kernels_bound_by_name(class_name: str, names: tuple) -> bool:
     its modeling module (no CP forms of its methods: ``MixerFamily.replaces``), as the newest releases write them;
     releases that compute the recurrence inline run through CP forms instead (their own test modules,
     tests/test_mixers_*_releases.py, check what those bind and restore)."""
-    from hfpatch.mixers import recognise
-    from hfpatch.release.sweep.tiny import build_tiny
-
     found = [recognise(m) for m in build_tiny(_entries_of(names)[class_name]).modules()]
     found = [r for r in found if r is not None]
     return bool(found) and all(not r.family.replaces for r in found)
@@ -229,8 +230,6 @@ def kernels_bound_by_name(class_name: str, names: tuple) -> bool:
 
 def recognised(model) -> list:
     """The paths of ``model``'s modules that the mixer registry recognises."""
-    from hfpatch.mixers import recognise
-
     return [name for name, m in model.named_modules() if recognise(m) is not None]
 
 
@@ -252,9 +251,6 @@ def check_registry(entry, mixer_classes: tuple, changed: Optional[tuple] = None,
     mixer, method): that method changed makes the audit name the first mixer by its fingerprint. On another
     release, the audit refuses them by name (``every_mixer_named``: each mixer's path among its findings; else at
     least one sequence-mixer finding). Returns "recognised" or "refused"."""
-    from hfpatch.model.audit import audit
-    from hfpatch.release.sweep.tiny import build_tiny
-
     model = build_tiny(entry)
     mixers = [n for n, m in model.named_modules() if type(m).__name__ in mixer_classes]
     assert mixers, f"{entry.class_name}: no module of {mixer_classes}"
@@ -287,8 +283,6 @@ def check_classes(group, class_name: str, names: tuple, kernels: tuple):
     """The sweep's ``check_class`` of one class on ``group`` with each of ``kernels``: CP loss and every gradient
     equal to non-CP (the sweep's entries of ring_kernels.tolerances) where the registry recognises its mixers,
     refused by name where not."""
-    from hfpatch.release.sweep.run import check_class
-
     found = _entries_of(names)
     if class_name not in found:
         return Skip(f"{class_name} has no flash-attention path in this transformers release")
@@ -304,8 +298,6 @@ def packed_step(group, model, kernel: str, lengths: list, what: str) -> list:
     model's non-CP run on the same row (switch mode "local", which runs the mixers over the documents as one
     sequence, as HF's torch path does), within the sweep's entries. Returns the kernel roles that ran in switch
     mode "ring"."""
-    import hfpatch
-
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     ids = torch.randint(0, 128, (1, positions.shape[1]), generator=torch.Generator().manual_seed(5))
     with hfpatch.apply(group, model=model, kernel=kernel) as patch:
@@ -334,8 +326,6 @@ def packed_step(group, model, kernel: str, lengths: list, what: str) -> list:
 
 def reference_mode(group, model, what: str) -> None:
     """Switch mode "reference" (the original kernels on the all-gathered sequence) gives the ring's logits."""
-    import hfpatch
-
     model = model.eval()
     ids = torch.randint(0, 128, (2, 8 * dist.get_world_size(group)), generator=torch.Generator().manual_seed(2))
     logits = {}
@@ -370,9 +360,6 @@ class Exchange:
     of a whole-sequence tensor (``local``)."""
 
     def __init__(self, layout: Layout, group) -> None:
-        from hfpatch.mixers.segments import SegmentPlan, segments_of_layout
-        from ring_kernels.layout import local_positions
-
         self.group, self.layout = group, layout
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.seq = layout.per_rank * self.world
@@ -387,8 +374,6 @@ class Exchange:
             f"{layout.name}: the segments disagree with ring_kernels.layout.local_positions"
 
     def local(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        from ring_kernels.layout import shard
-
         return shard(x, self.group, layout=self.layout.layout, dim=dim, cu_seqlens=self.cu)
 
     def describe(self, dtype: torch.dtype) -> str:

@@ -1,4 +1,4 @@
-"""The mixer registry's fingerprints are the same on every Python: ``fingerprint.canonical_dump`` writes a syntax
+"""The mixer registry's fingerprints are the same on every Python: ``family.canonical_dump`` writes a syntax
 tree by one fixed rule, which is ``ast.dump(annotate_fields=False)``'s text on Python 3.11 (the registry's keys
 were read there), and on any other Python gives the committed digests of every modeling file of the CI pin."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from _release import skip_unless_ci_pin
-from hfpatch.mixers.fingerprint import canonical_dump, forward_fingerprint
+from hfpatch.mixers.family import canonical_dump, forward_fingerprint
 from tests import _fingerprint_corpus as corpus
 
 ON_311 = sys.version_info[:2] == (3, 11)

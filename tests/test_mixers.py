@@ -25,6 +25,14 @@ import torch.nn.functional as F
 from _mixer_cases import (Case, Exchange, Layout, Skip, check_classes, check_registry, compare_exchange, entries,
                           is_recognised, kernels_bound_by_name, leaves_from, packed_step, reference_mode,
                           run_module_world, selected_cases)
+import hfpatch
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.mixers.kernel import KernelCall
+from hfpatch.mixers.kinds.conv import CausalConv1d
+from hfpatch.mixers.kinds.delta_rule import GatedDeltaRule
+from hfpatch.mixers.registry import FAMILIES, KERNEL_PARAMETERS, forward_fingerprint, parameter_spec
+from hfpatch.mixers.segments import segments_of_layout
+from hfpatch.release.sweep.tiny import build_tiny
 
 # ------------------------------------------------------------------------------- plain reference kernels
 
@@ -63,7 +71,6 @@ def _hf_delta_rule():
         from transformers.models.qwen3_next import modeling_qwen3_next
     except ImportError:
         return None
-    from hfpatch.mixers.registry import FAMILIES, KERNEL_PARAMETERS, forward_fingerprint, parameter_spec
 
     rule = getattr(modeling_qwen3_next, "torch_chunk_gated_delta_rule", None)
     # only a release whose module and kernel hfpatch recognises (older ones differ; the family is refused there)
@@ -93,9 +100,6 @@ def _conv(seed, batch, seq):
                                      "bias": ((channels,), None)})
 
         def run(ex):
-            from hfpatch.mixers.conv import CausalConv1d
-            from hfpatch.mixers.kernel import KernelCall
-
             if ex is None:
                 return (conv_reference(t["x"], t["weight"], t["bias"], activation="silu"),)
             call = KernelCall(conv_reference, inspect.signature(conv_reference),
@@ -118,9 +122,6 @@ def _delta(seed, batch, seq, rule):
         names = ("q", "k", "v", "g", "beta")
 
         def run(ex):
-            from hfpatch.mixers.delta_rule import GatedDeltaRule
-            from hfpatch.mixers.kernel import KernelCall
-
             if ex is None:
                 return (rule(*(t[n] for n in names), use_qk_l2norm_in_kernel=True)[0],)
             call = KernelCall(rule, inspect.signature(rule), tuple(ex.local(t[n], 1) for n in names),
@@ -145,17 +146,12 @@ def _exchange(group, layout, dtype):
 
 
 def test_stripe_is_refused_by_name():
-    from hfpatch.errors import UnsupportedArgument
-    from hfpatch.mixers.segments import segments_of_layout
-
     with pytest.raises(UnsupportedArgument) as info:
         segments_of_layout("stripe", 2, 8)
     assert info.value.parameter == "kernel" and "zigzag" in info.value.fix
 
 
 def test_segments_of_layout_cover_the_sequence_once():
-    from hfpatch.mixers.segments import segments_of_layout
-
     cu = torch.tensor([0, 8, 8, 24], dtype=torch.int32)
     for layout, world, local, packed in [("contiguous", 3, 5, None), ("zigzag", 4, 6, None), ("zigzag", 2, 12, cu)]:
         segments = segments_of_layout(layout, world, local, packed)
@@ -205,8 +201,6 @@ def _packed_due():
 
 
 def _tiny(class_name):
-    from hfpatch.release.sweep.tiny import build_tiny
-
     return build_tiny(entries(NAMES)[class_name])
 
 
@@ -233,9 +227,6 @@ def _reference_mode(group, class_name):
 def _refusals(group, class_name):
     """A refused apply (stripe) installs nothing; under the patch, packing metadata handed to the delta rule and
     a cache are refused by name; ``remove()`` restores every rebound kernel."""
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-
     skip = _packed_due()
     if skip:
         return skip

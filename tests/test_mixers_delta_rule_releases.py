@@ -1,6 +1,6 @@
 """Qwen3-Next (Gated DeltaNet) and Kimi-Linear (Kimi delta attention) under CP on every release that has them,
 through the registry entry of that release (``hfpatch.mixers.families.gated_deltanet`` / ``kimi_delta``; on 5.0
-Qwen3-Next's kernels are instance attributes and the CP form of ``hfpatch.mixers.gated_deltanet_forms`` replaces
+Qwen3-Next's kernels are instance attributes and the CP form of ``hfpatch.mixers.forms.gated_deltanet`` replaces
 its forward).
 
 What the model sweep does not exercise: the contiguous layout as well as zigzag, packed rows (documents given by
@@ -16,6 +16,13 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
+import hfpatch
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.mixers import recognise
+from hfpatch.mixers.forms.gated_deltanet import causal_conv1d, chunk_gated_delta_rule
+from hfpatch.release.sweep.catalog import CatalogEntry
+from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL, LOSS_RTOL
+from hfpatch.release.sweep.tiny import build_tiny
 
 # causal-LM class -> (model type, its mixer class)
 MIXERS = {"Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextGatedDeltaNet"),
@@ -33,16 +40,12 @@ def _entries():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hfpatch.release.sweep.catalog import CatalogEntry
-
     return [CatalogEntry(model_type, name, CONFIG_MAPPING_NAMES[model_type])
             for name, (model_type, _) in MIXERS.items() if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) == name]
 
 
 def _model(entry):
     from transformers.utils import logging as hf_logging
-
-    from hfpatch.release.sweep.tiny import build_tiny
 
     hf_logging.set_verbosity_error()
     return build_tiny(entry)
@@ -61,9 +64,6 @@ def _rows(world: int, packed: bool):
 
 def _exact_step(world, entry, kernel, packed):
     """CP loss and gradients against the non-CP run on the same rows; returns the ring calls of each kernel role."""
-    import hfpatch
-    from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL, LOSS_RTOL
-
     model = _model(entry)
     ids, positions = _rows(world, packed)
     with hfpatch.apply(dist.group.WORLD, model=model, kernel=kernel) as patch:
@@ -92,9 +92,6 @@ def _exact_step(world, entry, kernel, packed):
 def _reference_cache_and_remove(world, entry):
     """Switch mode "reference" gives the ring's logits; a cache is refused by name; remove() takes the
     replacements off (releases whose entry replaces ``forward``). Returns (refused parameter, replaced)."""
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-
     model = _model(entry).eval()
     mixers = [m for m in model.modules() if type(m).__name__ == MIXERS[entry.class_name][1]]
     ids, _ = _rows(world, packed=False)
@@ -118,9 +115,6 @@ def _stripe_refused(entry):
     all-or-nothing: afterwards no mixer's forward is replaced and transformers' function is its own again."""
     import transformers.modeling_flash_attention_utils as flash_utils
 
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-
     model = _model(entry)
     mixers = [m for m in model.modules() if type(m).__name__ == MIXERS[entry.class_name][1]]
     with pytest.raises(UnsupportedArgument) as info:
@@ -142,9 +136,6 @@ def _world(rank, world, cases):
 
 
 def _recognised_entries():
-    from hfpatch.mixers import recognise
-    from hfpatch.release.sweep.tiny import build_tiny
-
     entries = _entries()
     if not entries:
         pytest.skip("this release has neither Qwen3-Next nor Kimi-Linear")
@@ -183,11 +174,9 @@ def test_exact_one_token_segments_4_ranks():
 
 
 def test_instance_kernel_names_call_the_kernels_as_hf_does():
-    """The CP form's kernel names (``hfpatch.mixers.gated_deltanet_forms``) run the instance's kernel with the
+    """The CP form's kernel names (``hfpatch.mixers.forms.gated_deltanet``) run the instance's kernel with the
     keywords HF 5.0 passes (causal-conv1d: ``x=``, ``seq_idx=None``; flash-linear-attention's delta rule: no
     ``chunk_size``), and without a conv kernel compute what ``nn.Conv1d(padding=K-1)`` + silu gives."""
-    from hfpatch.mixers.gated_deltanet_forms import causal_conv1d, chunk_gated_delta_rule
-
     seen = {}
 
     def fast_conv(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,

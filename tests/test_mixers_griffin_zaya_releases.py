@@ -13,6 +13,17 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
+import hfpatch
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.mixers import recognise
+from hfpatch.mixers.kernel import KernelCall
+from hfpatch.mixers.kinds.cca import CcaProjection, cca_projection
+from hfpatch.mixers.kinds.rglru import DiagonalRecurrence, linear_recurrence
+from hfpatch.mixers.segments import SegmentPlan, segments_of_layout
+from hfpatch.release.sweep.catalog import CatalogEntry, declares_flash
+from hfpatch.release.sweep.run import check_class
+from hfpatch.release.sweep.tiny import build_tiny
+from ring_kernels.layout import shard
 
 # causal-LM class -> the mixer classes the registry must recognise in it
 CLASSES = {
@@ -35,8 +46,6 @@ def _entries():
     transformers' auto mappings for these two model types only (the whole catalog imports every model)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from hfpatch.release.sweep.catalog import CatalogEntry, declares_flash
 
     entries = []
     for model_type, name in (("recurrent_gemma", "RecurrentGemmaForCausalLM"), ("zaya", "ZayaForCausalLM")):
@@ -86,12 +95,6 @@ def _compare(local, cp_fn, whole_fn, leaves, out_dims, what):
 
 
 def _kernel_cases(rank, world, with_zaya):
-    from hfpatch.mixers.cca import CcaProjection, cca_projection
-    from hfpatch.mixers.kernel import KernelCall
-    from hfpatch.mixers.rglru import DiagonalRecurrence, linear_recurrence
-    from hfpatch.mixers.segments import SegmentPlan, segments_of_layout
-    from ring_kernels.layout import shard
-
     cca_module = _zaya_projection() if with_zaya else None
     done = []
     for layout, per_rank, starts in KERNEL_CASES:
@@ -138,10 +141,6 @@ def _kernel_cases(rank, world, with_zaya):
 def _reference_and_refusals(rank, world, entry):
     """Switch mode "reference" gives the ring's logits; a cache (use_cache=True) and a packed row (documents by
     position_ids: the attention gets no position_ids) are refused by name."""
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-    from hfpatch.release.sweep.tiny import build_tiny
-
     model = build_tiny(entry).eval()
     ids = torch.randint(0, 128, (2, 4 * world), generator=torch.Generator().manual_seed(2))
     with hfpatch.apply(dist.group.WORLD, model=model) as patch:
@@ -167,10 +166,6 @@ def _reference_and_refusals(rank, world, entry):
 
 def _world(rank, world, names):
     """Every rank: which of ``names`` the registry recognises, then the kernel cases and the classes' checks."""
-    from hfpatch.mixers import recognise
-    from hfpatch.release.sweep.run import check_class
-    from hfpatch.release.sweep.tiny import build_tiny
-
     _quiet()
     entries = {e.class_name: e for e in _entries() if e.class_name in names}
     known = {}

@@ -1,6 +1,7 @@
 """MiniMax (lightning attention) and LFM2 (gated short conv) under CP on every release that has them, through the
 registry entry of that release (``hfpatch.mixers.families.lightning`` / ``short_conv``; before 5.19 / 5.23 the
-CP forms of ``hfpatch.mixers.lightning`` and ``hfpatch.mixers.short_conv`` replace the inline recurrence).
+CP forms of ``hfpatch.mixers.forms.lightning`` and ``hfpatch.mixers.forms.short_conv`` replace the inline
+recurrence).
 
 What the model sweep does not exercise: the contiguous layout as well as zigzag, packed rows (documents given by
 position_ids), 4 ranks with segments shorter than the windows (1 token against the conv's 2 and MiniMax blocks of
@@ -14,6 +15,14 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
+import hfpatch
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.mixers import recognise
+from hfpatch.mixers.families.short_conv import FAMILIES, SLOW_FORWARD_OF
+from hfpatch.mixers.registry import forward_fingerprint
+from hfpatch.release.sweep.catalog import CatalogEntry
+from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL, LOSS_RTOL
+from hfpatch.release.sweep.tiny import build_tiny
 
 # causal-LM class -> (model_type, mixer class, the kernel role its CP form runs)
 MIXERS = {"MiniMaxForCausalLM": ("minimax", "MiniMaxLightningAttention", "lightning_attention"),
@@ -30,8 +39,6 @@ def _entries():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hfpatch.release.sweep.catalog import CatalogEntry
-
     return [CatalogEntry(model_type, name, CONFIG_MAPPING_NAMES[model_type])
             for name, (model_type, _, _) in MIXERS.items()
             if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) == name]
@@ -41,8 +48,6 @@ def _model(entry):
     """The sweep's tiny model; MiniMax rebuilt with lightning blocks of 3 tokens, so that HF's block loop runs
     several (partial) blocks in every segment."""
     from transformers.utils import logging as hf_logging
-
-    from hfpatch.release.sweep.tiny import build_tiny
 
     hf_logging.set_verbosity_error()
     model = build_tiny(entry)
@@ -67,9 +72,6 @@ def _rows(world: int, packed: bool):
 
 def _exact_step(world, entry, kernel, packed):
     """CP loss and gradients against the non-CP run on the same rows; returns the ring calls of the mixer's kernel."""
-    import hfpatch
-    from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL, LOSS_RTOL
-
     model = _model(entry)
     ids, positions = _rows(world, packed)
     with hfpatch.apply(dist.group.WORLD, model=model, kernel=kernel) as patch:
@@ -100,9 +102,6 @@ def _reference_cache_and_remove(world, entry):
     """Switch mode "reference" gives the ring's logits; where the release's entry replaces ``forward`` by a CP
     form, a cache is refused by the name the release gives it and remove() takes the replacements off. Returns
     (the refused parameter or None where the entry rebinds kernels only, whether the entry replaces forward)."""
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-
     model = _model(entry).eval()
     mixers = [m for m in model.modules() if type(m).__name__ == MIXERS[entry.class_name][1]]
     ids, _ = _rows(world, packed=False)
@@ -127,8 +126,6 @@ def _cache_parameter(entry) -> str:
     """The name the release's mixer forward gives its cache (``past_key_value`` before 5.0, ``cache`` from 5.24)."""
     import inspect
 
-    from hfpatch.release.sweep.tiny import build_tiny
-
     mixer = next(m for m in build_tiny(entry).modules() if type(m).__name__ == MIXERS[entry.class_name][1])
     return next(n for n in ("past_key_value", "past_key_values", "cache")
                 if n in inspect.signature(mixer.forward).parameters)
@@ -145,9 +142,6 @@ def _world(rank, world, entries, cases):
 
 
 def _recognised_entries():
-    from hfpatch.mixers import recognise
-    from hfpatch.release.sweep.tiny import build_tiny
-
     entries = _entries()
     if not entries:
         pytest.skip("this release has neither MiniMax nor LFM2")
@@ -184,9 +178,6 @@ def test_inline_short_conv_entry_reads_this_releases_slow_forward():
     """The LFM2 entry whose CP form follows ``slow_forward`` is keyed by ``forward``'s fingerprint: wherever it
     recognises a class, that class's ``slow_forward`` must be the one read with that forward."""
     import importlib
-
-    from hfpatch.mixers.families.short_conv import FAMILIES, SLOW_FORWARD_OF
-    from hfpatch.mixers.registry import forward_fingerprint
 
     inline = next(f for f in FAMILIES if f.replaces)
     checked = 0

@@ -1,5 +1,5 @@
 """Lightning attention, the RG-LRU, Kimi delta attention and ZAYA's convolutional projection under CP
-(hfpatch.mixers.lightning / rglru / cca, and the gated delta rule kind with per-channel gates), and the real HF
+(hfpatch.mixers.kinds.lightning / rglru / cca, and the gated delta rule kind with per-channel gates), and the real HF
 classes MiniMax, RecurrentGemma, Kimi-Linear, BailingHybrid and ZAYA.
 
 Every case runs in one gloo world of the module (tests/_mixer_cases.py), each its own test:
@@ -28,6 +28,15 @@ import torch.distributed as dist
 
 from _mixer_cases import (Case, Exchange, Layout, Skip, check_classes, check_registry, compare_exchange, entries,
                           is_recognised, leaves_from, packed_step, reference_mode, run_module_world, selected_cases)
+import hfpatch
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.mixers import recognise
+from hfpatch.mixers.kernel import KernelCall
+from hfpatch.mixers.kinds.cca import CcaProjection, cca_projection
+from hfpatch.mixers.kinds.delta_rule import GatedDeltaRule
+from hfpatch.mixers.kinds.lightning import LightningAttention, lightning_attention
+from hfpatch.mixers.kinds.rglru import DiagonalRecurrence, linear_recurrence
+from hfpatch.release.sweep.tiny import build_tiny
 
 # The causal-LM classes of transformers 5.24 whose mixers these kinds run, and the mixer classes each has.
 FAMILY_CLASSES = {
@@ -62,9 +71,6 @@ def _lightning(seed, batch, seq):
         rate = cast(slope).detach()  # a buffer of the model: in the model's dtype
 
         def run(ex):
-            from hfpatch.mixers.kernel import KernelCall
-            from hfpatch.mixers.lightning import LightningAttention, lightning_attention
-
             if ex is None:
                 return lightning_attention(t["q"], t["k"], t["v"], rate, 3)[:1]
             call = KernelCall(lightning_attention, inspect.signature(lightning_attention),
@@ -87,9 +93,6 @@ def _recurrence(seed, batch, seq, cu):
         t = leaves_from(seed, cast, shapes)
 
         def run(ex):
-            from hfpatch.mixers.kernel import KernelCall
-            from hfpatch.mixers.rglru import DiagonalRecurrence, linear_recurrence
-
             if ex is None:
                 return linear_recurrence(t["x"], t["a"], reset)[:1]
             call = KernelCall(linear_recurrence, inspect.signature(linear_recurrence),
@@ -113,9 +116,6 @@ def _kda(seed, batch, seq, kda):
         t = leaves_from(seed, cast, shapes)
 
         def run(ex):
-            from hfpatch.mixers.delta_rule import GatedDeltaRule
-            from hfpatch.mixers.kernel import KernelCall
-
             if ex is None:
                 return kda(*(t[n] for n in names), use_qk_l2norm_in_kernel=True)[:1]
             call = KernelCall(kda, inspect.signature(kda), tuple(ex.local(t[n], 1) for n in names),
@@ -135,9 +135,6 @@ def _cca(seed, batch, seq, base):
              **dict(module.named_parameters())}
 
         def run(ex):
-            from hfpatch.mixers.cca import CcaProjection, cca_projection
-            from hfpatch.mixers.kernel import KernelCall
-
             if ex is None:
                 return cca_projection(module, t["hidden"])
             call = KernelCall(cca_projection, inspect.signature(cca_projection), (module, ex.local(t["hidden"], 1)),
@@ -184,7 +181,6 @@ def _zaya_projection():
                         cca_time1=3, attention_bias=True, num_hidden_layers=1)
     torch.manual_seed(3)
     module = ZayaCCAProjection(config, 0)
-    from hfpatch.mixers import recognise
 
     if recognise(module) is None:  # another release's projection (its cache API differs): refused there by name
         return None
@@ -224,8 +220,6 @@ def _packed_due():
 def _model(class_name):
     """The tiny model; MiniMax rebuilt with lightning blocks of 6 tokens, so that HF's block loop runs several
     (partial) blocks on the packed row."""
-    from hfpatch.release.sweep.tiny import build_tiny
-
     model = build_tiny(entries(NAMES)[class_name])
     if class_name == "MiniMaxForCausalLM":
         config = model.config
@@ -239,8 +233,6 @@ def _packed(group, class_name, kernel, roles):
     """A packed row (documents given by position_ids) against the model's non-CP run on the same row; the
     kernels that ran under CP are ``roles``, or the attention refuses the row by name (``roles`` is then the
     parameter the refusal names)."""
-    from hfpatch.errors import UnsupportedArgument
-
     skip = _packed_due()
     if skip:
         return skip
@@ -266,10 +258,6 @@ def _reference_mode(group, class_name):
 
 def _refusals_and_remove(group, class_name):
     """A refused apply (stripe) and remove() leave no replacement behind; a cache is refused by name."""
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-    from hfpatch.release.sweep.tiny import build_tiny
-
     skip = _packed_due()
     if skip:
         return skip

@@ -1,5 +1,5 @@
-"""Mamba2 (SSD scan) and Mamba (selective scan) mixers under CP (hfpatch.mixers.ssd, .selective_scan), and the
-real HF classes that run them (Bamba, Falcon-H1, Granite 4 hybrid, Nemotron-H, Zamba2; Jamba, Zamba).
+"""Mamba2 (SSD scan) and Mamba (selective scan) mixers under CP (hfpatch.mixers.kinds.ssd, .selective_scan), and
+the real HF classes that run them (Bamba, Falcon-H1, Granite 4 hybrid, Nemotron-H, Zamba2; Jamba, Zamba).
 
 Every case runs in one gloo world of the module (tests/_mixer_cases.py), each its own test:
 
@@ -29,6 +29,14 @@ import torch.nn.functional as F
 from _mixer_cases import (Case, Exchange, Layout, Skip, check_classes, check_registry, compare_exchange, entries,
                           is_recognised, kernels_bound_by_name, leaves_from, packed_step, run_module_world,
                           selected_cases)
+import hfpatch
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.mixers.kernel import KernelCall
+from hfpatch.mixers.kinds import selective_scan
+from hfpatch.mixers.kinds.selective_scan import SelectiveScan
+from hfpatch.mixers.kinds.ssd import SSDChunkScan
+from hfpatch.modes import current_mode
+from hfpatch.release.sweep.tiny import build_tiny
 
 # ------------------------------------------------------------------------------- plain reference kernels
 
@@ -114,9 +122,6 @@ def _ssd(seed, batch, seq, kernel):
         kwargs = dict(chunk_size=4, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, dt_limit=(0.05, 1.5), z=None)
 
         def run(ex):
-            from hfpatch.mixers.kernel import KernelCall
-            from hfpatch.mixers.ssd import SSDChunkScan
-
             if ex is None:
                 return (kernel(t["x"], t["dt"], t["A"], t["B"], t["C"], **kwargs),)
             call = KernelCall(kernel, inspect.signature(kernel), (ex.local(t["x"], 1), ex.local(t["dt"], 1), t["A"],
@@ -141,9 +146,6 @@ def _selective_scan(seed, batch, seq, kernel):
         kwargs = dict(D=t["D"], delta_bias=t["delta_bias"], delta_softplus=True)
 
         def run(ex):
-            from hfpatch.mixers.kernel import KernelCall
-            from hfpatch.mixers.selective_scan import SelectiveScan
-
             if ex is None:
                 return (kernel(t["x"], t["dt"], t["A"], t["B"], t["C"], z=t["z"], **kwargs),)
             args = (ex.local(t["x"], 2), ex.local(t["dt"], 2), t["A"], ex.local(t["B"], 2), ex.local(t["C"], 2))
@@ -158,8 +160,6 @@ def _selective_scan(seed, batch, seq, kernel):
 def _exchange(group, layout, dtype):
     """Both scans on ``layout``: transformers' kernels where this release has them (what the models run), and
     the definitions on DEFINITION_LAYOUTS in fp32 (the only kernels where the release has none)."""
-    from hfpatch.mixers import selective_scan
-
     ex = Exchange(layout, group)
     runs = [_hf_kernels()] if _hf_kernels() else []
     if not runs or (layout.name in DEFINITION_LAYOUTS and dtype == torch.float32):
@@ -220,8 +220,6 @@ def _packed_due():
 
 
 def _tiny(class_name):
-    from hfpatch.release.sweep.tiny import build_tiny
-
     return build_tiny(entries(NAMES)[class_name])
 
 
@@ -257,8 +255,6 @@ def _fast_kernels(modeling):
     """Stand-ins for causal-conv1d's and mamba-ssm's kernels, in their parameter order (not the torch
     functions'), computing through the torch functions by keyword; and a fused Mamba2 kernel that must never run
     under CP. Returns {name: replacement}."""
-    from hfpatch.modes import current_mode
-
     conv, ssd, fused = modeling.causal_conv1d_fn, modeling.mamba2_chunk_scan, modeling.mamba2_split_conv1d_scan_combined
 
     def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
@@ -308,9 +304,6 @@ def _hub_bound_case(group, class_name, roles):
 def _refusals(group, class_name, passes_kwargs):
     """``passes_kwargs``: the model hands its forward's extra keywords on to the mixer (Bamba does, Jamba's
     decoder layer drops them, in the non-CP run too)."""
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-
     skip = _packed_due()
     if skip:
         return skip

@@ -1,5 +1,5 @@
 """Jamba's Mamba mixer and Bamba's Mamba2 mixer on the releases that compute them inline (4.43 - 5.0; the CP
-forms of hfpatch.mixers.mamba_inline and mamba2_inline): what the model sweep (zigzag, batch rows, 2 ranks) does
+forms of hfpatch.mixers.forms.mamba and mamba2): what the model sweep (zigzag, batch rows, 2 ranks) does
 not exercise. CP loss and every gradient equal to the model's own non-CP run on the contiguous layout, on packed
 rows, and for Bamba with two B/C groups (4.48's torch path tiles the groups over the heads, later releases repeat
 each group for its heads); the conv and the scan counted through the CP kinds; the refusals (a cache, seq_idx, a
@@ -15,6 +15,13 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
+import hfpatch
+from hfpatch.errors import UnsupportedArgument, UnsupportedModel
+from hfpatch.mixers import recognise
+from hfpatch.mixers.forms import mamba as mamba_forms, mamba2 as mamba2_forms
+from hfpatch.release.sweep.catalog import CatalogEntry, declares_flash
+from hfpatch.release.sweep.tiny import build_tiny, tiny_config
+from ring_kernels.layout import shard
 from ring_kernels.tolerances import assert_close, tolerance
 
 CLASSES = ("JambaForCausalLM", "BambaForCausalLM")
@@ -28,10 +35,6 @@ def _entries() -> dict:
     recognises through an inline entry (the releases that compute the mixer inline)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from hfpatch.mixers import recognise
-    from hfpatch.release.sweep.catalog import CatalogEntry, declares_flash
-    from hfpatch.release.sweep.tiny import build_tiny
 
     found = {}
     for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
@@ -58,8 +61,6 @@ def _need(name: str):
 
 def _build(entry, groups: int = 1):
     """The sweep's tiny model of ``entry``; Bamba with ``groups`` B/C groups (4 heads)."""
-    from hfpatch.release.sweep.tiny import build_tiny, tiny_config
-
     if groups == 1:
         return build_tiny(entry)
     config = tiny_config(entry)
@@ -71,8 +72,6 @@ def _build(entry, groups: int = 1):
 def _step(model, kernel: str, ids: torch.Tensor, positions: torch.Tensor, what: str) -> set:
     """CP loss and gradients against the model's own non-CP run on the same rows; returns the kernel roles that
     ran under CP."""
-    import hfpatch
-
     with hfpatch.apply(dist.group.WORLD, model=model, kernel=kernel) as patch:
         model.zero_grad(set_to_none=True)
         with hfpatch.switch("local"):
@@ -111,9 +110,6 @@ def _packed_mixer_step(model, kernel: str, ids: torch.Tensor, positions: torch.T
     gradients (input and parameters) against the mixer on the whole row, which HF's Mamba mixers run as one
     sequence. (At the model level a packed row also depends on whether the release's attention receives the
     position ids, which hfpatch's attention tests cover.)"""
-    import hfpatch
-    from ring_kernels.layout import shard
-
     mixer = next(m for m in model.modules() if type(m).__name__ in ("JambaMambaMixer", "BambaMixer"))
     whole = torch.randn(1, ids.shape[1], model.config.hidden_size, generator=torch.Generator().manual_seed(7))
     weight = torch.randn(whole.shape, generator=torch.Generator().manual_seed(8))
@@ -181,12 +177,8 @@ def test_contiguous_packed_two_groups_and_refusals_2_ranks():
 def _refusals(names) -> None:
     """Under CP: a cache and seq_idx refused by name; the CP forms' kernel names rebound to wrappers of the
     originals while the patch is on, and restored by remove()."""
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-    from hfpatch.mixers import mamba2_inline, mamba_inline
-
-    sites = [(mamba_inline, "causal_conv1d"), (mamba_inline, "mamba_selective_scan"),
-             (mamba2_inline, "causal_conv1d"), (mamba2_inline, "mamba2_chunk_scan")]
+    sites = [(mamba_forms, "causal_conv1d"), (mamba_forms, "mamba_selective_scan"),
+             (mamba2_forms, "causal_conv1d"), (mamba2_forms, "mamba2_chunk_scan")]
     before = [getattr(module, n) for module, n in sites]
     for name in names:
         model = _build(_entries()[name])
@@ -209,9 +201,6 @@ def _refusals(names) -> None:
 @pytest.mark.parametrize("name", CLASSES)
 def test_a_changed_dispatched_method_is_refused(name):
     """The registry recognises the class by forward; the CP form checks the methods forward dispatches to."""
-    from hfpatch.errors import UnsupportedModel
-    from hfpatch.mixers import recognise
-
     model = _build(_need(name))
     mixer = next(m for m in model.modules() if type(m).__name__ in ("JambaMambaMixer", "BambaMixer"))
     base = type(mixer)

@@ -14,33 +14,28 @@ zigzag (batch, and zigzag varlen). Packed rows: documents are run as one sequenc
 documents are given by position_ids only; packing metadata passed to the kernels (``cu_seq_lens_*``, ``seq_idx``)
 is refused by name.
 
-Layers (see each module's docstring):
+The wing, a folder per naming scheme; each layer imports only those below it (see each module's docstring):
 
-- ``segments``  -- ``Segment``, ``SegmentPlan`` (split/join a local tensor, ``exchange`` summaries), layouts;
-- ``kernel``    -- ``SequenceKernel`` (the interface of one kernel kind) and ``KernelCall`` (its bound call);
-- the kinds, one module each; ``kinds.KERNELS`` lists them by role:
-  ``conv`` (causal short convolution: LFM2, and the convolution of every hybrid below),
-  ``delta_rule`` (chunked gated delta rule: Qwen3-Next, Qwen3.5, OLMo hybrid, Kimi-Linear's KDA, Bailing),
-  ``ssd`` (Mamba2's chunked scan: Bamba, Falcon-H1, Nemotron-H, Zamba2, Granite 4 hybrid),
-  ``selective_scan`` (Mamba's scan: Jamba, Zamba), ``lightning`` (MiniMax's lightning attention),
-  ``rglru`` (RecurrentGemma's RG-LRU), ``cca`` (ZAYA's convolved Q/K projection);
-  ``cached_step`` refuses the one-token decode kernels (a cache) by name;
-- CP forms of modules whose release computes the recurrence inline (no kernel name to rebind; the registry
-  replaces the method on the instance): ``mamba_inline`` (Jamba 4.43 - 5.0), ``mamba2_inline`` (Bamba 4.48 - 5.0),
-  ``short_conv`` (LFM2 4.54 - 5.0), ``gated_deltanet_forms`` (Qwen3-Next 5.0), and in the kinds' own modules
-  ``lightning`` (MiniMax), ``rglru`` (RecurrentGemma), ``cca`` (ZAYA);
-- ``fingerprint`` -- the key a forward is recognised by: a hash of its syntax tree, written by one fixed rule so
-  that it is the same on every Python minor;
-- ``registry``  -- the versioned registry: which module classes, forward fingerprints and kernel bindings of
-  which releases hfpatch recognises (``recognise``, ``unrecognised_reason``); its entries live in ``families``
-  (one module per family, every release of it) as ``family.MixerFamily`` records;
-- ``install``   -- ``install_mixers(model, ctx)``: rebind the kernels of recognised modules to CP wrappers that
-  follow the switch; ``MixerInstallation.remove()`` restores them.
+- ``install``   ``install_mixers(model, ctx)``: rebinds the kernel names of every recognised module to CP
+                wrappers that follow the switch (``MixerInstallation.remove()`` restores them);
+- ``registry``  ``recognise(module)``: the entry of ``families/`` it matches, or why none does;
+- ``families/`` the registry's entries, one module per family (every release of it): classes, forward
+                fingerprints, and the kernel names the forward calls or the CP forms that replace it;
+- ``forms/``    CP forms, one module per family, one form per release line that computes the recurrence inline
+                (no kernel name to rebind): that release's forward, its kernels called by names of the form's
+                own module;
+- ``kinds/``    one ``SequenceKernel`` per module, listed in ``kinds.KERNELS`` by role: what a kernel does under
+                CP (``conv``, ``delta_rule``, ``ssd``, ``fused_ssd``, ``selective_scan``, ``lightning``,
+                ``rglru``, ``cca``; ``cached_step`` refuses the one-token steps from a cache);
+- core          ``kernel`` (``SequenceKernel``, ``KernelCall``, the refusals every kind and form shares),
+                ``family`` (``MixerFamily``, the fingerprint a forward is recognised by,
+                ``require_methods_read``), ``segments`` (``SegmentPlan``: split, join, ``exchange``).
 
-Adding a kind: a ``SequenceKernel`` subclass (``role``, ``token_args``, ``check``, ``run_cp``) in its own module,
-listed in ``kinds.KERNELS``; registry entries for the families calling it; tests comparing CP with the whole
-sequence (forward and gradients, zigzag and contiguous) and the real HF classes through the sweep's
-``check_class``.
+Adding a kind: a ``SequenceKernel`` subclass (``role``, ``token_args``, ``check``, ``run_cp``) in its own module
+of ``kinds/``, listed in ``kinds.KERNELS``; entries in ``families/`` for the families calling it; tests comparing
+CP with the whole sequence (forward and gradients, zigzag and contiguous) and the real HF classes through the
+sweep's ``check_class``. Adding a release that computes a mixer inline: its form in the family's module of
+``forms/``, and an entry naming it.
 """
 from __future__ import annotations
 

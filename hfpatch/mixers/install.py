@@ -28,12 +28,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from hfpatch import switch as _switch
 from hfpatch.errors import PatchError, UnsupportedArgument
 from hfpatch.mixers.kernel import KernelCall, SequenceKernel
 from hfpatch.mixers.kinds import KERNELS
 from hfpatch.mixers.registry import recognise
 from hfpatch.mixers.segments import SegmentPlan, segments_of_layout
+from hfpatch.modes import current_mode
 from hfpatch.undo import is_wrapper, mark_wrapper
 
 __all__ = ["MixerInstallation", "install_mixers"]
@@ -105,7 +105,7 @@ class MixerInstallation:
 
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
-            mode = _switch.current_mode()
+            mode = current_mode()
             installation.calls[(kernel.role, mode)] += 1
             if mode in ("original", "local") or installation.ctx.world_size < 2:
                 return original(*args, **kwargs)
@@ -140,7 +140,7 @@ class MixerInstallation:
 
         @functools.wraps(getattr(type(mixer), method))
         def replacement(self, *args, **kwargs):
-            if _switch.current_mode() in ("original", "local") or installation.ctx.world_size < 2:
+            if current_mode() in ("original", "local") or installation.ctx.world_size < 2:
                 if previous is not None:
                     return previous(*args, **kwargs)
                 return getattr(type(self), method)(self, *args, **kwargs)

@@ -3,10 +3,9 @@
 A *sequence kernel* is a function a mixer module's ``forward`` calls on this rank's tokens (HF's
 ``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ...). hfpatch replaces the module-level name the forward
 reads with a wrapper (``hfpatch.mixers.install``) that, in switch mode ``"ring"``, hands a ``KernelCall`` and the
-step's ``SegmentPlan`` to the kernel's ``SequenceKernel.run_cp``. A new mixer kind (Mamba's selective scan,
-Mamba2's SSD, lightning attention, RG-LRU, ...) is one subclass in its own module, listed in
-``hfpatch.mixers.kinds.KERNELS``, plus the registry entries of the families that call it
-(``hfpatch.mixers.registry``).
+step's ``SegmentPlan`` to the kernel's ``SequenceKernel.run_cp``. A mixer kind (Mamba's selective scan, Mamba2's
+SSD, lightning attention, RG-LRU, ...) is one subclass in its own module of ``hfpatch.mixers.kinds``, listed in
+``kinds.KERNELS``, plus the registry entries of the families that call it (``hfpatch.mixers.families``).
 
 What ``run_cp`` does, for every kind (``segments.SegmentPlan``):
 
@@ -19,6 +18,10 @@ What ``run_cp`` does, for every kind (``segments.SegmentPlan``):
 
 Everything stays differentiable: autograd carries the gradient back through the correction, ``compose`` and the
 exchange's all-gather to the ranks whose segments produced the states.
+
+What the kinds and the CP forms share lives here too: the refusal of a recurrent state carried in from a cache
+(``CACHE_REASON``, ``CACHE_FIX``, ``refuse_cache``), the refusal of packing metadata handed to a state-space scan
+(``refuse_packing``), and the step sizes of those scans (``discretised_dt``).
 """
 from __future__ import annotations
 
@@ -26,11 +29,21 @@ import inspect
 from typing import Any, Callable, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
+from hfpatch.errors import UnsupportedArgument
 from hfpatch.mixers.segments import SegmentPlan
 from ring_kernels.layout import shard, unshard
 
-__all__ = ["KernelCall", "SequenceKernel"]
+__all__ = ["KernelCall", "SequenceKernel", "CACHE_REASON", "CACHE_FIX", "PACKING_KWARGS", "refuse_cache",
+           "refuse_packing", "discretised_dt"]
+
+CACHE_REASON = ("a recurrent state carried in from a cache (generation) cannot be used with context parallelism, "
+                "where every rank holds a slice of one whole sequence.")
+CACHE_FIX = "call the model with use_cache=False under CP, or generate without hfpatch (RING_ATTN_SWITCH=0)."
+
+# Packing metadata the fast kernels would honour (document starts reset the state or the window).
+PACKING_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q")
 
 
 class KernelCall:
@@ -125,3 +138,35 @@ class SequenceKernel:
         first = whole[0] if isinstance(whole, tuple) else whole
         mine = shard(first, plan.group, layout=plan.layout, dim=self.output_token_dim, cu_seqlens=plan.cu_seqlens)
         return (mine,) + tuple(whole[1:]) if isinstance(whole, tuple) else mine
+
+
+def refuse_cache(name: str, cache: Any) -> None:
+    """Raise ``UnsupportedArgument`` naming ``name`` when a cache was passed. The error carries the cache's class
+    name, not the cache: some releases' cache classes cannot be printed (Lfm2HybridConvCache in 4.54)."""
+    if cache is not None:
+        raise UnsupportedArgument(name, f"a {type(cache).__name__}", CACHE_REASON, CACHE_FIX)
+
+
+def refuse_packing(call: KernelCall, kernel: str) -> None:
+    """``UnsupportedArgument`` when ``call`` of the state-space scan ``kernel`` carries packing metadata
+    (``seq_idx``, ``cu_seqlens``, ...)."""
+    for name in PACKING_KWARGS:
+        if call.arg(name) is not None:
+            raise UnsupportedArgument(
+                name, call.arg(name),
+                f"packing metadata passed to a state-space scan ({kernel}) under CP: hfpatch's mixer exchange runs "
+                "the documents of a packed row as one sequence, like HF's torch path, and does not reset the state "
+                "at document starts.",
+                "pass packed documents as position_ids only (shard_inputs), not seq_idx / cu_seq_lens_*.",
+            )
+
+
+def discretised_dt(dt: torch.Tensor, bias: Optional[torch.Tensor], softplus: bool,
+                   limit: Optional[tuple] = None) -> torch.Tensor:
+    """The step sizes a state-space scan uses, in fp32: ``clamp(softplus(dt + bias), *limit)`` (bias broadcast
+    against dt as given; no clamp when ``limit`` is None), as HF's torch paths compute them (mamba-ssm skips
+    Mamba2's clamp at the default limit (0, inf), which changes nothing after a softplus)."""
+    dt = dt.float() if bias is None else dt.float() + bias.float()
+    if softplus:
+        dt = F.softplus(dt)
+    return dt if limit is None else dt.clamp(min=limit[0], max=limit[1])

@@ -5,9 +5,10 @@ alone. For a module of class C defined in modeling module M, an entry of ``FAMIL
 
 1. C's name is one of the entry's ``classes`` (the entries live in ``hfpatch.mixers.families``, one module per
    family; several entries may list C, one per way its releases write it);
-2. the fingerprint of C's ``forward`` (``fingerprint.forward_fingerprint``: a hash of its syntax tree written
-   by one fixed rule, decorators dropped, so formatting, comments and the Python minor do not count) is one the family lists -- the forward calls the kernels below by these
-   global names with these arguments, and nothing else in it mixes tokens;
+2. the fingerprint of C's ``forward`` (``family.forward_fingerprint``: a hash of its syntax tree written by one
+   fixed rule, decorators dropped, so formatting, comments and the Python minor do not count) is one the family
+   lists -- the forward calls the kernels below by these global names with these arguments, and nothing else in
+   it mixes tokens;
 3. each of the family's ``bindings`` (global name in M -> kernel role) exists in M, and the parameters of the
    function bound there (``parameter_spec``) are one of the role's ``KERNEL_PARAMETERS``.
 
@@ -26,8 +27,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from hfpatch.mixers.families import FAMILIES, KERNEL_PARAMETERS
-from hfpatch.mixers.family import MixerFamily, Recognised
-from hfpatch.mixers.fingerprint import forward_fingerprint
+from hfpatch.mixers.family import MixerFamily, Recognised, forward_fingerprint
 
 __all__ = ["MixerFamily", "Recognised", "FAMILIES", "KERNEL_PARAMETERS", "recognise", "unrecognised_reason",
            "forward_fingerprint", "class_fingerprint", "parameter_spec"]

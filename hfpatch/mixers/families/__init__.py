@@ -3,9 +3,10 @@ releases it covers.
 
 A family module defines ``FAMILIES`` (its ``MixerFamily`` entries: a release whose forward calls kernels by
 global names is an entry with ``bindings``; one whose recurrence is computed inline is an entry with
-``replaces``, its CP form written for that release's code) and may define ``KERNEL_PARAMETERS`` (role ->
-parameter specs of its releases' kernels, beside ``kernel_parameters.KERNEL_PARAMETERS``). Adding a family or a
-release: a module here (or an entry in one), listed in ``_MODULES``.
+``replaces``, its CP form written for that release's code, in the module of the same name in
+``hfpatch.mixers.forms``) and may define ``KERNEL_PARAMETERS`` (role -> parameter specs of its releases' kernels,
+beside ``kernel_parameters.KERNEL_PARAMETERS``). Adding a family or a release: a module here (or an entry in one),
+listed in ``_MODULES``.
 """
 from __future__ import annotations
 

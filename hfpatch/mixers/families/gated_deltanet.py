@@ -3,12 +3,12 @@ LaraMini).
 
 From 5.19 the forward calls its kernels by module-level names (``causal_conv1d_fn``,
 ``torch_chunk_gated_delta_rule``), which hfpatch rebinds. Qwen3-Next of 5.0 picks them in ``__init__`` as instance
-attributes, so its entry replaces ``forward`` by a CP form (``hfpatch.mixers.gated_deltanet_forms``) whose two
+attributes, so its entry replaces ``forward`` by a CP form (``hfpatch.mixers.forms.gated_deltanet``) whose two
 kernel names run the instance's kernels."""
 from __future__ import annotations
 
 from hfpatch.mixers.family import MixerFamily
-from hfpatch.mixers.gated_deltanet_forms import qwen3_next_forward_instance_kernels
+from hfpatch.mixers.forms.gated_deltanet import qwen3_next_forward_instance_kernels
 
 FAMILIES = (
     MixerFamily(

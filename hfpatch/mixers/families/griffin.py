@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hfpatch.mixers.family import MixerFamily
-from hfpatch.mixers.rglru import griffin_block_forward, rglru_scan
+from hfpatch.mixers.forms.griffin import griffin_block_forward, rglru_scan
 
 FAMILIES = (
     MixerFamily(

@@ -1,12 +1,12 @@
 """Lightning attention: linear attention with a per-head scalar decay (MiniMax).
 
 Every release computes the recurrence inline, so each entry replaces ``forward`` by a CP form written for that
-release's code (``hfpatch.mixers.lightning``)."""
+release's code (``hfpatch.mixers.forms.lightning``)."""
 from __future__ import annotations
 
 from hfpatch.mixers.family import MixerFamily
-from hfpatch.mixers.lightning import (minimax_lightning_forward, minimax_lightning_forward_cache,
-                                      minimax_lightning_forward_value_mask)
+from hfpatch.mixers.forms.lightning import (minimax_lightning_forward, minimax_lightning_forward_cache,
+                                            minimax_lightning_forward_value_mask)
 
 FAMILIES = (
     # 5.24: 5.23's forward with the cache argument named cache (past_key_values before).

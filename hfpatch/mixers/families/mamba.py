@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hfpatch.mixers.family import MixerFamily
-from hfpatch.mixers.mamba_inline import jamba_forward
+from hfpatch.mixers.forms.mamba import jamba_forward
 
 FAMILIES = (
     MixerFamily(
@@ -16,8 +16,8 @@ FAMILIES = (
                   "87d4a4c321593491": "5.23.0: jamba", "e57915bae9b46411": "5.23.0: zamba"},
     ),
     # Releases whose forward dispatches to slow_forward (the conv and the scan loop inline) or cuda_kernels_forward
-    # (imported CUDA kernels): forward replaced by a CP form (hfpatch.mixers.mamba_inline) whose conv and scan go
-    # through the names below; it checks the dispatched methods' fingerprints (mamba_inline.JAMBA_METHODS_READ).
+    # (imported CUDA kernels): forward replaced by a CP form (hfpatch.mixers.forms.mamba) whose conv and scan go
+    # through the names below; it checks the dispatched methods' fingerprints (forms.mamba.JAMBA_METHODS_READ).
     MixerFamily(
         name="mamba-inline", mixer="Mamba (causal conv + selective scan), computed inline",
         classes=("JambaMambaMixer",),
@@ -29,7 +29,7 @@ FAMILIES = (
 )
 
 KERNEL_PARAMETERS = {
-    # hfpatch.mixers.mamba_inline.mamba_selective_scan (the token loop of the releases that compute it inline)
+    # hfpatch.mixers.forms.mamba.mamba_selective_scan (the token loop of the releases that compute it inline)
     "selective_scan": (("hidden_states", "dt", "A", "B", "C", "D=None", "z=None", "delta_bias=None",
                         "delta_softplus=False", "return_last_state=False"),),
 }

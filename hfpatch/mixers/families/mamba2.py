@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hfpatch.mixers.family import MixerFamily
-from hfpatch.mixers.mamba2_inline import bamba_forward, bamba_forward_tiled_groups
+from hfpatch.mixers.forms.mamba2 import bamba_forward, bamba_forward_tiled_groups
 
 FAMILIES = (
     MixerFamily(
@@ -20,7 +20,7 @@ FAMILIES = (
                   "d26f69c65020a12a": "5.23.0: falcon_h1"},
     ),
     # Releases whose forward dispatches to torch_forward (the conv and the chunked scan inline) or
-    # cuda_kernels_forward (imported CUDA kernels): forward replaced by a CP form (hfpatch.mixers.mamba2_inline)
+    # cuda_kernels_forward (imported CUDA kernels): forward replaced by a CP form (hfpatch.mixers.forms.mamba2)
     # whose conv and scan go through the names below; it checks the dispatched methods' fingerprints. 4.48's
     # torch_forward tiles the B/C groups over the heads, later ones repeat each group for its heads: one entry each.
     MixerFamily(
@@ -40,7 +40,7 @@ FAMILIES = (
 )
 
 KERNEL_PARAMETERS = {
-    # hfpatch.mixers.mamba2_inline.mamba2_chunk_scan (the chunked scan of the releases that compute it inline)
+    # hfpatch.mixers.forms.mamba2.mamba2_chunk_scan (the chunked scan of the releases that compute it inline)
     "ssd_chunk_scan": (("hidden_states", "dt", "A", "B", "C", "chunk_size", "D=None", "dt_bias=None",
                         "initial_states=None", "dt_softplus=False", "dt_limit=(0.0, inf)",
                         "return_final_states=False"),),

@@ -2,13 +2,14 @@
 
 From 5.19 the forward calls ``causal_conv1d_fn`` by name (rebound under CP); 4.54 - 5.0 convolve inline with an
 ``nn.Conv1d`` in ``slow_forward`` (``forward`` picks it, or ``cuda_kernels_forward`` on CUDA), so that entry
-replaces ``forward`` by ``hfpatch.mixers.short_conv.lfm2_short_conv_forward``, written for ``slow_forward``'s code.
+replaces ``forward`` by ``hfpatch.mixers.forms.short_conv.lfm2_short_conv_forward``, written for
+``slow_forward``'s code.
 Its key is ``forward``'s fingerprint only: the registry tries a class's entries in order and stops at one whose
 replaced method the class lacks, so a ``slow_forward`` entry would end the search for the 5.19+ classes."""
 from __future__ import annotations
 
 from hfpatch.mixers.family import MixerFamily
-from hfpatch.mixers.short_conv import lfm2_short_conv_forward
+from hfpatch.mixers.forms.short_conv import lfm2_short_conv_forward
 
 # The fingerprint of ``slow_forward`` (the code ``lfm2_short_conv_forward`` follows) read with each forward of the
 # inline entry below; tests/test_mixers_lightning_short_conv_releases.py checks it on every local release.

@@ -3,7 +3,7 @@
 Those releases convolve inline: ``forward`` picks ``cuda_kernels_forward`` (the causal-conv1d package, on CUDA) or
 ``slow_forward`` (``self.conv``, an ``nn.Conv1d`` with padding K-1, the outputs past L dropped), so there is no
 kernel name to rebind. ``lfm2_short_conv_forward`` is ``slow_forward`` without a cache, its convolution computed
-by ``causal_conv1d`` (``hfpatch.mixers.conv``: the same ``F.conv1d``) read from this module's globals, which
+by ``causal_conv1d`` (``hfpatch.mixers.kinds.conv``: the same ``F.conv1d``) read from this module's globals, which
 ``install_mixers`` rebinds to the causal conv kind's CP wrapper: the window (B, C, K-1) travels per segment.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from hfpatch.mixers.conv import causal_conv1d
-from hfpatch.mixers.lightning import refuse_cache
+from hfpatch.mixers.kernel import refuse_cache
+from hfpatch.mixers.kinds.conv import causal_conv1d
 
 __all__ = ["causal_conv1d", "lfm2_short_conv_forward"]
 

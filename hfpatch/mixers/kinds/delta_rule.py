@@ -18,14 +18,10 @@ from typing import Tuple
 import torch
 
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.mixers.kernel import KernelCall, SequenceKernel
+from hfpatch.mixers.kernel import CACHE_FIX, CACHE_REASON, KernelCall, SequenceKernel
 from hfpatch.mixers.segments import SegmentPlan, map_segments
 
 __all__ = ["GatedDeltaRule"]
-
-_CACHE_REASON = ("a recurrent state carried in from a cache (generation) cannot be used with context parallelism, "
-                 "where every rank holds a slice of one whole sequence.")
-_CACHE_FIX = "call the model with use_cache=False under CP, or generate without hfpatch (RING_ATTN_SWITCH=0)."
 
 
 class GatedDeltaRule(SequenceKernel):
@@ -38,9 +34,9 @@ class GatedDeltaRule(SequenceKernel):
 
     def check(self, call: KernelCall) -> None:
         if call.arg("initial_state") is not None:
-            raise UnsupportedArgument("initial_state", call.arg("initial_state"), _CACHE_REASON, _CACHE_FIX)
+            raise UnsupportedArgument("initial_state", call.arg("initial_state"), CACHE_REASON, CACHE_FIX)
         if call.arg("output_final_state"):
-            raise UnsupportedArgument("output_final_state", True, _CACHE_REASON, _CACHE_FIX)
+            raise UnsupportedArgument("output_final_state", True, CACHE_REASON, CACHE_FIX)
         if call.arg("cu_seqlens") is not None:
             raise UnsupportedArgument(
                 "cu_seq_lens_q", call.arg("cu_seqlens"),

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.mixers.kernel import KernelCall, SequenceKernel
+from hfpatch.mixers.kernel import (CACHE_FIX, CACHE_REASON, KernelCall, SequenceKernel, discretised_dt,
+                                   refuse_packing)
 from hfpatch.mixers.segments import SegmentPlan, map_segments
-from hfpatch.mixers.ssd import CACHE_FIX, CACHE_REASON, discretised_dt, refuse_packing
 
 __all__ = ["SelectiveScan", "CHUNK_ELEMENTS"]
 

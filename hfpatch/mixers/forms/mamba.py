@@ -4,53 +4,30 @@ loop) or, with ``use_mamba_kernels``, to ``cuda_kernels_forward`` (the causal-co
 module imported).
 
 ``jamba_forward`` is that forward without a cache, its convolution computed by ``causal_conv1d``
-(``hfpatch.mixers.conv``: the same ``F.conv1d`` as the module's ``nn.Conv1d``) and its scan by
+(``hfpatch.mixers.kinds.conv``: the same ``F.conv1d`` as the module's ``nn.Conv1d``) and its scan by
 ``mamba_selective_scan`` below (``slow_forward``'s token loop); under CP ``install_mixers`` rebinds both names in
 this module to the wrappers of the ``causal_conv1d`` and ``selective_scan`` kinds. The fused path computes
 ``slow_forward``'s function with mamba-ssm's silu gate (causal-conv1d accepts only a silu convolution), so under
 CP it runs that computation through the same two kernels (torch, not the CUDA kernels).
 
 The registry recognises the class by ``forward``'s fingerprint; the methods it dispatches to, which the CP form
-reproduces, are checked against the fingerprints they were read with (``require_methods_read``) at the first call.
+reproduces, are checked against the fingerprints they were read with (``family.require_methods_read``) at the
+first call.
 """
 from __future__ import annotations
 
 import sys
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from hfpatch.errors import UnsupportedArgument, UnsupportedModel
-from hfpatch.mixers.conv import causal_conv1d
-from hfpatch.mixers.fingerprint import forward_fingerprint
-from hfpatch.mixers.ssd import CACHE_FIX, CACHE_REASON
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.mixers.family import require_methods_read
+from hfpatch.mixers.kernel import CACHE_FIX, CACHE_REASON
+from hfpatch.mixers.kinds.conv import causal_conv1d
 
-__all__ = ["mamba_selective_scan", "causal_conv1d", "jamba_forward", "JAMBA_METHODS_READ", "require_methods_read"]
-
-_METHODS_CHECKED: dict = {}
-
-
-def require_methods_read(module, read: Mapping[str, Mapping[str, str]]) -> None:
-    """Raise ``UnsupportedModel`` unless every method named in ``read`` has, on ``module``'s class, a fingerprint
-    (``fingerprint.forward_fingerprint``) listed there: the code a CP form reproduces besides the forward the
-    registry recognised. Checked once per class."""
-    cls = type(module)
-    key = (cls, id(read))
-    if key not in _METHODS_CHECKED:
-        changed = []
-        for name, known in read.items():
-            method = getattr(cls, name, None)
-            fingerprint = forward_fingerprint(method) if method is not None else "absent"
-            if fingerprint not in known:
-                changed.append(f"{name} (fingerprint {fingerprint}; read: {', '.join(known)})")
-        _METHODS_CHECKED[key] = changed
-    if _METHODS_CHECKED[key]:
-        raise UnsupportedModel(
-            f"{cls.__name__}: hfpatch's CP form of its forward reproduces methods that this release writes "
-            f"differently: {'; '.join(_METHODS_CHECKED[key])}. Fix: train this model without CP, or use a "
-            "transformers release whose mixer hfpatch lists (MODELS.md).", findings=[])
-
+__all__ = ["mamba_selective_scan", "causal_conv1d", "jamba_forward", "JAMBA_METHODS_READ"]
 
 def mamba_selective_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                          C: torch.Tensor, D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None,
@@ -115,7 +92,7 @@ _FAST_PATH_MISSING = ("use_mamba_kernels=True needs causal-conv1d and mamba-ssm 
                       "CUDA device; set use_mamba_kernels=False in the model config to run the torch path")
 
 # The methods JambaMambaMixer.forward dispatches to, as the CP form below reproduces them: fingerprint
-# (fingerprint.forward_fingerprint) -> the releases they were read on.
+# (family.forward_fingerprint) -> the releases they were read on.
 JAMBA_METHODS_READ = {
     "slow_forward": {"78f1837c60c912cb": "4.43.4", "95ab7393d0efdb9f": "4.48.3, 4.53.3, 4.54.1",
                      "87873f8973997270": "5.0.0"},

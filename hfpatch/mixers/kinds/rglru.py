@@ -1,5 +1,4 @@
-"""The RG-LRU (RecurrentGemma's real-gated linear recurrent unit) and the causal convolution in front of it, under
-CP.
+"""The RG-LRU's scan (RecurrentGemma's real-gated linear recurrent unit) under CP.
 
 The RG-LRU's scan is a diagonal linear recurrence over the width W: ``h_t = a_t * h_{t-1} + x_t``, with ``a_t``
 zeroed where a document starts (``reset``: position id 0, so packed documents given by position_ids restart the
@@ -7,28 +6,21 @@ state, as in HF). From a state h0 entering a segment: ``h_t = h0_t + A_t * h0`` 
 of the gates and h0_t the zero-start outputs; the segment's transition is the product over all its tokens. Per
 segment (transition, zero-start final state) travels: 2 x (B, W) in fp32.
 
-The block's convolution (``conv_1d``, depthwise, K taps) is the ``causal_conv1d`` kind (``hfpatch.mixers.conv``)
-run on ``causal_conv1d`` (``hfpatch.mixers.conv``'s, imported here so that the registry rebinds this module's name);
-its window (B, W, K-1) travels.
-
-HF computes both inline, so under CP the registry replaces, on the instance, ``RecurrentGemmaRecurrentBlock.forward``
-(by ``griffin_block_forward``: the convolution through ``causal_conv1d``) and ``RecurrentGemmaRglru._rnn_scan`` (by
-``rglru_scan``: the scan through ``linear_recurrence``); HF's ``RecurrentGemmaRglru.forward`` (its gates) runs as is.
+``linear_recurrence`` is that scan token by token, as HF's ``RecurrentGemmaRglru._rnn_scan`` computes it inline;
+HF has no kernel name for it: the Griffin CP forms (``hfpatch.mixers.forms.griffin``) call it by name, so that
+under CP the kernel's wrapper runs ``DiagonalRecurrence.run_cp``.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.mixers.conv import causal_conv1d
-from hfpatch.mixers.kernel import KernelCall, SequenceKernel
-from hfpatch.mixers.lightning import CACHE_FIX, CACHE_REASON
+from hfpatch.mixers.kernel import CACHE_FIX, CACHE_REASON, KernelCall, SequenceKernel
 from hfpatch.mixers.segments import SegmentPlan, map_segments
 
-__all__ = ["DiagonalRecurrence", "linear_recurrence", "griffin_block_forward", "rglru_scan"]
+__all__ = ["DiagonalRecurrence", "linear_recurrence"]
 
 
 def linear_recurrence(hidden_states: torch.Tensor, recurrent_gate: torch.Tensor, reset: torch.Tensor,
@@ -82,24 +74,3 @@ class DiagonalRecurrence(SequenceKernel):
                    for (out0, _, running), state in zip(summaries, entering)]
         return plan.join(outputs, dim=1), None
 
-
-def rglru_scan(module, hidden_states: torch.Tensor, recurrent_gate: torch.Tensor, reset: torch.Tensor,
-               recurrent_states: Optional[torch.Tensor], acc_dtype: torch.dtype = torch.float32):
-    """``RecurrentGemmaRglru._rnn_scan`` (transformers 5.23) through ``linear_recurrence``: (outputs, state)."""
-    # Read from this module's globals at call time: install_mixers rebinds the name to its CP wrapper.
-    return linear_recurrence(hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
-
-
-def griffin_block_forward(module, input_states: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
-                          use_cache: bool = True, **kwargs):
-    """``RecurrentGemmaRecurrentBlock.forward`` (transformers 5.23) without a cache, its convolution computed by
-    ``causal_conv1d``: the same branches, gates and projections. Returns (output (B, L, hidden), None)."""
-    if use_cache:
-        raise UnsupportedArgument("use_cache", use_cache, CACHE_REASON, CACHE_FIX)
-    y_branch = module.act_fn(module.linear_y(input_states))
-    x_branch = module.linear_x(input_states).transpose(1, 2)
-    module.conv1d_state = None
-    module.rg_lru.recurrent_states = None
-    x_branch = causal_conv1d(x_branch, module.conv_1d.weight[:, 0, :], module.conv_1d.bias)
-    x_branch = module.rg_lru(x_branch.transpose(1, 2), position_ids)
-    return module.linear_out(x_branch * y_branch), None

@@ -5,9 +5,9 @@ causal-conv1d's function or None, then ``nn.Conv1d`` on the whole sequence; ``se
 flash-linear-attention's or HF's ``torch_chunk_gated_delta_rule``), so there is no module-level name for hfpatch
 to rebind. ``qwen3_next_forward_instance_kernels`` is that forward without a cache, its two sequence parts
 called through this module's ``causal_conv1d`` and ``chunk_gated_delta_rule`` (which the registry entry binds to
-the ``causal_conv1d`` and ``chunk_gated_delta_rule`` kinds, ``hfpatch.mixers.conv`` and
-``hfpatch.mixers.delta_rule``); each of them runs the instance's own kernel (its ``implementation`` argument), so
-the computation is the one the module would do on the whole sequence.
+the ``causal_conv1d`` and ``chunk_gated_delta_rule`` kinds, ``hfpatch.mixers.kinds.conv`` and
+``hfpatch.mixers.kinds.delta_rule``); each of them runs the instance's own kernel (its ``implementation``
+argument), so the computation is the one the module would do on the whole sequence.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.mixers.lightning import CACHE_FIX, CACHE_REASON
-from hfpatch.mixers.conv import causal_conv1d as _torch_causal_conv1d
+from hfpatch.mixers.kernel import CACHE_FIX, CACHE_REASON
+from hfpatch.mixers.kinds import conv
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "qwen3_next_forward_instance_kernels"]
 
@@ -32,7 +32,7 @@ def causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optio
     ("silu" or None)."""
     if implementation is not None:
         return implementation(x=hidden_states, weight=weight, bias=bias, activation=activation, seq_idx=None)
-    return _torch_causal_conv1d(hidden_states, weight, bias, activation)
+    return conv.causal_conv1d(hidden_states, weight, bias, activation)
 
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,

@@ -4,7 +4,7 @@ algorithm in its body) or, on CUDA with causal-conv1d and mamba-ssm installed, t
 kernels the module imported).
 
 ``bamba_forward`` is that forward without a cache, its convolution computed by ``causal_conv1d``
-(``hfpatch.mixers.conv``: the same ``F.conv1d`` as the module's ``nn.Conv1d``) and its scan by
+(``hfpatch.mixers.kinds.conv``: the same ``F.conv1d`` as the module's ``nn.Conv1d``) and its scan by
 ``mamba2_chunk_scan`` below (``torch_forward``'s chunked algorithm); under CP ``install_mixers`` rebinds both names
 in this module to the wrappers of the ``causal_conv1d`` and ``ssd_chunk_scan`` kinds. The CUDA path (its unfused
 branch, the one HF's Mamba2 mixers take under CP from 5.x on, and its fused kernel alike) computes
@@ -16,7 +16,8 @@ group ``h % groups``); ``bamba_forward_tiled_groups`` expands B, C to one group 
 scan on that path, so that each path of each release keeps its own mapping.
 
 The registry recognises the class by ``forward``'s fingerprint; the methods it dispatches to, which the CP forms
-reproduce, are checked against the fingerprints they were read with (``require_methods_read``) at the first call.
+reproduce, are checked against the fingerprints they were read with (``family.require_methods_read``) at the first
+call.
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.mixers.mamba_inline import require_methods_read
-from hfpatch.mixers.conv import causal_conv1d
-from hfpatch.mixers.ssd import CACHE_FIX, CACHE_REASON
+from hfpatch.mixers.family import require_methods_read
+from hfpatch.mixers.kernel import CACHE_FIX, CACHE_REASON
+from hfpatch.mixers.kinds.conv import causal_conv1d
 
 __all__ = ["mamba2_chunk_scan", "causal_conv1d", "bamba_forward", "bamba_forward_tiled_groups", "BAMBA_METHODS_READ",
            "BAMBA_TILED_GROUPS_METHODS_READ"]

@@ -9,6 +9,9 @@ Under CP each segment's summary is exactly that window, from its own tokens (zer
 W): per segment (B, Cqk, W) + (B, Cv) travels in the activations' dtype. The window entering a segment, composed
 in global order, is handed to HF's own ``ZayaCCAProjection.forward`` as its cache (in the cache interface that
 release reads: ``_Window``; the path HF takes when it continues from a cache), so HF's code computes every segment.
+
+``cca_projection`` calls HF's own forward; ZAYA's CP forms (``hfpatch.mixers.forms.zaya``) replace that forward
+by a call of ``cca_projection`` by name, so that under CP the kernel's wrapper runs ``CcaProjection.run_cp``.
 """
 from __future__ import annotations
 
@@ -17,12 +20,11 @@ from typing import Optional, Tuple
 import torch
 
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.mixers.kernel import KernelCall, SequenceKernel
-from hfpatch.mixers.lightning import CACHE_FIX, CACHE_REASON
+from hfpatch.mixers.kernel import CACHE_FIX, CACHE_REASON, KernelCall, SequenceKernel
 from hfpatch.mixers.segments import SegmentPlan
 from ring_kernels.layout import shard, unshard
 
-__all__ = ["CcaProjection", "cca_projection", "zaya_cca_forward", "zaya_cca_forward_cache"]
+__all__ = ["CcaProjection", "cca_projection"]
 
 
 def cca_projection(module, hidden_states: torch.Tensor, past_key_values=None,
@@ -145,18 +147,3 @@ class CcaProjection(SequenceKernel):
         outputs = call.original_with(**whole)
         return tuple(shard(x, plan.group, layout=plan.layout, dim=1, cu_seqlens=plan.cu_seqlens) for x in outputs)
 
-
-def zaya_cca_forward(module, hidden_states: torch.Tensor, past_key_values=None,
-                     conv_mask: Optional[torch.Tensor] = None):
-    """``ZayaCCAProjection.forward`` (transformers 5.19 and 5.23) routed through ``cca_projection`` (its CP wrapper).
-    The two releases differ only in how the forward reads a cache, which ``_Window`` answers both ways."""
-    # Read from this module's globals at call time: install_mixers rebinds the name to its CP wrapper.
-    return cca_projection(module, hidden_states, past_key_values, conv_mask)
-
-
-def zaya_cca_forward_cache(module, hidden_states: torch.Tensor, cache=None, conv_mask: Optional[torch.Tensor] = None,
-                           past_key_values=None):
-    """``ZayaCCAProjection.forward`` as transformers 5.24 writes it (5.23's, the cache argument renamed ``cache``;
-    ``past_key_values``, the name its decorator still maps to it, taken as the cache) routed through
-    ``cca_projection``, which refuses a cache under CP."""
-    return cca_projection(module, hidden_states, cache if cache is not None else past_key_values, conv_mask)

@@ -1,5 +1,5 @@
 """Mamba2's state-space duality scan (SSD: HF's ``mamba2_chunk_scan``, i.e. mamba-ssm's
-``mamba_chunk_scan_combined`` or its torch fallback) under CP, and the fused Mamba2 kernel it stands in for.
+``mamba_chunk_scan_combined`` or its torch fallback) under CP.
 
 Per head the state h is (head_dim P, d_state N) and every token updates it with a SCALAR decay:
 ``h_t = exp(A dt_t) h_{t-1} + dt_t x_t B_t^T``, output ``y_t = h_t C_t + D x_t`` (dt after ``dt_bias``, softplus
@@ -12,53 +12,18 @@ implementation); the transition is the per-head scalar ``exp(A S_L)``; the compo
 
 Travels per segment: T (B, H) and F (B, H, P, N), in fp32.
 
-``mamba2_split_conv1d_scan_combined`` (mamba-ssm's fused conv + scan + norm + out-projection, which HF's Mamba2
-mixers try first in training and which returns None on the torch path) returns None under CP: the mixer's
-forward then takes its unfused path, whose convolution and scan hfpatch runs under CP with the same kernels.
+The fused kernel HF's Mamba2 mixers try first is declined under CP (``fused_ssd``): they then call this one.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.mixers.kernel import KernelCall, SequenceKernel
+from hfpatch.mixers.kernel import (CACHE_FIX, CACHE_REASON, KernelCall, SequenceKernel, discretised_dt,
+                                   refuse_packing)
 from hfpatch.mixers.segments import SegmentPlan, map_segments
 
-__all__ = ["SSDChunkScan", "UnfusedMamba2", "CACHE_REASON", "CACHE_FIX", "discretised_dt", "refuse_packing"]
-
-CACHE_REASON = ("a recurrent state carried in from a cache (generation) cannot be used with context parallelism, "
-                "where every rank holds a slice of one whole sequence.")
-CACHE_FIX = "call the model with use_cache=False under CP, or generate without hfpatch (RING_ATTN_SWITCH=0)."
-
-# Packing metadata mamba-ssm's kernels would honour (document starts reset the state).
-_PACKING_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q")
-
-
-def refuse_packing(call: KernelCall, kernel: str) -> None:
-    """``UnsupportedArgument`` when ``call`` carries packing metadata (``seq_idx``, ``cu_seqlens``, ...)."""
-    for name in _PACKING_KWARGS:
-        if call.arg(name) is not None:
-            raise UnsupportedArgument(
-                name, call.arg(name),
-                f"packing metadata passed to a state-space scan ({kernel}) under CP: hfpatch's mixer exchange runs "
-                "the documents of a packed row as one sequence, like HF's torch path, and does not reset the state "
-                "at document starts.",
-                "pass packed documents as position_ids only (shard_inputs), not seq_idx / cu_seq_lens_*.",
-            )
-
-
-def discretised_dt(dt: torch.Tensor, bias: Optional[torch.Tensor], softplus: bool,
-                   limit: Optional[tuple] = None) -> torch.Tensor:
-    """The step sizes the scan uses, in fp32: ``clamp(softplus(dt + bias), *limit)`` (bias broadcast against dt
-    as given; no clamp when ``limit`` is None), as HF's torch paths compute them (mamba-ssm skips Mamba2's clamp
-    at the default limit (0, inf), which changes nothing after a softplus)."""
-    dt = dt.float() if bias is None else dt.float() + bias.float()
-    if softplus:
-        dt = F.softplus(dt)
-    return dt if limit is None else dt.clamp(min=limit[0], max=limit[1])
+__all__ = ["SSDChunkScan"]
 
 
 class SSDChunkScan(SequenceKernel):
@@ -116,21 +81,3 @@ class SSDChunkScan(SequenceKernel):
             outputs.append((out0.float() + read * decay.exp()[..., None]).to(out0.dtype))
         return plan.join(outputs, dim=1)
 
-
-class UnfusedMamba2(SequenceKernel):
-    """``mamba2_split_conv1d_scan_combined(zxbcdt (B, L, ...), ...)``: None under CP (and in switch mode
-    "reference"), so that the mixer runs its unfused convolution and scan, which hfpatch runs under CP."""
-
-    role = "mamba2_split_conv1d_scan"
-    token_args = {"zxbcdt": 1}
-    output_token_dim = 1
-
-    def check(self, call: KernelCall) -> None:
-        if call.arg("initial_states") is not None:
-            raise UnsupportedArgument("initial_states", call.arg("initial_states"), CACHE_REASON, CACHE_FIX)
-
-    def run_cp(self, call: KernelCall, plan: SegmentPlan) -> None:
-        return None
-
-    def reference(self, call: KernelCall, plan: SegmentPlan) -> None:
-        return None

@@ -21,13 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.mixers.kernel import KernelCall, SequenceKernel
+from hfpatch.mixers.kernel import PACKING_KWARGS, KernelCall, SequenceKernel
 from hfpatch.mixers.segments import SegmentPlan, map_segments
 
 __all__ = ["CausalConv1d", "causal_conv1d"]
-
-# Packing metadata the fast causal-conv1d kernel would honour (document starts reset the window).
-_PACKING_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q")
 
 
 def causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -58,7 +55,7 @@ class CausalConv1d(SequenceKernel):
     output_token_dim = 2
 
     def check(self, call: KernelCall) -> None:
-        for name in _PACKING_KWARGS:
+        for name in PACKING_KWARGS:
             if call.arg(name) is not None:
                 raise UnsupportedArgument(
                     name, call.arg(name),
