@@ -96,7 +96,7 @@ def _best_configs() -> dict:
     from ring_kernels.backends import triton_attn as ta
 
     found = {}
-    for name, tuner in (("fwd", ta._attn_fwd_tuned), ("dkdv", ta._attn_bwd_dkdv_tuned), ("dq", ta._attn_bwd_dq_tuned)):
+    for name, tuner in (("fwd", ta.attn_fwd_tuned), ("dkdv", ta.attn_bwd_dkdv_tuned), ("dq", ta.attn_bwd_dq_tuned)):
         best = getattr(tuner, "best_config", None)
         found[name] = None if best is None else str(best)
     return found

@@ -45,10 +45,10 @@ def merge_(dst: torch.Tensor, a: torch.Tensor, lse_a: torch.Tensor, b: torch.Ten
     dst, a, b: (B, S, H, D), any of fp32/bf16/fp16 (views allowed; ``dst`` may be ``a``, never partly overlap
     it, never overlap ``b``); lse_a, lse_b: (B, H, S) fp32.
     """
-    if dst.is_cuda and _use_fused() and _rows_contiguous(dst, a, b):
-        if _launch(_merge_into_fused_, dst, a, lse_a, b, lse_b):
+    if dst.is_cuda and use_fused() and _rows_contiguous(dst, a, b):
+        if _launch(merge_into_fused_, dst, a, lse_a, b, lse_b):
             return
-    _merge_into_eager_(dst, a, lse_a, b, lse_b)
+    merge_into_eager_(dst, a, lse_a, b, lse_b)
 
 
 def add_(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -61,10 +61,10 @@ def add_(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if not (a.dtype in _LOW and b.dtype in _LOW and dst.dtype == torch.float32):
         torch.add(a, b, out=dst)
         return
-    if dst.is_cuda and _use_fused() and _rows_contiguous(dst, a, b):
-        if _launch(_add_fused_, dst, a, b):
+    if dst.is_cuda and use_fused() and _rows_contiguous(dst, a, b):
+        if _launch(add_fused_, dst, a, b):
             return
-    _add_eager_(dst, a, b)
+    add_eager_(dst, a, b)
 
 
 def safe_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ def _row_weight(lse: torch.Tensor, new_lse_safe: torch.Tensor) -> torch.Tensor:
     return torch.exp(lse - new_lse_safe).transpose(1, 2).unsqueeze(-1)
 
 
-def _merge_into_eager_(dst, a, lse_a, b, lse_b) -> None:
+def merge_into_eager_(dst, a, lse_a, b, lse_b) -> None:
     new_lse = torch.logaddexp(lse_a, lse_b)
     # Rows that still see no key: new_lse = -inf. Subtract 0 there instead, so both weights are exp(-inf) = 0.
     new_safe = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
@@ -98,7 +98,7 @@ def _merge_into_eager_(dst, a, lse_a, b, lse_b) -> None:
     lse_a.copy_(new_lse)
 
 
-def _add_eager_(dst, a, b) -> None:
+def add_eager_(dst, a, b) -> None:
     dst.copy_(a)                                   # exact: half precision widens to fp32 without rounding
     dst.add_(b)                                    # fp32 + half: computed in fp32, one rounding
 
@@ -109,7 +109,7 @@ _kernels = None
 _fused_available: Optional[bool] = None
 
 
-def _use_fused() -> bool:
+def use_fused() -> bool:
     global _fused_available
     if not get_options().fused_merge:
         return False
@@ -204,7 +204,7 @@ def _grid(triton, dst: torch.Tensor) -> Tuple[tuple, dict]:
     return (triton.cdiv(n_rows, block_rows),), dict(BLOCK_ROWS=block_rows, BLOCK_D=block_d, N_ROWS=n_rows)
 
 
-def _merge_into_fused_(dst, a, lse_a, b, lse_b) -> None:
+def merge_into_fused_(dst, a, lse_a, b, lse_b) -> None:
     """The fused merge: one pass over (B*S*H) rows; any strides except a contiguous head dim."""
     triton, merge_rows, _ = _build_fused_kernels()
     if dst.numel() == 0:
@@ -215,7 +215,7 @@ def _merge_into_fused_(dst, a, lse_a, b, lse_b) -> None:
                      *b.stride()[:3], *lse_b.stride(), **sizes)
 
 
-def _add_fused_(dst, a, b) -> None:
+def add_fused_(dst, a, b) -> None:
     """The fused widening add: dst (fp32) = a + b (half precision) in one pass."""
     triton, _, add_rows = _build_fused_kernels()
     if dst.numel() == 0:

@@ -21,7 +21,9 @@ import sys
 import pytest
 import torch
 
-from ring_kernels import engine, merge
+import ring_kernels as rk
+from ring_kernels import engine, merge, options
+from ring_kernels.backends import get_backend
 from ring_kernels.ring import ring_steps
 from ring_kernels.rounding import CLOSE, FIRST, LAST_OF_TWO, MIDDLE, OPEN
 from ring_kernels.stripe import stripe_steps
@@ -191,7 +193,7 @@ def test_eager_merge_rounds_once_into_any_dtype():
         a, lse_a, b, lse_b = _inputs((2, 5, 3, 16), da, db, seed=seed)
         want, want_lse = _merge64(a, lse_a, b, lse_b)
         dst = a if alias else torch.full(a.shape, float("nan"), dtype=dd)
-        merge._merge_into_eager_(dst, a, lse_a, b, lse_b)
+        merge.merge_into_eager_(dst, a, lse_a, b, lse_b)
         assert dst.dtype == dd and not dst.isnan().any() and not lse_a.isnan().any()
         # one rounding of the (fp32-computed) merge to dd: at most one ulp of dd from the float64 value
         ulp = torch.finfo(dd).eps * want.abs().clamp_min(torch.finfo(dd).tiny)
@@ -247,10 +249,10 @@ def fused_kernels_match_eager() -> None:
             fused_dst = a.clone() if alias else torch.zeros(shape, dtype=dd)
             eager_a = eager_dst if alias else a
             fused_a = fused_dst if alias else a
-            merge._merge_into_eager_(eager_dst[:, rows], eager_a[:, rows], eager_lse[:, :, rows], b[:, rows],
-                                     lse_b[:, :, rows])
-            merge._merge_into_fused_(fused_dst[:, rows], fused_a[:, rows], fused_lse[:, :, rows], b[:, rows],
-                                     lse_b[:, :, rows])
+            merge.merge_into_eager_(eager_dst[:, rows], eager_a[:, rows], eager_lse[:, :, rows], b[:, rows],
+                                    lse_b[:, :, rows])
+            merge.merge_into_fused_(fused_dst[:, rows], fused_a[:, rows], fused_lse[:, :, rows], b[:, rows],
+                                    lse_b[:, :, rows])
             assert not fused_dst.isnan().any() and not fused_lse.isnan().any(), (da, db, dd, alias)
             assert_close(fused_dst, eager_dst, tolerance("merge", dd, "out"), f"fused {(da, db, dd, alias)}")
             assert torch.equal(torch.isinf(fused_lse), torch.isinf(eager_lse))
@@ -259,8 +261,8 @@ def fused_kernels_match_eager() -> None:
     for low in (torch.float16, torch.bfloat16):
         a, _, b, _ = _inputs((2, 5, 3, 20), low, low, seed=5)
         eager, fused = torch.empty(a.shape), torch.empty(a.shape)
-        merge._add_eager_(eager[:, 1:], a[:, 1:], b[:, 1:])
-        merge._add_fused_(fused[:, 1:], a[:, 1:], b[:, 1:])
+        merge.add_eager_(eager[:, 1:], a[:, 1:], b[:, 1:])
+        merge.add_fused_(fused[:, 1:], a[:, 1:], b[:, 1:])
         assert torch.equal(fused[:, 1:], eager[:, 1:]), low
     _fused_in_place_accumulator_merge_matches_eager()
 
@@ -277,10 +279,10 @@ def _fused_in_place_accumulator_merge_matches_eager() -> None:
         blk_lse[:, 1, 1] = float("-inf")
         eager = (acc.clone(), lse.clone())
         fused = (acc.clone(), lse.clone())
-        merge._merge_into_eager_(eager[0][:, rows], eager[0][:, rows], eager[1][:, :, rows], blk[:, rows],
-                                 blk_lse[:, :, rows])
-        merge._merge_into_fused_(fused[0][:, rows], fused[0][:, rows], fused[1][:, :, rows], blk[:, rows],
-                                 blk_lse[:, :, rows])
+        merge.merge_into_eager_(eager[0][:, rows], eager[0][:, rows], eager[1][:, :, rows], blk[:, rows],
+                                blk_lse[:, :, rows])
+        merge.merge_into_fused_(fused[0][:, rows], fused[0][:, rows], fused[1][:, :, rows], blk[:, rows],
+                                blk_lse[:, :, rows])
         assert not fused[0].isnan().any() and not fused[1].isnan().any()
         assert_close(fused[0], eager[0], tolerance("merge", torch.float32, "out"), "fused in-place out")
         assert torch.equal(torch.isinf(fused[1]), torch.isinf(eager[1]))
@@ -300,14 +302,12 @@ def test_fused_kernels_match_eager_under_interpreter():
 def test_eager_path_when_fused_merge_is_off(monkeypatch):
     """The option fused_merge=False (or RING_KERNELS_FUSED_MERGE=0) keeps every merge and add eager (the only
     path on CPU as well)."""
-    from ring_kernels import options
-
     with options.use_options(fused_merge=False):
-        assert not merge._use_fused()
+        assert not merge.use_fused()
     monkeypatch.setenv("RING_KERNELS_FUSED_MERGE", "0")
     options.reload_environment()
     try:
-        assert not merge._use_fused()
+        assert not merge.use_fused()
     finally:
         monkeypatch.undo()
         options.reload_environment()
@@ -318,9 +318,6 @@ def test_eager_path_when_fused_merge_is_off(monkeypatch):
 
 def test_world_of_one_returns_the_blocks_own_tensors():
     """A single block's out, dq, dk, dv are returned as they came from the backend: same storage, no copy."""
-    import ring_kernels as rk
-    from ring_kernels.backends import get_backend
-
     impl = get_backend("torch_cpu", device="cpu", dtype=torch.bfloat16, head_dim=64, mask_kind="causal")
     seen = {}
     forward, backward = impl.forward, impl.backward

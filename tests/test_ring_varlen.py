@@ -1030,7 +1030,7 @@ def test_cached_varlen_calls_make_no_device_sync_on_cuda():
 _CUDA_RING_DOCS = [1, 128, 256, 128, 1]      # 257 tokens per rank; [129, 385) crosses the rank boundary
 _CUDA_ZIGZAG_DOCS = [4, 512, 0, 512]         # multiples of 2N = 4: chunks of 1 and 128 tokens, an empty document
 # Correctness, not speed: one launch configuration per Triton kernel (autotuning would compile and time every
-# configuration of each kernel; see triton_attn._tune_bucket). 64 x 64 tiles split the 128-token pieces.
+# configuration of each kernel; see triton_attn.tune_bucket). 64 x 64 tiles split the 128-token pieces.
 _CUDA_TRITON_BLOCKS = {"fwd": (64, 64), "dkdv": (64, 64), "dq": (64, 64)}
 
 
@@ -1091,7 +1091,7 @@ def _cuda_rank(rank, world):
 
     try:
         from ring_kernels.backends import triton_attn
-        triton_attn._set_fixed_blocks(_CUDA_TRITON_BLOCKS)
+        triton_attn.set_fixed_blocks(_CUDA_TRITON_BLOCKS)
     except ImportError:
         pass
     timings, references = {}, {}

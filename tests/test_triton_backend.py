@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import math
 import os
 import subprocess
 import sys
 import time
+import traceback
 
 import pytest
 import torch
 
+from ring_kernels.backends.base import BlockMask
 from ring_kernels.tolerances import assert_close, tolerance
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -113,7 +116,7 @@ def _strided(x: torch.Tensor, kind: str) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _run_case(backend, BlockMask, case_id: str, inp: dict) -> dict:
+def _run_case(backend, case_id: str, inp: dict) -> dict:
     b, sq, sk, h, hk, d, causal, softcap, _dtype, layout, _blocks = CASES[case_id]
     scale = 1.0 / math.sqrt(d)
     q, k, v, dout = inp["q"], inp["k"], inp["v"], inp["dout"]
@@ -154,28 +157,26 @@ def _autotune_with_fake_timer(triton_attn) -> None:
         ms = 1.0 / fake_bench.calls
         return [ms, ms, ms] if quantiles else ms
     fake_bench.calls = 0
-    for tuner in (triton_attn._attn_fwd_tuned, triton_attn._attn_bwd_dkdv_tuned, triton_attn._attn_bwd_dq_tuned):
+    for tuner in (triton_attn.attn_fwd_tuned, triton_attn.attn_bwd_dkdv_tuned, triton_attn.attn_bwd_dq_tuned):
         tuner.configs = sorted(tuner.configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])[:2]
         tuner.do_bench = fake_bench
-    triton_attn._fixed_blocks = None
+    triton_attn.fixed_blocks = None
 
 
 def _tuning_state(tuners) -> dict:
     """How many timings the fake timer took, and each tuner's cache keys (the key's first four entries are the
-    names in ``_TUNE_KEY``: tune_sq, tune_sk, HEAD_DIM, IS_CAUSAL; then the tensors' dtypes)."""
+    names in ``TUNE_KEY``: tune_sq, tune_sk, HEAD_DIM, IS_CAUSAL; then the tensors' dtypes)."""
     return {"bench_calls": tuners[0].do_bench.calls, "keys": [[tuple(k[:4]) for k in t.cache] for t in tuners]}
 
 
 def _child_main(in_path: str, out_path: str) -> None:
     """Run every case under the interpreter; a failing case records its traceback, the others still run."""
-    import traceback
-
     assert os.environ.get("TRITON_INTERPRET") == "1", "the child must run with TRITON_INTERPRET=1"
+    # deferred (triton): this module is collected where triton is absent; the child runs only where it is
     from ring_kernels.backends import triton_attn
-    from ring_kernels.backends.base import BlockMask
 
     backend = triton_attn.TritonBackend()
-    tuners = (triton_attn._attn_fwd_tuned, triton_attn._attn_bwd_dkdv_tuned, triton_attn._attn_bwd_dq_tuned)
+    tuners = (triton_attn.attn_fwd_tuned, triton_attn.attn_bwd_dkdv_tuned, triton_attn.attn_bwd_dq_tuned)
     results = {}
     for case_id, inp in torch.load(in_path).items():
         start = time.process_time()   # CPU seconds: the work itself, not how busy the machine is
@@ -186,8 +187,8 @@ def _child_main(in_path: str, out_path: str) -> None:
             elif blocks == "autotune_again":   # the tuners as the previous case left them (cache, fake timer)
                 before = _tuning_state(tuners)
             else:
-                triton_attn._set_fixed_blocks(blocks)
-            results[case_id] = {"tensors": _run_case(backend, BlockMask, case_id, inp)}
+                triton_attn.set_fixed_blocks(blocks)
+            results[case_id] = {"tensors": _run_case(backend, case_id, inp)}
         except Exception:  # reported by that case's test, with the child's traceback
             results[case_id] = {"error": traceback.format_exc()}
         results[case_id]["seconds"] = time.process_time() - start
@@ -211,12 +212,10 @@ _HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90
 
 def _aot_main(out_path: str) -> None:
     """Compile for sm_90 as the GPU launch would (bf16, D=128, strides divisible by 16); save metadata."""
-    import json
-    import traceback
-
     import triton
     from triton.backends.compiler import GPUTarget
 
+    # deferred (triton): this module is collected where triton is absent; the child runs only where it is
     from ring_kernels.backends import triton_attn
 
     target = GPUTarget("cuda", 90, 32)
@@ -299,8 +298,6 @@ def interpreter_results(_children):
 
 @pytest.fixture(scope="module")
 def aot_results(_children):
-    import json
-
     if "aot" not in _children[0]:
         pytest.skip("this triton has no NVIDIA backend to compile with")
     with open(_wait(_children, "aot")) as f:
@@ -355,10 +352,10 @@ def test_tune_bucket_table(triton_attn):
     """Lengths share a key with every length up to the same power of two, within [16, 16384]."""
     table = {0: 16, 1: 16, 16: 16, 17: 32, 70: 128, 100: 128, 128: 128, 129: 256, 4097: 8192, 8192: 8192,
              8193: 16384, 16384: 16384, 100_000: 16384}
-    assert {n: triton_attn._tune_bucket(n) for n in table} == table
-    assert triton_attn._TUNE_KEY == ["tune_sq", "tune_sk", "HEAD_DIM", "IS_CAUSAL"]
-    for tuner in (triton_attn._attn_fwd_tuned, triton_attn._attn_bwd_dkdv_tuned, triton_attn._attn_bwd_dq_tuned):
-        assert tuner.keys == triton_attn._TUNE_KEY and {"tune_sq", "tune_sk"} <= set(tuner.arg_names)
+    assert {n: triton_attn.tune_bucket(n) for n in table} == table
+    assert triton_attn.TUNE_KEY == ["tune_sq", "tune_sk", "HEAD_DIM", "IS_CAUSAL"]
+    for tuner in (triton_attn.attn_fwd_tuned, triton_attn.attn_bwd_dkdv_tuned, triton_attn.attn_bwd_dq_tuned):
+        assert tuner.keys == triton_attn.TUNE_KEY and {"tune_sq", "tune_sk"} <= set(tuner.arg_names)
 
 
 def test_interpreter_budget(interpreter_results):
@@ -383,7 +380,7 @@ def test_unsupported_reasons(triton_attn):
     cases = [({"head_dim": 96}, "head_dim 96"), ({"head_dim": 8}, "head_dim 8"),
              ({"mask_kind": "general"}, "general"), ({"dtype": torch.float64}, "float64"),
              ({"softcap": -1.0}, "softcap")]
-    if not triton_attn._INTERPRET:
+    if not triton_attn.INTERPRET:
         cases.append(({"device": torch.device("cpu")}, "TRITON_INTERPRET"))
     for change, needle in cases:
         reason = be.unsupported_reason(**{**ok, **change})
@@ -391,8 +388,6 @@ def test_unsupported_reasons(triton_attn):
 
 
 def test_bad_inputs_raise_clear_errors(triton_attn):
-    from ring_kernels.backends.base import BlockMask
-
     be = triton_attn.TritonBackend()
     q, k = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 3, 16)
     with pytest.raises(ValueError, match=r"q heads \(4\) must be a multiple of k/v heads \(3\)"):

@@ -18,7 +18,7 @@ Kernels (all private, compile-time parameters in upper case):
 Mask kinds: FULL, CAUSAL (aligned: q and k cover the same positions, Sq == Sk) and EMPTY (no kernel runs).
 Softcap (score -> c * tanh(score / c), flash-attn semantics) is applied in the kernels, forward and backward.
 On CUDA the launch configurations are autotuned per (bucket of Sq, bucket of Sk, head dim, causal), buckets being
-powers of two (``_tune_bucket``: packed documents of many lengths share a few tunings); under Triton's
+powers of two (``tune_bucket``: packed documents of many lengths share a few tunings); under Triton's
 interpreter (``TRITON_INTERPRET=1``, set before triton is imported) the kernels run on CPU tensors with small
 fixed blocks.
 """
@@ -48,7 +48,7 @@ _LN2 = 0.6931471805599453
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256)  # tl.dot needs >= 16 and power-of-two block shapes
 # Read once, like triton itself does when it decorates the kernels below.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -121,7 +121,7 @@ def _attn_fwd(Q, K, V, Out, Lse,
     """One (query block, batch*head): out (BM, D) and lse (BM,). Needs BLOCK_M % BLOCK_N == 0 when causal.
 
     EVEN_N (Sk % BLOCK_N == 0, set by the heuristic) drops the ragged-tail loop from the compiled kernel.
-    tune_sq/tune_sk are unused here: they are the autotuner's key (``_tune_bucket`` of Sq and Sk).
+    tune_sq/tune_sk are unused here: they are the autotuner's key (``tune_bucket`` of Sq and Sk).
     """
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
@@ -406,50 +406,50 @@ _DQ_CONFIGS = [
 # tune (compile and time every configuration: seconds per new length); lengths in one bucket share the chosen
 # configuration instead. Results do not depend on it: a configuration only picks tile sizes, and the kernels
 # mask ragged tails whatever the tile (EVEN_* are still decided per launch from the exact lengths).
-_TUNE_KEY = ["tune_sq", "tune_sk", "HEAD_DIM", "IS_CAUSAL"]
+TUNE_KEY = ["tune_sq", "tune_sk", "HEAD_DIM", "IS_CAUSAL"]
 _TUNE_MIN = 16       # the smallest tile: shorter lengths all run one tile; a multiple of 16 keeps one
                      # integer specialisation of tune_sq/tune_sk (no extra compile per bucket)
 _TUNE_CAP = 16384    # past this the best tiles are the largest ones whatever the length
 
 
-def _tune_bucket(length: int) -> int:
+def tune_bucket(length: int) -> int:
     """Autotune key of a sequence length: the next power of two, clamped to [16, 16384] (1..16 -> 16,
     17..32 -> 32, ..., > 8192 -> 16384)."""
     return min(_TUNE_CAP, max(_TUNE_MIN, triton.next_power_of_2(max(int(length), 1))))
 
 
-_attn_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY)(_attn_fwd)
-_attn_bwd_dkdv_tuned = triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY)(_attn_bwd_dkdv)
-_attn_bwd_dq_tuned = triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY)(_attn_bwd_dq)
+attn_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=TUNE_KEY)(_attn_fwd)
+attn_bwd_dkdv_tuned = triton.autotune(configs=_DKDV_CONFIGS, key=TUNE_KEY)(_attn_bwd_dkdv)
+attn_bwd_dq_tuned = triton.autotune(configs=_DQ_CONFIGS, key=TUNE_KEY)(_attn_bwd_dq)
 
 # Fixed (BLOCK_M, BLOCK_N) per kernel instead of autotuning: always under the interpreter (no GPU timer, and
-# small blocks keep it fast), and on GPU when a test pins them with ``_set_fixed_blocks`` to exercise edges.
+# small blocks keep it fast), and on GPU when a test pins them with ``set_fixed_blocks`` to exercise edges.
 _INTERPRETER_BLOCKS = {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16), "delta": (16, 0)}
-_fixed_blocks: Optional[Dict[str, Tuple[int, int]]] = dict(_INTERPRETER_BLOCKS) if _INTERPRET else None
+fixed_blocks: Optional[Dict[str, Tuple[int, int]]] = dict(_INTERPRETER_BLOCKS) if INTERPRET else None
 
 
-def _set_fixed_blocks(blocks: Optional[Dict[str, Tuple[int, int]]]) -> None:
+def set_fixed_blocks(blocks: Optional[Dict[str, Tuple[int, int]]]) -> None:
     """Pin (BLOCK_M, BLOCK_N) per kernel ("fwd", "dkdv", "dq", "delta"), or None to autotune (CUDA only).
 
     Causal needs fwd/dq BLOCK_M % BLOCK_N == 0 and dkdv BLOCK_N % BLOCK_M == 0; every block >= 16.
     """
-    global _fixed_blocks
-    if blocks is None and _INTERPRET:
+    global fixed_blocks
+    if blocks is None and INTERPRET:
         blocks = dict(_INTERPRETER_BLOCKS)
     if blocks is not None:
         blocks = {**_INTERPRETER_BLOCKS, **blocks}
         for name, (bm, bn) in blocks.items():
             assert bm >= 16 and (name == "delta" or bn >= 16), f"{name} blocks {bm}x{bn} below 16"
-    _fixed_blocks = blocks
+    fixed_blocks = blocks
 
 
 def _launch(tuned, plain, name: str, grid_rows: int, grid_cols: int, args: tuple, meta: dict) -> None:
     """Launch ``tuned`` (autotuned) or ``plain`` with the pinned blocks; grid = (cdiv(rows, block), cols)."""
-    if _fixed_blocks is None:
+    if fixed_blocks is None:
         block_key = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
         tuned[lambda m: (triton.cdiv(grid_rows, m[block_key]), grid_cols)](*args, **meta)
         return
-    bm, bn = _fixed_blocks[name]
+    bm, bn = fixed_blocks[name]
     if meta["IS_CAUSAL"]:  # the diagonal must be whole inner blocks (see the kernels' docstrings)
         assert (bn % bm == 0) if name == "dkdv" else (bm % bn == 0), f"causal {name} blocks {bm}x{bn}"
     rows_block = bn if name == "dkdv" else bm
@@ -496,7 +496,7 @@ class TritonBackend:
         if softcap < 0.0:
             return f"softcap must be >= 0 (0 = off), got {softcap}"
         device = torch.device(device)
-        if device.type != "cuda" and not (_INTERPRET and device.type == "cpu"):
+        if device.type != "cuda" and not (INTERPRET and device.type == "cpu"):
             return (f"runs on CUDA devices (or on CPU under TRITON_INTERPRET=1 set before importing triton), "
                     f"not {device}")
         return None
@@ -557,11 +557,11 @@ class TritonBackend:
         cap_in, score_scale2 = _score_params(float(scale), float(softcap))
         args = (q, k, v, out, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
                 lse.stride(0), lse.stride(1), h, h // hk, sq, sk, cap_in, score_scale2,
-                _tune_bucket(sq), _tune_bucket(sk))
+                tune_bucket(sq), tune_bucket(sk))
         meta = dict(HEAD_DIM=d, IS_CAUSAL=kind == CAUSAL, SOFTCAP=softcap > 0.0,
                     DOT_PRECISION=_dot_precision(q.dtype))
         with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
-            _launch(_attn_fwd_tuned, _attn_fwd, "fwd", sq, b * h, args, meta)
+            _launch(attn_fwd_tuned, _attn_fwd, "fwd", sq, b * h, args, meta)
         return out, lse
 
     # ----------------------------------------------------------------------------------------- backward
@@ -592,16 +592,16 @@ class TritonBackend:
         meta = dict(HEAD_DIM=d, IS_CAUSAL=kind == CAUSAL, SOFTCAP=softcap > 0.0,
                     DOT_PRECISION=_dot_precision(q.dtype))
         delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-        tune = (_tune_bucket(sq), _tune_bucket(sk))
+        tune = (tune_bucket(sq), tune_bucket(sk))
         with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
-            block_delta = (_fixed_blocks or {}).get("delta", (64, 0))[0]
+            block_delta = (fixed_blocks or {}).get("delta", (64, 0))[0]
             _attn_bwd_delta[(triton.cdiv(sq, block_delta), b * h)](
                 out, dout, delta, *_strides3(out), *_strides3(dout), h, sq, HEAD_DIM=d, BLOCK_M=block_delta)
             common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *lse.stride())
-            _launch(_attn_bwd_dkdv_tuned, _attn_bwd_dkdv, "dkdv", sk, b * hk,
+            _launch(attn_bwd_dkdv_tuned, _attn_bwd_dkdv, "dkdv", sk, b * hk,
                     (q, k, v, dout, lse, delta, dk, dv, *common, *_strides3(dk), *_strides3(dv),
                      h, hk, h // hk, sq, sk, float(scale), cap_in, score_scale2, *tune), meta)
-            _launch(_attn_bwd_dq_tuned, _attn_bwd_dq, "dq", sq, b * h,
+            _launch(attn_bwd_dq_tuned, _attn_bwd_dq, "dq", sq, b * h,
                     (q, k, v, dout, lse, delta, dq, *common, *_strides3(dq),
                      h, h // hk, sq, sk, float(scale), cap_in, score_scale2, *tune), meta)
         return dq, dk, dv

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import ring_kernels as rk
 from _dist import run_world
+from ring_kernels import merge
+from ring_kernels.backends import UnsupportedBackendError, available_backends, get_backend
 
 pytestmark = [pytest.mark.gpu]
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -59,9 +64,6 @@ def _error(got, ref, dtype):
 
 
 def _run_case(rank, case):
-    import ring_kernels as rk
-    from ring_kernels.backends import UnsupportedBackendError, get_backend
-
     fn = {"ring": rk.ring_attn_func, "zigzag": rk.zigzag_ring_attn_func, "stripe": rk.stripe_attn_func}[case["variant"]]
     dev = torch.device("cuda", torch.cuda.current_device())
     b, h, hk, d, dtype, s_local = case["batch"], case["heads"], case["heads_k"], case["headdim"], case["dtype"], case["seqlen"]
@@ -93,8 +95,6 @@ def _run_case(rank, case):
 
 
 def _cases():
-    from ring_kernels.backends import available_backends
-
     backends = [n for n in available_backends("cuda") if n != "reference"] + ["auto"]
     head_dims = itertools.cycle([64, 128, 96])
     lengths = itertools.cycle([384, 1000, 258])      # local lengths, not powers of two (even for zigzag)
@@ -119,10 +119,11 @@ def _pin_triton_blocks():
     """Correctness, not speed, is checked here: autotuning every case's shape would compile ~15 kernel
     configurations per shape (minutes). Pinned 64x64 blocks are one valid configuration (benchmarks autotune)."""
     try:
+        # deferred (triton): the module imports triton; without it the blocks need no pinning
         from ring_kernels.backends import triton_attn
     except ImportError:
         return
-    triton_attn._set_fixed_blocks({"fwd": (64, 64), "dkdv": (64, 64), "dq": (64, 64)})
+    triton_attn.set_fixed_blocks({"fwd": (64, 64), "dkdv": (64, 64), "dq": (64, 64)})
 
 
 def _rank_main(rank, world):
@@ -134,9 +135,7 @@ def _rank_main(rank, world):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fused_merge_on_cuda_matches_eager():
     """The Triton merge kernel that ring forwards use on CUDA, against the eager formula (incl. -inf rows)."""
-    from ring_kernels import merge
-
-    if not merge._use_fused():
+    if not merge.use_fused():
         pytest.skip("triton is not installed (or RING_KERNELS_FUSED_MERGE=0): the eager merge is used")
     torch.manual_seed(0)
     for b, s, h, d, rows in [(1, 4096, 32, 128, slice(None)), (2, 1000, 8, 96, slice(500, 1000))]:
@@ -146,8 +145,8 @@ def test_fused_merge_on_cuda_matches_eager():
         blk, blk_lse = torch.randn(b, s, h, d, device="cuda").bfloat16(), torch.randn(b, h, s, device="cuda")
         blk_lse[:, :, 3:11] = float("-inf")
         eager, fused = (acc.clone(), lse.clone()), (acc.clone(), lse.clone())
-        merge._merge_into_eager_(eager[0][:, rows], eager[0][:, rows], eager[1][:, :, rows], blk[:, rows],
-                                 blk_lse[:, :, rows])
+        merge.merge_into_eager_(eager[0][:, rows], eager[0][:, rows], eager[1][:, :, rows], blk[:, rows],
+                                blk_lse[:, :, rows])
         merge.merge_(fused[0][:, rows], fused[0][:, rows], fused[1][:, :, rows], blk[:, rows], blk_lse[:, :, rows])
         assert not fused[0].isnan().any() and not fused[1].isnan().any()
         torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-5)
@@ -161,11 +160,7 @@ def test_generalised_merge_and_widening_add_on_cuda_match_eager():
     """The Triton ``dst = merge(a, b)`` (dst/a/b of any of fp32/bf16/fp16, dst aliasing a, row views, rows
     without keys) and the widening ``dst (fp32) = a + b (bf16/fp16)`` against the eager formula, on real
     shapes; a compile failure would fall back with a RuntimeWarning, which fails this test."""
-    import warnings
-
-    from ring_kernels import merge
-
-    if not merge._use_fused():
+    if not merge.use_fused():
         pytest.skip("triton is not installed (or RING_KERNELS_FUSED_MERGE=0): the eager merge is used")
     gen = torch.Generator(device="cuda").manual_seed(1)
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -181,7 +176,7 @@ def test_generalised_merge_and_widening_add_on_cuda_match_eager():
             lse[:, :, :7], blk_lse[:, :, 3:11] = float("-inf"), float("-inf")
             a[:, :7] = 0
             results = []
-            for run in (merge._merge_into_eager_, merge._merge_into_fused_):
+            for run in (merge.merge_into_eager_, merge.merge_into_fused_):
                 dst = a.clone() if alias else torch.zeros(b, s, h, d, device="cuda", dtype=dd)
                 src, l = (dst if alias else a), lse.clone()
                 run(dst[:, rows], src[:, rows], l[:, :, rows], blk[:, rows], blk_lse[:, :, rows])

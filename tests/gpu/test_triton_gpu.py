@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from ring_kernels.backends.base import BlockMask
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -88,8 +90,6 @@ def _strided(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def _run(backend, case_id: str, q, k, v, dout):
-    from ring_kernels.backends.base import BlockMask
-
     b, sq, sk, h, hk, d, causal, softcap, _dt, layout, _bl = CASES[case_id]
     scale = 1.0 / math.sqrt(d)
     if layout == "strided":
@@ -114,15 +114,16 @@ def _run(backend, case_id: str, q, k, v, dout):
 
 @pytest.fixture()
 def triton_attn():
+    # deferred (triton): the module imports triton; without it every test here is skipped
     from ring_kernels.backends import triton_attn as module
     yield module
-    module._set_fixed_blocks(None)
+    module.set_fixed_blocks(None)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_matches_float64_reference(triton_attn, case_id):
     dtype = CASES[case_id][8]
-    triton_attn._set_fixed_blocks(CASES[case_id][10])
+    triton_attn.set_fixed_blocks(CASES[case_id][10])
     q, k, v, dout = _inputs(case_id)
     got = _run(triton_attn.TritonBackend(), case_id, q, k, v, dout)
     ref = _plain(case_id, q, k, v, dout, torch.float64)
@@ -151,8 +152,6 @@ def test_matches_float64_reference(triton_attn, case_id):
 
 def test_backward_is_deterministic(triton_attn):
     """dK/dV are summed over the GQA group by a loop, not atomics: two runs give identical bits."""
-    from ring_kernels.backends.base import BlockMask
-
     be = triton_attn.TritonBackend()
     q, k, v, dout = _inputs("bf16_causal_gqa4_d128")
     mask = BlockMask(causal=True)
@@ -164,9 +163,7 @@ def test_backward_is_deterministic(triton_attn):
 
 def test_no_copy_of_strided_inputs(triton_attn):
     """Strided q/k/v (last dim contiguous) are read in place: peak memory grows by the outputs only."""
-    from ring_kernels.backends.base import BlockMask
-
-    triton_attn._set_fixed_blocks(_PIN)   # no autotuning of a new shape: this test is about memory
+    triton_attn.set_fixed_blocks(_PIN)   # no autotuning of a new shape: this test is about memory
     be = triton_attn.TritonBackend()
     b, s, h, d = 1, 4096, 8, 128
     qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
