@@ -5,7 +5,7 @@ The flow of one apply: resolve the group -> read ``RING_ATTN_SWITCH`` -> match t
 all-or-nothing -> switch the model (``model=``) -> verify identity -> numeric probe -> ``Patch``. Any failure
 after the install removes everything again before the error propagates.
 
-A ``Patch`` holds every part it installed in one ``hfpatch.undo.UndoStack`` (the attention patch, the model's
+A ``Patch`` holds every part it installed in one ``hfpatch.errors.UndoStack`` (the attention patch, the model's
 routing, its position, mixer, tracking, labels and inputs hooks, the switch default), in install order;
 ``remove()`` takes them out newest first, each even if another fails. The parts it reads keep typed fields.
 """
@@ -24,8 +24,8 @@ from hfpatch import inputs, modes, verify as verify_module, version_gates
 from hfpatch.attention import codegen, patcher
 from hfpatch.model import audit as model_audit, positions as model_positions
 from hfpatch.attention.dispatch import Dispatcher
-from hfpatch.errors import (AlreadyRemoved, ModelDivergence, PatchError, SignatureMismatch, UnsupportedModel,
-                            UnsupportedRelease, VerificationError)
+from hfpatch.errors import (AlreadyRemoved, ModelDivergence, PatchError, SignatureMismatch, UndoStack,
+                            UnsupportedModel, UnsupportedRelease, VerificationError, is_wrapper, mark_wrapper)
 from hfpatch.model.labels import install_labels_hook
 from hfpatch.mixers import MixerInstallation, install_mixers
 from hfpatch.model.inputs_guard import install_inputs_guard
@@ -34,7 +34,6 @@ from hfpatch.attention.discovery import attention_modules
 from hfpatch.model.routing import ModelRouting, route_model
 from hfpatch.attention.semantics import RingContext, parse_kernel
 from hfpatch.signatures import registry
-from hfpatch.undo import UndoStack, is_wrapper, mark_wrapper
 from hfpatch.verify import group_max
 from ring_kernels.backends import choices
 

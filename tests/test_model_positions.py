@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
-from hfpatch.undo import is_wrapper
+from hfpatch.errors import is_wrapper
 
 FAMILY = ("BartForCausalLM", "MBartForCausalLM", "PLBartForCausalLM", "BlenderbotForCausalLM",
           "BlenderbotSmallForCausalLM", "MarianForCausalLM", "PegasusForCausalLM", "WhisperForCausalLM",

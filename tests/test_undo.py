@@ -1,4 +1,4 @@
-"""hfpatch.undo: the undo stack removes newest first, removes every part even when one fails and then names each
+"""hfpatch.errors: the undo stack removes newest first, removes every part even when one fails and then names each
 failure, refuses a second removal; every installer of the model wing returns one object whose ``remove()`` restores
 exactly what was there and raises on a second call; one marker recognises hfpatch's wrappers."""
 from __future__ import annotations
@@ -9,12 +9,11 @@ from unittest import mock
 import pytest
 import torch
 
-from hfpatch.errors import AlreadyRemoved, PatchError, RemovalFailed
+from hfpatch.errors import AlreadyRemoved, PatchError, Removable, RemovalFailed, UndoStack, is_wrapper, mark_wrapper
 from hfpatch.model import positions as model_positions
 from hfpatch.model.inputs_guard import install_inputs_guard
 from hfpatch.model.labels import install_labels_hook
 from hfpatch.model.routing import FLASH_IMPLEMENTATION, route_model
-from hfpatch.undo import Removable, UndoStack, is_wrapper, mark_wrapper
 
 
 class _Part:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
-from hfpatch.undo import is_wrapper
+from hfpatch.errors import is_wrapper
 from ring_kernels.tolerances import assert_close, tolerance
 
 LOSS = tolerance("cp", torch.float32, "loss")

@@ -43,7 +43,7 @@ from hfpatch.attention import codegen as _codegen
 from hfpatch.attention import semantics as _semantics
 from hfpatch import modes as _modes
 from hfpatch.attention.discovery import attention_modules
-from hfpatch.undo import UndoStack
+from hfpatch.errors import UndoStack
 
 __all__ = ["Dispatcher", "LayerRecord", "CallSite", "ThreadState", "INPUTS", "calling_module"]
 

@@ -50,9 +50,8 @@ import torch
 
 from hfpatch import inputs
 from hfpatch.modes import current_mode
-from hfpatch.errors import UnsupportedArgument
+from hfpatch.errors import UndoStack, UnsupportedArgument
 from hfpatch.inputs import aligned_labels, is_shifted
-from hfpatch.undo import UndoStack
 
 __all__ = ["install_labels_hook", "averaged_over_group"]
 

@@ -46,9 +46,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from hfpatch.modes import current_mode
-from hfpatch.errors import UnsupportedArgument
+from hfpatch.errors import UndoStack, UnsupportedArgument
 from hfpatch.model.routing import modality_towers
-from hfpatch.undo import UndoStack
 from ring_kernels.layout import local_positions
 
 __all__ = ["PositionEntry", "RECOGNISED", "MAX_RUNS", "recognise", "why_unrecognised", "signature_text",

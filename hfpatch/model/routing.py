@@ -36,7 +36,7 @@ import torch
 from hfpatch import version_gates
 from hfpatch.attention.discovery import attention_modules
 from hfpatch.errors import AlreadyRemoved, UnsupportedArgument
-from hfpatch.undo import is_wrapper, mark_wrapper
+from hfpatch.errors import is_wrapper, mark_wrapper
 
 __all__ = ["FLASH_IMPLEMENTATION", "ModelRouting", "route_model", "modality_towers"]
 
