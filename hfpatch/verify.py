@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hfpatch import inputs, modes
 from hfpatch.attention.patcher import Installation
 from hfpatch.errors import VerificationError
+from ring_kernels.backends.reference import plain_attention
 
 __all__ = ["identity", "numeric", "group_max", "PROBE_TOLERANCE"]
 
@@ -47,19 +48,6 @@ def identity(installation: Installation) -> None:
             + ". Something rebound them during apply; nothing is left installed. Fix: apply again, and make sure "
             "no other patcher (e.g. ring-flash-attn's adapter) runs at the same time."
         )
-
-
-def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """softmax(QK^T / sqrt(D)) V on whole sequences: q (B, S, H, D), k/v (B, S, Hk, D) -> (B, S, H, D)."""
-    groups = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(groups, dim=2)
-    v = v.repeat_interleave(groups, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    if causal:
-        seq = q.shape[1]
-        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
 
 
 def _probe_device(group) -> torch.device:
@@ -109,7 +97,7 @@ def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float | None 
                 index = batch["position_ids"][0].to(device)  # global positions this rank holds, in order
                 out = wrapper(**_probe_call(names, q[:, index], k[:, index], v[:, index], causal,
                                             batch["position_ids"]))
-                expected = _plain_attention(q.float(), k.float(), v.float(), causal)[:, index]
+                expected = plain_attention(q.float(), k.float(), v.float(), causal=causal)[:, index]
                 worst = max(worst, (out.float() - expected).abs().max().item())
     except Exception as exc:  # reported on every rank below, so that no rank is left waiting
         failure = f"{type(exc).__name__}: {exc}"

@@ -58,6 +58,7 @@ import torch.distributed as dist
 import ring_kernels
 from hfpatch import version_gates
 from hfpatch.errors import UnsupportedArgument
+from ring_kernels.backends.reference import plain_attention
 from ring_kernels import shard, unshard
 
 __all__ = [
@@ -780,46 +781,3 @@ def _original_on_whole(call, extra, ctx: RingContext, gathered, cu) -> Optional[
         max_len = int((cu[1:] - cu[:-1]).max())
         whole.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
     return ctx.call_original(whole, dict(extra))
-
-
-def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None,
-                    sink: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """softmax(QK^T) V on whole sequences, flash-attn semantics, computed in fp32 (or the input's wider dtype).
-
-    q (B, S, H, D), k/v (B, S, Hk, D) -> (B, S, H, D). ``cu_seqlens`` (B must be 1): documents are independent.
-    ``window_size`` (left, right), -1 = unbounded; ``softcap`` > 0: scores -> softcap * tanh(scores / softcap).
-    ``sink`` (H,): attention sinks, as HF's eager sink attention computes them: one more logit per head (neither
-    scaled nor capped) in every row's softmax, whose value is 0 (differentiable). A row that sees no key gives 0.
-    """
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    seq, heads, dim = q.shape[1], q.shape[2], q.shape[3]
-    group = heads // k.shape[2]
-    qh = q.to(compute).transpose(1, 2)                                  # (B, H, S, D)
-    kh = k.to(compute).repeat_interleave(group, dim=2).transpose(1, 2)   # (B, H, S, D)
-    vh = v.to(compute).repeat_interleave(group, dim=2).transpose(1, 2)
-    scale = dim ** -0.5 if softmax_scale is None else float(softmax_scale)
-    scores = qh @ kh.transpose(-1, -2) * scale                           # (B, H, S, S)
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    pos = torch.arange(seq, device=q.device)
-    allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed &= pos[None, :] <= pos[:, None]
-    left, right = window_size
-    if left >= 0:
-        allowed &= pos[None, :] >= pos[:, None] - left
-    if right >= 0:
-        allowed &= pos[None, :] <= pos[:, None] + right
-    if cu_seqlens is not None:
-        doc = torch.searchsorted(cu_seqlens.to(q.device, torch.int64), pos, right=True)
-        allowed &= doc[None, :] == doc[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sink is not None:
-        column = sink.to(compute).reshape(1, heads, 1, 1).expand(scores.shape[0], heads, seq, 1)
-        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)           # rows with no key: 0, not NaN
-    out = (probs @ vh).transpose(1, 2)
-    return out.to(q.dtype)
