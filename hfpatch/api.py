@@ -471,7 +471,7 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     undo = patch._undo
     undo.callback(retire_dispatcher, "the dispatcher")
     try:
-        installation = patcher.install(patcher.plan(original), wrapper)  # all-or-nothing by itself
+        installation = patcher.install(patcher.binding_sites(original), wrapper)  # all-or-nothing by itself
         patch._installation = undo.push(installation, "the attention patch")
         if model is not None:
             patch._routing = undo.push(route_model(model, wrapper, transformers_version=version), "the model routing")

@@ -64,7 +64,7 @@ def _alias_module(name, original):
 def test_plan_finds_sites_by_identity_and_interface_routes(original):
     module = _alias_module("hfpatch_test_alias_site", original)
     try:
-        plan = patcher.plan(original)
+        plan = patcher.binding_sites(original)
     finally:
         del sys.modules[module.__name__]
     labels = [s.label for s in plan.sites]
@@ -85,7 +85,7 @@ def test_plan_finds_sites_by_identity_and_interface_routes(original):
 def test_install_and_restore_every_site_by_identity(original):
     module = _alias_module("hfpatch_test_alias_install", original)
     try:
-        inst = patcher.install(patcher.plan(original), _wrapper)
+        inst = patcher.install(patcher.binding_sites(original), _wrapper)
         assert mfau._flash_attention_forward is _wrapper
         assert module.fa_alias is _wrapper
         assert all(site.current() is _wrapper for site in inst.sites)
@@ -113,7 +113,7 @@ def test_module_imported_after_install_gets_wrapper_and_original_back(original, 
         fa = sys.modules["hfpatch_saved_reference"].saved
     """)
     try:
-        inst = patcher.install(patcher.plan(original), _wrapper)
+        inst = patcher.install(patcher.binding_sites(original), _wrapper)
         late = importlib.import_module("hfpatch_late_from_import")
         saved = importlib.import_module("hfpatch_late_saved")
         assert late._flash_attention_forward is _wrapper and late.aliased is _wrapper
@@ -132,7 +132,7 @@ def test_module_imported_after_install_gets_wrapper_and_original_back(original, 
 
 
 def test_restore_sweeps_modules_that_bypassed_the_import_system(original):
-    inst = patcher.install(patcher.plan(original), _wrapper)
+    inst = patcher.install(patcher.binding_sites(original), _wrapper)
     stray = types.ModuleType("hfpatch_test_stray")
     stray.fa = mfau._flash_attention_forward  # copied from a patched module without an import
     sys.modules[stray.__name__] = stray
@@ -159,7 +159,7 @@ def test_failure_at_second_site_rolls_back_everything(original):
     guarded.fa = original
     sys.modules[guarded.__name__] = guarded
     try:
-        plan = patcher.plan(original)
+        plan = patcher.binding_sites(original)
         assert [s.label for s in plan.sites][:2] == [MFAU_SITE, "aaa_hfpatch_guarded.fa"]
         guarded.armed = True
         with pytest.raises(PatchError) as info:
@@ -175,7 +175,7 @@ def test_failure_at_second_site_rolls_back_everything(original):
 def test_site_rebound_between_plan_and_install_changes_nothing(original):
     module = _alias_module("hfpatch_test_rebound", original)
     try:
-        plan = patcher.plan(original)
+        plan = patcher.binding_sites(original)
         module.fa_alias = lambda *a, **k: None
         with pytest.raises(PatchError, match="hfpatch_test_rebound.fa_alias holds"):
             patcher.install(plan, _wrapper)
@@ -201,18 +201,18 @@ def test_interface_entry_with_closure_over_original_is_refused_before_any_change
     else:
         pytest.skip("transformers < 4.48 has no attention interface whose entries could close over the function")
     with pytest.raises(PatchError, match="closure"):
-        patcher.plan(original)
+        patcher.binding_sites(original)
 
 
 def test_nothing_holds_the_function():
     with pytest.raises(PatchError, match="no imported module holds"):
-        patcher.plan(lambda: None)
+        patcher.binding_sites(lambda: None)
 
 
 def test_restore_leaves_a_site_someone_else_rebound_and_reports_it(original):
     module = _alias_module("hfpatch_test_foreign", original)
     try:
-        inst = patcher.install(patcher.plan(original), _wrapper)
+        inst = patcher.install(patcher.binding_sites(original), _wrapper)
         other = lambda *a, **k: None  # noqa: E731  (another patcher, applied after hfpatch)
         module.fa_alias = other
         with pytest.raises(SitesRebound) as info:
@@ -224,7 +224,7 @@ def test_restore_leaves_a_site_someone_else_rebound_and_reports_it(original):
 
 
 def test_removing_twice_is_an_error(original):
-    inst = patcher.install(patcher.plan(original), _wrapper)
+    inst = patcher.install(patcher.binding_sites(original), _wrapper)
     inst.remove()
     with pytest.raises(AlreadyRemoved):
         inst.remove()

@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterable
 
 from hfpatch.errors import AlreadyRemoved, PatchError, SitesRebound
 
-__all__ = ["TARGET_MODULE", "TARGET_ATTR", "Site", "InterfaceRoute", "Plan", "Installation", "RebindFinder", "plan",
-           "install"]
+__all__ = ["TARGET_MODULE", "TARGET_ATTR", "Site", "InterfaceRoute", "BindingSites", "Installation", "RebindFinder",
+           "binding_sites", "install"]
 
 TARGET_MODULE = "transformers.modeling_flash_attention_utils"
 TARGET_ATTR = "_flash_attention_forward"
@@ -86,7 +86,7 @@ class InterfaceRoute:
 
 
 @dataclass(eq=False)
-class Plan:
+class BindingSites:
     """Every site and interface route found for ``original``; nothing has been changed yet."""
 
     original: Any
@@ -102,7 +102,7 @@ class _Missing:
 _MISSING = _Missing()
 
 
-# ----------------------------------------------------------------------------------------------- planning
+# ------------------------------------------------------------------------------------------ finding sites
 
 
 def _module_sites(original: Any, modules: Iterable[tuple[str, Any]]) -> list[Site]:
@@ -183,7 +183,7 @@ def _cell_holds(cell, original) -> bool:
         return False
 
 
-def plan(original: Any) -> Plan:
+def binding_sites(original: Any) -> BindingSites:
     """Every place that holds ``original`` now (modules, interface routes). Changes nothing."""
     sites = _module_sites(original, list(sys.modules.items()))
     if not sites:
@@ -192,14 +192,14 @@ def plan(original: Any) -> Plan:
             f"Fix: import {TARGET_MODULE} before hfpatch.apply()."
         )
     routes, extra = _routes_and_extra_sites(original, sites)
-    return Plan(original, sites + extra, routes)
+    return BindingSites(original, sites + extra, routes)
 
 
-def validate(plan_: Plan) -> None:
+def validate(found: BindingSites) -> None:
     """Every site still holds the original and can be written: checked for all before any is changed."""
     problems = []
-    for site in plan_.sites:
-        if site.current() is not plan_.original:
+    for site in found.sites:
+        if site.current() is not found.original:
             problems.append(f"{site.label} holds {site.current()!r}, not the original")
         elif not isinstance(site.owner, (types.ModuleType, dict)):
             problems.append(f"{site.label}: its owner {type(site.owner).__name__} is neither a module nor a dict")
@@ -216,11 +216,11 @@ def validate(plan_: Plan) -> None:
 class Installation:
     """The installed state: which sites now hold ``wrapper``, and the import hook. ``remove`` undoes it."""
 
-    def __init__(self, plan_: Plan, wrapper: Callable) -> None:
-        self.original = plan_.original
+    def __init__(self, found: BindingSites, wrapper: Callable) -> None:
+        self.original = found.original
         self.wrapper = wrapper
         self.sites: list[Site] = []
-        self.routes = list(plan_.routes)
+        self.routes = list(found.routes)
         self.hook: RebindFinder | None = None
         self._lock = threading.Lock()
         self.installed = False
@@ -272,14 +272,14 @@ class Installation:
                 f"{', '.join(foreign)}. Fix: remove the other patch too, or apply it before hfpatch.", sites=foreign)
 
 
-def install(plan_: Plan, wrapper: Callable, *, import_hook: bool = True) -> Installation:
-    """Validate every site of ``plan_``, then swap the original for ``wrapper`` at each one and add the import
+def install(found: BindingSites, wrapper: Callable, *, import_hook: bool = True) -> Installation:
+    """Validate every site of ``found``, then swap the original for ``wrapper`` at each one and add the import
     hook. All-or-nothing: on any failure the swaps already made are undone and ``PatchError`` is raised."""
-    validate(plan_)
-    installation = Installation(plan_, wrapper)
+    validate(found)
+    installation = Installation(found, wrapper)
     done: list[Site] = []
     try:
-        for site in plan_.sites:
+        for site in found.sites:
             site.set(wrapper)
             done.append(site)
             installation.sites.append(site)
@@ -287,7 +287,7 @@ def install(plan_: Plan, wrapper: Callable, *, import_hook: bool = True) -> Inst
             installation.hook = RebindFinder(installation)
             installation.hook.install()
     except BaseException as exc:
-        failed_at = plan_.sites[len(done)].label if len(done) < len(plan_.sites) else "the import hook"
+        failed_at = found.sites[len(done)].label if len(done) < len(found.sites) else "the import hook"
         _undo(done)
         if installation.hook is not None:
             installation.hook.uninstall()
