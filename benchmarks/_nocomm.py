@@ -5,8 +5,8 @@
 - ring, zigzag, stripe, ring_varlen, zigzag_varlen: ``ring_kernels.comm.RingExchange.start`` (every transfer of
   the ring engine, either direction: K/V r -> r+1 in the forward; K/V and the dK/dV partial sums r -> r-1 in
   the backward) becomes what a ring of one rank does: copy each send buffer into its receive buffer.
-- llama3: the module-level tensor collectives ``ring_kernels.llama3._all_gather_tensor`` /
-  ``_reduce_scatter_tensor`` become a copy of this rank's own part (the all-gather fills only our slot of the
+- llama3: the module-level tensor collectives ``ring_kernels.llama3.all_gather_tensor`` /
+  ``reduce_scatter_tensor`` become a copy of this rank's own part (the all-gather fills only our slot of the
   gathered buffer, the reduce-scatter takes our slot of the full gradient), returning a finished work object.
 - ulysses, ulysses_varlen: the all-to-all ``ring_kernels.ulysses.all_to_all_single`` becomes one copy of the
   send buffer into the receive buffer (each rank's slot keeps what was meant for that rank), returning a
@@ -32,7 +32,7 @@ import torch
 __all__ = ["no_communication", "nocomm_unavailable_reason", "NoCommCounter"]
 
 _RING_EXCHANGE_VARIANTS = frozenset({"ring", "zigzag", "stripe", "ring_varlen", "zigzag_varlen"})
-_LLAMA3_COLLECTIVES = ("_all_gather_tensor", "_reduce_scatter_tensor")
+_LLAMA3_COLLECTIVES = ("all_gather_tensor", "reduce_scatter_tensor")
 _ULYSSES_VARIANTS = frozenset({"ulysses", "ulysses_varlen"})
 _ULYSSES_COLLECTIVE = "all_to_all_single"
 
@@ -121,8 +121,8 @@ def _llama3_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:
         output.copy_(_own_slot(input, output, group))
         return _Done() if async_op else None
 
-    return [(llama3, "_all_gather_tensor", all_gather_without_communication),
-            (llama3, "_reduce_scatter_tensor", reduce_scatter_without_communication)]
+    return [(llama3, "all_gather_tensor", all_gather_without_communication),
+            (llama3, "reduce_scatter_tensor", reduce_scatter_without_communication)]
 
 
 def _ulysses_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:

@@ -203,8 +203,8 @@ class HostOpCounter(TorchDispatchMode):
         for name in _COLLECTIVES:
             self._hook_collective(dist, name, name)
         if self._llama3 is not None:
-            for name, label in (("_all_gather_tensor", "all_gather_into_tensor"),
-                                ("_reduce_scatter_tensor", "reduce_scatter_tensor")):
+            for name, label in (("all_gather_tensor", "all_gather_into_tensor"),
+                                ("reduce_scatter_tensor", "reduce_scatter_tensor")):
                 self._hook_collective(self._llama3, name, label)
         return super().__enter__()
 

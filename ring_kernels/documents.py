@@ -134,8 +134,8 @@ def _cu_fingerprint(cu: torch.Tensor) -> float:
 
 _CU_CACHE_SIZE = 8          # cu_seqlens tensors remembered (LRU): one per step in flight is typical
 _DERIVED_PER_TENSOR = 16    # plans per tensor (rank/world/local/causal/window/layout combinations), LRU
-_CU_CACHE: "OrderedDict[int, CuEntry]" = OrderedDict()
-_CU_CACHE_STATS = {"hits": 0, "misses": 0}   # counted for tests and benchmarks
+CU_CACHE: "OrderedDict[int, CuEntry]" = OrderedDict()
+CU_CACHE_STATS = {"hits": 0, "misses": 0}   # counted for tests and benchmarks
 # Guards the LRU bookkeeping (two threads calling at once must not evict under each other); plans are computed
 # outside it (a racing duplicate computes the same value twice, harmlessly).
 _CU_LOCK = threading.Lock()
@@ -184,31 +184,31 @@ def cu_entry(fn: str, cu_seqlens) -> CuEntry:
     A hit reads tensor metadata only: no device->host copy, no ``.item()``."""
     _check_cu_type(fn, cu_seqlens)
     if cu_seqlens.is_inference():                     # no version counter: an in-place write would go unseen
-        _CU_CACHE_STATS["misses"] += 1
+        CU_CACHE_STATS["misses"] += 1
         return CuEntry(cu_seqlens, None, _check_cu_seqlens(fn, cu_seqlens))
     key = id(cu_seqlens)
     with _CU_LOCK:
-        entry = _CU_CACHE.get(key)
+        entry = CU_CACHE.get(key)
         if entry is not None and entry.matches(cu_seqlens):
-            _CU_CACHE.move_to_end(key)
-            _CU_CACHE_STATS["hits"] += 1
+            CU_CACHE.move_to_end(key)
+            CU_CACHE_STATS["hits"] += 1
             return entry
-        _CU_CACHE_STATS["misses"] += 1
+        CU_CACHE_STATS["misses"] += 1
     version = cu_seqlens._version                     # read before the copy: the copy is of this version
     entry = CuEntry(cu_seqlens, version, _check_cu_seqlens(fn, cu_seqlens))   # raises before storing
     with _CU_LOCK:
-        _CU_CACHE[key] = entry
-        _CU_CACHE.move_to_end(key)
-        while len(_CU_CACHE) > _CU_CACHE_SIZE:
-            _CU_CACHE.popitem(last=False)
+        CU_CACHE[key] = entry
+        CU_CACHE.move_to_end(key)
+        while len(CU_CACHE) > _CU_CACHE_SIZE:
+            CU_CACHE.popitem(last=False)
     return entry
 
 
 def clear_cu_cache() -> None:
     """Forget every cached cu_seqlens (and the plans and device tensors built from them); reset the counters."""
     with _CU_LOCK:
-        _CU_CACHE.clear()
-        _CU_CACHE_STATS.update(hits=0, misses=0)
+        CU_CACHE.clear()
+        CU_CACHE_STATS.update(hits=0, misses=0)
 
 
 class VarlenCall:

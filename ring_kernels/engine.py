@@ -170,22 +170,22 @@ def yield_to_transfer(q: torch.Tensor) -> None:
 
 # (microseconds, device) -> spin cycles (0: no pause; always 0 off CUDA). The device's clock is looked up once
 # per (setting, device), not on every call (varlen calls are host-bound: every host microsecond shows).
-_YIELD_CYCLES = {}
+YIELD_CYCLES = {}
 
 
 def _yield_cycles(us: float, device: torch.device) -> int:
     key = (us, device)
-    cycles = _YIELD_CYCLES.get(key)
+    cycles = YIELD_CYCLES.get(key)
     if cycles is None:
         cycles = 0
         if us > 0.0 and device.type == "cuda":
             rate_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_980_000
             cycles = int(us * rate_khz / 1000.0)
-        _YIELD_CYCLES[key] = cycles
+        YIELD_CYCLES[key] = cycles
     return cycles
 
 
-def _forward(q, k, v, cfg: RingConfig):
+def forward_pass(q, k, v, cfg: RingConfig):
     """Ring forward: q (B, S, H, D), k/v (B, S, Hk, D) -> out (B, S, H, D) in q's dtype, lse (B, H, S) fp32,
     and the K/V block of the last step (that of rank (r + 1) mod N, in a receive buffer; None for a world of
     one), which the backward visits first."""
@@ -385,7 +385,7 @@ class RingAttention(torch.autograd.Function):
             # them: non-reentrant checkpointing compares the two); the backward fetches the block again.
             last = (k, v) if cfg.world > 1 else None
         else:
-            out, lse, last = _forward(q, k, v, cfg)  # out already in q's dtype, each row rounded once
+            out, lse, last = forward_pass(q, k, v, cfg)  # out already in q's dtype, each row rounded once
             if sink is not None:
                 lse = fold_sink(out, lse, sink)
         # Whether the saved "last" slots will hold k, v: a kept output's recomputation saves those. The flag must

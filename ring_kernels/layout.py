@@ -52,7 +52,7 @@ def _check_layout(layout, *, varlen: bool) -> None:
         raise ValueError(f"layout={layout!r} is not supported {what}; expected one of {allowed}{hint}")
 
 
-def _check_cu_seqlens(cu_seqlens) -> torch.Tensor:
+def check_cu_seqlens(cu_seqlens) -> torch.Tensor:
     """Validate and return ``cu_seqlens`` as a CPU int64 tensor of shape (num_docs + 1,)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(
@@ -149,7 +149,7 @@ def local_positions(
     if isinstance(seqlen_global, bool) or not isinstance(seqlen_global, int) or seqlen_global < 0:
         raise TypeError(f"seqlen_global must be a non-negative int, got {seqlen_global!r}")
     rank, world_size = _rank_and_size(group)
-    cu = _check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
+    cu = check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
     return _positions(seqlen_global, rank, world_size, layout, cu)
 
 
@@ -162,7 +162,7 @@ def rank_positions(seqlen_global: int, rank: int, world_size: int, *, layout: st
         raise TypeError(f"seqlen_global must be a non-negative int, got {seqlen_global!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} is not a rank of a group of world_size={world_size!r}")
-    cu = _check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
+    cu = check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
     return _positions(seqlen_global, rank, world_size, layout, cu)
 
 
@@ -185,7 +185,8 @@ class LocalVarlen:
     max_seqlen: int
 
 
-def _local_varlen(cu: torch.Tensor, rank: int, world_size: int, layout: str) -> LocalVarlen:
+def rank_varlen(cu: torch.Tensor, rank: int, world_size: int, layout: str) -> LocalVarlen:
+    """``local_varlen`` for any rank, no process group needed; ``cu`` as ``check_cu_seqlens`` returns it."""
     positions = _positions(int(cu[-1]), rank, world_size, layout, cu)
     # right=True: a token at a document's first position belongs to that document even after empty ones.
     doc_ids = torch.searchsorted(cu, positions, right=True) - 1
@@ -200,7 +201,7 @@ def _local_varlen(cu: torch.Tensor, rank: int, world_size: int, layout: str) -> 
 def local_varlen(cu_seqlens: torch.Tensor, group=None, *, layout: str) -> LocalVarlen:
     """Describe this rank's part of the packed sequence with global ``cu_seqlens`` (see ``LocalVarlen``)."""
     rank, world_size = _rank_and_size(group)
-    return _local_varlen(_check_cu_seqlens(cu_seqlens), rank, world_size, layout)
+    return rank_varlen(check_cu_seqlens(cu_seqlens), rank, world_size, layout)
 
 
 # --------------------------------------------------------------------------------------- shard/unshard
@@ -229,7 +230,7 @@ def shard(x: torch.Tensor, group=None, *, layout: str, dim: int = 1, cu_seqlens:
     """
     dim = _check_tensor_dim(x, dim, "x")
     rank, world_size = _rank_and_size(group)
-    cu = _check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
+    cu = check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
     if cu is not None:
         _check_varlen_length(cu, x.size(dim), dim, x.shape, "x")
     positions = _positions(x.size(dim), rank, world_size, layout, cu)
@@ -281,7 +282,7 @@ def unshard(
     dim = _check_tensor_dim(x_local, dim, "x_local")
     rank, world_size = _rank_and_size(group)
     total = x_local.size(dim) * world_size
-    cu = _check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
+    cu = check_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
     if cu is not None and int(cu[-1]) != total:
         raise ValueError(
             f"cu_seqlens[-1] = {int(cu[-1])} must equal the global token count: {world_size} ranks x "

@@ -68,8 +68,8 @@ from .rounding import RowPlan, fold_grads, fold_outputs, plan_rows
 __all__ = ["llama3_attn_varlen_func"]
 
 # torch 2.13 renamed the tensor collectives (the old names warn); same arguments, older torch has only the old.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def _split_at(ka: int, kb: int, cuts: Tuple[int, int]) -> List[Tuple[int, int]]:
     return [(a, b) for a, b in zip(points, points[1:]) if a < b]
 
 
-def _llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: bool,
+def llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: bool,
                  window: Tuple[int, int]) -> _Llama3Plan:
     """Blocks of our queries (local rows) per document overlapping our tokens [q0, q0 + L)."""
     builder = StepBuilder()
@@ -171,7 +171,7 @@ def _local_fast_segments(plan: _Llama3Plan, local: int, device) -> Optional[_Seg
     whole = _local_segments(plan.local_blocks, device)
     if whole is None or (whole.q_rows.start, whole.q_rows.stop) != (0, local):
         return None
-    before, after = _halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
+    before, after = halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
     split = [_local_segments(part, device) if part else None for part in (before, after)]
     if any(part and seg is None for part, seg in zip((before, after), split)):
         return None
@@ -241,7 +241,7 @@ class _SliceGather:
         # The (L, stride, D) copies are held with the works, not left to the backend to keep alive, until waited.
         inputs = (self.k[0, :, heads].contiguous(), self.v[0, :, heads].contiguous())
         # The tensor all-gather concatenates along dim 0 = the global token order of the contiguous layout.
-        works = [_all_gather_tensor(buf, part, group=self.cfg.group, async_op=True)
+        works = [all_gather_tensor(buf, part, group=self.cfg.group, async_op=True)
                  for buf, part in zip((kbuf, vbuf), inputs)]
         self.pending[j] = (works, inputs)
 
@@ -260,7 +260,7 @@ class _SliceGather:
             self.buffers[slot] = self.blocks[slot] = None
 
 
-def _heads(j: int, cfg: _Llama3Config, group_size: int) -> Tuple[slice, slice]:
+def heads(j: int, cfg: _Llama3Config, group_size: int) -> Tuple[slice, slice]:
     """(K/V heads, query heads) of head slice j."""
     return (slice(j * cfg.stride, (j + 1) * cfg.stride),
             slice(j * cfg.stride * group_size, (j + 1) * cfg.stride * group_size))
@@ -319,7 +319,7 @@ def _forward_ranges(cfg: _Llama3Config) -> List[slice]:
     return local + ([b.q_rows for b in cfg.plan.remote_blocks] if cfg.plan.gather else [])
 
 
-def _forward(q4, k4, v4, cfg: _Llama3Config):
+def forward_pass(q4, k4, v4, cfg: _Llama3Config):
     """q4 (1, L, H, D), k4/v4 (1, L, Hk, D) -> out (1, L, H, D) in q's dtype, lse (1, H, L) fp32."""
     plan = cfg.plan
     rows = cfg.memoised(("forward rows", q4.shape[1]), lambda: _rows_plan(_forward_ranges(cfg), q4.shape[1]))
@@ -331,7 +331,7 @@ def _forward(q4, k4, v4, cfg: _Llama3Config):
     for j in range(slices):
         if gather and j + 1 < slices:
             gather.start(j + 1)                       # the next slice travels while this one computes
-        hk, hq = _heads(j, cfg, group_size)
+        hk, hq = heads(j, cfg, group_size)
         done = _forward_local(q4, k4, v4, hk, hq, result, cfg)
         if gather:
             _forward_blocks(plan.remote_blocks, done, q4, *gather.get(j), hq, result, cfg)  # gathered meanwhile
@@ -432,7 +432,7 @@ class _KVGrads:
         if self.dk is None:
             self.dk, self.dv = (torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(2))
         outputs = (self.dk[0], self.dv[0]) if self.whole else self.part
-        self.pending = (j, [_reduce_scatter_tensor(out, full, group=self.cfg.group, async_op=True)
+        self.pending = (j, [reduce_scatter_tensor(out, full, group=self.cfg.group, async_op=True)
                             for out, full in zip(outputs, self.full)])
 
     def finish(self, j: int, held: _Held) -> None:
@@ -502,7 +502,7 @@ def _backward_ranges(cfg: _Llama3Config, before, after) -> List[slice]:
     return local[0] + remote + local[1]
 
 
-def _halves(blocks: List[_Llama3Block]) -> Tuple[List[_Llama3Block], List[_Llama3Block]]:
+def halves(blocks: List[_Llama3Block]) -> Tuple[List[_Llama3Block], List[_Llama3Block]]:
     """Split blocks into two parts of about equal work (query rows x key rows)."""
     work = [(b.q_rows.stop - b.q_rows.start) * (b.kv_rows.stop - b.kv_rows.start) for b in blocks]
     total, acc = sum(work), 0
@@ -530,7 +530,7 @@ def _backward(dout4, q4, k4, v4, out4, lse, cfg: _Llama3Config):
     """
     plan = cfg.plan
     slices, group_size = k4.shape[2] // cfg.stride, q4.shape[2] // k4.shape[2]
-    before, after = cfg.memoised("halves", lambda: _halves(plan.local_blocks) if plan.gather
+    before, after = cfg.memoised("halves", lambda: halves(plan.local_blocks) if plan.gather
                                  else (plan.local_blocks, []))
     dq = _QueryGrads(q4, cfg.memoised(("backward rows", q4.shape[1]), lambda: _rows_plan(
         _backward_ranges(cfg, before, after), q4.shape[1])))
@@ -543,7 +543,7 @@ def _backward(dout4, q4, k4, v4, out4, lse, cfg: _Llama3Config):
     for j in range(slices):
         if gather and j + 1 < slices:
             gather.start(j + 1)
-        hk, hq = _heads(j, cfg, group_size)
+        hk, hq = heads(j, cfg, group_size)
         common = (dout4, q4, out4, lse, k4, v4, hk, hq, dq)
         if not gather:
             _backward_local(before, 0, *common, grads.local(hk), cfg)
@@ -570,7 +570,7 @@ class _Llama3Attention(torch.autograd.Function):
         if kept is not None:                          # a recomputation: the forward's own out and lse, no gather
             out, lse = kept
         else:
-            out, lse = _forward(q, k, v, cfg)         # in q's dtype, each row rounded once
+            out, lse = forward_pass(q, k, v, cfg)         # in q's dtype, each row rounded once
             if sink is not None:
                 lse = fold_sink(out, lse, sink)
             if region is not None:
@@ -625,7 +625,7 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
                       layout_code=validation.LayoutCode.LLAMA3_VARLEN,
                       extra_fields=[("heads_k_stride", stride)])
     prepared = call.entry.get(("llama3", call.rank, call.world, call.local, call.causal, call.window),
-                              lambda: _Llama3Prepared(_llama3_plan(call.cu, call.rank, call.world, call.local,
+                              lambda: _Llama3Prepared(llama3_plan(call.cu, call.rank, call.world, call.local,
                                                                    call.causal, call.window), call.local))
     plan = prepared.plan
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],

@@ -144,7 +144,6 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.flo
 # see the module docstring (set/reset it with a token, or use rank_check_scope).
 RANK_CHECKED: contextvars.ContextVar[Optional[Set[tuple]]] = contextvars.ContextVar("ring_kernels_rank_checked",
                                                                                     default=None)
-_CHECKED = RANK_CHECKED  # a second name of the same variable, read by tests
 
 
 class rank_check_scope:  # noqa: N801 -- used like a function: ``with rank_check_scope(seen):``

@@ -8,11 +8,17 @@ and must be counted, and the same op on a host tensor must not.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from ring_kernels import engine, options
+from ring_kernels.backends import torch_cuda_varlen as tcv
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -72,8 +78,6 @@ def test_counter_h2d_kinds_and_what_it_leaves_out():
 
 def test_counter_counts_collectives_by_name_and_blocking(tmp_path):
     """torch.distributed calls are counted (world of one, gloo, torn down after): async and blocking apart."""
-    import torch.distributed as dist
-
     assert not dist.is_initialized(), "another test left a process group behind"
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -92,12 +96,10 @@ def test_forward_yield_setting_is_parsed_once_per_value(monkeypatch):
     """The yield's setting is parsed once (when the options are read) and the device clock looked up once per
     (setting, device), not on every call; off CUDA the pause is always 0 cycles; a bad environment value is
     never cached: it raises on every call."""
-    from ring_kernels import engine, options
-
     parsed = []
     real = options.from_environment
     monkeypatch.setattr(options, "from_environment", lambda *a: parsed.append(1) or real(*a))
-    monkeypatch.setattr(engine, "_YIELD_CYCLES", {})
+    monkeypatch.setattr(engine, "YIELD_CYCLES", {})
     monkeypatch.setenv(options.ENVIRONMENT["forward_yield_us"], "40")
     options.reload_environment()
     cpu = torch.zeros(1)
@@ -106,7 +108,7 @@ def test_forward_yield_setting_is_parsed_once_per_value(monkeypatch):
             engine.yield_to_transfer(cpu)
             with options.use_options(forward_yield_us=25):
                 engine.yield_to_transfer(cpu)
-        assert len(parsed) == 1 and engine._YIELD_CYCLES == {(40.0, cpu.device): 0, (25.0, cpu.device): 0}
+        assert len(parsed) == 1 and engine.YIELD_CYCLES == {(40.0, cpu.device): 0, (25.0, cpu.device): 0}
         monkeypatch.setenv(options.ENVIRONMENT["forward_yield_us"], "fast")
         options.reload_environment()
         for _ in range(2):
@@ -121,14 +123,9 @@ def test_flash_varlen_padded_lse_index_is_built_once_per_segments(monkeypatch):
     """Builds whose varlen flash op returns the LSE padded (B, H, max_q) need the packed rows' flat index on the
     device, in forward and backward: built once per segments object and device (a host->device copy that waits for
     the stream) and kept with it, by identity (equal content is a miss), gone with the segments."""
-    import gc
-    import weakref
-
-    from ring_kernels.backends import torch_cuda_varlen as tcv
-
     built = []
-    real = tcv._packed_to_padded_index
-    monkeypatch.setattr(tcv, "_packed_to_padded_index", lambda seg, device: built.append(device) or real(seg, device))
+    real = tcv.packed_to_padded_index
+    monkeypatch.setattr(tcv, "packed_to_padded_index", lambda seg, device: built.append(device) or real(seg, device))
     seg = tcv.segments_from_lengths([2, 3, 1], [2, 3, 1], True, "cpu")
     first = seg.padded_index("cpu")
     assert first.tolist() == [0, 1, 3, 4, 5, 6]          # document b, row i -> b * max_q + i (max_q = 3)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from _dist import run_world
-from ring_kernels.layout import LAYOUTS, _check_cu_seqlens, _local_varlen, _positions, local_positions, shard, unshard
+from ring_kernels.layout import LAYOUTS, check_cu_seqlens, local_positions, rank_positions, rank_varlen, shard, unshard
 
 
 def _expected_positions(total, rank, n, layout, cu=None):
@@ -37,7 +38,7 @@ def test_positions_match_definition_and_partition(n, layout):
     total = 2 * n * 7
     seen = []
     for rank in range(n):
-        pos = _positions(total, rank, n, layout, None)
+        pos = rank_positions(total, rank, n, layout=layout)
         assert pos.dtype == torch.long and pos.numel() == total // n
         want = _expected_positions(total, rank, n, layout) if n > 1 else list(range(total))
         assert pos.tolist() == want
@@ -50,11 +51,11 @@ def test_positions_match_definition_and_partition(n, layout):
 def test_varlen_positions_and_local_metadata(n, layout):
     lengths = [2 * n * k for k in (3, 1, 0, 5, 2)]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    cu64 = _check_cu_seqlens(cu)
+    cu64 = check_cu_seqlens(cu)
     total = int(cu[-1])
     seen = []
     for rank in range(n):
-        meta = _local_varlen(cu64, rank, n, layout)
+        meta = rank_varlen(cu64, rank, n, layout)
         want = _expected_positions(total, rank, n, layout, cu) if layout == "zigzag" else \
             _expected_positions(total, rank, n, "contiguous")
         assert meta.positions.tolist() == (want if n > 1 else list(range(total)))
@@ -72,7 +73,7 @@ def test_varlen_positions_and_local_metadata(n, layout):
 
 def test_contiguous_varlen_documents_cross_rank_boundaries():
     cu = torch.tensor([0, 1, 6, 7, 12], dtype=torch.int32)  # length-1 documents, 12 tokens over 3 ranks
-    metas = [_local_varlen(_check_cu_seqlens(cu), r, 3, "contiguous") for r in range(3)]
+    metas = [rank_varlen(check_cu_seqlens(cu), r, 3, "contiguous") for r in range(3)]
     assert [m.doc_ids.tolist() for m in metas] == [[0, 1, 1, 1], [1, 1, 2, 3], [3, 3, 3, 3]]
     assert [m.doc_positions.tolist() for m in metas] == [[0, 0, 1, 2], [3, 4, 0, 0], [1, 2, 3, 4]]
     assert [m.cu_seqlens.tolist() for m in metas] == [[0, 1, 4, 4, 4], [0, 0, 2, 3, 4], [0, 0, 0, 0, 4]]
@@ -89,18 +90,18 @@ def test_single_process_is_identity_and_matches_local_positions():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: _positions(10, 0, 4, "contiguous", None), r"10 .*divisible by 4"),
-        (lambda: _positions(12, 0, 4, "zigzag", None), r"12 .*divisible by 8"),
-        (lambda: _positions(10, 0, 3, "stripe", None), r"divisible by 3"),
-        (lambda: _positions(8, 0, 2, "diagonal", None), r"layout='diagonal'.*contiguous"),
-        (lambda: _positions(8, 0, 2, "stripe", _check_cu_seqlens(torch.tensor([0, 8]))), r"no varlen form"),
-        (lambda: _positions(12, 0, 2, "zigzag", _check_cu_seqlens(torch.tensor([0, 8, 10, 12]))),
+        (lambda: rank_positions(10, 0, 4, layout="contiguous"), r"10 .*divisible by 4"),
+        (lambda: rank_positions(12, 0, 4, layout="zigzag"), r"12 .*divisible by 8"),
+        (lambda: rank_positions(10, 0, 3, layout="stripe"), r"divisible by 3"),
+        (lambda: rank_positions(8, 0, 2, layout="diagonal"), r"layout='diagonal'.*contiguous"),
+        (lambda: rank_positions(8, 0, 2, layout="stripe", cu_seqlens=torch.tensor([0, 8])), r"no varlen form"),
+        (lambda: rank_positions(12, 0, 2, layout="zigzag", cu_seqlens=torch.tensor([0, 8, 10, 12])),
          r"document 1 \(tokens 8\.\.10\) has length 2.*4 equal chunks"),
-        (lambda: _positions(12, 0, 2, "contiguous", _check_cu_seqlens(torch.tensor([0, 8, 10]))),
+        (lambda: rank_positions(12, 0, 2, layout="contiguous", cu_seqlens=torch.tensor([0, 8, 10])),
          r"cu_seqlens\[-1\] = 10 must equal the global token count 12"),
-        (lambda: _check_cu_seqlens(torch.tensor([1, 8])), r"start at 0"),
-        (lambda: _check_cu_seqlens(torch.tensor([0, 8, 4])), r"non-decreasing; document 1 has length -4"),
-        (lambda: _check_cu_seqlens(torch.tensor([0.0, 8.0])), r"integer"),
+        (lambda: check_cu_seqlens(torch.tensor([1, 8])), r"start at 0"),
+        (lambda: check_cu_seqlens(torch.tensor([0, 8, 4])), r"non-decreasing; document 1 has length -4"),
+        (lambda: check_cu_seqlens(torch.tensor([0.0, 8.0])), r"integer"),
         (lambda: shard(torch.zeros(2, 8), layout="contiguous", dim=2), r"dim=2 is not a dimension"),
         (lambda: shard(torch.zeros(8, 2, 4), layout="zigzag", cu_seqlens=torch.tensor([0, 8])),
          r"cu_seqlens\[-1\] = 8 .*dim=1.*pass dim=0"),
@@ -113,7 +114,7 @@ def test_bad_input_raises_clear_value_error(call, match):
 
 def test_bad_types_raise_type_error():
     with pytest.raises(TypeError, match="cu_seqlens must be a 1-D integer torch.Tensor"):
-        _check_cu_seqlens([0, 4])
+        check_cu_seqlens([0, 4])
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         shard([1, 2], layout="contiguous")
     with pytest.raises(TypeError, match="seqlen_global"):
@@ -144,8 +145,6 @@ def subgroup_phases(rank, run):
     side by side, phase 2 the group [0] of one and the trio [1, 2, 3], phase 3 the default group (None).
     Every rank creates every group (``new_group`` is collective) before any phase starts.
     """
-    import torch.distributed as dist
-
     assert dist.get_world_size() == 4
     phases = [[[0, 1], [2, 3]], [[0], [1, 2, 3]], [[0, 1, 2, 3]]]
     groups = {tuple(m): dist.new_group(m) for phase in phases[:2] for m in phase}

@@ -10,8 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 import ring_kernels as rk
 from _dist import run_world
+from hfpatch.cli.demo_models import build_model
+from ring_kernels import validation
 
 
 def _counting_all_gather():
@@ -60,18 +63,13 @@ def test_rank_check_scope_checks_each_signature_once():
 
 
 def test_rank_check_scope_restores_per_call_checking_on_exit():
-    from ring_kernels import validation as _validate
-
     with rk.rank_check_scope(set()) as seen:
-        assert _validate._CHECKED.get() is seen
-    assert _validate._CHECKED.get() is None
+        assert validation.RANK_CHECKED.get() is seen
+    assert validation.RANK_CHECKED.get() is None
 
 
 def _hfpatch_world(rank, world):
     """Through hfpatch: one cross-rank check per step (the first layer), none for the other layers."""
-    import hfpatch
-    from hfpatch.cli.demo_models import build_model
-
     model = build_model("llama", num_hidden_layers=3)
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     with hfpatch.apply(dist.group.WORLD, model=model, verify=False) as patch:

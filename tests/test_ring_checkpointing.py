@@ -5,8 +5,8 @@ A stack of small attention layers (q/k/v projections, a ring function, an output
 checkpointed by torch's ``checkpoint`` with and without ``keeping``, on 2 and 4 gloo ranks, for every layout
 (ring, zigzag, stripe, their varlen forms, llama3), with a sink, and with reentrant checkpointing. The loss and
 every gradient (parameters and the stack's input) must be equal bit for bit; the ring forwards run are counted
-(``engine._forward`` / ``llama3._forward``): 2 per layer plainly, 1 kept. Then the budget (gaps), the release of
-unused outputs, "auto"'s calibration (with stand-in memory counters), and the refusals.
+(``engine.forward_pass`` / ``llama3.forward_pass``): 2 per layer plainly, 1 kept. Then the budget (gaps), the
+release of unused outputs, "auto"'s calibration (with stand-in memory counters), and the refusals.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class _CountForwards:
 
     def __enter__(self):
         self.calls = 0
-        self._saved = (engine._forward, llama3._forward)
+        self._saved = (engine.forward_pass, llama3.forward_pass)
 
         def counting(original):
             def run(*args, **kwargs):
@@ -87,11 +87,11 @@ class _CountForwards:
                 return original(*args, **kwargs)
             return run
 
-        engine._forward, llama3._forward = (counting(f) for f in self._saved)
+        engine.forward_pass, llama3.forward_pass = (counting(f) for f in self._saved)
         return self
 
     def __exit__(self, *exc):
-        engine._forward, llama3._forward = self._saved
+        engine.forward_pass, llama3.forward_pass = self._saved
         return False
 
 

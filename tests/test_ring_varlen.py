@@ -8,18 +8,27 @@ ring_kernels.tolerances for the dtype.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import ring_kernels as rk
 from _alloc import fp32_factories
 from _dist import run_world
-from ring_kernels import documents
+from ring_kernels import documents, llama3, varlen
+from ring_kernels.backends import CAUSAL, EMPTY, FULL, available_backends, torch_cuda_varlen
+from ring_kernels.backends.base import BlockMask
+from ring_kernels.backends.torch_cuda_varlen import TorchFlashVarlen, segments_from_lengths
+from ring_kernels.documents import classify
 from ring_kernels.layout import shard
 from ring_kernels.tolerances import assert_close, tolerance
+from ring_kernels.validation import rank_check_scope
+from ring_kernels.varlen import ring_varlen_steps, zigzag_varlen_steps
 from test_layout import subgroup_phases
 
 _VARIANTS = ("ring", "zigzag", "llama3")
@@ -171,10 +180,8 @@ def _cases():
 
 
 def _fn(variant):
-    import ring_kernels
-
-    return {"ring": ring_kernels.ring_attn_varlen_func, "zigzag": ring_kernels.zigzag_ring_attn_varlen_func,
-            "llama3": ring_kernels.llama3_attn_varlen_func}[variant]
+    return {"ring": rk.ring_attn_varlen_func, "zigzag": rk.zigzag_ring_attn_varlen_func,
+            "llama3": rk.llama3_attn_varlen_func}[variant]
 
 
 def _tolerance(dtype, name):
@@ -244,17 +251,14 @@ def _check_varlen_calls(standin, cu, rank, n, local_tokens, case):
     """llama3: one forward call per head slice; one backward call per slice and non-empty half of the local
     documents (the halves around the remote blocks, when there are other ranks). ring/zigzag: one call per
     ring step that has any block, forward and backward."""
-    from ring_kernels.llama3 import _halves, _llama3_plan
-    from ring_kernels.varlen import ring_varlen_steps, zigzag_varlen_steps
-
     if case["variant"] != "llama3":
         steps, _ = (zigzag_varlen_steps(cu.long(), rank, n, True, (-1, -1)) if case["variant"] == "zigzag"
                     else ring_varlen_steps(cu.long(), rank, n, local_tokens, case["causal"], (-1, -1)))
         busy = sum(1 for step in steps if step)
         assert standin.forward_calls == standin.backward_calls == busy, (standin.forward_calls, busy, case)
         return
-    plan = _llama3_plan(cu.long(), rank, n, local_tokens, case["causal"], (-1, -1))
-    parts = sum(1 for part in (_halves(plan.local_blocks) if n > 1 else (plan.local_blocks,)) if part)
+    plan = llama3.llama3_plan(cu.long(), rank, n, local_tokens, case["causal"], (-1, -1))
+    parts = sum(1 for part in (llama3.halves(plan.local_blocks) if n > 1 else (plan.local_blocks,)) if part)
     slices = case["hk"] // case.get("stride", case["hk"])
     assert standin.forward_calls == slices, (standin.forward_calls, slices, case)
     assert standin.backward_calls == slices * parts, (standin.backward_calls, slices, parts, case)
@@ -267,9 +271,6 @@ class _varlen_kernel:
         self.kernel = kernel
 
     def __enter__(self):
-        import ring_kernels.llama3 as llama3
-        import ring_kernels.varlen as varlen
-
         self.modules = (llama3, varlen)
         self.saved = [m.varlen_kernel_for for m in self.modules]
         if self.kernel is not None:
@@ -318,18 +319,14 @@ class _StrictCollectives:
         return issue
 
     def __enter__(self):
-        import ring_kernels.llama3 as llama3
-
-        self.saved = llama3._all_gather_tensor, llama3._reduce_scatter_tensor
+        self.saved = llama3.all_gather_tensor, llama3.reduce_scatter_tensor
         if self.enabled:
-            llama3._all_gather_tensor = self._strict("all_gather", self.saved[0])
-            llama3._reduce_scatter_tensor = self._strict("reduce_scatter", self.saved[1])
+            llama3.all_gather_tensor = self._strict("all_gather", self.saved[0])
+            llama3.reduce_scatter_tensor = self._strict("reduce_scatter", self.saved[1])
         return self
 
     def __exit__(self, *exc):
-        import ring_kernels.llama3 as llama3
-
-        llama3._all_gather_tensor, llama3._reduce_scatter_tensor = self.saved
+        llama3.all_gather_tensor, llama3.reduce_scatter_tensor = self.saved
 
     def check_counts(self, n, slices):
         """Forward and backward each all-gather K and V per head slice; the backward reduce-scatters dK and dV."""
@@ -361,8 +358,6 @@ def _llama3_block_grads(out, dout4, k_all, v_all, group, rank, n):
     backend or varlen kernel, same inputs, the saved merged out/lse), summed in fp32 over blocks and ranks:
     dq (1, L, H, D) of this rank, and dk, dv (1, T, Hk, D) of the whole sequence. ``out`` is the call's 4-D
     output (its grad_fn is llama3's autograd node, before backward); k_all, v_all (1, T, Hk, D) global."""
-    from ring_kernels.llama3 import _heads
-
     cfg = out.grad_fn.cfg
     q4, k4, v4, out4, lse = out.grad_fn.saved_tensors
     local = q4.shape[1]
@@ -371,7 +366,7 @@ def _llama3_block_grads(out, dout4, k_all, v_all, group, rank, n):
     own = slice(rank * local, (rank + 1) * local)
     group_size = q4.shape[2] // k4.shape[2]
     for j in range(k4.shape[2] // cfg.stride):
-        hk, hq = _heads(j, cfg, group_size)
+        hk, hq = llama3.heads(j, cfg, group_size)
         if cfg.fast is not None:                    # the local documents as packed-document calls
             for seg in (cfg.fast.before, cfg.fast.after) if n > 1 else (cfg.fast.before,):
                 if seg is None:
@@ -430,18 +425,16 @@ class _RecordedReduceScatter:
     """Within the block, the dtypes and shapes of llama3's reduce-scatter inputs."""
 
     def __enter__(self):
-        import ring_kernels.llama3 as llama3
-
-        self.module, self.saved, self.inputs = llama3, llama3._reduce_scatter_tensor, []
+        self.module, self.saved, self.inputs = llama3, llama3.reduce_scatter_tensor, []
 
         def recording(output, tensor_in, group=None, async_op=False):
             self.inputs.append((tensor_in.dtype, tuple(tensor_in.shape)))
             return self.saved(output, tensor_in, group=group, async_op=async_op)
-        llama3._reduce_scatter_tensor = recording
+        llama3.reduce_scatter_tensor = recording
         return self
 
     def __exit__(self, *exc):
-        self.module._reduce_scatter_tensor = self.saved
+        self.module.reduce_scatter_tensor = self.saved
 
 
 def _llama3_kv_grad_buffers(group, rank, n, device="cpu", backend="torch_cpu"):
@@ -496,8 +489,6 @@ def _expect(match, fn, *args, **kwargs):
 
 def _bad_input_across_ranks(group, rank):
     """Errors that need a group: ranks that disagree, cu_seqlens that do not add up, zigzag documents."""
-    import ring_kernels as rk
-
     q, k = torch.randn(6, 4, 16), torch.randn(6, 2, 16)
     cu = _cu([12])
     # Rank 1 passes a different local length: both ranks learn it from the shape all-gather.
@@ -517,8 +508,6 @@ def _bad_input_across_ranks(group, rank):
 
 
 def test_bad_input_single_process():
-    import ring_kernels as rk
-
     q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
     cu = _cu([3, 5])
     for fn in (rk.ring_attn_varlen_func, rk.zigzag_ring_attn_varlen_func, rk.llama3_attn_varlen_func):
@@ -582,10 +571,6 @@ class _Recorded:
 def test_packed_row_reaches_the_engine_without_a_view():
     """4-D q/k/v (HF's packed row) are handed to the engine's autograd Function as the very same tensors and its
     output is returned as is; 3-D inputs get one unsqueeze each (the engine runs on batch 1) and out one squeeze."""
-    import ring_kernels as rk
-    import ring_kernels.llama3 as llama3
-    import ring_kernels.varlen as varlen
-
     q, k = torch.randn(1, 12, 4, 16), torch.randn(1, 12, 2, 16)
     cu = _cu([4, 8])
     for fn, module, name in ((rk.ring_attn_varlen_func, varlen, "RingAttention"),
@@ -605,10 +590,6 @@ def test_packed_row_reaches_the_engine_without_a_view():
 def test_standard_blocks_need_no_dense_mask():
     """Without a window every block is FULL or aligned CAUSAL (fast backends, no (S x S) mask) and covers
     exactly one document; windows may add GENERAL blocks, each still inside one document."""
-    from ring_kernels.backends import CAUSAL, FULL
-    from ring_kernels.llama3 import _llama3_plan
-    from ring_kernels.varlen import ring_varlen_steps, zigzag_varlen_steps
-
     n = 4
     cu_ring, cu_zig = _cu(_contiguous_docs(n)).long(), _cu(_zigzag_docs(n)).long()
     local = int(cu_ring[-1]) // n
@@ -617,7 +598,7 @@ def test_standard_blocks_need_no_dense_mask():
             steps, kind = ring_varlen_steps(cu_ring, rank, n, local, causal, (-1, -1))
             assert kind == (CAUSAL if causal else FULL)
             blocks = [b for step in steps for b in step]
-            plan = _llama3_plan(cu_ring, rank, n, local, causal, (-1, -1))
+            plan = llama3.llama3_plan(cu_ring, rank, n, local, causal, (-1, -1))
             blocks += plan.local_blocks + plan.remote_blocks
             assert all(b.mask.kind(b.q_rows.stop - b.q_rows.start, b.kv_rows.stop - b.kv_rows.start)
                        in (FULL, CAUSAL) for b in blocks)
@@ -627,10 +608,6 @@ def test_standard_blocks_need_no_dense_mask():
 
 def test_block_classification_matches_dense_mask():
     """``classify`` decides from interval ends alone; check it against the dense mask on every small case."""
-    from ring_kernels.backends import CAUSAL, EMPTY, FULL
-    from ring_kernels.backends.base import BlockMask
-    from ring_kernels.documents import classify
-
     windows = [(-1, -1), (0, 0), (2, -1), (-1, 1), (3, 0), (1, 2), (6, 6)]
     for causal in (True, False):
         for window in windows:
@@ -656,13 +633,11 @@ def test_llama3_plan_local_blocks_first_remote_blocks_only_for_crossing_document
     """Local key ranges use the local K/V (no gather needed), each query row's first block is local, remote
     blocks cover exactly the keys of crossing documents that other ranks hold; packings whose documents all
     stay on one rank have no remote block."""
-    from ring_kernels.llama3 import _llama3_plan
-
     n, local = 3, 6
     cu = _cu([2, 7, 3, 6]).long()                   # docs [0,2) [2,9) [9,12) [12,18); [2,9) crosses 6
     for causal in (True, False):
         for rank in range(n):
-            plan = _llama3_plan(cu, rank, n, local, causal, (-1, -1))
+            plan = llama3.llama3_plan(cu, rank, n, local, causal, (-1, -1))
             assert plan.gather
             firsts = [(b.q_rows.start, b.q_rows.stop) for b in plan.local_blocks if b.first]
             assert sorted(r for a, b in firsts for r in range(a, b)) == list(range(local))
@@ -674,7 +649,7 @@ def test_llama3_plan_local_blocks_first_remote_blocks_only_for_crossing_document
             assert remote == want and all(not q0 <= k < q0 + local for k in remote), (rank, causal, remote)
     aligned = _cu([2, 4, 6, 1, 5]).long()          # boundaries at 6 and 12 fall between documents
     for causal in (True, False):
-        assert not any(_llama3_plan(aligned, r, n, local, causal, (-1, -1)).remote_blocks for r in range(n))
+        assert not any(llama3.llama3_plan(aligned, r, n, local, causal, (-1, -1)).remote_blocks for r in range(n))
 
 
 # ------------------------------------------------------------------------------ cu_seqlens host cache
@@ -739,8 +714,6 @@ def _assert_matches_reference(got, q, k, v, dout, cu, what):
 @pytest.fixture
 def cu_cache():
     """The cache (``documents``), emptied before and after the test; yields the ``varlen`` module."""
-    import ring_kernels.varlen as varlen
-
     documents.clear_cu_cache()
     yield varlen
     documents.clear_cu_cache()
@@ -750,25 +723,23 @@ def cu_cache():
 def test_same_cu_seqlens_object_is_copied_and_planned_once(cu_cache, standin):
     """Per variant: two calls with one cu_seqlens object -> one host copy, one plan, one engine plan; the second
     call (cached plans; with the stand-in, cached batched steps / local segments) gives identical results."""
-    import ring_kernels.llama3 as llama3
-
     varlen = cu_cache
     for variant in _VARIANTS:
         q, k, v, dout = _cache_inputs(variant)
         cu = _cu(_CACHE_DOCS[variant])
-        before = dict(documents._CU_CACHE_STATS)
+        before = dict(documents.CU_CACHE_STATS)
         with _Counted(documents, "_check_cu_seqlens") as copies, _Counted(varlen, "plan_steps") as engine_plans, \
                 _Counted(varlen, "ring_varlen_steps") as ring_plans, \
                 _Counted(varlen, "zigzag_varlen_steps") as zigzag_plans, \
-                _Counted(llama3, "_llama3_plan") as llama3_plans, \
+                _Counted(llama3, "llama3_plan") as llama3_plans, \
                 _varlen_kernel(_PlainVarlenKernel() if standin else None):
             first = _cache_call(variant, cu, q, k, v, dout)
             second = _cache_call(variant, cu, q, k, v, dout)
         assert copies.calls == 1, (variant, copies.calls)
         assert ring_plans.calls + zigzag_plans.calls + llama3_plans.calls == 1, variant
         assert engine_plans.calls == (0 if variant == "llama3" else 1), (variant, engine_plans.calls)
-        assert documents._CU_CACHE_STATS["misses"] - before["misses"] == 1, variant
-        assert documents._CU_CACHE_STATS["hits"] - before["hits"] == 1, variant
+        assert documents.CU_CACHE_STATS["misses"] - before["misses"] == 1, variant
+        assert documents.CU_CACHE_STATS["hits"] - before["hits"] == 1, variant
         _assert_same(second, first, f"{variant}, cached call")
         _assert_matches_reference(second, q, k, v, dout, cu, f"{variant}, cached call")
 
@@ -781,10 +752,10 @@ def test_in_place_change_of_cu_seqlens_is_seen(cu_cache):
         q, k, v, dout = _cache_inputs(variant)
         cu = _cu(_CACHE_DOCS[variant]).clone()
         original = _cache_call(variant, cu, q, k, v, dout)
-        misses = documents._CU_CACHE_STATS["misses"]
+        misses = documents.CU_CACHE_STATS["misses"]
         cu[1] += 2                                    # even: zigzag documents stay multiples of 2N = 2
         moved = _cache_call(variant, cu, q, k, v, dout)
-        assert documents._CU_CACHE_STATS["misses"] == misses + 1, variant
+        assert documents.CU_CACHE_STATS["misses"] == misses + 1, variant
         assert not torch.equal(moved[0], original[0]), f"{variant}: the documents moved, so must the output"
         _assert_same(moved, _cache_call(variant, cu.clone(), q, k, v, dout), f"{variant}, after cu[1] += 2")
         cu[1] -= 2
@@ -801,17 +772,15 @@ def test_in_place_change_of_cu_seqlens_is_seen(cu_cache):
 def test_equal_content_is_a_miss_and_a_dead_tensor_never_hits(cu_cache):
     """Identity keys the cache: an equal new tensor is a miss. A tensor whose id() is reused after the cached
     one died (same shape, dtype, device, version) gets its own entry, never the dead tensor's plans."""
-    import gc
-
     varlen = cu_cache
     q, k, v, dout = _cache_inputs("ring")
     old = _cu([3, 1, 5, 3])
     _cache_call("ring", old, q, k, v, dout)
-    misses = documents._CU_CACHE_STATS["misses"]
+    misses = documents.CU_CACHE_STATS["misses"]
     _cache_call("ring", old.clone(), q, k, v, dout)
-    assert documents._CU_CACHE_STATS["misses"] == misses + 1
+    assert documents.CU_CACHE_STATS["misses"] == misses + 1
     # The rule itself: the entry's weak reference dies with the tensor, and a dead entry matches nothing.
-    address, entry = id(old), documents._CU_CACHE[id(old)]
+    address, entry = id(old), documents.CU_CACHE[id(old)]
     del old
     gc.collect()
     assert entry.ref() is None
@@ -821,12 +790,12 @@ def test_equal_content_is_a_miss_and_a_dead_tensor_never_hits(cu_cache):
     # reuse produces (when it happens is up to the allocator, so the test plants the dead entry under the new id).
     reused = torch.tensor(new_content, dtype=torch.int32)
     assert reused._version == 0 and reused.shape == entry.shape and reused.dtype == entry.dtype
-    documents._CU_CACHE.pop(address, None)
-    documents._CU_CACHE[id(reused)] = entry
-    misses = documents._CU_CACHE_STATS["misses"]
+    documents.CU_CACHE.pop(address, None)
+    documents.CU_CACHE[id(reused)] = entry
+    misses = documents.CU_CACHE_STATS["misses"]
     got = _cache_call("ring", reused, q, k, v, dout)
-    assert documents._CU_CACHE_STATS["misses"] == misses + 1
-    assert documents._CU_CACHE[id(reused)] is not entry            # the dead entry was replaced, never used
+    assert documents.CU_CACHE_STATS["misses"] == misses + 1
+    assert documents.CU_CACHE[id(reused)] is not entry            # the dead entry was replaced, never used
     _assert_same(got, _cache_call("ring", reused.clone(), q, k, v, dout), "a reused id")
 
 
@@ -838,28 +807,26 @@ def test_cache_stays_small_and_skips_inference_tensors(cu_cache):
     tensors = [_cu([3, 1, 5, 3]) for _ in range(10)]
     for cu in tensors:
         _cache_call("ring", cu, q, k, v, dout)
-    assert len(documents._CU_CACHE) == 8 and id(tensors[0]) not in documents._CU_CACHE
-    misses = documents._CU_CACHE_STATS["misses"]
+    assert len(documents.CU_CACHE) == 8 and id(tensors[0]) not in documents.CU_CACHE
+    misses = documents.CU_CACHE_STATS["misses"]
     _cache_call("ring", tensors[0], q, k, v, dout)
     _cache_call("ring", tensors[-1], q, k, v, dout)
-    assert documents._CU_CACHE_STATS["misses"] == misses + 1      # the oldest was evicted, the newest was not
+    assert documents.CU_CACHE_STATS["misses"] == misses + 1      # the oldest was evicted, the newest was not
     cu = tensors[-1]
     for left in range(20):                                       # 20 windows: 20 plans of one tensor
         _cache_call("ring", cu, q, k, v, dout, window_size=(left, 0))
-    assert len(documents._CU_CACHE[id(cu)].derived) == 16
+    assert len(documents.CU_CACHE[id(cu)].derived) == 16
     with torch.inference_mode():
         frozen = _cu([3, 1, 5, 3])
-    size, misses = len(documents._CU_CACHE), documents._CU_CACHE_STATS["misses"]
+    size, misses = len(documents.CU_CACHE), documents.CU_CACHE_STATS["misses"]
     first = _cache_call("ring", frozen, q, k, v, dout)
     _assert_same(_cache_call("ring", frozen, q, k, v, dout), first, "inference-mode cu_seqlens")
-    assert documents._CU_CACHE_STATS["misses"] == misses + 2 and len(documents._CU_CACHE) == size
+    assert documents.CU_CACHE_STATS["misses"] == misses + 2 and len(documents.CU_CACHE) == size
 
 
 def _cached_calls_across_ranks(group, rank, n):
     """In a group: the second call with the same cu_seqlens is a hit on every rank (the plans depend on the
     rank) and gives the first call's results, for every variant."""
-    import ring_kernels.varlen as varlen
-
     for variant in _VARIANTS:
         docs = _zigzag_docs(n) if variant == "zigzag" else _contiguous_docs(n)
         cu = _cu(docs)
@@ -868,10 +835,10 @@ def _cached_calls_across_ranks(group, rank, n):
         q, k, v, dout = (torch.randn(t, heads, 16) for heads in (4, 2, 2, 4))
         layout = "zigzag" if variant == "zigzag" else "contiguous"
         q, k, v, dout = (shard(x, group, layout=layout, dim=0, cu_seqlens=cu) for x in (q, k, v, dout))
-        hits = documents._CU_CACHE_STATS["hits"]
+        hits = documents.CU_CACHE_STATS["hits"]
         first = _cache_call(variant, cu, q, k, v, dout, group=group)
         second = _cache_call(variant, cu, q, k, v, dout, group=group)
-        assert documents._CU_CACHE_STATS["hits"] == hits + 1, (rank, variant)
+        assert documents.CU_CACHE_STATS["hits"] == hits + 1, (rank, variant)
         _assert_same(second, first, f"rank {rank}/{n} {variant}, cached call")
 
 
@@ -918,13 +885,9 @@ def _host_syncs_of_repeated_calls(group, rank, n):
     (``benchmarks/host_path.py``) with the kernels themselves excluded. The first call of each cu_seqlens proves
     the counter sees what it must: exactly one device->host copy (cu_seqlens) and the cross-rank check (one
     blocking all_gather and its copy to the host); the repeated call gives the first call's results."""
-    import ring_kernels.llama3 as llama3
-    import ring_kernels.varlen as varlen
-
     if _BENCH not in sys.path:
         sys.path.insert(0, _BENCH)
     from host_path import HostOpCounter
-    from ring_kernels.validation import rank_check_scope
 
     real_get_backend = varlen.get_backend
     for variant, stride, fast in (("llama3", None, True), ("llama3", 1, True), ("ring", None, True),
@@ -979,10 +942,6 @@ def _cuda_cached_calls_do_not_sync(rank, world):
     """Each variant called twice with one CUDA cu_seqlens; the second call, forward and backward, runs under
     ``torch.cuda.set_sync_debug_mode("error")`` (a synchronising op raises) and inside ``rank_check_scope``
     (its cross-rank check, a deliberate sync, ran in the first call), and gives the first call's results."""
-    import ring_kernels as rk
-    import ring_kernels.varlen as varlen
-    from ring_kernels.validation import rank_check_scope
-
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     group = dist.group.WORLD if world > 1 else None
@@ -1001,7 +960,7 @@ def _cuda_cached_calls_do_not_sync(rank, world):
                 for attempt in range(2):
                     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
                     torch.cuda.synchronize()
-                    hits = documents._CU_CACHE_STATS["hits"]
+                    hits = documents.CU_CACHE_STATS["hits"]
                     torch.cuda.set_sync_debug_mode("error" if attempt else 0)
                     try:
                         out = _fn(variant)(*leaves, cu, group=group, causal=True, backend=backend)
@@ -1009,7 +968,7 @@ def _cuda_cached_calls_do_not_sync(rank, world):
                     finally:
                         torch.cuda.set_sync_debug_mode(0)
                     results.append((out.detach(), *(x.grad for x in leaves)))
-                    assert not attempt or documents._CU_CACHE_STATS["hits"] == hits + 1, (variant, backend)
+                    assert not attempt or documents.CU_CACHE_STATS["hits"] == hits + 1, (variant, backend)
             _assert_same(results[1], results[0], f"rank {rank} {variant} {backend}, cached call on cuda")
 
 
@@ -1055,8 +1014,6 @@ def _cuda_case(template, backend, seed):
 def _cuda_plan():
     """[(backend, cases)] for every CUDA backend and 'auto'; 'auto' also runs each variant with a sliding window
     (blocks with a general mask). The same template has the same seed under every backend (one reference)."""
-    from ring_kernels.backends import available_backends
-
     templates = _cuda_templates()
     windowed = [dict(variant=v, causal=True, window=(40, 0), dtype=torch.bfloat16, h=8, hk=2, d=128)
                 for v in _VARIANTS]
@@ -1072,11 +1029,8 @@ def _cuda_plan():
 def _check_flash_varlen_ran():
     """The torch_flash cases went through torch's packed-document flash op (the varlen fast path), not only
     per-block calls: its call counter moved."""
-    from ring_kernels.backends import available_backends
-    from ring_kernels.backends import torch_cuda_varlen
-
-    if "torch_flash" in available_backends("cuda") and torch_cuda_varlen._op_available("cuda"):
-        kernel = torch_cuda_varlen._FLASH_VARLEN
+    if "torch_flash" in available_backends("cuda") and torch_cuda_varlen.op_available("cuda"):
+        kernel = torch_cuda_varlen.FLASH_VARLEN
         assert kernel is not None and kernel.calls > 0, "the torch_flash varlen cases never used the varlen op"
 
 
@@ -1085,11 +1039,8 @@ def _cuda_rank(rank, world):
 
     No case may be refused: every backend supports bf16/fp16, head dims 64/128 and full/causal blocks (only
     'auto' gets the windows). The first backend's seconds include the float64 references (shared by all)."""
-    import time
-
-    import ring_kernels as rk
-
     try:
+        # deferred (triton): the module imports triton; without it the blocks need no pinning
         from ring_kernels.backends import triton_attn
         triton_attn.set_fixed_blocks(_CUDA_TRITON_BLOCKS)
     except ImportError:
@@ -1116,8 +1067,6 @@ def _cuda_rank(rank, world):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_varlen_on_cuda_nccl_matches_plain_attention(capsys):
     """The CPU cases' runner on 2 GPUs over NCCL, for every CUDA backend; prints each backend's seconds."""
-    import time
-
     start = time.perf_counter()
     timings = run_world(2, _cuda_rank, backend="nccl", timeout=120)
     with capsys.disabled():
@@ -1140,8 +1089,6 @@ def _cuda_llama3_rank(rank, world):
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_llama3_bf16_kv_grads_on_cuda_nccl_are_lean_and_rounded_once():
-    from ring_kernels.backends import available_backends
-
     if "torch_flash" not in available_backends("cuda"):
         pytest.skip("torch's flash attention backend is not available on this GPU")
     run_world(2, _cuda_llama3_rank, backend="nccl", timeout=120)
@@ -1151,8 +1098,6 @@ def test_flash_varlen_kernel_calls_match_the_op_schemas_on_meta():
     """The calls ``TorchFlashVarlen`` makes to ``aten._flash_attention_forward``/``_backward`` fit the installed
     torch's schemas (positional rng outputs passed back, ``scale`` by keyword) and give the shapes the fast
     paths assume: out (Tq, H, D), lse (H, Tq) float32, dk/dv with the K/V heads (GQA, nothing repeated)."""
-    from ring_kernels.backends.torch_cuda_varlen import TorchFlashVarlen, segments_from_lengths
-
     kernel = TorchFlashVarlen()
     meta = torch.device("meta")
     seg = segments_from_lengths([5, 1, 7], [9, 1, 7], True, meta)

@@ -64,11 +64,11 @@ class VarlenSegments:
                                                             compare=False)
 
     def padded_index(self, device) -> torch.Tensor:
-        """``_packed_to_padded_index(self, device)``, built once per device and kept with these segments."""
+        """``packed_to_padded_index(self, device)``, built once per device and kept with these segments."""
         device = torch.device(device)
         index = self._padded_index.get(device)
         if index is None:
-            index = self._padded_index[device] = _packed_to_padded_index(self, device)
+            index = self._padded_index[device] = packed_to_padded_index(self, device)
         return index
 
     @property
@@ -124,7 +124,7 @@ class VarlenKernel(Protocol):
         """Gradients ``(dq, dk, dv)`` given the merged ``out`` and ``lse`` (H, Tq) over all keys of each row."""
 
 
-def _packed_to_padded_index(seg: VarlenSegments, device) -> torch.Tensor:
+def packed_to_padded_index(seg: VarlenSegments, device) -> torch.Tensor:
     """Flat index b * max_q + i of every packed query row (document b, offset i): (Tq,) int64."""
     doc = torch.repeat_interleave(torch.arange(len(seg.lengths_q)), torch.tensor(seg.lengths_q))
     starts = torch.tensor((0,) + seg.lengths_q).cumsum(0)[:-1]
@@ -185,17 +185,17 @@ class TorchFlashVarlen:
         self._padded[q.device] = lse.dim() == 3
 
 
-_FLASH_VARLEN: Optional[TorchFlashVarlen] = None
+FLASH_VARLEN: Optional[TorchFlashVarlen] = None
 
 
 def _flash_varlen() -> TorchFlashVarlen:
-    global _FLASH_VARLEN
-    if _FLASH_VARLEN is None:
-        _FLASH_VARLEN = TorchFlashVarlen()
-    return _FLASH_VARLEN
+    global FLASH_VARLEN
+    if FLASH_VARLEN is None:
+        FLASH_VARLEN = TorchFlashVarlen()
+    return FLASH_VARLEN
 
 
-def _op_available(device) -> bool:
+def op_available(device) -> bool:
     return (torch.device(device).type == "cuda" and torch.cuda.is_available()
             and hasattr(torch.ops.aten, "_flash_attention_forward")
             and hasattr(torch.ops.aten, "_flash_attention_backward"))
@@ -222,7 +222,7 @@ def varlen_kernel_for(requested: str, chosen_name: str, *, device, dtype: torch.
     ``"torch_flash"`` always uses it (same kernel, one call); ``"auto"`` uses it instead of cuDNN when the
     documents (``(query rows, key rows)`` per block) are many and short enough that per-block calls cost more.
     """
-    if not _op_available(device) or dtype not in _HALF or head_dim % 8 or head_dim > 256 or softcap > 0.0:
+    if not op_available(device) or dtype not in _HALF or head_dim % 8 or head_dim > 256 or softcap > 0.0:
         return None
     if chosen_name == "torch_flash":
         _note_varlen(requested, "one torch flash varlen call per step for all packed documents (the same kernel "
