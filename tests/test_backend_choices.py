@@ -9,6 +9,7 @@ error text, is recorded, and still computes the right attention, forward and bac
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -17,13 +18,18 @@ import textwrap
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import hfpatch
 import ring_kernels as rk
 from ring_kernels import backends
 from ring_kernels.backends import CAUSAL, FULL, GENERAL, BlockMask, choices, get_backend, recording, reset_choices
+from ring_kernels.backends import torch_cuda
+from ring_kernels.backends import torch_cuda_varlen as tcv
 from ring_kernels.backends.reference import ReferenceBackend
 
 from _dist import run_world
+from test_backends import fake_flash_attn
 
 LOGGER = "ring_kernels.backends"
 
@@ -129,8 +135,6 @@ def test_triton_interpreter_run_is_recorded():
     done = subprocess.run([sys.executable, "-c", _TRITON_CHILD], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["close"]
     assert [(c["backend"], c["requested"], c["shape_class"], c["calls"]) for c in result["choices"]] == [
@@ -145,14 +149,12 @@ def test_triton_interpreter_run_is_recorded():
 def cuda_declared(monkeypatch):
     """The CUDA backends (not triton) declared present, on fresh instances; their support checks need no GPU.
     flash_attn is present too, as a stand-in package (tests/test_backends.py's), to show auto never picks it."""
-    from test_backends import _fake_flash_attn
-
-    package, iface = _fake_flash_attn("2.7")
+    package, iface = fake_flash_attn("2.7")
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
     present = {"torch_cudnn", "torch_flash", "torch_efficient", "reference", "flash_attn"}
-    monkeypatch.setattr(backends, "_is_present", lambda name, dt: dt == "cuda" and name in present)
-    monkeypatch.setattr(backends, "_INSTANCES", {})
+    monkeypatch.setattr(backends, "is_present", lambda name, dt: dt == "cuda" and name in present)
+    monkeypatch.setattr(backends, "INSTANCES", {})
 
 
 @pytest.mark.parametrize("mask_kind,softcap,dtype,expected,skipped", [
@@ -190,9 +192,7 @@ def test_flash_attn_is_chosen_by_name_only(cuda_declared):
 
 
 def test_varlen_kernel_choice_is_recorded(monkeypatch):
-    from ring_kernels.backends import torch_cuda_varlen as tcv
-
-    monkeypatch.setattr(tcv, "_op_available", lambda device: True)
+    monkeypatch.setattr(tcv, "op_available", lambda device: True)
     common = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, softcap=0.0)
     assert tcv.varlen_kernel_for("torch_flash", "torch_flash", document_lengths=[(64, 64)], **common) is not None
     many_short = [(32, 32)] * 40
@@ -230,8 +230,6 @@ def _refusing_gqa(impl, monkeypatch, message="cudnn: heads of key must equal hea
 
 
 def test_gqa_fallback_logs_a_warning_records_it_and_stays_exact(monkeypatch, caplog):
-    from ring_kernels.backends import torch_cuda
-
     caplog.set_level(logging.INFO, logger=LOGGER)
     impl = torch_cuda.TorchCudnnBackend()
     seen = _refusing_gqa(impl, monkeypatch)
@@ -262,8 +260,6 @@ def test_gqa_fallback_logs_a_warning_records_it_and_stays_exact(monkeypatch, cap
 
 
 def test_an_error_that_expanding_does_not_fix_propagates_and_decides_nothing(monkeypatch):
-    from ring_kernels.backends import torch_cuda
-
     impl = torch_cuda.TorchFlashBackend()
 
     def broken(q, k, v, scale, kind, mask):
@@ -279,8 +275,6 @@ def test_an_error_that_expanding_does_not_fix_propagates_and_decides_nothing(mon
 
 def test_efficient_backend_expands_by_design_at_info(monkeypatch, caplog):
     """The efficient op never takes fewer K/V heads: noted (INFO), not a fallback (no WARNING)."""
-    from ring_kernels.backends import torch_cuda
-
     caplog.set_level(logging.INFO, logger=LOGGER)
     impl = torch_cuda.TorchEfficientBackend()
     _refusing_gqa(impl, monkeypatch)
@@ -295,10 +289,7 @@ def test_efficient_backend_expands_by_design_at_info(monkeypatch, caplog):
 
 
 def _patch_world(rank, world_size):
-    import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    import hfpatch
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=128, attn_implementation="eager")

@@ -8,6 +8,7 @@ attention over all keys at once.
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -16,7 +17,10 @@ import ring_kernels as rk
 from ring_kernels import merge
 from ring_kernels.backends import (CAUSAL, EMPTY, FULL, GENERAL, UnknownBackendError, UnsupportedBackendError,
                                    available_backends, get_backend)
+from ring_kernels.backends import torch_cuda
 from ring_kernels.backends.base import BlockMask
+from ring_kernels.backends.flash_attn import FlashAttnBackend
+from ring_kernels.backends.reference import ReferenceBackend
 from ring_kernels.tolerances import assert_close, tolerance
 
 CPU_BACKENDS = [n for n in available_backends("cpu") if n != "triton"]   # triton: its own tests
@@ -174,8 +178,6 @@ def test_merge_into_row_views_in_place():
 def test_cuda_backends_call_the_aten_ops_correctly_on_meta(name, heads_k, causal):
     """The CUDA ops' argument lists and output shapes, checked through their meta kernels (no GPU needed):
     catches a torch release that changes an op's schema; numerics are checked in tests/gpu."""
-    from ring_kernels.backends import torch_cuda
-
     impl = {"torch_flash": torch_cuda.TorchFlashBackend, "torch_cudnn": torch_cuda.TorchCudnnBackend,
             "torch_efficient": torch_cuda.TorchEfficientBackend}[name]()
     q = torch.empty(2, 16, 4, 64, device="meta", dtype=torch.bfloat16)
@@ -191,8 +193,6 @@ def test_cudnn_one_query_one_key_backward_is_plain_math():
     """cuDNN's backward refuses s_q = s_kv = 1 (a one-token document piece in a packed batch); the backend routes
     that block to exact plain math. Checked here on CPU tensors (the routing happens before any aten call)
     against autograd of softmax(qk^T)v for one key, i.e. out = v."""
-    from ring_kernels.backends import torch_cuda
-
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 1, h, 16, dtype=torch.float32, requires_grad=True) for h in (4, 2, 2))
     dout = torch.randn(2, 1, 4, 16)
@@ -207,13 +207,9 @@ def test_cudnn_one_query_one_key_backward_is_plain_math():
     assert torch.allclose(dv, want_dv, atol=1e-6)
 
 
-def _fake_flash_attn(generation: str):
+def fake_flash_attn(generation: str):
     """A stand-in for flash-attn's private interface with the given release's parameter names and return
     tuple, computing with the reference backend, so the adapter's glue is tested without CUDA."""
-    import types
-
-    from ring_kernels.backends.reference import ReferenceBackend
-
     ref = ReferenceBackend()
 
     def mask_of(causal, window):
@@ -258,11 +254,9 @@ def _fake_flash_attn(generation: str):
 
 @pytest.mark.parametrize("generation", ["2.6", "2.7"])
 def test_flash_attn_adapter_maps_arguments_of_each_release(generation, monkeypatch):
-    package, iface = _fake_flash_attn(generation)
+    package, iface = fake_flash_attn(generation)
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
-    from ring_kernels.backends.flash_attn import FlashAttnBackend
-
     impl = FlashAttnBackend()
     assert impl.unsupported_reason(device="cuda", dtype=torch.bfloat16, head_dim=128, mask_kind=CAUSAL, softcap=5.0) is None
     assert "mask kind" in impl.unsupported_reason(device="cuda", dtype=torch.bfloat16, head_dim=128,
@@ -294,7 +288,7 @@ def test_available_backends_on_cpu_in_auto_order():
 
 def test_auto_ranking_leaves_out_flash_attn():
     """auto's ranking per device. flash_attn is not in it: its adapter is tested (the stand-in module above,
-    ``_fake_flash_attn``, and the real library in tests/gpu/test_backends_gpu.py) but not timed against the ranked
+    ``fake_flash_attn``, and the real library in tests/gpu/test_backends_gpu.py) but not timed against the ranked
     backends, so auto must not pick it; ``backend="flash_attn"`` still does (tests/test_backend_choices.py), and
     ``available_backends`` lists it after the ranking where flash-attn is importable."""
     assert rk.backends.auto_ranking("cpu") == ["torch_cpu", "reference", "triton"]

@@ -72,7 +72,7 @@ _AUTO_ORDER = {
 # Present where their dependency is, chosen only by name: not timed against the ranked ones (module docstring).
 _BY_NAME_ONLY = {"cuda": ["flash_attn"]}
 
-_INSTANCES: Dict[str, BlockBackend] = {}
+INSTANCES: Dict[str, BlockBackend] = {}
 _MASK_KINDS = (FULL, CAUSAL, EMPTY, GENERAL)
 
 
@@ -87,7 +87,7 @@ def _device_type(device) -> str:
     return torch.device(device).type
 
 
-def _is_present(name: str, device_type: str) -> bool:
+def is_present(name: str, device_type: str) -> bool:
     """Whether the backend can exist at all here (its module and optional dependency import)."""
     if name == "reference":
         return True
@@ -105,10 +105,10 @@ def _is_present(name: str, device_type: str) -> bool:
 
 
 def _instance(name: str) -> BlockBackend:
-    if name not in _INSTANCES:
+    if name not in INSTANCES:
         module, cls = _REGISTRY[name]
-        _INSTANCES[name] = getattr(importlib.import_module(module, __name__), cls)()
-    return _INSTANCES[name]
+        INSTANCES[name] = getattr(importlib.import_module(module, __name__), cls)()
+    return INSTANCES[name]
 
 
 def auto_ranking(device, dtype: Optional[torch.dtype] = None) -> List[str]:
@@ -127,7 +127,7 @@ def available_backends(device) -> List[str]:
     present, in that order, then the present ones that are chosen by name only (``flash_attn``)."""
     dt = _device_type(device)
     order = auto_ranking(dt) + _BY_NAME_ONLY.get(dt, [])
-    return [n for n in order if _is_present(n, dt)]
+    return [n for n in order if is_present(n, dt)]
 
 
 def get_backend(name_or_auto: str, *, device, dtype: torch.dtype, head_dim: int, mask_kind: str,
@@ -144,7 +144,7 @@ def get_backend(name_or_auto: str, *, device, dtype: torch.dtype, head_dim: int,
     query = dict(device=torch.device(device), dtype=dtype, head_dim=head_dim, mask_kind=mask_kind, softcap=softcap)
     if name_or_auto == "auto":
         skipped = []
-        for name in (n for n in auto_ranking(dt, dtype) if _is_present(n, dt)):
+        for name in (n for n in auto_ranking(dt, dtype) if is_present(n, dt)):
             reason = _instance(name).unsupported_reason(**query)
             if reason is None:
                 _note_auto(name, tuple(skipped), dt, dtype, head_dim, mask_kind, softcap)
@@ -157,7 +157,7 @@ def get_backend(name_or_auto: str, *, device, dtype: torch.dtype, head_dim: int,
     if name_or_auto not in _REGISTRY:
         raise UnknownBackendError(
             f"backend={name_or_auto!r} is not a known backend; choose 'auto' or one of {sorted(_REGISTRY)}")
-    if not _is_present(name_or_auto, dt):
+    if not is_present(name_or_auto, dt):
         raise UnsupportedBackendError(
             f"backend={name_or_auto!r} is not available on device type {dt!r}; available here: "
             f"{available_backends(dt)} (or use backend='auto')")
