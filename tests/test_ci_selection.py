@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from _release import MARKER, RELEASE_INDEPENDENT
+from hfpatch.signatures.registry import entry_for_version
+from hfpatch.version_gates import installed_transformers_version
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -117,9 +119,6 @@ def test_every_other_module_is_marked_release_dependent(request):
 def broken_copy(tmp_path: Path) -> tuple[Path, str, str]:
     """A copy of the tree whose registry entry for the installed release has its first parameter renamed (a
     release-specific break: no other release's entry changes). Returns (root of the copy, entry id, new name)."""
-    from hfpatch.version_gates import installed_transformers_version
-    from hfpatch.signatures.registry import entry_for_version
-
     entry = entry_for_version(installed_transformers_version())
     assert entry is not None, "the installed transformers release has no registry entry"
     copy = tmp_path / "tree"

@@ -185,7 +185,7 @@ def test_unsupported_nearest_entry_and_the_real_transitions():
     result = match(s2.replace(parameters=[p for p in s2.parameters.values()]))
     assert result.id == "S2-4.44.2"
     without_s2 = [e for e in ENTRIES.values() if e.id != "S2-4.44.2"]
-    near = registry._nearest(without_s2, list(s2.parameters.values()), None)
+    near = registry.nearest(without_s2, list(s2.parameters.values()), None)
     assert near.id in ("S1-4.43.4", "S3-4.47.1")
     diff = registry.render_diff(ENTRIES["S1-4.43.4"], s2)
     assert "only in live: position_ids (index 7" in diff

@@ -19,7 +19,13 @@ import torch
 import torch.distributed as dist
 
 import ring_kernels as rk
+from ring_kernels import comm, engine, options
+from ring_kernels.backends import get_backend
+from ring_kernels.comm import RingExchange
+from ring_kernels.ring import ring_steps
+from ring_kernels.stripe import stripe_steps
 from ring_kernels.tolerances import Tolerance, assert_close, tolerance
+from ring_kernels.zigzag import zigzag_steps
 from _alloc import fp32_factories
 from _dist import run_world
 
@@ -162,11 +168,6 @@ def _bf16_rounded_once(rank: int, world: int) -> None:
     dq, dk, dv equal an fp32-accumulated reference written here (the same blocks from the same backend, merged
     and summed in fp32, cast once). Grads bit for bit; out to the bf16 rounding (fp32 operation order may move
     a handful of ties by one ulp), whereas a bf16 intermediate would change a large fraction of the values."""
-    from ring_kernels.backends import get_backend
-    from ring_kernels.ring import ring_steps
-    from ring_kernels.stripe import stripe_steps
-    from ring_kernels.zigzag import zigzag_steps
-
     steps_of = {"ring": ring_steps, "zigzag": zigzag_steps, "stripe": stripe_steps}
     impl = get_backend("torch_cpu", device="cpu", dtype=torch.bfloat16, head_dim=64, mask_kind="causal")
     b, s, h, hk, d, scale = 2, 10, 8, 2, 64, 0.125
@@ -233,8 +234,6 @@ def _count_blocks(rank: int, world: int) -> None:
     """The blocks each rank computes, by kind and size: causal ring does r+1 blocks on rank r (the imbalance
     zigzag and stripe exist to remove); zigzag and stripe do N blocks on every rank, of equal total work; and
     no standard block needs a dense mask (FULL or aligned CAUSAL only)."""
-    from ring_kernels.backends import get_backend
-
     impl = get_backend("torch_cpu", device="cpu", dtype=torch.float32, head_dim=64, mask_kind="causal")
     calls = []
     original = impl.forward
@@ -265,8 +264,6 @@ def _backward_twice(rank: int, world: int) -> None:
     """With 2 ranks the backward receives its dK/dV partial sum into the kept last K/V block of the forward (one
     buffer less at the peak); a second backward through the same graph (retain_graph=True) fetches that block again
     (one more K/V hop) and returns the same gradients, bit for bit. With 3 ranks nothing is reused or refetched."""
-    from ring_kernels import comm
-
     starts = []
     original = comm.RingExchange.start
 
@@ -334,8 +331,6 @@ class _Recorder:
     [(shape, dtype, nbytes) sent], clones of what was sent) and ("compute",) events."""
 
     def __init__(self, backend_impl):
-        from ring_kernels.comm import RingExchange
-
         self.events = []
         self._cls, self._start = RingExchange, RingExchange.__dict__["start"]
         self._impl = backend_impl
@@ -430,8 +425,6 @@ def _check_schedule_case(rank, world, variant, causal, window, recorder) -> None
 def _nocomm_covers_every_transfer(rank: int, world: int) -> None:
     """benchmarks/_nocomm.py's stand-in replaces every transfer of forward and backward: it is called once per
     exchange of the schedule above, and no point-to-point operation reaches torch.distributed."""
-    import ring_kernels.comm as comm
-
     if _BENCH not in sys.path:
         sys.path.insert(0, _BENCH)
     from _nocomm import no_communication
@@ -458,8 +451,6 @@ def _nocomm_covers_every_transfer(rank: int, world: int) -> None:
 def _communication_schedule(rank: int, world: int) -> None:
     """Every schedule case on this rank with exchanges and backward computations recorded, then the no-comm
     stand-in's coverage."""
-    from ring_kernels.backends import get_backend
-
     impl = get_backend("torch_cpu", device="cpu", dtype=torch.bfloat16, head_dim=_D, mask_kind="causal")
     with _Recorder(impl) as recorder:
         for variant, causal, window in SCHEDULE_CASES:
@@ -489,8 +480,6 @@ def test_ring_variants_match_reference(world):
 def test_forward_yield_setting():
     """The option forward_yield_us (RING_KERNELS_FORWARD_YIELD_US): default 25 us, 0 turns the pause off,
     anything else is refused by name; on CPU tensors no kernel is launched whatever the setting."""
-    from ring_kernels import engine, options
-
     variable = options.ENVIRONMENT["forward_yield_us"]
     assert options.from_environment({}).forward_yield_us == options.RingOptions().forward_yield_us == 25.0
     for raw, value in (("0", 0.0), (" 40 ", 40.0), ("12.5", 12.5)):

@@ -35,7 +35,7 @@ from types import FunctionType
 from typing import Any, Callable
 
 from hfpatch.errors import PatchError, UnsupportedArgument
-from hfpatch.signatures.registry import Match, _same_value
+from hfpatch.signatures.registry import Match, same_value
 from hfpatch.signatures.roles import EXTRA_KWARGS_ROLE, ROLES, UNKNOWN_ROLE
 
 __all__ = ["render", "original_kwargs", "wrapper_source", "ROLE_ORDER", "ABSENT", "role_call", "role_args", "by_role"]
@@ -172,7 +172,7 @@ def _unknown_check(name: str, default_name: str) -> str:
 
 
 def _differs(value: Any, default: Any) -> bool:
-    return not _same_value(value, default)
+    return not same_value(value, default)
 
 
 def _refuse_unknown(name: str, value: Any, default: Any) -> UnsupportedArgument:

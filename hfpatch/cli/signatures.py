@@ -174,5 +174,5 @@ def _write(result: ReleaseScan, found: registry.Match | None, args) -> Path:
     registry.entry_from_json(data, origin=str(path))  # validate before touching the file
     directory.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    registry._load_cached.cache_clear()
+    registry.load_cached.cache_clear()
     return path

@@ -106,7 +106,7 @@ def _normalise_source(source: str) -> str:
         return source.strip()
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     """Equal and of the same type (``0``, ``0.0`` and ``False`` are different defaults). Never raises: a tensor
     default compared with ``==`` gives a tensor, which counts as "not the same"."""
     if a is b:
@@ -137,7 +137,7 @@ class DefaultSpec:
     def matches(self, live_default: Any) -> bool:
         if isinstance(live_default, SourceDefault):
             return live_default.source == _normalise_source(self.source)
-        return any(_same_value(live_default, value) for value in self.values)
+        return any(same_value(live_default, value) for value in self.values)
 
     def to_json(self) -> dict:
         if len(self.values) == 1 and _is_literal_source(self.source):
@@ -288,7 +288,7 @@ def _default_from_json(item: Mapping[str, Any], bad) -> DefaultSpec | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _load_cached() -> tuple[SignatureEntry, ...]:
+def load_cached() -> tuple[SignatureEntry, ...]:
     entries = []
     for res in sorted(resources.files("hfpatch.signatures").iterdir(), key=lambda r: r.name):
         if res.name.endswith(".json"):
@@ -300,12 +300,12 @@ def _load_cached() -> tuple[SignatureEntry, ...]:
 
 def load_registry() -> list[SignatureEntry]:
     """Every registry entry, oldest generation first."""
-    return list(_load_cached())
+    return list(load_cached())
 
 
 def entry_for_version(version: str | Version) -> SignatureEntry | None:
     """The entry whose ``releases`` cover ``version`` (None when no entry does)."""
-    for entry in _load_cached():
+    for entry in load_cached():
         if entry.covers(version):
             return entry
     return None
@@ -313,7 +313,7 @@ def entry_for_version(version: str | Version) -> SignatureEntry | None:
 
 def supported_releases() -> str:
     """All covered releases as text: each entry's specifier, joined by ' or '."""
-    return " or ".join(f"'{e.releases}'" for e in _load_cached())
+    return " or ".join(f"'{e.releases}'" for e in load_cached())
 
 
 # --------------------------------------------------------------------------------------------- matching
@@ -348,7 +348,7 @@ class Match:
 def match(sig: inspect.Signature, transformers_version: str | None = None) -> Match:
     """Match a live signature (or a callable) against the registry; see the module docstring for the rules."""
     sig = _as_signature(sig)
-    entries = _load_cached()
+    entries = load_cached()
     live = list(sig.parameters.values())
     for entry in entries:
         if len(live) == len(entry.params) and all(s.matches(p) for s, p in zip(entry.params, live)):
@@ -364,7 +364,7 @@ def match(sig: inspect.Signature, transformers_version: str | None = None) -> Ma
     if not entries:  # only while bootstrapping a registry from scratch
         return Match("unsupported", None, sig, {n: UNKNOWN_ROLE for n in sig.parameters}, "the registry is empty",
                      "unsupported", transformers_version)
-    entry = _nearest(entries, live, transformers_version)
+    entry = nearest(entries, live, transformers_version)
     return _make_match("unsupported", entry, sig, transformers_version, added=())
 
 
@@ -426,7 +426,7 @@ def _compatible_additions(entry: SignatureEntry, live: list[inspect.Parameter]) 
     return tuple(p.name for _, p in added)
 
 
-def _nearest(entries: Iterable[SignatureEntry], live: list[inspect.Parameter], version: str | None) -> SignatureEntry:
+def nearest(entries: Iterable[SignatureEntry], live: list[inspect.Parameter], version: str | None) -> SignatureEntry:
     """The entry with the most parameters in common (by name and kind, in order); ties go to the entry covering
     ``version``, then to the newest."""
     live_keys = [(p.name, p.kind) for p in live]
