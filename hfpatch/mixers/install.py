@@ -28,13 +28,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from hfpatch.errors import PatchError, UnsupportedArgument
+from hfpatch.errors import PatchError, UnsupportedArgument, is_wrapper, mark_wrapper
 from hfpatch.mixers.kernel import KernelCall, SequenceKernel
 from hfpatch.mixers.kinds import KERNELS
 from hfpatch.mixers.registry import recognise
 from hfpatch.mixers.segments import SegmentPlan, segments_of_layout
 from hfpatch.modes import current_mode
-from hfpatch.undo import is_wrapper, mark_wrapper
 
 __all__ = ["MixerInstallation", "install_mixers"]
 
