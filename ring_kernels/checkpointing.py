@@ -25,7 +25,8 @@ pair is released when the recomputation takes it, or when its region is freed (t
 region is gone: a forward under ``no_grad``, a backward that never ran, a recomputation that stopped early).
 
 ``OutputKeeper(budget_bytes="auto")`` (CUDA): the first training step keeps nothing and samples the device's peak
-(``torch.cuda.max_memory_allocated``) as each region runs, forward and recomputation. From the next forward on,
+as each region runs, forward and recomputation: the caching allocator's peak reservation
+(``torch.cuda.max_memory_reserved``, so its fragmentation counts) plus the memory held outside it. From the next forward on,
 the budget is ``(1 - headroom)`` of the device's memory minus that peak, minus what the memory allocated at the
 start of a forward grew since the first (optimizer states appear after the first step), re-evaluated at the start
 of every forward. When that is less than one call's pair, nothing is kept and the keeper warns once
@@ -73,7 +74,7 @@ class OutputKeeper:
     ``budget_bytes``: the most kept bytes alive at once over every region: an int (bytes), ``None`` (no limit),
     or ``"auto"`` (CUDA only: what fits, module docstring; ``headroom`` is the share of the device's memory it
     leaves free). ``memory_stats``: for ``"auto"``, a function returning
-    ``(peak allocated bytes, allocated bytes, device bytes)`` (default: ``torch.cuda`` on ``device``, the current
+    ``(peak bytes held, allocated bytes, device bytes)`` (default: ``torch.cuda`` on ``device``, the current
     CUDA device when None).
     """
 
@@ -89,7 +90,7 @@ class OutputKeeper:
                     raise RingInputError(
                         "OutputKeeper(budget_bytes='auto') measures CUDA memory, and no CUDA device is available; "
                         "pass a number of bytes, or None to keep every output")
-                memory_stats = _cuda_memory_stats(device)
+                memory_stats = cuda_memory_stats(device)
             self.budget_bytes: Optional[int] = 0          # the calibration step keeps nothing
         elif budget_bytes is None:
             self.budget_bytes = None
@@ -169,11 +170,15 @@ class OutputKeeper:
                 f"replayed {self.counts['replayed']}, gaps {self.counts['gaps']}>")
 
 
-def _cuda_memory_stats(device) -> Callable[[], Tuple[int, int, int]]:
-    def stats() -> Tuple[int, int]:
+def cuda_memory_stats(device) -> Callable[[], Tuple[int, int, int]]:
+    """The device's (peak, allocated, total) for ``"auto"``. The peak is what the process held, not what its
+    tensors took: the caching allocator's peak reservation (its fragmentation is memory no kept output can use),
+    plus the memory outside the allocator (the CUDA context, communication buffers) at the time of asking."""
+    def stats() -> Tuple[int, int, int]:
         index = torch.cuda.current_device() if device is None else torch.device(device).index
-        return (torch.cuda.max_memory_allocated(index), torch.cuda.memory_allocated(index),
-                torch.cuda.get_device_properties(index).total_memory)
+        free, total = torch.cuda.mem_get_info(index)
+        outside = max(0, total - free - torch.cuda.memory_reserved(index))
+        return (torch.cuda.max_memory_reserved(index) + outside, torch.cuda.memory_allocated(index), total)
     return stats
 
 
