@@ -253,18 +253,22 @@ def test_auto_budget_measures_one_step_then_keeps_what_fits(caplog):
     assert "nothing fits: one ring output takes" in caplog.text
 
 
-def test_auto_counts_what_the_process_holds_not_what_its_tensors_take(monkeypatch):
-    """The CUDA counters behind "auto": the allocator's peak reservation (fragmentation included) plus the memory
-    outside the allocator, so a budget computed from them leaves the fragmented reserve alone."""
+@pytest.mark.parametrize("conf, peak_gib", [("", 125 + 10), ("expandable_segments:True", 118 + 10),
+                                             ("max_split_size_mb:512,expandable_segments:True", 118 + 10)])
+def test_auto_counts_what_the_process_must_hold(monkeypatch, conf, peak_gib):
+    """The CUDA counters behind "auto": the tensors' peak where expandable segments let freed memory serve any
+    size, else the allocator's peak reservation (its fragments cannot take a kept output); plus the memory
+    outside the allocator."""
     gib = 2**30
     counters = dict(mem_get_info=lambda index: (10 * gib, 140 * gib), memory_reserved=lambda index: 120 * gib,
                     max_memory_reserved=lambda index: 125 * gib, memory_allocated=lambda index: 100 * gib,
                     max_memory_allocated=lambda index: 118 * gib, current_device=lambda: 0)
     for name, value in counters.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    peak, allocated, total = cuda_memory_stats(None)()
-    # held outside the allocator: 140 - 10 free - 120 reserved = 10 GiB; peak = 125 reserved + 10
-    assert (peak, allocated, total) == (135 * gib, 100 * gib, 140 * gib)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    # held outside the allocator: 140 - 10 free - 120 reserved = 10 GiB
+    assert cuda_memory_stats(None)() == (peak_gib * gib, 100 * gib, 140 * gib)
 
 
 def test_bad_budgets_are_refused():
