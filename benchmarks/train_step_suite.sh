@@ -14,6 +14,9 @@
 #   LIMIT_S        seconds per size (default 540 at 32k, 1200 above)
 #   MODES          train_step.py --modes (default hfpatch,keep,native,single; single alone for NGPU=1)
 #   EXTRA          more train_step.py flags (e.g. "--layers 8" for a quick look)
+#   PYTORCH_CUDA_ALLOC_CONF  the caching allocator's settings for every mode (default expandable_segments:True:
+#                  freed memory serves any size, so keep's "auto" budget counts live tensors, not a fragmented
+#                  reserve; set it empty for the allocator's defaults). Each result's stamp records it.
 # Native CP runs every SDPA backend x rotate method at the first size; the larger sizes run only the fastest of
 # those (read from the first size's JSON).
 set -u
@@ -27,6 +30,7 @@ OUT=${OUT:-benchmarks/results}
 SIZES=${SIZES:-32k 64k 128k}
 SINGLE_LAYERS=${SINGLE_LAYERS:-8}
 EXTRA=${EXTRA:-}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}
 mkdir -p "$OUT"
 log() { echo "## $(date -u +%H:%M:%S) $*"; }
 GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0).split()[-1] if torch.cuda.is_available() else 'cpu')")

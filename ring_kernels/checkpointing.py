@@ -25,7 +25,9 @@ pair is released when the recomputation takes it, or when its region is freed (t
 region is gone: a forward under ``no_grad``, a backward that never ran, a recomputation that stopped early).
 
 ``OutputKeeper(budget_bytes="auto")`` (CUDA): the first training step keeps nothing and samples the device's peak
-(``torch.cuda.max_memory_allocated``) as each region runs, forward and recomputation. From the next forward on,
+as each region runs, forward and recomputation: what the process must hold (``cuda_memory_stats``: its tensors'
+peak under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, else the allocator's peak reservation, since its
+fragments cannot take a kept output) plus the memory held outside the allocator. From the next forward on,
 the budget is ``(1 - headroom)`` of the device's memory minus that peak, minus what the memory allocated at the
 start of a forward grew since the first (optimizer states appear after the first step), re-evaluated at the start
 of every forward. When that is less than one call's pair, nothing is kept and the keeper warns once
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -73,7 +76,7 @@ class OutputKeeper:
     ``budget_bytes``: the most kept bytes alive at once over every region: an int (bytes), ``None`` (no limit),
     or ``"auto"`` (CUDA only: what fits, module docstring; ``headroom`` is the share of the device's memory it
     leaves free). ``memory_stats``: for ``"auto"``, a function returning
-    ``(peak allocated bytes, allocated bytes, device bytes)`` (default: ``torch.cuda`` on ``device``, the current
+    ``(peak bytes held, allocated bytes, device bytes)`` (default: ``torch.cuda`` on ``device``, the current
     CUDA device when None).
     """
 
@@ -89,7 +92,7 @@ class OutputKeeper:
                     raise RingInputError(
                         "OutputKeeper(budget_bytes='auto') measures CUDA memory, and no CUDA device is available; "
                         "pass a number of bytes, or None to keep every output")
-                memory_stats = _cuda_memory_stats(device)
+                memory_stats = cuda_memory_stats(device)
             self.budget_bytes: Optional[int] = 0          # the calibration step keeps nothing
         elif budget_bytes is None:
             self.budget_bytes = None
@@ -147,6 +150,10 @@ class OutputKeeper:
                 self.budget_bytes / 2**30,
                 " (the device's memory less its headroom, the peak measured without kept outputs and the growth "
                 "since)" if self.auto else "")
+            if self.auto and not expandable_segments():
+                logger.warning("ring_kernels.checkpointing: the peak counts the caching allocator's whole reserve; "
+                               "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it counts only live tensors, "
+                               "and more outputs fit")
         return False
 
     def _take_bytes(self, nbytes: int) -> None:
@@ -169,11 +176,29 @@ class OutputKeeper:
                 f"replayed {self.counts['replayed']}, gaps {self.counts['gaps']}>")
 
 
-def _cuda_memory_stats(device) -> Callable[[], Tuple[int, int, int]]:
-    def stats() -> Tuple[int, int]:
+def expandable_segments() -> bool:
+    """Whether CUDA's caching allocator grows its segments in place (``expandable_segments:True`` in
+    ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``), so that freed memory stays usable by any size."""
+    settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return any(item.replace(" ", "").lower() == "expandable_segments:true" for item in settings.split(","))
+
+
+def cuda_memory_stats(device) -> Callable[[], Tuple[int, int, int]]:
+    """The device's (peak, allocated, total) for ``"auto"``; the peak is what the process must hold.
+
+    With expandable segments the allocator reuses freed memory for any size, so the peak is its tensors' peak
+    (``max_memory_allocated``). Without them its reserve fragments: a large request can fail with gigabytes
+    reserved but split (17.8 GiB at 128k tokens per GPU on the 8B), so the peak is the allocator's peak reservation
+    (``max_memory_reserved``), which is conservative. Either way plus the memory outside the allocator (the CUDA
+    context, communication buffers) at the time of asking."""
+    expandable = expandable_segments()
+
+    def stats() -> Tuple[int, int, int]:
         index = torch.cuda.current_device() if device is None else torch.device(device).index
-        return (torch.cuda.max_memory_allocated(index), torch.cuda.memory_allocated(index),
-                torch.cuda.get_device_properties(index).total_memory)
+        free, total = torch.cuda.mem_get_info(index)
+        outside = max(0, total - free - torch.cuda.memory_reserved(index))
+        peak = torch.cuda.max_memory_allocated(index) if expandable else torch.cuda.max_memory_reserved(index)
+        return peak + outside, torch.cuda.memory_allocated(index), total
     return stats
 
 

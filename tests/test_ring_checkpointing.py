@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ring_kernels as rk
 from ring_kernels import engine, llama3
-from ring_kernels.checkpointing import KeptOutputMismatch, OutputKeeper, keeping
+from ring_kernels.checkpointing import KeptOutputMismatch, OutputKeeper, cuda_memory_stats, keeping
 from ring_kernels.errors import RingInputError
 from _dist import run_world
 
@@ -251,6 +251,24 @@ def test_auto_budget_measures_one_step_then_keeps_what_fits(caplog):
         step()
     assert keeper.budget_bytes < pair and keeper.stats()["kept"] == LAYERS
     assert "nothing fits: one ring output takes" in caplog.text
+
+
+@pytest.mark.parametrize("conf, peak_gib", [("", 125 + 10), ("expandable_segments:True", 118 + 10),
+                                             ("max_split_size_mb:512,expandable_segments:True", 118 + 10)])
+def test_auto_counts_what_the_process_must_hold(monkeypatch, conf, peak_gib):
+    """The CUDA counters behind "auto": the tensors' peak where expandable segments let freed memory serve any
+    size, else the allocator's peak reservation (its fragments cannot take a kept output); plus the memory
+    outside the allocator."""
+    gib = 2**30
+    counters = dict(mem_get_info=lambda index: (10 * gib, 140 * gib), memory_reserved=lambda index: 120 * gib,
+                    max_memory_reserved=lambda index: 125 * gib, memory_allocated=lambda index: 100 * gib,
+                    max_memory_allocated=lambda index: 118 * gib, current_device=lambda: 0)
+    for name, value in counters.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    # held outside the allocator: 140 - 10 free - 120 reserved = 10 GiB
+    assert cuda_memory_stats(None)() == (peak_gib * gib, 100 * gib, 140 * gib)
 
 
 def test_bad_budgets_are_refused():
