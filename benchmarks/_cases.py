@@ -36,9 +36,10 @@ VARLEN_VARIANTS = ("ring_varlen", "zigzag_varlen", "llama3", "ulysses_varlen")
 CAUSAL_ONLY = frozenset({"zigzag", "stripe", "zigzag_varlen", "usp"})
 # Variants that need a 2-D grid of ranks (a Ulysses group size and a ring group size, both >= 2).
 GRID_VARIANTS = frozenset({"usp"})
-# The ring_kernels layout of the inputs each variant expects ("usp": ring_kernels.usp_shard, zigzag ring).
+# The ring_kernels layout of the inputs each variant expects over its group ("usp": its zigzag ring's layout over
+# the whole group, ring_kernels.usp_layout("zigzag")).
 VARIANT_LAYOUT = {
-    "ring": "contiguous", "zigzag": "zigzag", "stripe": "stripe", "ulysses": "contiguous", "usp": "usp",
+    "ring": "contiguous", "zigzag": "zigzag", "stripe": "stripe", "ulysses": "contiguous", "usp": "zigzag",
     "ring_varlen": "contiguous", "zigzag_varlen": "zigzag", "llama3": "contiguous", "ulysses_varlen": "contiguous",
 }
 MODES = ("fwd", "fwd_bwd")

@@ -7,7 +7,7 @@ so nothing accumulates between iterations).
 Shapes: batch q/dout (1, S, H, D), k/v (1, S, Hk, D); varlen q/dout (T, H, D), k/v (T, Hk, D).
 
 ``usp`` runs on the grid of process groups given once to ``set_usp_grid`` (every rank in one Ulysses group and
-one ring group); its inputs are sharded by ``ring_kernels.usp_shard`` with the zigzag ring.
+one ring group); its inputs are sharded over the whole group in its zigzag ring's layout.
 """
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def _usp_grid() -> Dict[str, object]:
 
 
 def _group_kwargs(variant: str, group) -> Dict[str, object]:
-    """The keyword arguments that place ``variant`` on its ranks: ``group``, or usp's grid."""
-    return _usp_grid() if variant == "usp" else {"group": group}
+    """The keyword arguments that place ``variant`` on its ranks: ``group``, and usp's grid of it."""
+    return dict(_usp_grid(), group=group) if variant == "usp" else {"group": group}
 
 
 @dataclass
@@ -113,9 +113,6 @@ def shard_tensors(tensors: Dict[str, torch.Tensor], variant: str, doc_lengths: O
 
     Batch tensors are (1, S, H*, D), sharded along dim 1; varlen (``doc_lengths`` given) (T, H*, D) along dim 0.
     """
-    if variant == "usp":
-        usp_shard = _api("usp_shard")
-        return {name: usp_shard(t, dim=1, **_usp_grid()).contiguous() for name, t in tensors.items()}
     shard = _api("shard")
     layout = VARIANT_LAYOUT[variant]
     if doc_lengths is not None:

@@ -18,7 +18,8 @@ layouts ``ring``, ``zigzag``, ``stripe``; ``documents`` (packed-document plannin
 ``varlen`` (ring and zigzag over documents) and ``llama3`` (all-gathered K/V); ``backends`` compute blocks;
 ``checkpointing`` keeps each ring call's output through activation checkpointing (the recomputation skips the ring).
 ``ulysses`` splits heads instead of the sequence (an all-to-all before and after attention; any layout, batch and
-varlen); ``usp`` runs a ring variant across groups of Ulysses ranks (a 2-D split; ``usp_shard`` shards for it).
+varlen); ``usp`` runs a ring variant across groups of Ulysses ranks (a 2-D split of inputs sharded over the whole
+group in the ring variant's layout, ``usp_layout``).
 """
 
 from ring_kernels.errors import RingInputError
@@ -31,13 +32,12 @@ from ring_kernels.zigzag import zigzag_ring_attn_func
 from ring_kernels.varlen import ring_attn_varlen_func, zigzag_ring_attn_varlen_func
 from ring_kernels.llama3 import llama3_attn_varlen_func
 from ring_kernels.ulysses import ulysses_attn_func, ulysses_attn_varlen_func
-from ring_kernels.usp import usp_attn_func, usp_attn_varlen_func, usp_shard, usp_unshard
+from ring_kernels.usp import usp_attn_func, usp_attn_varlen_func, usp_layout
 
 __all__ = [
     "ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func",
     "ring_attn_varlen_func", "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func",
-    "ulysses_attn_func", "ulysses_attn_varlen_func", "usp_attn_func", "usp_attn_varlen_func", "usp_shard",
-    "usp_unshard",
+    "ulysses_attn_func", "ulysses_attn_varlen_func", "usp_attn_func", "usp_attn_varlen_func", "usp_layout",
     "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard", "rank_check_scope",
     "RANK_CHECKED", "RingInputError", "RingOptions", "get_options", "set_options", "use_options",
 ]

@@ -56,8 +56,9 @@ from .engine import ALL, Block, fold_sink, sink_grad
 from .layout import LAYOUTS, rank_positions
 from .validation import LayoutCode, RingInputError
 
-__all__ = ["ulysses_attn_func", "ulysses_attn_varlen_func", "kv_replication", "check_heads", "HeadExchange",
-           "head_exchange", "head_parallel", "all_to_all_single"]
+__all__ = ["ulysses_attn_func", "ulysses_attn_varlen_func", "kv_replication", "check_heads", "check_zigzag_length",
+           "check_zigzag_documents", "HeadExchange", "ExchangeIndices", "exchange_indices", "head_exchange",
+           "head_parallel", "all_to_all_single"]
 
 # The one collective, looked up at every call: replaceable (tests count the calls through it, and
 # benchmarks/_nocomm.py times Ulysses without communication by putting a local copy in its place).
@@ -106,14 +107,16 @@ def _layout_code(fn: str, layout, *, varlen: bool) -> LayoutCode:
     return _LAYOUT_CODES[layout, varlen]
 
 
-def _check_zigzag_length(fn: str, seqlen: int) -> None:
+def check_zigzag_length(fn: str, seqlen: int) -> None:
+    """A zigzag shard holds two equal chunks: ``seqlen`` (this rank's tokens per row) must be even."""
     if seqlen % 2:
         raise RingInputError(
             f"{fn}: q has seqlen_local={seqlen}; layout='zigzag' holds two chunks per rank, so seqlen_local must be "
             f"even: make the global length a multiple of 2 * world_size (pad it)", argument="q", value=seqlen)
 
 
-def _check_zigzag_documents(fn: str, cu: torch.Tensor, world: int) -> None:
+def check_zigzag_documents(fn: str, cu: torch.Tensor, world: int) -> None:
+    """Every document of ``cu`` (CPU int64 cumulative lengths) splits into 2 x ``world`` equal zigzag chunks."""
     lengths = cu[1:] - cu[:-1]
     bad = torch.nonzero(lengths % (2 * world) != 0).flatten()
     if bad.numel():
@@ -135,7 +138,8 @@ class HeadExchange:
 
     The receive buffer of the sequence-to-heads all-to-all is (world, batch, seqlen, h, D): block j is rank j's
     tokens. ``gather`` (batch * world * seqlen,) int64 on the device: row b*L + p of the head-split tensor
-    (B, L, h, D) -- natural position p of batch row b -- is row ``gather[b*L + p]`` of that buffer flattened;
+    (B, L, h, D) -- position p of batch row b in the order the attention takes (the natural order for Ulysses,
+    the ring shard's local order for USP) -- is row ``gather[b*L + p]`` of that buffer flattened;
     ``scatter`` is its inverse, for the way back. Both None when the buffer already is in natural order (one
     batch row, contiguous layout: the unpacking is a view)."""
 
@@ -148,8 +152,9 @@ class HeadExchange:
     scatter: Optional[torch.Tensor] = None
 
 
-class _Indices:
-    """The host (gather, scatter) of one layout and shape, and their copies per device (made once)."""
+class ExchangeIndices:
+    """The host (gather, scatter) of one layout and shape (``HeadExchange``'s fields), and their copies per device
+    (made once)."""
 
     def __init__(self, gather: Optional[torch.Tensor], scatter: Optional[torch.Tensor]):
         self.host = (gather, scatter)
@@ -162,18 +167,20 @@ class _Indices:
         return found
 
 
-def _indices(order: torch.Tensor, world: int, batch: int, seqlen: int) -> _Indices:
-    """``order[i]``: the global position of row i = j*seqlen + s of the rank-major concatenation (rank j's
-    local token s)."""
+def exchange_indices(order: torch.Tensor, world: int, batch: int, seqlen: int) -> ExchangeIndices:
+    """The indices of an exchange over ``world`` ranks of (``batch``, ``seqlen``) tensors. ``order[i]``: the
+    position in the head-split sequence (of world * seqlen tokens) of row i = j*seqlen + s of the rank-major
+    concatenation (rank j's local token s): its natural position for Ulysses, its place in the ring shard for
+    USP."""
     total = world * seqlen
     if batch == 1 and torch.equal(order, torch.arange(total)):
-        return _Indices(None, None)
+        return ExchangeIndices(None, None)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(total)
     b = torch.arange(batch).view(batch, 1)
     gather = (inverse // seqlen) * (batch * seqlen) + b * seqlen + inverse % seqlen         # (batch, total)
     scatter = b.view(1, batch, 1) * total + order.view(world, 1, seqlen)                    # (world, batch, seqlen)
-    return _Indices(gather.reshape(-1), scatter.reshape(-1))
+    return ExchangeIndices(gather.reshape(-1), scatter.reshape(-1))
 
 
 def _order(layout: str, world: int, seqlen: int, cu: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -181,19 +188,19 @@ def _order(layout: str, world: int, seqlen: int, cu: Optional[torch.Tensor] = No
     return torch.cat([rank_positions(total, j, world, layout=layout, cu_seqlens=cu) for j in range(world)])
 
 
-_BATCH_INDICES: "OrderedDict[tuple, _Indices]" = OrderedDict()   # (layout, world, batch, seqlen) -> indices
+_BATCH_INDICES: "OrderedDict[tuple, ExchangeIndices]" = OrderedDict()   # (layout, world, batch, seqlen) -> indices
 _BATCH_INDICES_SIZE = 32
 _LOCK = threading.Lock()
 
 
-def _batch_indices(layout: str, world: int, batch: int, seqlen: int) -> _Indices:
+def _batch_indices(layout: str, world: int, batch: int, seqlen: int) -> ExchangeIndices:
     key = (layout, world, batch, seqlen)
     with _LOCK:
         found = _BATCH_INDICES.get(key)
         if found is not None:
             _BATCH_INDICES.move_to_end(key)
             return found
-    found = _indices(_order(layout, world, seqlen), world, batch, seqlen)
+    found = exchange_indices(_order(layout, world, seqlen), world, batch, seqlen)
     with _LOCK:
         _BATCH_INDICES[key] = found
         while len(_BATCH_INDICES) > _BATCH_INDICES_SIZE:
@@ -440,7 +447,7 @@ def ulysses_attn_func(q, k, v, *, group=None, causal=False, softmax_scale=None, 
         validation.check_ranks_agree(fn, group, fields, q.device)
     check_heads(fn, h, world)
     if layout == "zigzag" and world > 1:
-        _check_zigzag_length(fn, s)
+        check_zigzag_length(fn, s)
     kind, mask = classify(0, world * s, 0, world * s, bool(causal), window)
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=d, mask_kind=kind, softcap=float(softcap))
     cfg = _Attention([Block(ALL, ALL, mask)], chosen, scale, float(softcap))
@@ -458,7 +465,7 @@ class _VarlenPlan:
 
     def __init__(self, cu: torch.Tensor, layout: str, world: int, local: int, causal: bool,
                  window: Tuple[int, int]):
-        self.indices = _indices(_order(layout, world, local, cu), world, 1, local) if world > 1 else None
+        self.indices = exchange_indices(_order(layout, world, local, cu), world, 1, local) if world > 1 else None
         builder = StepBuilder()
         self.blocks: List[Block] = []
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -502,7 +509,7 @@ def ulysses_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, s
     if layout == "zigzag" and call.world > 1:
         # Cached only once it passed (a failing check raises again on every call).
         call.entry.get(("ulysses zigzag documents", call.world),
-                       lambda: _check_zigzag_documents(fn, call.cu, call.world))
+                       lambda: check_zigzag_documents(fn, call.cu, call.world))
     plan = call.entry.get(("ulysses", layout, call.world, call.local, call.causal, call.window),
                           lambda: _VarlenPlan(call.cu, layout, call.world, call.local, call.causal, call.window))
     head_dim = q.shape[-1]

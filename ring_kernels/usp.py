@@ -1,68 +1,81 @@
-"""USP: Ulysses within a group of ranks x a ring variant across such groups (a 2-D split of the sequence).
+"""USP: Ulysses within groups of consecutive ranks x a ring variant across them (a 2-D split of the sequence).
 
-The ranks form a grid of ``ring_group``s (R ranks each) x ``ulysses_group``s (U ranks each): every rank is in
-one group of each kind, and its two groups share no other rank. With 4 ranks and U = R = 2, say, the Ulysses
-groups {0, 1}, {2, 3} and the ring groups {0, 2}, {1, 3}; put the Ulysses groups where an all-to-all is cheap
-(one node), the rings across.
+The N = U x R ranks of ``group`` form a grid: rank g of ``group`` is rank g % U of the ``ulysses_group`` of
+ranks [g - g % U, g - g % U + U) (U consecutive ranks) and rank g // U of the ``ring_group`` of ranks g % U,
+U + g % U, ..., (R-1)U + g % U. With 4 ranks and U = R = 2: the Ulysses groups {0, 1}, {2, 3}, the rings {0, 2},
+{1, 3}; consecutive ranks share a node, where an all-to-all is cheap, and the rings go across. The caller makes
+the two subgroups (``dist.new_group``); every call checks that they are this grid of ``group`` (host metadata).
 
-Sharding (``usp_shard`` / ``usp_unshard``): the global sequence is first split over the *ring* group in the ring
-variant's layout (``usp_layout``: ``"contiguous"`` for ``ring`` and ``llama3``, ``"zigzag"``, ``"stripe"``), then
-each ring shard contiguously over the *Ulysses* group. The rank at ring rank i and Ulysses rank u holds
+Sharding: the inputs are sharded over the whole ``group`` in the ring variant's layout (``usp_layout``), exactly
+as for a ring variant over N ranks -- ``ring_kernels.shard(x, group, layout=usp_layout(ring_variant))`` -- so
+whatever else is sharded along the sequence (positions, labels, state-passing mixers) needs no layout of its own.
+Ulysses group r (ring rank r) holds, together:
 
-    shard(shard(x, ring_group, layout=usp_layout(ring_variant)), ulysses_group, layout="contiguous")
+- ``"contiguous"`` (``ring``, ``llama3``): contiguous chunk r of R, its ranks' pieces in rank order;
+- ``"zigzag"``: of the 2N chunks, rank g holds g and 2N-1-g, so group r holds chunks [rU, rU+U) and
+  [2N-rU-U, 2N-rU) -- exactly chunks r and 2R-1-r of the zigzag over R, once the pieces are put in order (the
+  fronts ascending, then the backs ascending: Ulysses rank u's back chunk is 2N-1-(rU+u), so they arrive in
+  descending order). Packed documents: the same within every document (each a multiple of 2N tokens).
 
-i.e. piece u of U (consecutive, in local order) of ring shard i. Global length L: R x U x S_local tokens (zigzag:
-L divisible by 2R, and S_local x U even). Packed documents: the ring layout's varlen form over the ring group
-(``cu_seqlens`` as for the ring variant), then the same contiguous split of each ring shard's tokens.
+A stripe over N is not a stripe over R (group r holds the tokens t with t mod N in [rU, rU+U)): refused.
 
-One call: Ulysses' all-to-all over ``ulysses_group`` (``ulysses.head_parallel``) gathers this rank's whole ring
-shard -- in the ring layout's order already, since the split inside it was contiguous: no permutation -- for
-H/U query heads; the ring variant runs over ``ring_group`` on those heads; the inverse all-to-all returns out
-to the caller's shard. H must divide by U; K/V heads are replicated as in Ulysses where Hk does not. A sink
+One call: Ulysses' all-to-all over ``ulysses_group`` (``ulysses.head_parallel``) gathers ring rank r's shard of
+the ring layout over R, in that shard's local order (the copy that unpacks the receive buffer permutes the rows),
+for H/U query heads; the ring variant runs over ``ring_group`` on those heads; the inverse all-to-all returns out
+in the caller's shard order. H must divide by U; K/V heads are replicated as in Ulysses where Hk does not. A sink
 is split by heads over the Ulysses group and by queries over the ring: the sum of the sink gradient over all
 ranks is the whole gradient.
 
-Refused by name: ``causal=False`` with ``zigzag`` or ``stripe`` (use ``ring``), a zigzag ring shard of odd
-length, groups that are not two axes of a grid, and everything the ring variant itself refuses.
+Refused by name: ``ring_variant="stripe"``, ``causal=False`` with ``zigzag`` (use ``ring``), a zigzag shard of
+odd length or documents that do not divide by 2N, subgroups that are not this grid of ``group``, and everything
+the ring variant itself refuses.
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import validation
-from .comm import group_rank_and_size
-from .documents import cu_entry
-from .layout import shard, unshard
+from .documents import VarlenCall
+from .layout import rank_positions
 from .llama3 import llama3_attn_varlen_func
 from .ring import ring_attn_func
-from .stripe import stripe_attn_func
-from .ulysses import check_heads, head_exchange, head_parallel
+from .ulysses import (ExchangeIndices, HeadExchange, check_heads, check_zigzag_documents, check_zigzag_length,
+                      exchange_indices, head_parallel)
 from .validation import LayoutCode, RingInputError
 from .varlen import ring_attn_varlen_func, zigzag_ring_attn_varlen_func
 from .zigzag import zigzag_ring_attn_func
 
-__all__ = ["usp_attn_func", "usp_attn_varlen_func", "usp_layout", "usp_shard", "usp_unshard", "RING_VARIANTS",
+__all__ = ["usp_attn_func", "usp_attn_varlen_func", "usp_layout", "UspGrid", "usp_grid", "RING_VARIANTS",
            "VARLEN_RING_VARIANTS"]
 
-# ring_variant -> (the ring function, its layout over the ring group, the layout field of the ranks' agreement check)
+# ring_variant -> (the ring function, the layout of the inputs over the whole group and of the ring shards over
+# the ring group, the layout field of the ranks' agreement check)
 RING_VARIANTS: Dict[str, Tuple[Callable, str, LayoutCode]] = {
     "ring": (ring_attn_func, "contiguous", LayoutCode.USP_RING),
     "zigzag": (zigzag_ring_attn_func, "zigzag", LayoutCode.USP_ZIGZAG),
-    "stripe": (stripe_attn_func, "stripe", LayoutCode.USP_STRIPE),
 }
 VARLEN_RING_VARIANTS: Dict[str, Tuple[Callable, str, LayoutCode]] = {
     "ring": (ring_attn_varlen_func, "contiguous", LayoutCode.USP_RING_VARLEN),
     "zigzag": (zigzag_ring_attn_varlen_func, "zigzag", LayoutCode.USP_ZIGZAG_VARLEN),
     "llama3": (llama3_attn_varlen_func, "contiguous", LayoutCode.USP_LLAMA3_VARLEN),
 }
-_CAUSAL_ONLY = ("zigzag", "stripe")
+_CAUSAL_ONLY = ("zigzag",)
 
 
 def _variant(fn: str, ring_variant, varlen: bool) -> Tuple[Callable, str, LayoutCode]:
     table = VARLEN_RING_VARIANTS if varlen else RING_VARIANTS
+    if ring_variant == "stripe":
+        raise RingInputError(
+            f"{fn}: ring_variant='stripe' cannot run across Ulysses groups: a stripe over the whole group is not a "
+            f"stripe over the ring group (Ulysses group r holds the tokens t with t mod N in [rU, rU+U), a stripe "
+            f"over the ring would be t mod R == r); use ring_variant='zigzag' (balanced causal work) or 'ring', "
+            f"or ulysses_attn_func(layout='stripe') without a ring", argument="ring_variant", value=ring_variant)
     if ring_variant not in table:
         other = RING_VARIANTS if varlen else VARLEN_RING_VARIANTS
         hint = (f" ({ring_variant!r} exists only {'without' if varlen else 'with'} cu_seqlens)"
@@ -73,49 +86,136 @@ def _variant(fn: str, ring_variant, varlen: bool) -> Tuple[Callable, str, Layout
 
 
 def usp_layout(ring_variant: str, *, varlen: bool = False) -> str:
-    """The layout over the ring group of ``ring_variant`` (the split within the Ulysses group is contiguous)."""
+    """The layout the inputs of ``ring_variant`` are sharded in over the whole group (``ring_kernels.shard``'s
+    ``layout``): ``"contiguous"`` for ``ring`` and ``llama3``, ``"zigzag"`` for ``zigzag``."""
     return _variant("usp_layout", ring_variant, varlen)[1]
 
 
-def usp_shard(x: torch.Tensor, *, ulysses_group, ring_group, ring_variant: str = "zigzag", dim: int = 1,
-              cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """This rank's part of the global ``x`` along ``dim`` for USP (module docstring); varlen: pass the global
-    ``cu_seqlens`` and the token dimension (``dim=0`` for (T, H, D))."""
-    layout = usp_layout(ring_variant, varlen=cu_seqlens is not None)
-    part = shard(x, ring_group, layout=layout, dim=dim, cu_seqlens=cu_seqlens)
-    return shard(part, ulysses_group, layout="contiguous", dim=dim)
+# ---------------------------------------------------------------------------------------------- the grid
 
 
-def usp_unshard(x_local: torch.Tensor, *, ulysses_group, ring_group, ring_variant: str = "zigzag", dim: int = 1,
-                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The global tensor from every rank's part (``usp_shard``'s inverse; collective over both groups,
-    differentiable as ``ring_kernels.unshard``)."""
-    layout = usp_layout(ring_variant, varlen=cu_seqlens is not None)
-    part = unshard(x_local, ulysses_group, layout="contiguous", dim=dim)
-    return unshard(part, ring_group, layout=layout, dim=dim, cu_seqlens=cu_seqlens)
+@dataclass(frozen=True)
+class UspGrid:
+    """This rank's place in the grid of ``group``: rank ``rank`` of ``world`` = ``ring_rank`` x ``ulysses`` +
+    ``ulysses_rank``; ``ulysses`` (U) ranks per Ulysses group, ``ring`` (R) per ring group."""
+
+    world: int
+    rank: int
+    ulysses: int
+    ulysses_rank: int
+    ring: int
+    ring_rank: int
 
 
-def _check_grid(fn: str, ulysses_group, ring_group) -> None:
-    """The two groups meet in this rank only (a grid); host metadata only."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    world = dist.group.WORLD
-    ulysses = set(dist.get_process_group_ranks(ulysses_group or world))
-    ring = set(dist.get_process_group_ranks(ring_group or world))
-    if ulysses & ring != {dist.get_rank()}:
+_GRIDS: "OrderedDict[tuple, UspGrid]" = OrderedDict()   # (group, ulysses_group, ring_group) -> grid
+_GRIDS_SIZE = 16
+_LOCK = threading.Lock()
+
+
+def _members(fn: str, name: str, sub, group, group_name: str) -> list:
+    """The ranks of ``group`` that ``sub`` holds, in ``sub``'s rank order."""
+    ranks = sorted(dist.get_process_group_ranks(sub), key=lambda g: dist.get_group_rank(sub, g))
+    try:
+        return [dist.get_group_rank(group, g) for g in ranks]
+    except (ValueError, RuntimeError) as exc:
         raise RingInputError(
-            f"{fn}: ulysses_group (ranks {sorted(ulysses)}) and ring_group (ranks {sorted(ring)}) share the ranks "
-            f"{sorted(ulysses & ring)}; they must be the two axes of a grid, meeting in this rank "
-            f"({dist.get_rank()}) only (e.g. 4 ranks: ulysses groups [0, 1], [2, 3], ring groups [0, 2], [1, 3])",
-            argument="ring_group", value=sorted(ring))
+            f"{fn}: {name} holds the global ranks {ranks}, not all of which are in {group_name} (global ranks "
+            f"{dist.get_process_group_ranks(group)}); make {name} from ranks of {group_name}",
+            argument=name, value=ranks) from exc
 
 
-def _check_common(fn: str, causal, ring_variant, ulysses_group, ring_group) -> Tuple[int, int]:
-    """The checks of both front ends after q, k, v and the options: (Ulysses rank, Ulysses world)."""
+def _make_grid(fn: str, group, ulysses_group, ring_group) -> UspGrid:
+    world, ulysses, ring = (dist.get_world_size(g) for g in (group, ulysses_group, ring_group))
+    if ulysses * ring != world:
+        raise RingInputError(
+            f"{fn}: ulysses_group has {ulysses} ranks and ring_group {ring}, {ulysses} x {ring} = {ulysses * ring}, "
+            f"but group has {world}; USP splits the group into a grid of Ulysses groups x ring groups: make "
+            f"ulysses_group of U consecutive ranks and ring_group of the other {world} / U (U x R = {world})",
+            argument="ring_group", value=ring)
+    rank = dist.get_rank(group)
+    first = rank - rank % ulysses
+    for name, sub, want in (("ulysses_group", ulysses_group, list(range(first, first + ulysses))),
+                            ("ring_group", ring_group, list(range(rank % ulysses, world, ulysses)))):
+        found = _members(fn, name, sub, group, "group")
+        if found != want:
+            raise RingInputError(
+                f"{fn}: {name} holds the ranks {found} of group (in its rank order) but rank {rank} of a "
+                f"{ulysses} x {ring} grid belongs to the {name} of ranks {want}: Ulysses groups are {ulysses} "
+                f"consecutive ranks of group, ring groups take one rank of each (4 ranks, 2 x 2: ulysses [0, 1], "
+                f"[2, 3]; ring [0, 2], [1, 3]); the inputs are sharded by rank of group, so another grid would "
+                f"gather the wrong tokens", argument=name, value=found)
+    return UspGrid(world, rank, ulysses, rank % ulysses, ring, rank // ulysses)
+
+
+def usp_grid(fn: str, group, ulysses_group, ring_group) -> UspGrid:
+    """This rank's ``UspGrid``, after checking that ``ulysses_group`` x ``ring_group`` is the grid of ``group``
+    (module docstring; ``RingInputError`` naming the group that is not). Host metadata only, once per three
+    groups. None for a group: the default group; no process group at all: a grid of one rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return UspGrid(1, 0, 1, 0, 1, 0)
+    world_group = dist.group.WORLD
+    key = tuple(world_group if g is None else g for g in (group, ulysses_group, ring_group))
+    with _LOCK:
+        found = _GRIDS.get(key)
+    if found is None:
+        found = _make_grid(fn, *key)              # raises before storing
+        with _LOCK:
+            _GRIDS[key] = found
+            while len(_GRIDS) > _GRIDS_SIZE:
+                _GRIDS.popitem(last=False)
+    return found
+
+
+def _ring_order(layout: str, grid: UspGrid, seqlen: int, cu: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``order[u * seqlen + s]``: the place, in ring rank r's shard of ``layout`` over the R ring ranks, of the
+    s-th local token of Ulysses rank u of group r (``exchange_indices``' order; module docstring)."""
+    total = grid.world * seqlen
+    shard = rank_positions(total, grid.ring_rank, grid.ring, layout=layout, cu_seqlens=cu)
+    place = torch.full((total,), -1, dtype=torch.long)
+    place[shard] = torch.arange(shard.numel())
+    first = grid.ring_rank * grid.ulysses
+    pieces = torch.cat([rank_positions(total, first + u, grid.world, layout=layout, cu_seqlens=cu)
+                        for u in range(grid.ulysses)])
+    order = place[pieces]
+    assert bool((order >= 0).all()), (layout, grid)   # the Ulysses group holds exactly the ring shard
+    return order
+
+
+_BATCH_INDICES: "OrderedDict[tuple, ExchangeIndices]" = OrderedDict()   # (layout, grid, batch, seqlen) -> indices
+_BATCH_INDICES_SIZE = 32
+
+
+def _batch_indices(layout: str, grid: UspGrid, batch: int, seqlen: int) -> ExchangeIndices:
+    key = (layout, grid, batch, seqlen)
+    with _LOCK:
+        found = _BATCH_INDICES.get(key)
+        if found is not None:
+            _BATCH_INDICES.move_to_end(key)
+            return found
+    found = exchange_indices(_ring_order(layout, grid, seqlen), grid.ulysses, batch, seqlen)
+    with _LOCK:
+        _BATCH_INDICES[key] = found
+        while len(_BATCH_INDICES) > _BATCH_INDICES_SIZE:
+            _BATCH_INDICES.popitem(last=False)
+    return found
+
+
+def _exchange(ulysses_group, grid: UspGrid, indices: Optional[ExchangeIndices], batch: int, seqlen: int,
+              device: torch.device) -> HeadExchange:
+    if grid.ulysses == 1:
+        return HeadExchange(ulysses_group, 0, 1, batch, seqlen)
+    gather, scatter = indices.on(device)
+    return HeadExchange(ulysses_group, grid.ulysses_rank, grid.ulysses, batch, seqlen, gather, scatter)
+
+
+# ---------------------------------------------------------------------------------------------- calls
+
+
+def _check_common(fn: str, causal, ring_variant, group, ulysses_group, ring_group) -> UspGrid:
+    """The checks of both front ends after q, k, v and the options: this rank's grid."""
     if ring_variant in _CAUSAL_ONLY:
-        validation.require_causal(fn, causal, alternative="ring_variant='ring'")
-    _check_grid(fn, ulysses_group, ring_group)
-    return group_rank_and_size(ulysses_group)
+        validation.require_causal(fn, causal, alternative="ring_variant='ring' (inputs sharded 'contiguous')")
+    return usp_grid(fn, group, ulysses_group, ring_group)
 
 
 def _ring_call(ring_fn: Callable, ring_group, **options) -> Callable:
@@ -124,24 +224,27 @@ def _ring_call(ring_fn: Callable, ring_group, **options) -> Callable:
     return attend
 
 
-def usp_attn_func(q, k, v, *, ulysses_group, ring_group, ring_variant="zigzag", causal=True, softmax_scale=None,
-                  backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0, sink=None):
-    """Attention over a sequence sharded by ``usp_shard`` on the grid ``ulysses_group`` x ``ring_group``.
+def usp_attn_func(q, k, v, *, ulysses_group, ring_group, group=None, ring_variant="zigzag", causal=True,
+                  softmax_scale=None, backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0, sink=None):
+    """Attention over a sequence sharded over ``group`` in ``usp_layout(ring_variant)``, by Ulysses over
+    ``ulysses_group`` x ``ring_variant`` over ``ring_group`` (the grid of ``group``: module docstring).
 
     q: (B, S_local, H, D); k, v: (B, S_local, Hk, D), H % Hk == 0 and H % U == 0 (U: the size of
-    ``ulysses_group``). ``ring_variant``: ``"zigzag"`` (default; causal only), ``"stripe"`` (causal only) or
-    ``"ring"``. Returns out (B, S_local, H, D) in q's dtype, in the same shard order; differentiable in q, k, v
-    and sink. ``causal``, ``softmax_scale``, ``backend``, ``window_size``, ``softcap``, ``dropout_p`` (must be
-    0), ``sink`` (H,): as the ring variant's (``ring_attn_func``).
+    ``ulysses_group``); rank g holds ``ring_kernels.shard(x, group, layout=usp_layout(ring_variant))``.
+    ``group``: the whole group of N = U x R ranks (None: the default group). ``ring_variant``: ``"zigzag"``
+    (default; causal only; S_local even) or ``"ring"`` (contiguous). Returns out (B, S_local, H, D) in q's dtype,
+    in the same shard order; differentiable in q, k, v and sink. ``causal``, ``softmax_scale``, ``backend``,
+    ``window_size``, ``softcap``, ``dropout_p`` (must be 0), ``sink`` (H,): as the ring variant's
+    (``ring_attn_func``).
     """
     fn = "usp_attn_func"
-    ring_fn, _, code = _variant(fn, ring_variant, varlen=False)
+    ring_fn, layout, code = _variant(fn, ring_variant, varlen=False)
     validation.check_qkv(fn, q, k, v)
     window = validation.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
     scale = validation.resolve_scale(fn, softmax_scale, q.shape[-1])
     b, s, h, d = q.shape
     validation.check_sink(fn, sink, h, q.device)
-    _, world = _check_common(fn, causal, ring_variant, ulysses_group, ring_group)
+    grid = _check_common(fn, causal, ring_variant, group, ulysses_group, ring_group)
     if s == 0 or b == 0:
         raise RingInputError(f"{fn}: q has shape {tuple(q.shape)}; batch and seqlen_local must be >= 1 on every rank",
                              argument="q", value=tuple(q.shape))
@@ -149,54 +252,46 @@ def usp_attn_func(q, k, v, *, ulysses_group, ring_group, ring_variant="zigzag", 
               ("headdim", d), ("dtype", validation.dtype_code(q.dtype)), ("causal", int(bool(causal))),
               ("softmax_scale", scale), ("softcap", float(softcap)), ("window_left", window[0]),
               ("window_right", window[1]), ("sink", int(sink is not None))]
-    if world > 1:
-        validation.check_ranks_agree(fn, ulysses_group, fields, q.device)
-    check_heads(fn, h, world, "ulysses_group")
-    if ring_variant == "zigzag" and (world * s) % 2:
-        raise RingInputError(
-            f"{fn}: the ring shard has {world} x {s} = {world * s} tokens (ulysses_group size x seqlen_local); the "
-            f"zigzag layout needs an even number (two chunks per ring rank): pad the global length to a multiple "
-            f"of 2 x the number of ranks", argument="q", value=tuple(q.shape))
+    if grid.world > 1:
+        validation.check_ranks_agree(fn, group, fields, q.device)
+    check_heads(fn, h, grid.ulysses, "ulysses_group")
+    if layout == "zigzag" and grid.world > 1:
+        check_zigzag_length(fn, s)
     attend = _ring_call(ring_fn, ring_group, causal=causal, softmax_scale=softmax_scale, backend=backend,
                         window_size=window_size, softcap=softcap, dropout_p=dropout_p)
-    return head_parallel(q, k, v, sink, head_exchange(ulysses_group, "contiguous", b, s, q.device), attend)
+    indices = _batch_indices(layout, grid, b, s) if grid.ulysses > 1 else None
+    return head_parallel(q, k, v, sink, _exchange(ulysses_group, grid, indices, b, s, q.device), attend)
 
 
-def usp_attn_varlen_func(q, k, v, cu_seqlens, *, ulysses_group, ring_group, ring_variant="zigzag", causal=True,
-                         softmax_scale=None, backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0,
-                         sink=None):
-    """Attention over packed documents sharded by ``usp_shard(..., dim=0, cu_seqlens=cu_seqlens)``.
+def usp_attn_varlen_func(q, k, v, cu_seqlens, *, ulysses_group, ring_group, group=None, ring_variant="zigzag",
+                         causal=True, softmax_scale=None, backend="auto", window_size=(-1, -1), softcap=0.0,
+                         dropout_p=0.0, sink=None):
+    """Attention over packed documents sharded over ``group`` in ``usp_layout(ring_variant, varlen=True)``, by
+    Ulysses over ``ulysses_group`` x ``ring_variant`` over ``ring_group`` (the grid of ``group``).
 
-    q: (T_local, H, D); k, v: (T_local, Hk, D) -- or all three as HF's packed row (1, T_local, H|Hk, D).
-    ``cu_seqlens``: the cumulative lengths of the global packed sequence (identical on every rank), as for the
-    ring variant. ``ring_variant``: ``"zigzag"`` (default; causal only; every document length divisible by 2R),
-    ``"ring"`` or ``"llama3"``. Returns out of q's shape and dtype; differentiable. Options as
-    ``usp_attn_func``.
+    q: (T_local, H, D); k, v: (T_local, Hk, D) -- or all three as HF's packed row (1, T_local, H|Hk, D); rank g
+    holds ``ring_kernels.shard(x, group, layout=usp_layout(ring_variant, varlen=True), dim=0,
+    cu_seqlens=cu_seqlens)``. ``cu_seqlens``: the cumulative lengths of the global packed sequence (identical on
+    every rank), as for the ring variant. ``ring_variant``: ``"zigzag"`` (default; causal only; every document
+    length divisible by 2N), ``"ring"`` or ``"llama3"`` (both contiguous). Returns out of q's shape and dtype;
+    differentiable. Options as ``usp_attn_func``.
     """
     fn = "usp_attn_varlen_func"
-    ring_fn, _, code = _variant(fn, ring_variant, varlen=True)
-    validation.check_qkv(fn, q, k, v, varlen=True)
-    window = validation.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
-    scale = validation.resolve_scale(fn, softmax_scale, q.shape[-1])
-    t, h, d = q.shape[-3:]
-    validation.check_sink(fn, sink, h, q.device)
-    _, world = _check_common(fn, causal, ring_variant, ulysses_group, ring_group)
-    entry = cu_entry(fn, cu_seqlens)
-    fields = [("layout", code), ("local_tokens", t), ("nheads", h), ("nheads_k", k.shape[-2]),
-              ("headdim", d), ("dtype", validation.dtype_code(q.dtype)), ("causal", int(bool(causal))),
-              ("softmax_scale", scale), ("softcap", float(softcap)), ("window_left", window[0]),
-              ("window_right", window[1]), ("cu_seqlens length", entry.cu.numel()),
-              ("cu_seqlens[-1]", entry.total), ("cu_seqlens fingerprint", entry.fingerprint),
-              ("sink", int(sink is not None))]
-    if world > 1:
-        validation.check_ranks_agree(fn, ulysses_group, fields, q.device)
-    if t == 0:
-        raise RingInputError(f"{fn}: q has 0 local tokens (shape {tuple(q.shape)}); every rank must hold at least "
-                             f"one token (shard with ring_kernels.usp_shard)", argument="q", value=tuple(q.shape))
-    check_heads(fn, h, world, "ulysses_group")
+    ring_fn, layout, code = _variant(fn, ring_variant, varlen=True)
+    grid = _check_common(fn, causal, ring_variant, group, ulysses_group, ring_group)
+    call = VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
+                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=code)
+    check_heads(fn, q.shape[-2], grid.ulysses, "ulysses_group")
+    if layout == "zigzag" and grid.world > 1:
+        # Cached only once it passed (a failing check raises again on every call).
+        call.entry.get(("usp zigzag documents", grid.world), lambda: check_zigzag_documents(fn, call.cu, grid.world))
+    indices = None
+    if grid.ulysses > 1:
+        indices = call.entry.get(("usp", layout, grid, call.local), lambda: exchange_indices(
+            _ring_order(layout, grid, call.local, call.cu), grid.ulysses, 1, call.local))
     attend = _ring_call(ring_fn, ring_group, causal=causal, softmax_scale=softmax_scale, backend=backend,
                         window_size=window_size, softcap=softcap, dropout_p=dropout_p)
-    ex = head_exchange(ulysses_group, "contiguous", 1, t, q.device)
+    ex = _exchange(ulysses_group, grid, indices, 1, call.local, q.device)
     with_cu = lambda qh, kh, vh, sink_h: attend(qh, kh, vh, sink_h, cu_seqlens)  # noqa: E731
     if q.dim() == 4:                                  # HF's packed row: the ring variant takes it as is
         return head_parallel(q, k, v, sink, ex, with_cu)

@@ -4,10 +4,11 @@ The reference is written here: softmax(QK^T * scale) V in float64 on the whole (
 causal / window / document mask, softcap and a sink column, K/V heads repeated for GQA, gradients (q, k, v and
 the sink) by autograd. One gloo world per world size (2 and 4) runs a table of cases -- layout x causal x GQA
 (K/V heads divisible by the group or replicated) x window / softcap / sinks x batch / packed documents, and USP
-on the 2 x 2 grid with every ring variant -- and compares each rank's shard of out, dq, dk, dv with the same
-shard of the reference, and the sum over ranks of the sink gradient with the reference's, within the kernel
-entries of ring_kernels.tolerances. The same worlds count the all-to-alls, run a kept checkpoint region, and
-check every refusal that needs a group.
+on the 2 x 2 grid with every ring variant, its inputs sharded over the whole group (``ring_kernels.shard`` in
+``usp_layout``) -- and compares each rank's shard of out, dq, dk, dv with the same shard of the reference, and
+the sum over ranks of the sink gradient with the reference's, within the kernel entries of ring_kernels.tolerances.
+The same worlds count the all-to-alls, run a kept checkpoint region, and check every refusal that needs a group;
+on the grid, what the ring variant is given is exactly the ring shard of its layout over the ring group.
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import torch.distributed as dist
 
 import ring_kernels as rk
 from _dist import run_world
-from ring_kernels import ulysses
+from ring_kernels import ulysses, usp
 from ring_kernels.backends.base import BlockMask
 from ring_kernels.backends.reference import ReferenceBackend
 from ring_kernels.checkpointing import OutputKeeper
 from ring_kernels.checkpointing import checkpoint as kept_checkpoint
+from ring_kernels.layout import rank_positions
 from ring_kernels.tolerances import assert_close, tolerance
 from torch.utils.checkpoint import checkpoint
 
@@ -113,24 +115,26 @@ def ulysses_cases(world: int):
 
 
 def usp_cases():
-    """The 2 x 2 grid (Ulysses groups {0, 1}, {2, 3}; rings {0, 2}, {1, 3}): every ring variant, causal and not,
-    GQA with Hk % U == 0 and replicated, window, sink, packed documents; and the transposed grid."""
+    """The 2 x 2 grid (Ulysses groups {0, 1}, {2, 3}; rings {0, 2}, {1, 3}), inputs sharded over all 4 ranks:
+    every ring variant, causal and not, GQA with Hk % U == 0 and replicated, window, sink, a batch of one, packed
+    documents (zigzag: each a multiple of 2N = 8; contiguous: documents crossing rank boundaries)."""
     cases = []
-    for ring_variant, causal in (("zigzag", True), ("ring", True), ("ring", False), ("stripe", True)):
+    for ring_variant, causal in (("zigzag", True), ("ring", True), ("ring", False)):
         for h, hk in ((8, 2), (4, 1)):
             cases.append(make_case("usp", ring_variant=ring_variant, causal=causal, h=h, hk=hk, seqlen_local=4))
     cases += [
         make_case("usp", ring_variant="zigzag", window=(5, 0), sink=True, seqlen_local=4),
         make_case("usp", ring_variant="ring", causal=False, window=(3, 2), seqlen_local=3, batch=1),
-        make_case("usp", ring_variant="stripe", sink=True, dtype=torch.bfloat16, seqlen_local=4),
-        make_case("usp", ring_variant="zigzag", transposed=True, h=4, hk=1, seqlen_local=4),
+        make_case("usp", ring_variant="zigzag", sink=True, dtype=torch.bfloat16, seqlen_local=4),
+        make_case("usp", ring_variant="zigzag", batch=1, h=4, hk=1, seqlen_local=6),
     ]
-    docs = [8, 12, 0, 4, 8]                            # multiples of 2R = 4 (zigzag over the ring)
+    docs = [8, 16, 0, 8, 8]                            # multiples of 2N = 8 (zigzag over the whole group)
     for ring_variant, causal in (("zigzag", True), ("ring", True), ("ring", False), ("llama3", True)):
         cases.append(make_case("usp_varlen", ring_variant=ring_variant, causal=causal, documents=docs))
     cases.append(make_case("usp_varlen", ring_variant="llama3", causal=False, h=4, hk=1, documents=docs, sink=True,
                        packed_row=True))
-    cases.append(make_case("usp_varlen", ring_variant="zigzag", window=(3, 0), documents=docs, transposed=True))
+    cases.append(make_case("usp_varlen", ring_variant="zigzag", window=(3, 0), documents=docs, packed_row=True))
+    cases.append(make_case("usp_varlen", ring_variant="llama3", documents=[5, 14, 13, 4]))
     for i, case in enumerate(cases):
         case["seed"] = 9000 + i
     return cases
@@ -140,29 +144,27 @@ def usp_cases():
 
 
 class Grid:
-    """The groups of the 2 x 2 grid (made once per world: every rank creates every group, in one order)."""
+    """The groups of the 2 x 2 grid of the default group (made once per world: every rank creates every group, in
+    one order): Ulysses groups of consecutive ranks, {0, 1} and {2, 3}, and rings {0, 2}, {1, 3}."""
 
     def __init__(self, rank: int):
         rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         self.ulysses, self.ring = rows[rank // 2], columns[rank % 2]
 
-    def groups(self, transposed: bool):
-        return (self.ring, self.ulysses) if transposed else (self.ulysses, self.ring)
 
-
-def _usp_groups(grid, case):
+def _usp_groups(grid):
     """(ulysses_group, ring_group) of a USP case; without a grid (no process group): a world of one."""
-    return grid.groups(case.get("transposed", False)) if grid is not None else (None, None)
+    return (grid.ulysses, grid.ring) if grid is not None else (None, None)
 
 
-def _sharder(case, grid, cu):
-    """x (B, L, ...) global -> this rank's part along dim 1 (the case's layout)."""
+def _sharder(case, cu):
+    """x (B, L, ...) global -> this rank's part along dim 1 (the case's layout; USP: its ring variant's layout over
+    the whole group)."""
+    layout = case.get("layout")
     if case["variant"].startswith("usp"):
-        ug, rg = _usp_groups(grid, case)
-        return lambda x: rk.usp_shard(x, ulysses_group=ug, ring_group=rg, ring_variant=case["ring_variant"], dim=1,
-                                      cu_seqlens=cu)
-    return lambda x: rk.shard(x, layout=case["layout"], dim=1, cu_seqlens=cu)
+        layout = rk.usp_layout(case["ring_variant"], varlen=cu is not None)
+    return lambda x: rk.shard(x, layout=layout, dim=1, cu_seqlens=cu)
 
 
 def _call(case, grid, local, cu, sink):
@@ -170,7 +172,7 @@ def _call(case, grid, local, cu, sink):
                    softcap=case.get("softcap", 0.0), softmax_scale=case.get("softmax_scale"), sink=sink)
     variant = case["variant"]
     if variant.startswith("usp"):
-        ug, rg = _usp_groups(grid, case)
+        ug, rg = _usp_groups(grid)
         options.update(ulysses_group=ug, ring_group=rg, ring_variant=case["ring_variant"])
     else:
         options["layout"] = case["layout"]
@@ -251,7 +253,7 @@ def run_case(rank: int, world: int, case: dict, grid=None, device="cpu") -> None
     if docs:
         cu = torch.zeros(len(docs) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(docs), 0)
-    sharded = _sharder(case, grid, cu)
+    sharded = _sharder(case, cu)
     row = (lambda x: x) if (not docs or case.get("packed_row")) else (lambda x: x[0])   # noqa: E731
     part = lambda x: row(sharded(x))  # noqa: E731
     local = [part(x).to(device).contiguous().requires_grad_() for x in (q, k, v)]
@@ -362,30 +364,73 @@ def _refusals_in_a_group(rank: int, world: int, grid) -> None:
     if grid is not None:
         z = torch.randn(1, 4, 8, 16)
         _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=grid.ulysses, ring_group=grid.ulysses),
-                 r"share the ranks .* two axes of a grid", "ring_group")
+                 rf"ring_group holds the ranks \[{rank // 2 * 2}, {rank // 2 * 2 + 1}\] of group .* belongs to the "
+                 rf"ring_group of ranks \[{rank % 2}, {rank % 2 + 2}\]", "ring_group")
+        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=grid.ring, ring_group=grid.ulysses),
+                 r"ulysses_group holds the ranks .* Ulysses groups are 2 consecutive ranks of group", "ulysses_group")
+        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=dist.group.WORLD, ring_group=grid.ring),
+                 r"ulysses_group has 4 ranks and ring_group 2, 4 x 2 = 8, but group has 4", "ring_group")
+        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=grid.ulysses, ring_group=grid.ring,
+                                                group=grid.ulysses), r"but group has 2", "ring_group")
+        _refused(rank, lambda: rk.usp_attn_varlen_func(z[0], z[0], z[0], torch.tensor([0, 4, 16], dtype=torch.int32),
+                                                       ulysses_group=grid.ulysses, ring_group=grid.ring),
+                 r"document 0 of cu_seqlens .* not divisible by 2 x world_size = 8", "cu_seqlens")
         w = torch.randn(1, 4, 3, 16)
         _refused(rank, lambda: rk.usp_attn_func(w, w, w, ulysses_group=grid.ulysses, ring_group=grid.ring),
                  r"nheads=3 is not divisible by the size of ulysses_group, 2", "nheads")
 
 
-def _usp_sharding(rank: int, grid: Grid) -> None:
-    """usp_shard: the ring layout over the ring group (rank // 2 on the grid), then halves over the Ulysses group
-    (rank % 2); positions written here. usp_unshard gathers them back."""
-    expected = {"zigzag": [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]],   # chunks 0, 3 | 1, 2
-                "stripe": [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]],
-                "ring": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]}
-    x = torch.arange(16.0).view(1, 16, 1, 1).expand(2, 16, 1, 3)
-    for ring_variant, positions in expected.items():
-        groups = dict(ulysses_group=grid.ulysses, ring_group=grid.ring, ring_variant=ring_variant)
-        local = rk.usp_shard(x, **groups)
-        assert local[0, :, 0, 0].tolist() == positions[rank], (ring_variant, rank, local[0, :, 0, 0].tolist())
-        assert torch.equal(rk.usp_unshard(local.contiguous(), **groups), x), ring_variant
+class _RecordingRing:
+    """Within the block, USP's ``ring_variant`` is a stand-in that records the positions it is given (written
+    into q's values) and returns zeros."""
+
+    def __init__(self, ring_variant: str, varlen: bool):
+        self.table = usp.VARLEN_RING_VARIANTS if varlen else usp.RING_VARIANTS
+        self.ring_variant, self.positions = ring_variant, None
+
+    def __enter__(self):
+        self.saved = self.table[self.ring_variant]
+
+        def ring_fn(q, k, v, *extra, **options):
+            self.positions = q[0, :, 0, 0].tolist()
+            return torch.zeros_like(q)
+
+        self.table[self.ring_variant] = (ring_fn, *self.saved[1:])
+        return self
+
+    def __exit__(self, *exc):
+        self.table[self.ring_variant] = self.saved
+
+
+def _usp_gathers_the_ring_shard(rank: int, grid: Grid) -> None:
+    """Inputs sharded over the 4 ranks in the ring variant's layout: on ring rank r (rank // 2), the ring variant
+    is given exactly ring rank r's shard of that layout over the 2 ring ranks, in its local order (positions
+    written into q here), batch and packed. Zigzag over 4 ranks, 8 chunks of 4: ranks 0, 1 hold chunks 0, 7 and
+    1, 6, which are the 4-chunks 0 and 3 of the zigzag over the ring (tokens 0-7 and 24-31)."""
+    length, ring_rank = 32, rank // 2
+    zigzag = {0: list(range(8)) + list(range(24, 32)), 1: list(range(8, 24))}
+    x = torch.arange(float(length)).view(1, length, 1, 1).expand(1, length, 2, 4)
+    cu = torch.tensor([0, 16, 16, 32], dtype=torch.int32)             # documents of 2N x 2 tokens, one empty
+    groups = dict(ulysses_group=grid.ulysses, ring_group=grid.ring)
+    for ring_variant, varlen in (("zigzag", False), ("ring", False), ("zigzag", True), ("llama3", True)):
+        layout = rk.usp_layout(ring_variant, varlen=varlen)
+        with _RecordingRing(ring_variant, varlen) as recorded:
+            if varlen:
+                local = rk.shard(x[0], layout=layout, dim=0, cu_seqlens=cu)
+                rk.usp_attn_varlen_func(local, local, local, cu, ring_variant=ring_variant, **groups)
+            else:
+                local = rk.shard(x, layout=layout, dim=1)
+                rk.usp_attn_func(local, local, local, ring_variant=ring_variant, **groups)
+        want = rank_positions(length, ring_rank, 2, layout=layout, cu_seqlens=cu if varlen else None).tolist()
+        assert recorded.positions == want, (rank, ring_variant, varlen, recorded.positions)
+        if layout == "zigzag" and not varlen:
+            assert want == zigzag[ring_rank]
 
 
 def _world(rank: int, world: int, cases) -> None:
     grid = Grid(rank) if world == 4 else None
     if grid is not None:
-        _usp_sharding(rank, grid)
+        _usp_gathers_the_ring_shard(rank, grid)
     for case in cases:
         run_case(rank, world, case, grid)
     _all_to_all_counts(rank, world)
@@ -446,12 +491,14 @@ _CU = torch.tensor([0, 3, 8], dtype=torch.int32)
      r"\(nheads,\) = \(4,\)", "sink"),
     (lambda: rk.ulysses_attn_func(_Q, _K, _K, window_size=(-2, 0)), r"each side must be >= 0 or -1", "window_size"),
     (lambda: rk.usp_attn_func(_Q, _K, _K, ulysses_group=None, ring_group=None, ring_variant="llama3"),
-     r"ring_variant='llama3' is not one of \('ring', 'zigzag', 'stripe'\) \('llama3' exists only with "
-     r"cu_seqlens\)", "ring_variant"),
+     r"ring_variant='llama3' is not one of \('ring', 'zigzag'\) \('llama3' exists only with cu_seqlens\)",
+     "ring_variant"),
+    (lambda: rk.usp_attn_func(_Q, _K, _K, ulysses_group=None, ring_group=None, ring_variant="stripe"),
+     r"ring_variant='stripe' cannot run across Ulysses groups: a stripe over the whole group is not a stripe over "
+     r"the ring group .* use ring_variant='zigzag'", "ring_variant"),
     (lambda: rk.usp_attn_varlen_func(_Q[0], _K[0], _K[0], _CU, ulysses_group=None, ring_group=None,
                                      ring_variant="stripe"),
-     r"ring_variant='stripe' is not one of \('ring', 'zigzag', 'llama3'\) \('stripe' exists only without",
-     "ring_variant"),
+     r"ring_variant='stripe' cannot run across Ulysses groups", "ring_variant"),
     (lambda: rk.usp_attn_func(_Q, _K, _K, ulysses_group=None, ring_group=None, causal=False),
      r"causal=False is not supported .* use ring_variant='ring'", "causal"),
     (lambda: rk.usp_attn_func(_Q, _K, _K, ulysses_group=None, ring_group=None, dropout_p=0.2), r"dropout_p=0.2",
