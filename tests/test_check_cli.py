@@ -15,9 +15,13 @@ import types
 
 import pytest
 
+import hfpatch
 from _fake_wheel import BROKEN_DEF, S1_DEF, make_wheel
 from hfpatch.cli import check as check_cli
 from hfpatch.cli import main
+from hfpatch.release.scan import scan_wheel
+from hfpatch.signatures.registry import entry_for_version
+from hfpatch.version_gates import installed_transformers_version
 
 
 def _run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[int, dict | str]:
@@ -36,9 +40,6 @@ def test_installed_release_is_supported_and_verified_in_a_gloo_world():
     code, report = _run_cli("--json", "--timeout", "600", timeout=900)
     assert code == 0, report
     assert report["exit_code"] == 0 and report["supported"] is True and report["problems"] == []
-    from hfpatch.version_gates import installed_transformers_version
-    from hfpatch.signatures.registry import entry_for_version
-
     version = installed_transformers_version()
     assert report["transformers"] == str(version)
     # The live signature is read as the generation the registry records for this release.
@@ -213,8 +214,6 @@ def extra_site(monkeypatch):
     ],
 )
 def test_dry_run_detects_a_missed_site_and_an_incomplete_remove(monkeypatch, extra_site, patched, restore, ok, error):
-    import hfpatch
-
     mfau, model_module = extra_site
     original = mfau._flash_attention_forward
     check_cli._import_integration({})  # the dry run imports it (4.48+): one more holder to patch
@@ -269,8 +268,6 @@ def test_static_binding_sites_leave_out_modular_templates(wheel_cache, capsys):
     """transformers ships models/<m>/modular_<m>.py, the source its modeling files are generated from; it imports
     the function by name but is never imported at run time, so it is no binding site."""
     import zipfile
-
-    from hfpatch.release.scan import scan_wheel
 
     wheel = make_wheel(wheel_cache, "4.47.1", S1_DEF, models=("gemma",))
     with zipfile.ZipFile(wheel, "a") as zf:

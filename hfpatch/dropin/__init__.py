@@ -8,6 +8,9 @@
 
 Switching is a one-line import change; docs/migration.md lists
 where the behaviour differs (always towards refusing what cannot be honoured instead of ignoring it).
+``hfpatch.dropin.forget()`` removes the patch either API installed and forgets its per-step state.
 """
 
-__all__ = ["ring_flash_attn", "axolotl"]
+from hfpatch.dropin._session import forget
+
+__all__ = ["ring_flash_attn", "axolotl", "forget"]

@@ -48,13 +48,20 @@ def check_stride(fn: str, heads_k_stride) -> Optional[int]:
     return heads_k_stride
 
 
-def install(owner: str, group, *, kernel: str, heads_k_stride: Optional[int], model: Optional[torch.nn.Module],
-            verify: bool = True) -> Session:
-    """``hfpatch.apply(group, kernel=kernel, model=model)``, replacing a previous drop-in install."""
+def forget() -> None:
+    """Remove the drop-in patch if it is still installed, and forget the session: an update call then needs a
+    ``substitute_*`` / ``register_*`` call first, as in a fresh process."""
     global _current
     if _current is not None and _current.live:
         _current.patch.remove()
     _current = None
+
+
+def install(owner: str, group, *, kernel: str, heads_k_stride: Optional[int], model: Optional[torch.nn.Module],
+            verify: bool = True) -> Session:
+    """``hfpatch.apply(group, kernel=kernel, model=model)``, replacing a previous drop-in install."""
+    global _current
+    forget()
     patch = hfpatch.apply(group, kernel=kernel, model=model, verify=verify)
     if patch.active:
         patch.ctx.heads_k_stride = heads_k_stride
