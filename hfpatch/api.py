@@ -32,7 +32,7 @@ from hfpatch.model.inputs_guard import install_inputs_guard
 from hfpatch.model.probe import ProbeResult, probe_model
 from hfpatch.attention.discovery import attention_modules
 from hfpatch.model.routing import ModelRouting, route_model
-from hfpatch.attention.semantics import RingContext, parse_kernel
+from hfpatch.attention.semantics import RingContext, check_grid, parse_kernel
 from hfpatch.signatures import registry
 from hfpatch.verify import group_max
 from ring_kernels.backends import choices
@@ -122,7 +122,9 @@ class Patch:
     def backend_choices(self) -> list:
         """Which block backend ring_kernels chose for which shape class, why, and how many calls made each choice
         (``ring_kernels.backends.choices()``: ``BackendChoice`` records of this process, since it started or
-        ``ring_kernels.backends.reset_choices()``; a backend's own fallback has ``fallback=True``)."""
+        ``ring_kernels.backends.reset_choices()``; a backend's own fallback has ``fallback=True``). Every kernel
+        records its choice: a ring variant for its blocks, Ulysses for its attention over the whole sequence of
+        its heads, USP through the ring it runs across its Ulysses groups."""
         return choices()
 
     @property
@@ -302,8 +304,12 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
 
     cp_group:        a ProcessGroup or a 1-D DeviceMesh of the context-parallel ranks; None (or a group of one
                      rank) -> an inactive Patch (no CP), transformers untouched.
-    kernel:          "auto" | "zigzag" | "ring" | "stripe" | "llama3", optionally ":backend" ("zigzag:reference").
-                     "auto" = zigzag for batch inputs, llama3 for packed inputs.
+    kernel:          "auto" | "zigzag" | "ring" | "stripe" | "llama3" (ring variants: the sequence split), or
+                     "ulysses" | "usp:UxR" (head-parallel: Ulysses groups of U consecutive ranks split the query heads,
+                     a ring of R = world / U across them; U must divide the query heads), optionally ":backend"
+                     ("zigzag:reference", "usp:2x2:torch_cudnn"). "auto" = zigzag for batch inputs, llama3 for packed
+                     inputs; it never picks a head-parallel kernel. "usp:UxR" makes the Ulysses and ring groups of
+                     ``cp_group`` (kept on ``patch.ctx.heads``; U x R must equal the group's size).
     on_unsupported:  "raise" (SignatureMismatch with a diff, or UnsupportedRelease) or "fallback" (inactive Patch
                      and one warning) when the installed transformers cannot be patched.
     verify:          True: after installing, the numeric probe of the wrapper over the group and, with ``model``,
@@ -336,6 +342,7 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
             _check_no_active_patch()
         return _inactive("no CP group given (cp_group=None)" if group is None else "the CP group has a single rank",
                          model=model)
+    check_grid(parse_kernel(kernel)[0], dist.get_world_size(group))  # usp:UxR against the group's size, on every rank
     match, version, fallback_reason = _agreed_match(group, on_unsupported, model)  # checks for an active patch too
     if fallback_reason is not None:
         return _inactive(fallback_reason, level=logging.WARNING, model=model)

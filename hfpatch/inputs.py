@@ -137,10 +137,10 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
     model given to ``apply(model=)``, pass these very ``labels`` to the model: hfpatch recognises them (by
     identity) and the model's ``loss`` is the non-CP loss (``hfpatch.model.labels``).
 
-    The layout: batch -> the variant's (zigzag for "auto"); packed -> contiguous (llama3), or zigzag/ring varlen if
-    pinned. S must split evenly (zigzag: 2 x world size chunks, each document when packed): pad with tokens
-    labelled -100 at the end of the row otherwise (exact for causal models). With ``ctx`` None or a world of one
-    this is the identity (labels shifted the same way) and no state is recorded.
+    The layout: batch -> the variant's (zigzag for "auto", "ulysses" and "usp:UxR"); packed -> contiguous (llama3,
+    Ulysses, USP), or zigzag/ring varlen if pinned. S must split evenly (zigzag: 2 x world size chunks, each
+    document when packed): pad with tokens labelled -100 at the end of the row otherwise (exact for causal models).
+    With ``ctx`` None or a world of one this is the identity (labels shifted the same way) and no state is recorded.
     """
     _check_inputs(input_ids, labels, position_ids)
     positions = _whole_position_ids(input_ids, position_ids)

@@ -77,7 +77,8 @@ def numeric(wrapper: Callable, match: Any, ctx: Any, *, tolerance: float | None 
     exceeds ``tolerance`` or the wrapper raised on any rank.
     """
     names = {role: name for name, role in match.roles.items()}
-    shape = _PROBE_SHAPE
+    # a head-parallel kernel splits the heads over its Ulysses degree: as many heads as divide by it
+    shape = dict(_PROBE_SHAPE, heads=math.lcm(_PROBE_SHAPE["heads"], ctx.ulysses_degree))
     seq = shape["tokens_per_rank"] * ctx.world_size
     device = _probe_device(ctx.group)
     generator = torch.Generator().manual_seed(20240611)  # same tensors on every rank, whatever the global seed

@@ -52,6 +52,7 @@ SAME_WORKER = {
     # 24 GiB CI machine.
     "tests/test_keep_attention.py": "real-scale models",
     "tests/test_model_probe_scale.py": "real-scale models",
+    "tests/test_head_parallel.py": "real-scale models",
 }
 
 

@@ -93,7 +93,7 @@ def test_dry_run_options_with_a_static_release_are_a_usage_error(monkeypatch, ca
 
 
 @pytest.mark.parametrize("kernel, expected", [
-    ("ulysses", "expected auto or a ring variant (zigzag, ring, stripe, llama3)"),
+    ("usp:2", "expected auto, a ring variant (zigzag, ring, stripe, llama3), ulysses or usp:UxR"),
     ("zigzag:torch_flash", "backend 'torch_flash' cannot run on CPU processes"),
     ("zigzag:nope", "backend 'nope' cannot run on CPU processes"),
 ])

@@ -15,6 +15,11 @@ What each role means here (docs/user-guide.md's "What ring attention honours and
 copy of this table):
 
 - ``is_causal``, ``softmax_scale`` (None: D ** -0.5), GQA: passed to the kernels.
+- the kernel: a ring variant splits only the sequence; ``"ulysses"`` and ``"usp:UxR"`` (``RingContext.heads``)
+  also split the query heads, on the same layouts (``plan_step``), so positions, labels and the mixers' state
+  passing are those of the ring. The query heads must divide by the Ulysses degree (``UnsupportedArgument``
+  naming ``query``, with the grids that fit); whatever a kernel refuses reaches the caller as
+  ``UnsupportedArgument`` naming the kernel's argument.
 - ``sliding_window``: converted to flash-attn's ``window_size`` exactly as the installed release converts it
   (``(w - 1, w - 1)`` from 4.56, ``(w, w)`` before; see ``version_gates.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE``), and
   like HF only when the (global) key length exceeds the window.
@@ -59,13 +64,19 @@ import ring_kernels
 from hfpatch import version_gates
 from hfpatch.errors import UnsupportedArgument
 from ring_kernels.backends.reference import plain_attention
-from ring_kernels import shard, unshard
+from ring_kernels import RingInputError, shard, unshard
 
 __all__ = [
     "VARIANTS",
+    "HEAD_KERNELS",
     "StepState",
+    "HeadSplit",
     "RingContext",
     "parse_kernel",
+    "usp_degrees",
+    "check_grid",
+    "head_split",
+    "make_usp_groups",
     "plan_step",
     "RingPlan",
     "ring_plan",
@@ -84,13 +95,17 @@ __all__ = [
 ]
 
 VARIANTS = ("zigzag", "ring", "stripe", "llama3")
+# The head-parallel kernels: "ulysses" (every rank of the group splits heads), "usp:UxR" (Ulysses groups of U
+# consecutive ranks x a ring of R ranks across them).
+HEAD_KERNELS = ("ulysses", "usp")
 _AUTO = "auto"
+_USP_FORM = "'usp:UxR' (U ranks per Ulysses group x R ring ranks, U x R = the CP group's size, e.g. 'usp:2x2')"
 
 # Kwargs that HF's own function would act on; every other kwarg is ignored by it and by us.
 _PAGED_KWARGS = ("cache", "cache_seqlens")
 
 # RingContext fields a RingPlan is built from: assigning any of them increments ``RingContext.version``.
-_PLAN_INPUTS = frozenset({"group", "rank", "world_size", "variant", "backend", "heads_k_stride", "step"})
+_PLAN_INPUTS = frozenset({"group", "rank", "world_size", "variant", "backend", "heads_k_stride", "heads", "step"})
 _EMPTY: Mapping[str, Any] = {}
 
 
@@ -101,7 +116,8 @@ _EMPTY: Mapping[str, Any] = {}
 class StepState:
     """How the current step's sequence is laid out over the group (identical on every rank).
 
-    kernel:          "zigzag" | "ring" | "stripe" | "llama3": the ring variant that computes the step.
+    kernel:          "zigzag" | "ring" | "stripe" | "llama3": the ring variant that computes the step; or
+                     "ulysses" | "usp": the head-parallel kernel (``RingContext.heads``), on the same layouts.
     layout:          "contiguous" | "zigzag" | "stripe": how the global sequence was split (ring_kernels.layout).
     packed:          True when the batch is one row of several documents (varlen kernels).
     batch_size:      B of the model input.
@@ -137,6 +153,23 @@ class StepState:
         return cu
 
 
+@dataclass(frozen=True)
+class HeadSplit:
+    """How a head-parallel kernel splits the CP group of N ranks (``RingContext.heads``).
+
+    ulysses:        U, the ranks that split the query heads of one sequence piece (an all-to-all among them).
+    ring:           R, the ranks a ring variant runs across (N = U x R; 1 for "ulysses").
+    ulysses_group:  "usp": this rank's group of U consecutive ranks of the CP group; None for "ulysses" (the CP
+                    group itself).
+    ring_group:     "usp": this rank's group of R ranks, one of each Ulysses group; None for "ulysses".
+    """
+
+    ulysses: int
+    ring: int
+    ulysses_group: Any = None
+    ring_group: Any = None
+
+
 @dataclass
 class RingContext:
     """Everything ``ring_attention`` needs besides the call: the group, the variant, and the step's layout.
@@ -144,15 +177,17 @@ class RingContext:
     group:           the CP ProcessGroup (None: the default group).
     rank, world_size: this rank in ``group`` and its size.
     variant:         "auto" | "zigzag" | "ring" | "stripe" | "llama3" ("auto": zigzag for batch inputs, balanced
-                     causal work; llama3 for packed inputs). See ``plan_step``.
+                     causal work; llama3 for packed inputs), or a head-parallel kernel: "ulysses" | "usp:UxR".
+                     See ``plan_step``.
     backend:         the ring_kernels block backend ("auto" picks the fastest that can compute the block).
     heads_k_stride:  llama3 only: K/V heads gathered at a time (None: all at once).
+    heads:           the ``HeadSplit`` of a head-parallel variant (``head_split``), else None.
     step:            the current step's ``StepState`` (set by ``hfpatch.inputs.shard_inputs``), or None.
     call_original:   optional ``(call, extra) -> Tensor`` that re-calls transformers' original function (set by
                      the dispatcher); ``reference_attention`` uses it on the gathered sequence when flash-attn can
                      run, else computes the same semantics in plain math.
     version:         incremented whenever a field a plan is built from is assigned (group, rank, world_size,
-                     variant, backend, heads_k_stride, step), like a tensor's ``_version``: a kept plan whose inputs
+                     variant, backend, heads_k_stride, heads, step), like a tensor's ``_version``: a kept plan whose inputs
                      hold another version is stale (``hfpatch.attention.dispatch`` compares it on every call).
     """
 
@@ -162,6 +197,7 @@ class RingContext:
     variant: str = _AUTO
     backend: str = "auto"
     heads_k_stride: Optional[int] = None
+    heads: Optional[HeadSplit] = None
     step: Optional[StepState] = None
     call_original: Optional[Callable[[dict, dict], torch.Tensor]] = None
     # role -> (tensor, tensor._version, result): per-step derivations keyed on the tensor HF passes to every layer.
@@ -180,22 +216,30 @@ class RingContext:
                 derived.clear()
 
     def __post_init__(self) -> None:
-        if self.variant != _AUTO and self.variant not in VARIANTS:
+        if self.variant != _AUTO and self.variant not in VARIANTS and self.variant != "ulysses" \
+                and usp_degrees(self.variant) is None:
             raise ValueError(
-                f"RingContext: variant={self.variant!r} is not a ring variant; expected 'auto' or one of {VARIANTS}"
+                f"RingContext: variant={self.variant!r} is not a kernel; expected 'auto', one of {VARIANTS}, "
+                f"'ulysses' or {_USP_FORM}"
             )
         if self.heads_k_stride is not None and (
             isinstance(self.heads_k_stride, bool) or not isinstance(self.heads_k_stride, int) or self.heads_k_stride < 1
         ):
             raise ValueError(f"RingContext: heads_k_stride={self.heads_k_stride!r} must be None or a positive int")
 
+    @property
+    def ulysses_degree(self) -> int:
+        """The ranks that split each call's query heads: U of a head-parallel kernel, 1 for a ring variant."""
+        return self.heads.ulysses if self.heads is not None else 1
+
     @classmethod
     def for_group(cls, group=None, *, kernel: str = "auto", heads_k_stride: Optional[int] = None) -> "RingContext":
-        """A context for ``group`` (None: the default group) with ``kernel`` = "variant" or "variant:backend"."""
+        """A context for ``group`` (None: the default group) with ``kernel`` = "variant" or "variant:backend".
+        For "usp:UxR" it makes the Ulysses and ring groups (``head_split``): collective over ``group``."""
         variant, backend = parse_kernel(kernel)
         rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
         return cls(group=group, rank=rank, world_size=world_size, variant=variant, backend=backend,
-                   heads_k_stride=heads_k_stride)
+                   heads_k_stride=heads_k_stride, heads=head_split(group, variant, world_size))
 
     def set_step(self, step: Optional[StepState]) -> None:
         """Install the state of a new step (None: derive it from each call's arguments again)."""
@@ -204,18 +248,103 @@ class RingContext:
 
 
 def parse_kernel(kernel: str) -> Tuple[str, str]:
-    """``"zigzag"`` -> ("zigzag", "auto"); ``"zigzag:reference"`` -> ("zigzag", "reference"); "auto" -> ("auto", "auto")."""
+    """``"zigzag"`` -> ("zigzag", "auto"); ``"zigzag:reference"`` -> ("zigzag", "reference"); "auto" -> ("auto",
+    "auto"); ``"ulysses:torch_cudnn"`` -> ("ulysses", "torch_cudnn"); ``"usp:2x2:reference"`` -> ("usp:2x2",
+    "reference"). ``ValueError`` naming the kernel and the allowed forms otherwise."""
+    allowed = f"'auto', one of {VARIANTS}, 'ulysses' or {_USP_FORM}, optionally followed by ':<backend>'"
     if not isinstance(kernel, str) or not kernel:
-        raise ValueError(f"kernel={kernel!r} must be a string: 'auto' or one of {VARIANTS}, optionally ':backend'")
-    variant, _, backend = kernel.partition(":")
-    if variant != _AUTO and variant not in VARIANTS:
-        raise ValueError(
-            f"kernel={kernel!r}: unknown ring variant {variant!r}; expected 'auto' or one of {VARIANTS}, optionally "
-            f"followed by ':<backend>' (e.g. 'zigzag:reference')"
-        )
-    if _ and not backend:
+        raise ValueError(f"kernel={kernel!r} must be a string: {allowed}")
+    variant, sep, backend = kernel.partition(":")
+    if variant == "usp":
+        degrees, sep, backend = backend.partition(":")
+        variant = f"usp:{degrees}"
+        if usp_degrees(variant) is None:
+            raise ValueError(f"kernel={kernel!r}: expected {_USP_FORM}, optionally followed by ':<backend>' (e.g. "
+                             f"'usp:2x2:reference')")
+    elif variant != _AUTO and variant not in VARIANTS and variant != "ulysses":
+        raise ValueError(f"kernel={kernel!r}: unknown kernel {variant!r}; expected {allowed} (e.g. 'zigzag:reference')")
+    if sep and not backend:
         raise ValueError(f"kernel={kernel!r}: empty backend after ':'; e.g. 'zigzag:reference' or 'zigzag:auto'")
     return variant, backend or "auto"
+
+
+def usp_degrees(variant: str) -> Optional[Tuple[int, int]]:
+    """(U, R) of ``"usp:UxR"`` (positive ints), None for anything else."""
+    if not isinstance(variant, str) or not variant.startswith("usp:"):
+        return None
+    parts = variant[4:].split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def _grids(world: int) -> list:
+    """The 'usp:UxR' kernels of a group of ``world`` ranks with both sides >= 2."""
+    return [f"usp:{u}x{world // u}" for u in range(2, world // 2 + 1) if world % u == 0]
+
+
+def check_grid(variant: str, world_size: int) -> None:
+    """``UnsupportedArgument`` naming the kernel when ``variant`` is "usp:UxR" with U x R != ``world_size`` (the
+    fix lists the grids of that many ranks); nothing for any other variant."""
+    degrees = usp_degrees(variant)
+    if degrees is None:
+        return
+    ulysses, ring = degrees
+    if ulysses * ring != world_size:
+        grids = _grids(world_size)
+        raise UnsupportedArgument(
+            "kernel", variant,
+            f"{variant!r} asks for {ulysses} x {ring} = {ulysses * ring} ranks (Ulysses groups of {ulysses} x a "
+            f"ring of {ring}), but the CP group has {world_size}.",
+            f"kernel={grids[0]!r} (U x R = {world_size}: {', '.join(grids)}), or 'ulysses' (all {world_size} ranks "
+            f"split the heads), or a ring variant ('auto')." if grids else
+            f"the CP group's {world_size} ranks make no grid of two sides >= 2: kernel='ulysses' (all "
+            f"{world_size} ranks split the heads) or a ring variant ('auto').",
+        )
+
+
+def head_split(group, variant: str, world_size: int) -> Optional[HeadSplit]:
+    """The ``HeadSplit`` of ``variant`` over ``group`` of ``world_size`` ranks (None for a ring variant or "auto").
+    "usp:UxR": ``check_grid``, then the Ulysses and ring groups of ``group`` (``ring_kernels.usp``'s grid), made
+    on first use and kept for the process's life like the group itself -- collective: every rank of ``group``
+    calls it, in the same order as any other group it makes."""
+    if variant == "ulysses":
+        return HeadSplit(ulysses=world_size, ring=1)
+    degrees = usp_degrees(variant)
+    if degrees is None:
+        return None
+    check_grid(variant, world_size)
+    ulysses, ring = degrees
+    if world_size == 1 or not dist.is_initialized():
+        return HeadSplit(ulysses=ulysses, ring=ring)
+    return _usp_groups(group, ulysses, ring)
+
+
+# (group, U, R) -> the HeadSplit of this rank: the subgroups of a CP group are made once and kept, as the group is.
+_USP_GROUPS: dict = {}
+
+
+def _usp_groups(group, ulysses: int, ring: int) -> HeadSplit:
+    key = (group if group is not None else dist.group.WORLD, ulysses, ring)
+    found = _USP_GROUPS.get(key)
+    if found is None:
+        found = _USP_GROUPS[key] = make_usp_groups(key[0], ulysses, ring)
+    return found
+
+
+def make_usp_groups(group, ulysses: int, ring: int, *, backend: Optional[str] = None) -> HeadSplit:
+    """This rank's Ulysses group (U consecutive ranks of ``group``) and ring group (one rank of each Ulysses group),
+    new (``dist.new_group``, of ``group``'s backend unless ``backend`` is given). Only the members of each group make
+    it (``use_local_synchronization``), the Ulysses group first: every rank of ``group`` calls this, the same way."""
+    ranks = dist.get_process_group_ranks(group)                  # global ranks, in the rank order of ``group``
+    rank = dist.get_rank(group)
+    first = rank - rank % ulysses
+    backend = backend or dist.get_backend(group)
+    ulysses_group = dist.new_group([ranks[g] for g in range(first, first + ulysses)], backend=backend,
+                                   use_local_synchronization=True)
+    ring_group = dist.new_group([ranks[g] for g in range(rank % ulysses, ulysses * ring, ulysses)], backend=backend,
+                                use_local_synchronization=True)
+    return HeadSplit(ulysses=ulysses, ring=ring, ulysses_group=ulysses_group, ring_group=ring_group)
 
 
 def plan_step(variant: str, *, packed: bool, source: str = "shard_inputs") -> Tuple[str, str]:
@@ -225,7 +354,13 @@ def plan_step(variant: str, *, packed: bool, source: str = "shard_inputs") -> Tu
     batch:  auto/zigzag -> zigzag; stripe -> stripe; ring/llama3 -> ring (contiguous; llama3 is varlen-only).
     packed: zigzag (pinned) -> zigzag varlen; ring (pinned) -> ring varlen; auto/llama3/stripe -> llama3
             (stripe has no varlen form).
+    head-parallel: "ulysses" -> ulysses, "usp:UxR" -> usp, on zigzag batches (the layout that balances the ring's
+            causal work across USP's Ulysses groups), and contiguous packed rows (each document whole where it can
+            be: no padding to 2N per document) or inputs the user split.
     """
+    head = "usp" if usp_degrees(variant) is not None else "ulysses" if variant == "ulysses" else None
+    if head is not None:
+        return head, "zigzag" if source == "shard_inputs" and not packed else "contiguous"
     if source != "shard_inputs":
         if packed:
             return ("ring", "contiguous") if variant == "ring" else ("llama3", "contiguous")
@@ -591,6 +726,14 @@ _BATCH_KERNELS = {"zigzag": "zigzag_ring_attn_func", "stripe": "stripe_attn_func
                   "llama3": "ring_attn_func"}
 _VARLEN_KERNELS = {"zigzag": "zigzag_ring_attn_varlen_func", "ring": "ring_attn_varlen_func",
                    "llama3": "llama3_attn_varlen_func"}
+# (head-parallel kernel, packed) -> the ring_kernels function.
+_HEAD_KERNELS = {("ulysses", False): "ulysses_attn_func", ("ulysses", True): "ulysses_attn_varlen_func",
+                 ("usp", False): "usp_attn_func", ("usp", True): "usp_attn_varlen_func"}
+# The ring variant USP runs across its Ulysses groups, by the step's (layout, packed): the choice of the ring
+# variants themselves (zigzag on shard_inputs' zigzag batches, the contiguous ring on batches the user split,
+# llama3 on packed rows; a pinned zigzag layout keeps the zigzag ring). A stripe over N is none over R.
+_USP_RING = {("zigzag", False): "zigzag", ("contiguous", False): "ring", ("contiguous", True): "llama3",
+             ("zigzag", True): "zigzag"}
 
 
 # ring_kernels' namespace: a plan looks its kernel up here per call (a dict subscript), so a replaced
@@ -649,12 +792,17 @@ class RingPlan:
             if sink is None:  # (an extra keyword would make the call merge it into a copy of kwargs)
                 return kernel(q, k, v, **self.kwargs)
             return kernel(q, k, v, sink=sink, **self.kwargs)
+        except RingInputError as exc:  # what the kernel refuses reaches the model's caller as hfpatch's refusal
+            raise UnsupportedArgument(
+                exc.argument or "query", exc.value if exc.argument else tuple(q.shape),
+                f"ring_kernels.{self.kernel} refused this call: {exc}",
+                "pin another kernel (hfpatch.apply(kernel=...)) or change what the message names.") from exc
         finally:
             _RANK_CHECKED.reset(token)
 
 
 def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext,
-                inputs: Optional[tuple]) -> RingPlan:
+                inputs: Optional[tuple], nheads: int) -> RingPlan:
     kwargs = dict(
         group=ctx.group,
         causal=bool(causal),
@@ -663,6 +811,8 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
         window_size=window_size_of(window, step.seq_len_global),
         softcap=float(softcap or 0.0),
     )
+    if step.kernel in HEAD_KERNELS:
+        return _head_plan(step, kwargs, ctx, inputs, nheads)
     if step.packed:
         if step.kernel == "llama3":
             kwargs["heads_k_stride"] = ctx.heads_k_stride
@@ -679,6 +829,55 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
     return RingPlan(step, name, kwargs, False, inputs)
 
 
+def _head_plan(step: StepState, kwargs: dict, ctx: RingContext, inputs: Optional[tuple], nheads: int) -> RingPlan:
+    """The plan of a head-parallel step: Ulysses on the step's layout, or USP with the ring variant of
+    ``_USP_RING`` across its Ulysses groups; every refusal by name first."""
+    heads = ctx.heads
+    if heads is None:
+        raise RuntimeError(f"this step runs the {step.kernel!r} kernel but the RingContext has no HeadSplit (variant "
+                           f"{ctx.variant!r}); make the context with RingContext.for_group(group, kernel=...)")
+    if nheads % heads.ulysses:
+        _refuse_heads(nheads, ctx)
+    if step.kernel == "ulysses":
+        kwargs["layout"] = step.layout
+    else:
+        ring_variant = _USP_RING.get((step.layout, step.packed))
+        if ring_variant is None:
+            raise UnsupportedArgument(
+                "layout", step.layout,
+                f"kernel {ctx.variant!r} cannot run on this step's {step.layout!r} layout: USP gathers the pieces of "
+                f"{heads.ulysses} consecutive ranks, and a stripe over the {ctx.world_size} ranks is no stripe over "
+                f"the {heads.ring} ring ranks.",
+                "let shard_inputs split the inputs (zigzag), split them contiguously, or use kernel='ulysses'.")
+        if not step.packed and not kwargs["causal"] and kwargs["window_size"] == (-1, -1):
+            # Full attention does not depend on where the keys sit: the contiguous ring computes it on any layout's
+            # gathered pieces, as it does for the ring variants (the zigzag ring is causal-only).
+            ring_variant = "ring"
+        if ring_variant == "zigzag" and not kwargs["causal"]:
+            raise UnsupportedArgument(
+                "is_causal", False,
+                f"kernel {ctx.variant!r} runs the zigzag ring across its Ulysses groups on this step's zigzag layout, "
+                f"and the zigzag ring computes causal attention only; this call is non-causal with a sliding window "
+                f"{kwargs['window_size']}.",
+                "kernel='ulysses' (every mask on every layout), or split the inputs contiguously yourself (then the "
+                "contiguous ring runs across the Ulysses groups).")
+        kwargs.update(ulysses_group=heads.ulysses_group, ring_group=heads.ring_group, ring_variant=ring_variant)
+    name = _HEAD_KERNELS[step.kernel, step.packed]
+    _kernel(name)
+    return RingPlan(step, name, kwargs, step.packed, inputs)
+
+
+def _refuse_heads(nheads: int, ctx: RingContext) -> None:
+    degree, world = ctx.heads.ulysses, ctx.world_size
+    usable = [g for g in _grids(world) if nheads % usp_degrees(g)[0] == 0]
+    raise UnsupportedArgument(
+        "query", f"{nheads} heads",
+        f"{nheads} query heads do not divide by the Ulysses degree {degree}: kernel {ctx.variant!r} gives each of "
+        f"the {degree} ranks of a Ulysses group {nheads} / {degree} of the heads.",
+        (f"kernel={usable[0]!r} (Ulysses groups whose size divides {nheads}: {', '.join(usable)}), or " if usable
+         else "") + "a ring variant (kernel='auto'), which splits only the sequence.")
+
+
 def ring_plan(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext, *,
               inputs: Optional[tuple] = None) -> RingPlan:
     """The plan that computes this call: every refusal runs (``UnsupportedArgument`` for what ring attention cannot
@@ -692,7 +891,7 @@ def ring_plan(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContex
     q_shape = q.shape
     _refuse(call, extra or _EMPTY, q_shape, k, ctx, window, softcap)
     step = _step_for_call(call, q, ctx, q_shape)
-    return _build_plan(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx, inputs)
+    return _build_plan(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx, inputs, q_shape[2])
 
 
 def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> torch.Tensor:

@@ -75,8 +75,8 @@ def cpu_kernel(kernel: str) -> tuple[str, str]:
         variant, backend = parse_kernel(kernel)
     except ValueError:
         raise UsageError(
-            f"--kernel {kernel!r}: expected auto or a ring variant ({', '.join(VARIANTS)}), optionally followed "
-            f"by :backend (e.g. zigzag:reference). {fix}"
+            f"--kernel {kernel!r}: expected auto, a ring variant ({', '.join(VARIANTS)}), ulysses or usp:UxR (U x "
+            f"R = the world size), optionally followed by :backend (e.g. zigzag:reference). {fix}"
         ) from None
     cpu_backends = available_backends("cpu")
     if backend != "auto" and backend not in cpu_backends:

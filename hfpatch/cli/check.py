@@ -80,8 +80,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kernel", default=None, metavar="KERNEL",
-        help="ring variant for the dry run: auto (default), zigzag, ring, stripe or llama3, optionally "
-             "with :backend (e.g. zigzag:reference)",
+        help="kernel for the dry run: auto (default), a ring variant (zigzag, ring, stripe, llama3), ulysses "
+             "or usp:UxR, optionally with :backend (e.g. zigzag:reference)",
     )
     parser.add_argument(
         "--timeout", type=positive_seconds, default=None, metavar="S",

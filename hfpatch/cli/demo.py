@@ -41,8 +41,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=positive_int, default=64, metavar="TOKENS",
                    help="tokens per row of the whole sequence (default 64); split evenly over the processes")
     p.add_argument("--kernel", default="auto",
-                   help="ring variant: auto (default), zigzag, ring, stripe or llama3, optionally with :backend "
-                        "(e.g. zigzag:reference)")
+                   help="kernel: auto (default), a ring variant (zigzag, ring, stripe, llama3), ulysses or "
+                        "usp:UxR, optionally with :backend (e.g. zigzag:reference)")
     p.add_argument("--packed", action="store_true", help="one row of packed documents instead of a batch")
     p.set_defaults(func=run)
     return p

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hfpatch import inputs as _inputs
+from hfpatch.attention.semantics import make_usp_groups
 from hfpatch.model.positions import position_kwargs
 from hfpatch import modes
 from hfpatch.errors import HfpatchError, ModelDivergence, VerificationError
@@ -302,7 +303,11 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
     previous_step = ctx.step
     group = _group_for(ctx, device)
     previous_group, ctx.group = ctx.group, group
+    previous_heads = heads = ctx.heads
     try:
+        if group is not previous_group and heads is not None and heads.ulysses_group is not None:
+            # USP's subgroups of the probe's gloo group (made by every rank of it, as the group was)
+            ctx.heads = heads = make_usp_groups(group, heads.ulysses, heads.ring, backend="gloo")
         model.eval()
         with torch.no_grad():
             with modes.switch("local"), _named_failure(model, "non-CP"):
@@ -319,8 +324,11 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
             errors = _all_max(errors, group, device)
     finally:
         probe.remove()
-        ctx.group = previous_group
+        ctx.group, ctx.heads = previous_group, previous_heads
         ctx.set_step(previous_step)
+        if heads is not previous_heads:
+            dist.destroy_process_group(heads.ulysses_group)
+            dist.destroy_process_group(heads.ring_group)
         if group is not previous_group:
             dist.destroy_process_group(group)
         for module, training in flags:

@@ -1,0 +1,285 @@
+"""Head-parallel CP through hfpatch: ``apply(kernel="ulysses")`` on 2 gloo ranks and ``apply(kernel="usp:2x2")`` on 4,
+on real HF model classes (tiny, built from their config classes, random weights, fp32).
+
+For each: ``apply(model=)`` with the whole-model probe accepts the model; one training step with ``shard_inputs``
+and ``model(..., labels=...)`` gives the non-CP loss and, summed over the ranks, the non-CP gradients (ring_kernels'
+fp32 "cp" tolerances), for a batch of rows (zigzag) and for one packed row of documents (contiguous); the calls are
+counted at the ring_kernels function each plan runs (Ulysses' or USP's, never a ring variant's), and
+``patch.backend_choices`` records the block backend they chose. A hybrid (LFM2: a short convolution beside
+attention) is exact under Ulysses: the mixers pass their state along the sequence shard whatever splits the
+heads. Refused by name, nothing left installed: query heads that do not divide by the Ulysses degree, a grid
+whose size is not the group's, a stripe step under USP, a non-causal windowed call on USP's zigzag ring.
+
+At realistic depth (a 70B's 80 layers, GQA 4:1) in bf16 on 2 ranks, ``apply(model=, kernel="ulysses")`` with the
+default ``verify=True`` accepts a Llama: the probe measures CP, not rounding, whatever splits the heads (run with
+tests/test_model_probe_scale.py's real-scale models, under the CI pin only).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hfpatch
+import ring_kernels
+from _dist import run_world
+from _release import skip_unless_ci_pin
+from hfpatch.attention.semantics import (HeadSplit, RingContext, StepState, parse_kernel, plan_step, ring_plan,
+                                         usp_degrees)
+from hfpatch.cli.demo_models import build_model
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.model import probe as model_probe
+from ring_kernels.tolerances import assert_close, tolerance
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, _BENCH)
+
+import probe_margin as pm  # noqa: E402
+
+LOSS = tolerance("cp", torch.float32, "loss")
+GRAD = tolerance("cp", torch.float32, "grad")
+SEQ = 32
+DOCUMENTS = (10, 6, 11, 5)                        # one packed row of 32 tokens (contiguous: documents cross ranks)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+class _Counted:
+    """Within the block, every call of the named ring_kernels functions is counted (hfpatch's plans look their
+    function up in ring_kernels per call)."""
+
+    def __init__(self, *names: str):
+        self.names, self.calls = names, Counter()
+
+    def __enter__(self):
+        self.saved = {name: getattr(ring_kernels, name) for name in self.names}
+        for name, fn in self.saved.items():
+            def counted(*args, _name=name, _fn=fn, **kwargs):
+                self.calls[_name] += 1
+                return _fn(*args, **kwargs)
+            setattr(ring_kernels, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(ring_kernels, name, fn)
+
+
+def _grads(model, summed: bool):
+    grads = {}
+    for name, p in model.named_parameters():
+        g = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+        if summed:
+            dist.all_reduce(g)
+        grads[name] = g
+    return grads
+
+
+def _non_cp(model, ids, positions):
+    """The patched model on the whole batch in switch mode "local" (the flash path's semantics without CP: packed
+    documents apart), its own loss and gradients."""
+    model.zero_grad(set_to_none=True)
+    with hfpatch.switch("local"):
+        loss = model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
+        loss.backward()
+    return loss.detach(), _grads(model, summed=False)
+
+
+def _cp(patch, model, ids, positions):
+    model.zero_grad(set_to_none=True)
+    batch = patch.shard_inputs(ids, labels=ids, position_ids=positions)
+    loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                 use_cache=False).loss
+    loss.backward()
+    return loss.detach(), _grads(model, summed=True)
+
+
+def _batches():
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(11))
+    packed = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(12))
+    positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
+    return {"batch": (ids, None), "packed": (packed, positions)}
+
+
+def _exact(name, kernel, functions, layers=2, **overrides):
+    """``apply(model=, kernel=)`` accepts the model (its probe ran), and every step is the non-CP step; each of
+    ``functions`` (batch, packed) ran once per attention layer."""
+    model = build_model(name, **overrides)
+    with hfpatch.apply(dist.group.WORLD, model=model, kernel=kernel) as patch:
+        assert patch.probe is not None and patch.probe.worst < 1e-4, patch.probe
+        assert patch.ctx.heads is not None and patch.ctx.variant == parse_kernel(kernel)[0]
+        ring_kernels.backends.reset_choices()
+        for (form, (ids, positions)), function in zip(_batches().items(), functions):
+            ref_loss, ref_grads = _non_cp(model, ids, positions)
+            with _Counted(function) as counted:
+                loss, grads = _cp(patch, model, ids, positions)
+            assert counted.calls == {function: layers}, (form, counted.calls)
+            label = f"{name} {kernel} {form}"
+            assert_close(loss, ref_loss, LOSS, f"{label}: CP loss {loss.item():.8f} vs non-CP {ref_loss.item():.8f}")
+            for param, ref in ref_grads.items():
+                assert_close(grads[param], ref, GRAD, f"{label}: gradient of {param}")
+        assert {c.backend for c in patch.backend_choices} == {"torch_cpu"}, patch.backend_choices
+
+
+def _nothing_installed():
+    assert hfpatch.active_patch() is None
+
+
+def _refused(call, parameter, match):
+    with pytest.raises(UnsupportedArgument, match=match) as info:
+        call()
+    assert info.value.parameter == parameter, info.value
+    _nothing_installed()
+
+
+# ----------------------------------------------------------------------------------------------- 2 ranks
+
+
+def _two_ranks(rank, world):
+    ulysses = ("ulysses_attn_func", "ulysses_attn_varlen_func")
+    _exact("llama", "ulysses", ulysses)
+    _lfm2_exact()
+    # 3 query heads over 2 ranks: refused by the whole-model probe's first attention call, naming the query heads
+    _refused(lambda: hfpatch.apply(dist.group.WORLD, model=build_model("llama", hidden_size=48, num_attention_heads=3,
+                                                                      num_key_value_heads=1), kernel="ulysses"),
+             "query", r"3 query heads do not divide by the Ulysses degree 2: kernel 'ulysses' .* Fix: a ring variant")
+    _refused(lambda: hfpatch.apply(dist.group.WORLD, kernel="usp:2x2"), "kernel",
+             r"'usp:2x2' asks for 2 x 2 = 4 ranks .* the CP group has 2.* Fix: the CP group's 2 ranks make no grid")
+
+
+def _lfm2_exact():
+    """LFM2: a short convolution (state passed along the zigzag shard by hfpatch.mixers) beside attention split by
+    heads; exact, and its convolution ran under CP."""
+    import transformers
+
+    config = transformers.Lfm2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     layer_types=["conv", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.Lfm2ForCausalLM(config)
+    ids, _ = _batches()["batch"]
+    with hfpatch.apply(dist.group.WORLD, model=model, kernel="ulysses:torch_cpu") as patch:
+        assert [m[0] for m in patch.mixers.modules] == ["model.layers.0.conv"], patch.mixers.modules
+        ref_loss, ref_grads = _non_cp(model, ids, None)
+        with _Counted("ulysses_attn_func") as counted:
+            loss, grads = _cp(patch, model, ids, None)
+        assert counted.calls == {"ulysses_attn_func": 1} and sum(patch.mixers.calls.values()) > 0
+        assert_close(loss, ref_loss, LOSS, "lfm2 ulysses loss")
+        for param, ref in ref_grads.items():
+            assert_close(grads[param], ref, GRAD, f"lfm2 ulysses: gradient of {param}")
+
+
+def test_ulysses_on_two_ranks():
+    run_world(2, _two_ranks, timeout=300)
+
+
+# ----------------------------------------------------------------------------------------------- 4 ranks
+
+
+def _four_ranks(rank, world):
+    _exact("llama", "usp:2x2", ("usp_attn_func", "usp_attn_varlen_func"))
+    # 2 query heads over 4 ranks: Ulysses refused, naming the heads and the grid whose Ulysses groups divide them
+    two_heads = dict(num_attention_heads=2, num_key_value_heads=2)
+    _refused(lambda: hfpatch.apply(dist.group.WORLD, model=build_model("llama", **two_heads), kernel="ulysses"),
+             "query", r"2 query heads do not divide by the Ulysses degree 4.* Fix: kernel='usp:2x2'")
+    _refused(lambda: hfpatch.apply(dist.group.WORLD, kernel="usp:3x2"), "kernel",
+             r"'usp:3x2' asks for 3 x 2 = 6 ranks .* the CP group has 4\. Fix: kernel='usp:2x2'")
+    _usp_probe_over_its_own_gloo_groups()
+
+
+def _usp_probe_over_its_own_gloo_groups():
+    """A model on the CPU with a CP group that cannot exchange CPU tensors (NCCL; stood in for by declaring the gloo
+    group so): the probe runs over a gloo group and gloo Ulysses and ring groups of it, destroyed after; the patch
+    keeps the CP group's."""
+    capable, model_probe.cpu_capable = model_probe.cpu_capable, lambda group: False
+    try:
+        patch = hfpatch.apply(dist.group.WORLD, model=build_model("llama"), kernel="usp:2x2")
+    finally:
+        model_probe.cpu_capable = capable
+    heads = patch.ctx.heads
+    assert patch.probe is not None and patch.probe.worst < 1e-4 and patch.ctx.group is dist.group.WORLD
+    me = dist.get_rank()
+    assert dist.get_process_group_ranks(heads.ulysses_group) == [me - me % 2, me - me % 2 + 1]
+    assert dist.get_process_group_ranks(heads.ring_group) == [me % 2, me % 2 + 2]
+    patch.remove()
+
+
+def test_usp_on_four_ranks():
+    run_world(4, _four_ranks, timeout=300)
+
+
+# ------------------------------------------------------------------------------------- plans (no group)
+
+
+def test_kernel_names_parse_and_plan():
+    assert parse_kernel("ulysses") == ("ulysses", "auto")
+    assert parse_kernel("ulysses:torch_cudnn") == ("ulysses", "torch_cudnn")
+    assert parse_kernel("usp:2x2:reference") == ("usp:2x2", "reference") and usp_degrees("usp:4x2") == (4, 2)
+    for bad, match in (("usp", r"expected 'usp:UxR'"), ("usp:2x", r"expected 'usp:UxR'"), ("usp:0x2", "usp:UxR"),
+                       ("usp:2x2:", "empty backend"), ("ulysess", r"unknown kernel 'ulysess'.*'ulysses'")):
+        with pytest.raises(ValueError, match=match):
+            parse_kernel(bad)
+    assert plan_step("ulysses", packed=False) == ("ulysses", "zigzag")
+    assert plan_step("usp:2x2", packed=False) == ("usp", "zigzag")
+    assert plan_step("ulysses", packed=True) == ("ulysses", "contiguous")
+    assert plan_step("usp:2x2", packed=True) == ("usp", "contiguous")
+    assert plan_step("usp:2x2", packed=False, source="position_ids") == ("usp", "contiguous")
+
+
+def _call(causal=True, window=None, heads=4):
+    q = torch.zeros(1, 8, heads, 16)
+    return {"query": q, "key": q, "value": q, "is_causal": causal, "sliding_window": window}
+
+
+def _usp_context(layout="zigzag", world=4):
+    ctx = RingContext(variant="usp:2x2", world_size=world, heads=HeadSplit(ulysses=2, ring=2))
+    ctx.set_step(StepState(kernel="usp", layout=layout, packed=False, batch_size=1, seq_len_global=8 * world,
+                           seq_len_local=8))
+    return ctx
+
+
+def test_plans_pick_the_kernel_and_refuse_by_name():
+    """What each step runs, and what is refused before any kernel runs: a stripe step under USP (a stripe over the
+    group is no stripe over the ring), a non-causal windowed call on USP's zigzag ring, heads that do not divide."""
+    plan = ring_plan(_call(), {}, _usp_context())
+    assert plan.kernel == "usp_attn_func" and plan.kwargs["ring_variant"] == "zigzag"
+    assert ring_plan(_call(causal=False), {}, _usp_context()).kwargs["ring_variant"] == "ring"   # full attention
+    assert ring_plan(_call(), {}, _usp_context("contiguous")).kwargs["ring_variant"] == "ring"
+    with pytest.raises(UnsupportedArgument, match=r"cannot run on this step's 'stripe' layout") as info:
+        ring_plan(_call(), {}, _usp_context("stripe"))
+    assert info.value.parameter == "layout" and "kernel='ulysses'" in info.value.fix
+    with pytest.raises(UnsupportedArgument, match=r"zigzag ring computes causal attention only") as info:
+        ring_plan(_call(causal=False, window=4), {}, _usp_context())
+    assert info.value.parameter == "is_causal"
+    with pytest.raises(UnsupportedArgument, match=r"3 query heads do not divide by the Ulysses degree 2") as info:
+        ring_plan(_call(heads=3), {}, _usp_context())
+    assert info.value.parameter == "query" and "a ring variant" in info.value.fix
+    ulysses = RingContext(variant="ulysses", world_size=2, heads=HeadSplit(ulysses=2, ring=1))
+    ulysses.set_step(StepState(kernel="ulysses", layout="zigzag", packed=False, batch_size=1, seq_len_global=16,
+                               seq_len_local=8))
+    plan = ring_plan(_call(causal=False, window=4), {}, ulysses)
+    assert plan.kernel == "ulysses_attn_func" and plan.kwargs["layout"] == "zigzag"
+
+
+# -------------------------------------------------------------------------------------- realistic depth
+
+
+def _real_depth(rank, world):
+    model = pm._llama(1024, 80, 8, 2, 2816, 32000, torch.bfloat16, torch.device("cpu"))
+    with _Counted("ulysses_attn_func") as counted:
+        patch = hfpatch.apply(dist.group.WORLD, model=model, kernel="ulysses")      # the default verify=True
+    probe = patch.probe
+    patch.remove()
+    assert probe is not None and probe.compared > 80 * 10 and counted.calls["ulysses_attn_func"] >= 80
+    if rank == 0:
+        print(f"\nbfloat16 1024x80 under ulysses: accepted, worst {probe.worst:.3g} at {probe.worst_at}")
+
+
+def test_real_depth_bf16_under_ulysses_is_accepted():
+    skip_unless_ci_pin("the real-scale cases")
+    run_world(2, _real_depth, timeout=600)
