@@ -19,6 +19,11 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
+
+import hfpatch.integrations
+from _dist import exit_now
+from hfpatch.cli.demo_models import build_model
 
 STEPS = 3
 BATCH = 2          # per device (per CP group)
@@ -84,9 +89,6 @@ def _arguments(kind: str, out: str, dp: int, cp: int, keep: bool = False):
 
 
 def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str, keep: bool = False):
-    import hfpatch.integrations
-    from hfpatch.cli.demo_models import build_model
-
     model = build_model(model_name)
     args = _arguments(kind, out, dp, cp, keep)
     dataset = _dataset(kind)
@@ -153,10 +155,6 @@ def main(argv=None) -> None:
 def _end() -> None:
     """Destroy the process group, then end without interpreter finalization (``_dist.exit_now``: a gloo thread
     outliving the interpreter aborted a rank at exit after its results were written, failing the launch)."""
-    import torch.distributed as dist
-
-    from _dist import exit_now
-
     if dist.is_initialized():
         try:
             dist.barrier()

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 import hfpatch
+import hfpatch.release.sweep as sweep
 from hfpatch.cli import COMMANDS, main
 from hfpatch.cli.demo import MODEL_FAMILIES, sequence_units
+from hfpatch.cli.demo_models import MODEL_NAMES
 from hfpatch.cli.models import requested_classes
 from hfpatch.release.sweep.catalog import CatalogEntry
 
@@ -185,8 +187,6 @@ def _catalog(*names: str) -> list[CatalogEntry]:
 
 
 def test_an_unknown_model_class_names_it_and_how_to_list_them(monkeypatch, no_spawn, capsys):
-    import hfpatch.release.sweep as sweep
-
     monkeypatch.setattr(sweep, "flash_causal_lm_classes", lambda: _catalog("LlamaForCausalLM", "Qwen2ForCausalLM"))
     line = _usage_error(["models", "--classes", "LlamaForCausalLM,LlamaForCausalLm"], capsys)
     assert "'LlamaForCausalLm' is not a causal-LM class" in line and "did you mean LlamaForCausalLM" in line
@@ -194,8 +194,6 @@ def test_an_unknown_model_class_names_it_and_how_to_list_them(monkeypatch, no_sp
 
 
 def test_models_list_prints_the_catalog(monkeypatch, no_spawn, capsys):
-    import hfpatch.release.sweep as sweep
-
     monkeypatch.setattr(sweep, "flash_causal_lm_classes", lambda: _catalog("LlamaForCausalLM", "Qwen2ForCausalLM"))
     assert main(["models", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -226,8 +224,6 @@ def test_sequence_units_follow_the_step_layout(variant, world, packed, units):
 
 
 def test_demo_model_families_are_the_tiny_models():
-    from hfpatch.cli.demo_models import MODEL_NAMES
-
     assert MODEL_FAMILIES == MODEL_NAMES
 
 

@@ -15,6 +15,7 @@ from packaging.version import Version
 from _fake_wheel import BROKEN_DEF, S1_DEF, make_wheel
 from hfpatch.release import compat_table as cr
 from hfpatch.cli import main
+from hfpatch.signatures.registry import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,8 +92,6 @@ def test_render_lists_one_row_per_minor_with_matrix_winning_over_static():
     assert "3 releases listed" in text and "2 supported, 1 not; 1 run end to end" in text
     assert "upgrade to transformers>=4.43.0".lower() in text.lower()
     # Every registry generation is listed with its releases.
-    from hfpatch.signatures.registry import load_registry
-
     for entry in load_registry():
         assert f"| {entry.id} | `{entry.releases}` |" in text
     assert cr.render(results, static) == text  # deterministic

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from _release import skip_unless_ci_pin
+from hfpatch.integrations import requirements
 from ring_kernels.world import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +41,6 @@ def _needs_the_trainer_stack() -> None:
     for module in _TRAINER_MODULES:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"the Trainer examples need {module} (pip install 'hfpatch[trainer]')")
-    from hfpatch.integrations import requirements
-
     for name, minimum in (("transformers", requirements.TRANSFORMERS_MIN),
                           ("accelerate", requirements.ACCELERATE_MIN), ("trl", requirements.TRL_MIN)):
         found = requirements.installed(name)
@@ -49,8 +49,6 @@ def _needs_the_trainer_stack() -> None:
 
 
 def _under_the_ci_pin() -> None:
-    from _release import skip_unless_ci_pin
-
     skip_unless_ci_pin("the examples' launches (tests/test_example.py runs examples/train_cp.py on every release)")
 
 

@@ -33,6 +33,8 @@ import pytest
 import torch
 
 from _dist import run_world
+from hfpatch.inputs import shift_labels, token_loss_sum
+from hfpatch.mixers import recognise, unrecognised_reason
 from ring_kernels.tolerances import assert_close, tolerance
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -62,8 +64,6 @@ def family_skip_reason(family: str):
     reason = hs.family_unavailable(family)
     if reason:
         return reason
-    from hfpatch.mixers import recognise, unrecognised_reason
-
     model = hs.build_model(_args(family), torch.device("cpu"), torch.float32)
     mixers = [m for m in model.modules() if type(m).__name__ == hs.FAMILIES[family].mixer_class]
     assert mixers, f"{family}: the tiny model has no {hs.FAMILIES[family].mixer_class}"
@@ -111,8 +111,6 @@ def _world(rank, world, out_dir, families):
 def _reference(family: str, world: int = WORLD):
     """Loss and gradients of one process on the whole sequence of ``world`` ranks' tokens without CP (eager
     attention, full logits)."""
-    from hfpatch.inputs import shift_labels, token_loss_sum
-
     args = _args(family)
     model = hs.build_model(args, torch.device("cpu"), torch.float32)
     data = ts.step_data("batch", TOKENS, world, args.vocab_size, torch.device("cpu"))

@@ -25,8 +25,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
 from _release import skip_unless_ci_pin
+from hfpatch.errors import ModelDivergence
+from hfpatch.model.probe import probe_tolerance
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, _BENCH)
@@ -37,10 +40,6 @@ MARGIN = 10.0
 
 
 def _seeded(rank, world, dtypes):
-    import hfpatch
-    from hfpatch.errors import ModelDivergence
-    from hfpatch.model.probe import probe_tolerance
-
     group = dist.group.WORLD
     rows = pm.run(("small",), pm.SEEDED, dtypes, torch.device("cpu"), group)
     for dtype in dtypes:
@@ -73,8 +72,6 @@ def test_seeded_divergences_are_refused_with_margin(world):
 
 
 def _real_scale(rank, world, dtype, shapes):
-    import hfpatch
-
     for hidden, layers, heads, kv_heads, mlp in shapes:
         model = pm._llama(hidden, layers, heads, kv_heads, mlp, 32000, dtype, torch.device("cpu"))
         patch = hfpatch.apply(dist.group.WORLD, model=model)      # the default verify=True

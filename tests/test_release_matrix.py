@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import torch
 from packaging.version import Version
 
+from hfpatch.model.routing import FLASH_IMPLEMENTATION, route_model
 from hfpatch.signatures.registry import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,8 +147,6 @@ def test_model_routing_also_switches_module_copies_of_attn_implementation():
     ``config._attn_implementation`` into ``self._attn_implementation`` at construction, and their mask builder
     reads the copy; switching only the config left them building the eager 4-D mask, which the ring (rightly)
     refused as a padding mask. The switch sets the copies too, and restore() puts back exactly what was there."""
-    from hfpatch.model.routing import FLASH_IMPLEMENTATION, route_model
-
     class Config:
         _attn_implementation_internal = "eager"
 
@@ -182,11 +182,7 @@ def test_model_routing_handles_4_47_gemma2_per_call_dispatch(monkeypatch):
     ``config._attn_implementation`` through a module-level dict whose flash entry is a module-level function
     calling ``_flash_attention_forward`` -- imported only when flash-attn is installed. The switch accepts the
     model, switches its config, and binds the wrapper for that function (removed again by restore)."""
-    import types as _types
-
-    from hfpatch.model.routing import FLASH_IMPLEMENTATION, route_model
-
-    modeling = _types.ModuleType("hfpatch_test_modeling_gemma2_447")
+    modeling = types.ModuleType("hfpatch_test_modeling_gemma2_447")
     exec(
         "def flash_attention_forward(q):\n    return _flash_attention_forward(q)\n"
         "ATTENTION_FUNCTION = {'flash_attention_2': flash_attention_forward}\n",

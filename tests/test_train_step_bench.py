@@ -22,6 +22,8 @@ import sys
 import torch
 
 from _dist import run_world
+from hfpatch.cli.demo_models import reference_logits
+from hfpatch.inputs import shift_labels, token_loss_sum
 from ring_kernels.tolerances import assert_close, tolerance
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -67,9 +69,6 @@ def _world(rank, world, out_dir):
 def _reference(layout: str, world: int = WORLD):
     """Loss and gradients of one process on the whole sequence of ``world`` ranks' tokens without CP (eager
     attention, full logits)."""
-    from hfpatch.cli.demo_models import reference_logits
-    from hfpatch.inputs import shift_labels, token_loss_sum
-
     model = ts.build_model(SHAPE, torch.device("cpu"), torch.float32, attn_implementation="eager")
     data = ts.step_data(layout, TOKENS, world, SHAPE.vocab, torch.device("cpu"))
     logits = reference_logits(model, data.input_ids, data.docs if layout == "packed" else None)

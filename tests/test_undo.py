@@ -9,6 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
+from hfpatch.cli.demo_models import build_model
 from hfpatch.errors import AlreadyRemoved, PatchError, Removable, RemovalFailed, UndoStack, is_wrapper, mark_wrapper
 from hfpatch.model import positions as model_positions
 from hfpatch.model.inputs_guard import install_inputs_guard
@@ -120,8 +121,6 @@ def test_each_hook_installer_returns_one_removable(install):
 
 
 def test_route_model_returns_one_removable():
-    from hfpatch.cli.demo_models import build_model
-
     model = build_model("llama")
     before = model.config._attn_implementation
     routing = route_model(model, lambda *a, **k: None)

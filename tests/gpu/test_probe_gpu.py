@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
+from hfpatch.errors import ModelDivergence
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 if _BENCH not in sys.path:
@@ -45,9 +47,6 @@ def _llama_3_8b(device):
 
 
 def _apply_to_8b(rank, world):
-    import hfpatch
-    from hfpatch.errors import ModelDivergence
-
     device = torch.device("cuda", rank)
     model = _llama_3_8b(device)
     group = dist.group.WORLD
