@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hfpatch.inputs import shift_labels, token_loss_sum
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_cp.py"
 ARGS = ["--steps", "3", "--seq-len", "64", "--checkpointing"]
@@ -36,8 +38,6 @@ def _example_module():
 
 def _reference_losses(example, args) -> list:
     """Non-CP, one process: per step the mean over the dp replicas of each replica's token-mean loss; AdamW."""
-    from hfpatch.inputs import shift_labels, token_loss_sum
-
     model = example.build_model(args, torch.device("cpu"), torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     losses = []

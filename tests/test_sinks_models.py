@@ -10,7 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
+from hfpatch.release.sweep.catalog import flash_causal_lm_classes
+from hfpatch.release.sweep.run import check_class
+from hfpatch.release.sweep.tiny import build_tiny
 from ring_kernels.tolerances import assert_close, tolerance
 
 SINK_CLASSES = ("GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "FlintForCausalLM",
@@ -20,8 +24,6 @@ PACKED = (("GptOssForCausalLM", "auto"), ("GptOssForCausalLM", "zigzag"), ("MiMo
 
 
 def _entries():
-    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
-
     return [e for e in flash_causal_lm_classes() if e.class_name in SINK_CLASSES and e.importable]
 
 
@@ -32,9 +34,6 @@ def _sink_parameters(model) -> list:
 def _packed_step(entry, kernel: str, world: int) -> list:
     """A packed row of three documents: CP loss and every gradient (the sinks' summed over the ranks) against the
     model's non-CP run on the same row (switch "local"). Returns the sink parameters compared."""
-    import hfpatch
-    from hfpatch.release.sweep.tiny import build_tiny
-
     model = build_tiny(entry)
     lengths = [8 * world, 4 * world, 12 * world]  # multiples of 2 x world: zigzag varlen splits each document
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -67,8 +66,6 @@ def _packed_step(entry, kernel: str, world: int) -> list:
 
 def _sinks_world(rank, world):
     from transformers.utils import logging as hf_logging
-
-    from hfpatch.release.sweep.run import check_class
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)

@@ -32,7 +32,11 @@ import os
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
+from hfpatch.attention.discovery import attention_modules
+from hfpatch.cli.demo_models import build_model, reference_logits
+from hfpatch.inputs import shift_labels, token_loss_sum
 from ring_kernels.tolerances import assert_close, tolerance
 
 LOSS = tolerance("cp", torch.float32, "loss")
@@ -68,10 +72,6 @@ def _global_batch(step: int):
 def _replica_loss(model, ids, docs):
     """Non-CP token-mean loss of one dp replica's batch (packed: every document on its own, the definition of
     independent documents on every transformers release)."""
-    from hfpatch.inputs import shift_labels, token_loss_sum
-
-    from hfpatch.cli.demo_models import reference_logits
-
     logits = reference_logits(model, ids, docs)
     loss_sum, count = token_loss_sum(logits, shift_labels(ids))
     return loss_sum / count
@@ -80,8 +80,6 @@ def _replica_loss(model, ids, docs):
 def _reference_run(steps: int):
     """Single process, no CP: per step the mean over dp replicas of their token-mean losses; SGD steps.
     Returns [(loss, {name: parameter after the step})]."""
-    from hfpatch.cli.demo_models import build_model
-
     model = build_model("llama")
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     history = []
@@ -107,8 +105,6 @@ def _sum_over_cp_hook(cp_group, active: bool):
 
 def _parallel_model(mesh, *, checkpointing: bool, cp_reduction: bool = True):
     """The stack: build -> hfpatch.apply(mesh["cp"], model=) -> checkpoint layers -> fully_shard over dp."""
-    import hfpatch
-    from hfpatch.cli.demo_models import build_model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -131,8 +127,6 @@ def _parallel_model(mesh, *, checkpointing: bool, cp_reduction: bool = True):
 def _cp_step(model, patch, opt, mesh, step: int, forward=None) -> torch.Tensor:
     """One training step on this rank's dp replica (``forward``: a compiled model); returns the global loss (mean
     over dp)."""
-    from hfpatch.inputs import token_loss_sum
-
     ids, pos, _ = _global_batch(step)[mesh["dp"].get_local_rank()]
     opt.zero_grad(set_to_none=True)
     batch = patch.shard_inputs(ids, labels=ids, position_ids=pos)
@@ -222,8 +216,6 @@ def _compiled_fsdp_cp_matches_reference(rank, world, mesh, reference, backend: s
 
 def _record_attention_outputs(model) -> list:
     """[(module name, attention output)] of every attention call, the recomputations included."""
-    from hfpatch.attention.discovery import attention_modules
-
     outputs: list = []
     for name, module in attention_modules(model):
         module.register_forward_hook(
@@ -251,10 +243,6 @@ def _missing_cp_reduction_is_detected(rank, world, mesh, reference):
 
 def _compile_matches_eager(rank, world, mesh, backends):
     """Within one cp group: eager vs torch.compile(fullgraph=True) on a packed step (one compilation)."""
-    import hfpatch
-    from hfpatch.cli.demo_models import build_model
-    from hfpatch.inputs import token_loss_sum
-
     model = build_model("llama")
     with hfpatch.apply(mesh["cp"], model=model, verify=False) as patch:
         def step(fn, ids, pos):
