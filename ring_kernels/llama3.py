@@ -105,7 +105,7 @@ def _split_at(ka: int, kb: int, cuts: Tuple[int, int]) -> List[Tuple[int, int]]:
 
 
 def llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: bool,
-                 window: Tuple[int, int]) -> _Llama3Plan:
+                window: Tuple[int, int]) -> _Llama3Plan:
     """Blocks of our queries (local rows) per document overlapping our tokens [q0, q0 + L)."""
     builder = StepBuilder()
     q0, q1 = rank * local, (rank + 1) * local
@@ -570,7 +570,7 @@ class _Llama3Attention(torch.autograd.Function):
         if kept is not None:                          # a recomputation: the forward's own out and lse, no gather
             out, lse = kept
         else:
-            out, lse = forward_pass(q, k, v, cfg)         # in q's dtype, each row rounded once
+            out, lse = forward_pass(q, k, v, cfg)     # in q's dtype, each row rounded once
             if sink is not None:
                 lse = fold_sink(out, lse, sink)
             if region is not None:
@@ -626,7 +626,7 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
                       extra_fields=[("heads_k_stride", stride)])
     prepared = call.entry.get(("llama3", call.rank, call.world, call.local, call.causal, call.window),
                               lambda: _Llama3Prepared(llama3_plan(call.cu, call.rank, call.world, call.local,
-                                                                   call.causal, call.window), call.local))
+                                                                  call.causal, call.window), call.local))
     plan = prepared.plan
     chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                          mask_kind=FULL if plan.kind == EMPTY else plan.kind, softcap=call.softcap)

@@ -422,7 +422,7 @@ def staging_for(group, tag: int, device: torch.device, signal: str = "barrier") 
 # the exchange
 
 def check_tensors(fn: str, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor],
-                   device: Optional[torch.device]) -> None:
+                  device: Optional[torch.device]) -> None:
     """send/recv: equal-length lists of 1.._MAX_TENSORS contiguous tensors (on ``device`` when given)."""
     if len(send) != len(recv):
         raise RingInputError(f"{fn}: {len(send)} tensors to send but {len(recv)} receive buffers; pass one "
