@@ -238,7 +238,8 @@ def _implementation(function) -> tuple:
     """(qualified name, package) of what ``function`` (a kernel name's value in a modeling module) runs: hfpatch's
     mixer wrapper unwrapped to the kernel the release bound; transformers' ``use_kernel_func_from_hub_with_fallback``
     resolved to the implementation it picked at import (the fast package, or the torch function itself)."""
-    while getattr(function, "__hfpatch_mixer__", False):
+    from hfpatch.errors import is_wrapper
+    while is_wrapper(function):
         function = function.__wrapped__
     cells = {}
     code = getattr(function, "__code__", None)
@@ -390,13 +391,14 @@ def local_mixers(installation):
     """Within the block, every kernel name ``installation`` (``Patch.mixers``) rebound holds the kernel the release
     picked again (its wrapper's ``__wrapped__``): each rank's mixers run on its shard from a zero state, as
     without CP. Restored on exit."""
+    from hfpatch.errors import is_wrapper
     swapped = []
     try:
         for site in installation.sites:
             module_name, name = site.rsplit(".", 1)
             module = sys.modules[module_name]
             wrapper = module.__dict__[name]
-            if getattr(wrapper, "__hfpatch_mixer__", False):
+            if is_wrapper(wrapper):
                 setattr(module, name, wrapper.__wrapped__)
                 swapped.append((module, name, wrapper))
         yield len(swapped)

@@ -211,12 +211,12 @@ def check_ranks_agree(fn: str, group, fields: Sequence[Tuple[str, float]], devic
     key = (id(group), fn, tuple(fields))
     if checked is not None and key in checked:
         return
-    _gather_and_compare(fn, group, fields, device, world)
+    gather_and_compare(fn, group, fields, device, world)
     if checked is not None:
         checked.add(key)
 
 
-def _gather_and_compare(fn: str, group, fields: Sequence[Tuple[str, float]], device: torch.device, world: int) -> None:
+def gather_and_compare(fn: str, group, fields: Sequence[Tuple[str, float]], device: torch.device, world: int) -> None:
     on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor([float(v) for _, v in fields], dtype=torch.float64, device=on)
     gathered = [torch.empty_like(mine) for _ in range(world)]

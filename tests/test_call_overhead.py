@@ -632,7 +632,7 @@ def test_rank_checked_is_the_public_form_of_rank_check_scope(monkeypatch):
 
 
     assert "RANK_CHECKED" in ring_kernels.__all__ and isinstance(ring_kernels.RANK_CHECKED, contextvars.ContextVar)
-    assert ring_kernels.RANK_CHECKED is rk_validation.RANK_CHECKED is rk_validation._CHECKED
+    assert ring_kernels.RANK_CHECKED is rk_validation.RANK_CHECKED
     seen = set()
     with ring_kernels.rank_check_scope(seen):
         assert ring_kernels.RANK_CHECKED.get() is seen
@@ -642,7 +642,7 @@ def test_rank_checked_is_the_public_form_of_rank_check_scope(monkeypatch):
     monkeypatch.setattr(rk_validation, "get_options", ring_kernels.RingOptions)   # the defaults: checks on
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     gathered = []
-    monkeypatch.setattr(rk_validation, "_gather_and_compare", lambda *args: gathered.append(args[0]))
+    monkeypatch.setattr(rk_validation, "gather_and_compare", lambda *args: gathered.append(args[0]))
     group, fields = object(), (("seqlen_local", 8.0),)
     seen.add((id(group), "fn", fields))
     token = ring_kernels.RANK_CHECKED.set(seen)

@@ -45,26 +45,26 @@ def _model(route: str, dtype=torch.float32, shape=None):
 
 
 def _step(model, patch, rank):
-    """Loss and gradients (by name) of one CP step on a fixed batch; the ring forwards run (engine._forward)."""
+    """Loss and gradients (by name) of one CP step on a fixed batch; the ring forwards run (engine.forward_pass)."""
     from hfpatch.inputs import token_loss_sum
     from ring_kernels import engine
 
     ids = torch.randint(0, model.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(7))
     calls = []
-    forward = engine._forward
+    forward = engine.forward_pass
 
     def counting(*args, **kwargs):
         calls.append(1)
         return forward(*args, **kwargs)
 
-    engine._forward = counting
+    engine.forward_pass = counting
     try:
         batch = patch.shard_inputs(ids, labels=ids)
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         loss = patch.reduce_loss(*token_loss_sum(logits, batch["labels"]))
         loss.backward()
     finally:
-        engine._forward = forward
+        engine.forward_pass = forward
     # each gradient as a digest of its bytes: bitwise comparison without holding a second model's gradients
     grads = {n.replace("_checkpoint_wrapped_module.", ""): _digest(p.grad) for n, p in model.named_parameters()}
     return loss.detach(), grads, len(calls)
