@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+import hfpatch.errors as errors
+from hfpatch.release.sweep import table
+from hfpatch.release.sweep.run import VERDICTS, Verdict, run_sweep
 
 MODELS_MD = Path(__file__).resolve().parent.parent / "MODELS.md"
 NOT_BUILT_SHARE = 0.05
@@ -16,8 +19,6 @@ NOT_BUILT_SHARE = 0.05
 
 @pytest.fixture(scope="module")
 def verdicts():
-    from hfpatch.release.sweep.run import run_sweep
-
     return run_sweep(world_size=2)
 
 
@@ -28,8 +29,6 @@ def test_no_class_is_silent_or_unnamed(verdicts):
 
 
 def test_every_verdict_has_its_evidence(verdicts):
-    from hfpatch.release.sweep.run import VERDICTS
-
     assert verdicts, "the catalog is empty: the sweep checked nothing"
     for v in verdicts:
         assert v.verdict in VERDICTS
@@ -37,8 +36,6 @@ def test_every_verdict_has_its_evidence(verdicts):
             assert v.detail, f"{v.class_name}: {v.verdict} without a reason"
         if v.verdict == "refused":
             name = v.detail.split(":", 1)[0].split(" ", 1)[0]
-            import hfpatch.errors as errors
-
             assert issubclass(getattr(errors, name), errors.HfpatchError), v.detail
         if v.verdict == "exact":
             assert v.loss_error is not None and v.grad_error is not None
@@ -51,8 +48,6 @@ def test_few_classes_are_not_built(verdicts):
 
 def test_models_md_is_current(verdicts):
     import transformers
-
-    from hfpatch.release.sweep import table
 
     release, _ = table.parse(MODELS_MD.read_text())
     if release != transformers.__version__:
@@ -90,9 +85,6 @@ def test_mixer_kinds_exact_on_their_oldest_release(verdicts):
 
 
 def test_the_staleness_check_sees_a_changed_row_and_a_changed_mixer_entry():
-    from hfpatch.release.sweep import table
-    from hfpatch.release.sweep.run import Verdict
-
     verdict = Verdict(model_type="llama", class_name="LlamaForCausalLM", verdict="exact", loss_error=0.0,
                       grad_error=0.0)
     text = table.render([verdict], transformers_version="5.23.0", torch_version="2.13.0", world_size=2)
