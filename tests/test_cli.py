@@ -167,12 +167,18 @@ def _usage_error(argv: list[str], capsys) -> str:
                                  "so the length must be a multiple of 4. Fix: --seq-len 8."),
     (["demo", "--world-size", "3", "--kernel", "stripe", "--seq-len", "64"], "multiple of 3. Fix: --seq-len 66."),
     (["demo", "--packed", "--kernel", "zigzag", "--seq-len", "6"], "splits each packed document"),
-    (["demo", "--kernel", "nope"], "--kernel 'nope': expected auto or a ring variant (zigzag, ring, stripe, "
-                                   "llama3), optionally followed by :backend (e.g. zigzag:reference). Fix:"),
+    (["demo", "--kernel", "nope"], "--kernel 'nope': expected auto, a ring variant (zigzag, ring, stripe, "
+                                   "llama3), ulysses or usp:UxR (U x R = the world size), optionally followed by "
+                                   ":backend (e.g. zigzag:reference). Fix:"),
+    (["demo", "--kernel", "usp:2x2"], "--kernel usp:2x2 --world-size 2: 'usp:2x2' asks for 2 x 2 = 4 ranks"),
     (["demo", "--kernel", "ring:triton"], "backend 'triton' cannot run on CPU processes"),
     (["demo", "--model", "gpt9"], "invalid choice: 'gpt9'"),
     (["models", "--world-size", "1"], "--world-size 1: context parallelism needs at least 2 processes"),
     (["models", "--kernel", "zigzag:"], "--kernel 'zigzag:'"),
+    (["models", "--kernel", "usp:3x2", "--world-size", "4"],
+     "asks for 3 x 2 = 6 ranks (Ulysses groups of 3 x a ring of 2), but the CP group has 4. Fix: kernel='usp:2x2'"),
+    (["models", "--kernel", "ulysses", "--check"], "--kernel ulysses with --write or --check: MODELS.md's verdict "
+                                                   "column is the sweep under kernel auto"),
     (["models", "--classes", "LlamaForCausalLM", "--write"], "Fix: drop --classes."),
     (["models", "--check", "no/such/MODELS.md"], "--check no/such/MODELS.md: no such file"),
     (["compat", "--releases", "4.43.4"], "--releases is only used with --scan. Fix: add --scan."),

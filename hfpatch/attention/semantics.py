@@ -187,8 +187,8 @@ class RingContext:
                      the dispatcher); ``reference_attention`` uses it on the gathered sequence when flash-attn can
                      run, else computes the same semantics in plain math.
     version:         incremented whenever a field a plan is built from is assigned (group, rank, world_size,
-                     variant, backend, heads_k_stride, heads, step), like a tensor's ``_version``: a kept plan whose inputs
-                     hold another version is stale (``hfpatch.attention.dispatch`` compares it on every call).
+                     variant, backend, heads_k_stride, heads, step), like a tensor's ``_version``: a kept plan whose
+                     inputs hold another version is stale (``hfpatch.attention.dispatch`` compares it on every call).
     """
 
     group: Any = None

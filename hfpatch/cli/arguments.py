@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import textwrap
 
+from hfpatch.errors import UnsupportedArgument
+
 __all__ = ["UsageError", "EXIT_USAGE", "HelpFormatter", "positive_int", "positive_seconds", "require_cp_world",
            "cpu_kernel"]
 
@@ -64,19 +66,19 @@ def require_cp_world(world_size: int, *, option: str = "--world-size") -> None:
         )
 
 
-def cpu_kernel(kernel: str) -> tuple[str, str]:
+def cpu_kernel(kernel: str, world_size: int) -> tuple[str, str]:
     """``(variant, backend)`` of ``kernel`` ("variant" or "variant:backend", as ``hfpatch.apply(kernel=)``) when it
-    can run on CPU processes; ``UsageError`` otherwise."""
-    from hfpatch.attention.semantics import VARIANTS, parse_kernel  # deferred (torch): `--help` must not load it
+    can run on ``world_size`` CPU processes (``usp:UxR``: U x R of them); ``UsageError`` otherwise."""
+    from hfpatch.attention import semantics  # deferred (torch): `--help` must not load it
     from ring_kernels.backends import available_backends  # deferred (torch): as above
 
     fix = "Fix: --kernel auto (the default)."
     try:
-        variant, backend = parse_kernel(kernel)
+        variant, backend = semantics.parse_kernel(kernel)
     except ValueError:
         raise UsageError(
-            f"--kernel {kernel!r}: expected auto, a ring variant ({', '.join(VARIANTS)}), ulysses or usp:UxR (U x "
-            f"R = the world size), optionally followed by :backend (e.g. zigzag:reference). {fix}"
+            f"--kernel {kernel!r}: expected auto, a ring variant ({', '.join(semantics.VARIANTS)}), ulysses or "
+            f"usp:UxR (U x R = the world size), optionally followed by :backend (e.g. zigzag:reference). {fix}"
         ) from None
     cpu_backends = available_backends("cpu")
     if backend != "auto" and backend not in cpu_backends:
@@ -84,4 +86,8 @@ def cpu_kernel(kernel: str) -> tuple[str, str]:
             f"--kernel {kernel!r}: backend {backend!r} cannot run on CPU processes; the CPU backends are auto, "
             f"{', '.join(cpu_backends)}. Fix: --kernel {variant} (its backend chosen automatically)."
         )
+    try:
+        semantics.check_grid(variant, world_size)
+    except UnsupportedArgument as exc:
+        raise UsageError(f"--kernel {kernel} --world-size {world_size}: {exc.reason} Fix: {exc.fix}") from None
     return variant, backend

@@ -173,7 +173,7 @@ def check_installed(*, world_size: int = _DEFAULT_WORLD_SIZE, kernel: str = _DEF
         return _fail(report, EXIT_USAGE, f"torch cannot be imported ({exc}). Fix: pip install torch.")
     try:
         require_cp_world(world_size)
-        cpu_kernel(kernel)
+        cpu_kernel(kernel, world_size)
     except UsageError as exc:
         return _fail(report, EXIT_USAGE, str(exc))
     if not is_supported_release(version):

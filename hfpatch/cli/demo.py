@@ -76,7 +76,7 @@ def _check_seq_len(seq_len: int, variant: str, world_size: int, packed: bool) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    variant, _ = cpu_kernel(args.kernel)
+    variant, _ = cpu_kernel(args.kernel, args.world_size)
     document_unit = _check_seq_len(args.seq_len, variant, args.world_size, args.packed)
     from hfpatch.cli.demo_world import DemoOptions, run_demo  # deferred (torch): as above
 

@@ -1,6 +1,7 @@
 """``hfpatch models``: the model sweep of the installed transformers (``hfpatch.release.sweep``) -- every causal-LM
-class with a flash path, built tiny and trained one step under CP against non-CP on CPU processes -- printed as
-verdicts, written to MODELS.md (``--write``), or checked against it (``--check``); ``--list`` prints the classes.
+class with a flash path, built tiny and trained one step under CP against non-CP on CPU processes, then the
+head-parallel columns (Ulysses, USP) on their subsets -- printed as verdicts, written to MODELS.md (``--write``), or
+checked against it (``--check``); ``--list`` prints the classes.
 
 Exit status: 0 when no class ended silent or unnamed (and, with ``--check``, the table is current); 1 otherwise;
 2 for a usage error, found before the sweep spawns its processes (an unknown ``--classes`` name among them).
@@ -24,11 +25,14 @@ _DESCRIPTION = """\
 The model sweep: every causal-LM class of the installed transformers that has a flash-attention path is built
 tiny (random weights, no download) and trained one step on CPU processes with context parallelism and without.
 Each class gets a verdict: exact, refused (hfpatch names what it cannot make exact), not built, or a defect
-(silent: CP differs; unnamed: an unexpected error). The whole sweep takes minutes; --classes picks a few.
+(silent: CP differs; unnamed: an unexpected error). The whole sweep (kernel auto) is followed by the head-parallel
+columns: kernel ulysses on 2 processes and usp:2x2 on 4, each on a representative subset of the classes. The whole
+sweep takes minutes; --classes picks a few (under --kernel, without the columns).
 
 examples:
   hfpatch models --list                          the classes the sweep covers
   hfpatch models --classes LlamaForCausalLM      one class
+  hfpatch models --classes GptOssForCausalLM --kernel usp:2x2 --world-size 4
   hfpatch models --check                         is MODELS.md current?
 
 exit status: 0 no defect (and, with --check, the table is current); 1 otherwise; 2 usage error."""
@@ -42,7 +46,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--classes", default=None, metavar="NAME[,NAME...]",
                    help="comma-separated class names (default: every class; --list shows them)")
     p.add_argument("--kernel", default="auto",
-                   help="ring variant: auto (default), zigzag, ring, stripe or llama3, optionally with :backend")
+                   help="kernel of the verdicts: auto (default), a ring variant (zigzag, ring, stripe, llama3), "
+                        "ulysses or usp:UxR (U x R = --world-size), optionally with :backend; --write and --check "
+                        "take auto (MODELS.md's head-parallel columns run their own kernels)")
     p.add_argument("--write", nargs="?", const=_DEFAULT_TABLE, default=None, metavar="PATH",
                    help=f"write the table (default path {_DEFAULT_TABLE})")
     p.add_argument("--check", nargs="?", const=_DEFAULT_TABLE, default=None, metavar="PATH",
@@ -55,7 +61,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def _check_options(args: argparse.Namespace) -> None:
     """The checks that need no catalog; ``UsageError`` with the fix."""
     require_cp_world(args.world_size)
-    cpu_kernel(args.kernel)
+    cpu_kernel(args.kernel, args.world_size)
+    if args.kernel != "auto" and (args.write or args.check):
+        raise UsageError(f"--kernel {args.kernel} with --write or --check: MODELS.md's verdict column is the sweep "
+                         "under kernel auto, and its head-parallel columns run their own kernels (ulysses on 2 "
+                         "processes, usp:2x2 on 4). Fix: drop --kernel.")
     if args.classes is not None and (args.write or args.check):
         raise UsageError("--write and --check compare the whole sweep, not a few classes. Fix: drop --classes.")
     if args.check and not Path(args.check).is_file():
@@ -94,40 +104,45 @@ def _print_catalog(catalog: list) -> int:
 def run(args: argparse.Namespace) -> int:
     _check_options(args)
     from hfpatch.release.sweep import flash_causal_lm_classes  # deferred (torch): `--help` must not load it
-    from hfpatch.release.sweep.run import run_sweep  # deferred (torch): as above
+    from hfpatch.release.sweep.run import run_columns, run_sweep  # deferred (torch): as above
 
     if args.list:
         return _print_catalog(flash_causal_lm_classes())
     classes = requested_classes(args.classes, flash_causal_lm_classes()) if args.classes is not None else None
     start = time.time()
-    progress = None if args.json else (lambda v: print(f"{v.verdict:9s}  {v.model_type:28s} {v.class_name:44s} "
-                                                       f"{v.detail.splitlines()[0] if v.detail else ''}", flush=True))
+    progress = None if args.json else (lambda v: print(
+        f"{v.verdict:9s}  {v.model_type:28s} {v.class_name:44s} {'' if v.kernel == 'auto' else f'({v.kernel}) '}"
+        f"{v.detail.splitlines()[0] if v.detail else ''}", flush=True))
     verdicts = run_sweep(world_size=args.world_size, classes=classes, kernel=args.kernel, progress=progress)
-    return _report(args, verdicts, time.time() - start)
+    whole = classes is None and args.kernel == "auto"
+    columns = run_columns(progress=progress) if whole else []
+    return _report(args, verdicts, columns, time.time() - start)
 
 
-def _report(args: argparse.Namespace, verdicts: list, seconds: float) -> int:
+def _report(args: argparse.Namespace, verdicts: list, columns: list, seconds: float) -> int:
     import torch
     import transformers
 
     from hfpatch.release.sweep import table  # deferred (torch): `--help` must not load it
 
-    defects = [v for v in verdicts if v.verdict in ("silent", "unnamed")]
+    defects = [v for v in verdicts + columns if v.verdict in ("silent", "unnamed")]
     if args.json:
-        print(json.dumps([v.to_json() for v in verdicts], indent=1))
+        print(json.dumps([v.to_json() for v in verdicts + columns], indent=1))
     else:
         print(f"{table.counts_line(verdicts)} in {seconds:.0f} s (transformers {transformers.__version__})")
+        for kernel in dict.fromkeys(v.kernel for v in columns):
+            print(f"  under {kernel}: {table.counts_line(v for v in columns if v.kernel == kernel)}")
         for v in defects:
-            print(f"DEFECT {v.verdict}: {v.class_name}: {v.detail}")
+            print(f"DEFECT {v.verdict}: {v.class_name} (kernel {v.kernel}): {v.detail}")
     status = 1 if defects else 0
     text = table.render(verdicts, transformers_version=transformers.__version__,
-                        torch_version=torch.__version__.split("+")[0], world_size=args.world_size)
+                        torch_version=torch.__version__.split("+")[0], world_size=args.world_size, columns=columns)
     if args.write:
         Path(args.write).write_text(text)
         print(f"wrote {args.write}")
     if args.check:
         path = Path(args.check)
-        differences = table.stale(verdicts, path.read_text())
+        differences = table.stale(verdicts, path.read_text(), columns)
         for line in differences:
             print(f"STALE: {line}")
         if differences:

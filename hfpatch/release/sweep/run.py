@@ -16,6 +16,10 @@ Per class, on every rank of a gloo group (``check_class``):
 
 Anything else is a defect the sweep reports: "silent" (CP ran and differs) or "unnamed" (an exception that is
 not an hfpatch error, under CP only). The ranks agree on each verdict (the worst over ranks).
+
+The head-parallel columns (``HEAD_PARALLEL_COLUMNS``, ``run_columns``) run the same check under
+``apply(kernel="ulysses")`` on 2 ranks and ``apply(kernel="usp:2x2")`` on 4, on a representative subset of the
+classes: a full column costs as much as the whole sweep.
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ from hfpatch.release.sweep.tiny import NotBuilt, build_tiny, training_inputs, tr
 from ring_kernels.tolerances import tolerance
 from ring_kernels.world import DistributedFailure, report, run_world
 
-__all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "check_class", "run_sweep"]
+__all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "HEAD_PARALLEL_COLUMNS", "check_class",
+           "run_sweep", "run_columns"]
 
 # The sweep's entries of the project's tolerance table (ring_kernels.tolerances, quoted in docs/user-guide.md).
 LOSS_RTOL = tolerance("sweep", torch.float32, "loss").bound
@@ -45,13 +50,23 @@ SEQ_LEN = 32
 BATCH = 2
 # Worst first: the ranks agree on the verdict of the lowest rank in this order.
 VERDICTS = ("unnamed", "silent", "not built", "refused", "exact")
+# MODELS.md's head-parallel columns: kernel -> (world size, the model types it checks). Each is a representative
+# subset -- the attention features (GQA; a sliding window with softcap; sinks with a sliding window and MoE; learned
+# positions and Conv1D projections; a decoder scored on aligned labels) and a model of every sequence-mixer family
+# for Ulysses; a plain decoder, the sinks and a hybrid for USP -- because a full column under Ulysses takes as long
+# as the whole sweep (146 classes on 2 ranks: 46 s of CPU against 41), and USP runs 4 ranks.
+HEAD_PARALLEL_COLUMNS = {
+    "ulysses": (2, ("llama", "gemma2", "gpt_oss", "gpt2", "bart", "lfm2", "qwen3_next", "kimi_linear", "bamba",
+                    "jamba", "minimax", "recurrent_gemma", "zaya")),
+    "usp:2x2": (4, ("llama", "gpt_oss", "bamba")),
+}
 
 
 @dataclass(frozen=True)
 class Verdict:
     """One class's result. ``verdict`` in ``VERDICTS``; ``detail``: the refusal's error class and first sentence,
     the reason it was not built, or the mismatch; ``loss_error`` / ``grad_error``: relative errors (exact and
-    silent only); ``seconds``: wall time of the class on rank 0."""
+    silent only); ``seconds``: wall time of the class on rank 0; ``kernel``: ``hfpatch.apply``'s kernel."""
 
     model_type: str
     class_name: str
@@ -60,6 +75,7 @@ class Verdict:
     loss_error: Optional[float] = None
     grad_error: Optional[float] = None
     seconds: float = 0.0
+    kernel: str = "auto"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -168,7 +184,7 @@ def check_class(entry: CatalogEntry, group, *, kernel: str = "auto") -> Verdict:
 
 
 def _check_here(entry, group, kernel, hfpatch, HfpatchError, NotBuilt, build_tiny) -> Verdict:
-    same = dict(model_type=entry.model_type, class_name=entry.class_name)
+    same = dict(model_type=entry.model_type, class_name=entry.class_name, kernel=kernel)
     if entry.import_error:
         return Verdict(**same, verdict="not built", detail=f"import fails: {entry.import_error}")
     try:
@@ -204,23 +220,25 @@ def _check_here(entry, group, kernel, hfpatch, HfpatchError, NotBuilt, build_tin
 # ------------------------------------------------------------------------------------------ the world
 
 
-def _rank_main(rank: int, world: int, names: Optional[list], kernel: str) -> None:
-    """One rank of the sweep's world: check every catalog class (or those in ``names``); rank 0 reports each
-    verdict as it is reached."""
+def _rank_main(rank: int, world: int, names: Optional[list], kernel: str, model_types: Optional[tuple] = None) -> None:
+    """One rank of the sweep's world: check every catalog class (or those in ``names``, of ``model_types``); rank 0
+    reports each verdict as it is reached."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # tiny configs trip many harmless warnings
-    for entry in [e for e in flash_causal_lm_classes() if names is None or e.class_name in names]:
+    for entry in [e for e in flash_causal_lm_classes() if (names is None or e.class_name in names)
+                  and (model_types is None or e.model_type in model_types)]:
         verdict = check_class(entry, dist.group.WORLD, kernel=kernel)
         if rank == 0:
             report(verdict.to_json())
 
 
 def run_sweep(*, world_size: int = 2, classes: Optional[list[str]] = None, kernel: str = "auto",
-              progress=None) -> list[Verdict]:
-    """Spawn ``world_size`` CPU processes (gloo) and check every catalog class (or those named in ``classes``);
-    returns the verdicts in catalog order. ``progress(verdict)`` is called as each arrives. Raises
-    ``RuntimeError`` with the failing rank's traceback if a rank dies (a defect of the sweep itself)."""
+              model_types: Optional[tuple] = None, progress=None) -> list[Verdict]:
+    """Spawn ``world_size`` CPU processes (gloo) and check every catalog class (or those named in ``classes``, of
+    ``model_types``) under ``apply(kernel=kernel)``; returns the verdicts in catalog order. ``progress(verdict)``
+    is called as each arrives. Raises ``RuntimeError`` with the failing rank's traceback if a rank dies (a defect
+    of the sweep itself)."""
     verdicts: list[Verdict] = []
 
     def arrived(rank: int, payload: dict) -> None:
@@ -229,7 +247,17 @@ def run_sweep(*, world_size: int = 2, classes: Optional[list[str]] = None, kerne
             progress(verdicts[-1])
 
     try:
-        run_world(world_size, _rank_main, classes, kernel, timeout=None, group_timeout=300.0, on_report=arrived)
+        run_world(world_size, _rank_main, classes, kernel, model_types, timeout=None, group_timeout=300.0,
+                  on_report=arrived)
     except DistributedFailure as exc:
         raise RuntimeError(f"the model sweep's world failed after {len(verdicts)} classes:\n{exc}") from exc
+    return verdicts
+
+
+def run_columns(*, progress=None) -> list[Verdict]:
+    """The verdicts of MODELS.md's head-parallel columns: each kernel of ``HEAD_PARALLEL_COLUMNS`` on its world
+    size and model types (``run_sweep``)."""
+    verdicts: list[Verdict] = []
+    for kernel, (world_size, model_types) in HEAD_PARALLEL_COLUMNS.items():
+        verdicts += run_sweep(world_size=world_size, kernel=kernel, model_types=model_types, progress=progress)
     return verdicts

@@ -1,8 +1,10 @@
 """MODELS.md: the model sweep's verdicts as a table a user looks their model up in, and its staleness check.
 
 The file is generated (``hfpatch models --write``), never hand-edited. Its header names the transformers and torch
-releases it was produced with; ``stale(verdicts, text)`` lists every class whose verdict differs from the file
-(and classes only one side has), which the sweep's test runs whenever the installed release is the file's.
+releases it was produced with; ``stale(verdicts, text, columns)`` lists every class whose verdict differs from the
+file (and classes only one side has), in the main column and in each head-parallel column
+(``run.HEAD_PARALLEL_COLUMNS``: a verdict for the classes of its subset, an empty cell for the others), which the
+sweep's test runs whenever the installed release is the file's.
 """
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ from collections import Counter
 from typing import Iterable
 
 from hfpatch.mixers import FAMILIES
-from hfpatch.release.sweep.run import GRAD_RTOL, LOSS_RTOL, VERDICTS, Verdict
+from hfpatch.release.sweep.run import GRAD_RTOL, HEAD_PARALLEL_COLUMNS, LOSS_RTOL, VERDICTS, Verdict
 
-__all__ = ["render", "parse", "stale", "counts_line"]
+__all__ = ["render", "parse", "parse_columns", "stale", "counts_line"]
 
 _RELEASE = re.compile(r"^Generated on transformers (\S+), torch (\S+)")
 _ROW = re.compile(r"^\| `([^`]+)` \| `([^`]+)` \| \*\*([a-z ]+)\*\* \|")
+_CELL = re.compile(r"(?<!\\)\|")     # a cell boundary: a pipe not escaped by _cell
+_HEADER = "| model type | class | verdict |"
 _MEANING = {
     "exact": "CP loss and every gradient equal the non-CP run (fp32: loss within "
              f"{LOSS_RTOL:g} relative, each gradient within {GRAD_RTOL:g} of its largest entry).",
@@ -35,9 +39,13 @@ def counts_line(verdicts: Iterable[Verdict]) -> str:
     return f"{total} classes: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in reversed(VERDICTS))
 
 
-def render(verdicts: list[Verdict], *, transformers_version: str, torch_version: str, world_size: int) -> str:
-    """The text of MODELS.md for ``verdicts`` (sorted by model type and class)."""
+def render(verdicts: list[Verdict], *, transformers_version: str, torch_version: str, world_size: int,
+           columns: Iterable[Verdict] = ()) -> str:
+    """The text of MODELS.md for ``verdicts`` (sorted by model type and class) and the head-parallel ``columns``'
+    verdicts (``run.run_columns``)."""
     rows = sorted(verdicts, key=lambda v: (v.model_type, v.class_name))
+    kernels = list(HEAD_PARALLEL_COLUMNS)
+    cells = {(v.model_type, v.class_name, v.kernel): v for v in columns}
     lines = [
         "# Models: which causal-LM classes train exactly under hfpatch CP",
         "",
@@ -51,11 +59,27 @@ def render(verdicts: list[Verdict], *, transformers_version: str, torch_version:
         "",
     ]
     lines += [f"- **{name}**: {_MEANING[name]}" for name in reversed(VERDICTS)]
-    lines += ["", "| model type | class | verdict | why |", "|---|---|---|---|"]
+    lines += ["", _columns_paragraph(list(cells.values())), ""]
+    lines += [f"{_HEADER} {' | '.join(kernels)} | why |", "|---|---|---|" + "---|" * len(kernels) + "---|"]
     for v in rows:
-        detail = v.detail.splitlines()[0] if v.detail else ""
-        lines.append(f"| `{v.model_type}` | `{v.class_name}` | **{v.verdict}** | {_cell(detail)} |")
+        found = [cells.get((v.model_type, v.class_name, kernel)) for kernel in kernels]
+        why = [v.detail.splitlines()[0]] if v.detail else []
+        why += [f"{c.kernel}: {c.detail.splitlines()[0]}" for c in found if c is not None and c.detail]
+        verdicts = "".join(f"{c.verdict if c is not None else ''} | " for c in found)
+        lines.append(f"| `{v.model_type}` | `{v.class_name}` | **{v.verdict}** | {verdicts}{_cell('; '.join(why))} |")
     return "\n".join(lines + [""] + mixer_section()) + "\n"
+
+
+def _columns_paragraph(columns: list[Verdict]) -> str:
+    runs = "; ".join(f"`{kernel}` on {world} CPU ranks, {len(types)} model types ({', '.join(types)})"
+                     for kernel, (world, types) in HEAD_PARALLEL_COLUMNS.items())
+    counts = "; ".join(f"`{kernel}`: " + counts_line(v for v in columns if v.kernel == kernel)
+                       for kernel in HEAD_PARALLEL_COLUMNS)
+    return ("Head-parallel columns: the same step with `hfpatch.apply(group, model=model, kernel=...)` -- Ulysses, "
+            "which splits the query heads over the group, and USP (`usp:2x2`: Ulysses groups of 2 consecutive ranks x "
+            f"a ring of 2 across them) -- on a representative subset only: {runs}. A full column takes as long as "
+            f"the whole sweep; an empty cell was not run (`hfpatch models --kernel ulysses --classes NAME` runs one "
+            f"class). {counts}.")
 
 
 def mixer_section() -> list[str]:
@@ -80,6 +104,21 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def parse_columns(text: str) -> dict:
+    """{(model_type, class_name, kernel): verdict} of the head-parallel columns' non-empty cells in ``text``."""
+    kernels: list = []
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(_HEADER):
+            kernels = [c.strip() for c in _CELL.split(line)[4:-2]]
+            continue
+        row = _ROW.match(line)
+        if row and kernels:
+            values = [c.strip() for c in _CELL.split(line)[4:4 + len(kernels)]]
+            found.update({(row.group(1), row.group(2), k): v for k, v in zip(kernels, values) if v})
+    return found
+
+
 def parse(text: str) -> tuple[str | None, dict]:
     """(transformers release of the file or None, {(model_type, class_name): verdict})."""
     release = None
@@ -94,8 +133,9 @@ def parse(text: str) -> tuple[str | None, dict]:
     return release, table
 
 
-def stale(verdicts: list[Verdict], text: str) -> list[str]:
-    """Every difference between ``verdicts`` and the table in ``text``, as readable lines (empty: current)."""
+def stale(verdicts: list[Verdict], text: str, columns: Iterable[Verdict] = ()) -> list[str]:
+    """Every difference between ``verdicts`` (and the head-parallel ``columns``' verdicts) and the table in ``text``,
+    as readable lines (empty: current)."""
     _, table = parse(text)
     fresh = {(v.model_type, v.class_name): v.verdict for v in verdicts}
     out = []
@@ -103,6 +143,12 @@ def stale(verdicts: list[Verdict], text: str) -> list[str]:
         old, new = table.get(key), fresh.get(key)
         if old != new:
             out.append(f"{key[0]} / {key[1]}: MODELS.md says {old or 'nothing'}, the sweep says {new or 'nothing'}")
+    cells, fresh_cells = parse_columns(text), {(v.model_type, v.class_name, v.kernel): v.verdict for v in columns}
+    for key in sorted(set(cells) | set(fresh_cells)):
+        old, new = cells.get(key), fresh_cells.get(key)
+        if old != new:
+            out.append(f"{key[0]} / {key[1]} under {key[2]}: MODELS.md says {old or 'nothing'}, the sweep says "
+                       f"{new or 'nothing'}")
     if "\n".join(mixer_section()) not in text:
         out.append("the sequence-mixer section differs from the mixer registry's entries")
     return out
