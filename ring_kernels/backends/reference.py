@@ -123,8 +123,10 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     qg, kg, vg = _grouped(q, k, v)
     scores, _ = _scores(qg, kg, scale, softcap, _visible(mask, seq, seq, q.device))   # (B, Hk, G, S, S)
     if sink is not None:
-        column = sink.to(scores.dtype).reshape(1, *scores.shape[1:3], 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+        # the sink joins the softmax in the compute dtype, not in scores' (bf16 when an autocast region is active)
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        column = sink.to(compute).reshape(1, *scores.shape[1:3], 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores.to(compute), column], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)            # rows with no key: 0, not NaN
     out = torch.matmul(probs, vg)                                          # (B, Hk, G, S, D)
