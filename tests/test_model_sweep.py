@@ -1,7 +1,9 @@
 """The model sweep on the installed transformers release: every causal-LM class that declares a flash-attention
 path is built tiny and trained one step under CP (2 gloo ranks) against non-CP (``hfpatch.release.sweep.run``). No class
 may end silent (CP ran and differs) or unnamed (an exception that is not an hfpatch error); at most 5% may be
-"not built". On the release MODELS.md was generated with, the table must be current (``hfpatch models --write``).
+"not built". The head-parallel columns (``run.HEAD_PARALLEL_COLUMNS``: kernel "ulysses" on 2 ranks, "usp:2x2" on 4,
+each on its subset of model types) run the same check; none of their classes may be silent or unnamed either. On the
+release MODELS.md was generated with, the table must be current, columns included (``hfpatch models --write``).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 
 import hfpatch.errors as errors
 from hfpatch.release.sweep import table
-from hfpatch.release.sweep.run import VERDICTS, Verdict, run_sweep
+from hfpatch.release.sweep.run import HEAD_PARALLEL_COLUMNS, VERDICTS, Verdict, run_columns, run_sweep
 
 MODELS_MD = Path(__file__).resolve().parent.parent / "MODELS.md"
 NOT_BUILT_SHARE = 0.05
@@ -22,15 +24,28 @@ def verdicts():
     return run_sweep(world_size=2)
 
 
-def test_no_class_is_silent_or_unnamed(verdicts):
-    defects = [f"{v.class_name} ({v.model_type}): {v.verdict}: {v.detail}" for v in verdicts
+@pytest.fixture(scope="module")
+def columns():
+    return run_columns()
+
+
+def test_no_class_is_silent_or_unnamed(verdicts, columns):
+    defects = [f"{v.class_name} ({v.model_type}) under {v.kernel}: {v.verdict}: {v.detail}" for v in verdicts + columns
                if v.verdict in ("silent", "unnamed")]
     assert not defects, "\n".join(defects)
 
 
-def test_every_verdict_has_its_evidence(verdicts):
+def test_each_column_ran_its_subset_under_its_kernel(verdicts, columns):
+    """Every class of a column's model types that the sweep has gets that column's verdict, under its kernel."""
+    for kernel, (_, model_types) in HEAD_PARALLEL_COLUMNS.items():
+        want = {(v.model_type, v.class_name) for v in verdicts if v.model_type in model_types}
+        got = {(v.model_type, v.class_name) for v in columns if v.kernel == kernel}
+        assert got == want and want, (kernel, sorted(want ^ got))
+
+
+def test_every_verdict_has_its_evidence(verdicts, columns):
     assert verdicts, "the catalog is empty: the sweep checked nothing"
-    for v in verdicts:
+    for v in verdicts + columns:
         assert v.verdict in VERDICTS
         if v.verdict in ("refused", "not built"):
             assert v.detail, f"{v.class_name}: {v.verdict} without a reason"
@@ -46,13 +61,13 @@ def test_few_classes_are_not_built(verdicts):
     assert len(not_built) <= NOT_BUILT_SHARE * len(verdicts), "\n".join(not_built)
 
 
-def test_models_md_is_current(verdicts):
+def test_models_md_is_current(verdicts, columns):
     import transformers
 
     release, _ = table.parse(MODELS_MD.read_text())
     if release != transformers.__version__:
         pytest.skip(f"MODELS.md is for transformers {release}; installed {transformers.__version__}")
-    differences = table.stale(verdicts, MODELS_MD.read_text())
+    differences = table.stale(verdicts, MODELS_MD.read_text(), columns)
     assert not differences, "MODELS.md is stale (run `hfpatch models --write`):\n" + "\n".join(differences)
 
 
@@ -84,13 +99,21 @@ def test_mixer_kinds_exact_on_their_oldest_release(verdicts):
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_staleness_check_sees_a_changed_row_and_a_changed_mixer_entry():
+def test_the_staleness_check_sees_a_changed_row_column_cell_and_mixer_entry():
     verdict = Verdict(model_type="llama", class_name="LlamaForCausalLM", verdict="exact", loss_error=0.0,
                       grad_error=0.0)
     text = table.render([verdict], transformers_version="5.23.0", torch_version="2.13.0", world_size=2)
     assert table.stale([verdict], text) == []
     assert table.stale([verdict], text.replace("**exact**", "**refused**")) == [
         "llama / LlamaForCausalLM: MODELS.md says refused, the sweep says exact"]
+    column = Verdict(model_type="llama", class_name="LlamaForCausalLM", verdict="exact", kernel="ulysses")
+    with_column = table.render([verdict], transformers_version="5.23.0", torch_version="2.13.0", world_size=2,
+                               columns=[column])
+    assert table.stale([verdict], with_column, [column]) == []
+    assert table.stale([verdict], with_column.replace("** | exact |", "** | refused |"), [column]) == [
+        "llama / LlamaForCausalLM under ulysses: MODELS.md says refused, the sweep says exact"]
+    assert table.stale([verdict], with_column) == [
+        "llama / LlamaForCausalLM under ulysses: MODELS.md says exact, the sweep says nothing"]
     first_entry = next(line for line in table.mixer_section() if line.startswith("| `"))
     assert table.stale([verdict], text.replace(first_entry, first_entry.replace("kernel names", "CP form"))) == [
         "the sequence-mixer section differs from the mixer registry's entries"]
