@@ -189,9 +189,8 @@ class LayoutCode(enum.IntEnum):
     ULYSSES_STRIPE = 22
     ULYSSES_VARLEN = 23    # ulysses_attn_varlen_func on contiguous documents (+ 1: zigzag)
     ULYSSES_VARLEN_ZIGZAG = 24
-    USP_RING = 30          # usp_attn_func over ring_attn_func (+ 1: zigzag, + 2: stripe), checked on ulysses_group
+    USP_RING = 30          # usp_attn_func over ring_attn_func (+ 1: zigzag), checked on the whole group
     USP_ZIGZAG = 31
-    USP_STRIPE = 32
     USP_RING_VARLEN = 33   # usp_attn_varlen_func over ring_attn_varlen_func (+ 1: zigzag, + 2: llama3)
     USP_ZIGZAG_VARLEN = 34
     USP_LLAMA3_VARLEN = 35
