@@ -98,7 +98,7 @@ def test_dry_run_options_with_a_static_release_are_a_usage_error(monkeypatch, ca
     ("zigzag:nope", "backend 'nope' cannot run on CPU processes"),
 ])
 def test_unknown_kernel_is_a_usage_error(monkeypatch, capsys, kernel, expected):
-    monkeypatch.setattr(check_cli, "_spawn_world", lambda *a: pytest.fail("no dry run for a bad kernel"))
+    monkeypatch.setattr(check_cli, "spawn_world", lambda *a: pytest.fail("no dry run for a bad kernel"))
     assert main(["check", "--json", "--kernel", kernel]) == 2
     report = json.loads(capsys.readouterr().out)
     assert f"--kernel {kernel!r}" in report["problems"][0] and expected in report["problems"][0]
@@ -128,7 +128,7 @@ def test_unsupported_live_signature_reports_the_diff_and_skips_the_dry_run(monke
     namespace: dict = {}
     exec(BROKEN_DEF, namespace)
     monkeypatch.setattr(mfau, "_flash_attention_forward", namespace["_flash_attention_forward"])
-    monkeypatch.setattr(check_cli, "_spawn_world", lambda *a: pytest.fail("no dry run for an unsupported signature"))
+    monkeypatch.setattr(check_cli, "spawn_world", lambda *a: pytest.fail("no dry run for an unsupported signature"))
     report = check_cli.run_check()
     assert report["exit_code"] == 1 and report["verdict"] == "unsupported" and not report["supported"]
     assert report["signature_id"].endswith("+unsupported")
@@ -158,7 +158,7 @@ def _ranks(*oks, error="VerificationError: probe differs", kind="hfpatch"):
     ],
 )
 def test_dry_run_outcome_decides_the_exit_code(monkeypatch, ranks, code):
-    monkeypatch.setattr(check_cli, "_spawn_world", lambda world_size, kernel, timeout: ranks)
+    monkeypatch.setattr(check_cli, "spawn_world", lambda world_size, kernel, timeout: ranks)
     report = check_cli.run_check()
     assert report["exit_code"] == code
     assert report["dry_run"]["ok"] is (code == 0)
@@ -169,9 +169,9 @@ def test_dry_run_outcome_decides_the_exit_code(monkeypatch, ranks, code):
 
 def test_a_world_that_cannot_run_is_an_environment_error(monkeypatch):
     def broken(world_size, kernel, timeout):
-        raise check_cli._WorldError("ranks [1] did not finish within 180s (deadlock?)")
+        raise check_cli.WorldError("ranks [1] did not finish within 180s (deadlock?)")
 
-    monkeypatch.setattr(check_cli, "_spawn_world", broken)
+    monkeypatch.setattr(check_cli, "spawn_world", broken)
     report = check_cli.run_check()
     assert report["exit_code"] == 2 and "deadlock" in report["problems"][0]
 
@@ -216,18 +216,18 @@ def extra_site(monkeypatch):
 def test_dry_run_detects_a_missed_site_and_an_incomplete_remove(monkeypatch, extra_site, patched, restore, ok, error):
     mfau, model_module = extra_site
     original = mfau._flash_attention_forward
-    check_cli._import_integration({})  # the dry run imports it (4.48+): one more holder to patch
+    check_cli.import_integration({})  # the dry run imports it (4.48+): one more holder to patch
     holders = [(mfau, "_flash_attention_forward")]
     if patched == "both":  # every module that holds the original, as the real patcher does
         holders = [
-            (sys.modules[label.rsplit(".", 1)[0]], label.rsplit(".", 1)[1]) for label in check_cli._holders(original)
+            (sys.modules[label.rsplit(".", 1)[0]], label.rsplit(".", 1)[1]) for label in check_cli.holders(original)
         ]
         assert (model_module, "_flash_attention_forward") in holders
     for module, attr in holders:
         monkeypatch.setattr(module, attr, original)  # restored after the test, whatever the fake did
     monkeypatch.setattr(hfpatch, "apply", lambda group, **kw: _FakePatch(holders, original, restore))
     facts = {"rank": 0, "ok": False}
-    check_cli._apply_verify_remove(facts, None, "auto")
+    check_cli.apply_verify_remove(facts, None, "auto")
     assert facts["ok"] is ok, facts
     assert facts["sites"] == sorted(f"{m.__name__}.{a}" for m, a in holders)
     if error:

@@ -36,7 +36,8 @@ from hfpatch.version_gates import (TRANSFORMERS_ATTENTION_FUNCTIONS, TRANSFORMER
                                    parse_version)
 
 __all__ = ["build_parser", "run_check", "check_installed", "check_release", "format_report", "EXIT_OK",
-           "EXIT_FAILED", "EXIT_USAGE"]
+           "EXIT_FAILED", "EXIT_USAGE", "WorldError", "spawn_world", "holders", "import_integration",
+           "apply_verify_remove"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -222,8 +223,8 @@ def _dry_run(report: dict, *, world_size: int, kernel: str, timeout: float) -> N
     """Spawn the world, collect every rank's facts, and decide the exit code."""
     started = time.perf_counter()
     try:
-        ranks = _spawn_world(world_size, kernel, timeout)
-    except _WorldError as exc:
+        ranks = spawn_world(world_size, kernel, timeout)
+    except WorldError as exc:
         report["dry_run"] = {"world_size": world_size, "kernel": kernel, "ok": False, "error": str(exc)}
         _fail(report, EXIT_USAGE, f"the dry-run world could not run: {exc}")
         return
@@ -247,21 +248,21 @@ def _dry_run(report: dict, *, world_size: int, kernel: str, timeout: float) -> N
         _fail(report, worst, f"rank {r['rank']}: {r.get('error') or 'dry run failed'}")
 
 
-class _WorldError(RuntimeError):
+class WorldError(RuntimeError):
     """The throwaway world could not run (spawn failure, timeout, a crashed process)."""
 
 
-def _spawn_world(world_size: int, kernel: str, timeout: float = _DRY_RUN_TIMEOUT_S) -> list[dict]:
+def spawn_world(world_size: int, kernel: str, timeout: float = _DRY_RUN_TIMEOUT_S) -> list[dict]:
     """Run ``_dry_run_rank`` on ``world_size`` spawned processes; return their fact dicts, by rank."""
     from ring_kernels.world import DistributedFailure, run_world  # deferred (torch): `--help` must not load it
 
     try:
         return run_world(world_size, _dry_run_rank, kernel, timeout=timeout)
     except DistributedFailure as exc:
-        raise _WorldError(f"{exc} (a loaded machine: --timeout S allows more)" if exc.hung else str(exc)) from exc
+        raise WorldError(f"{exc} (a loaded machine: --timeout S allows more)" if exc.hung else str(exc)) from exc
 
 
-def _holders(obj: Any) -> list[str]:
+def holders(obj: Any) -> list[str]:
     """``module.attribute`` for every loaded module attribute that IS ``obj`` (identity, not equality)."""
     found = []
     for name, module in list(sys.modules.items()):
@@ -280,7 +281,7 @@ def _dry_run_rank(rank: int, world_size: int, kernel: str) -> dict:
 
     facts: dict[str, Any] = {"rank": rank, "ok": False}
     try:
-        _apply_verify_remove(facts, dist.group.WORLD, kernel)
+        apply_verify_remove(facts, dist.group.WORLD, kernel)
     except BaseException as exc:  # reported to the parent, never hidden: the traceback travels with it
         facts["error"] = f"{type(exc).__name__}: {exc}"
         facts["error_type"] = type(exc).__name__
@@ -292,7 +293,7 @@ def _dry_run_rank(rank: int, world_size: int, kernel: str) -> dict:
     return facts
 
 
-def _import_integration(facts: dict) -> None:
+def import_integration(facts: dict) -> None:
     """Import transformers' flash-attention integration (4.48+), the binding site every model reaches through
     ALL_ATTENTION_FUNCTIONS, so that the dry run patches and reports it as a real training process would."""
     import importlib
@@ -307,13 +308,15 @@ def _import_integration(facts: dict) -> None:
         facts.setdefault("notes", []).append(f"could not import {_INTEGRATION}: {type(exc).__name__}: {exc}")
 
 
-def _apply_verify_remove(facts: dict, group, kernel: str) -> None:
+def apply_verify_remove(facts: dict, group, kernel: str) -> None:
+    """Apply with verification, then remove, in ``group``; record in ``facts`` the sites patched, whether every
+    holder of the original function was patched while applied, and whether remove() restored each of them."""
     import importlib
 
     mfau = importlib.import_module(_MFAU)
     original = getattr(mfau, _TARGET)
-    _import_integration(facts)
-    before = _holders(original)
+    import_integration(facts)
+    before = holders(original)
     patch = hfpatch.apply(group, kernel=kernel, verify=True)
     facts["active"] = bool(patch.active)
     facts["signature_id"] = getattr(patch, "signature_id", None)
@@ -322,10 +325,10 @@ def _apply_verify_remove(facts: dict, group, kernel: str) -> None:
         facts["error"] = f"apply returned an inactive patch: {getattr(patch, 'reason', '(no reason given)')}"
         facts["error_kind"] = "hfpatch"
         return
-    still_original = _holders(original)
+    still_original = holders(original)
     facts["verified"] = True
     patch.remove()
-    after = _holders(original)
+    after = holders(original)
     missing = sorted(set(before) - set(after))
     facts["removed"] = not missing and getattr(mfau, _TARGET) is original
     if still_original:
