@@ -33,6 +33,7 @@ from hfpatch.attention.semantics import (HeadSplit, RingContext, StepState, pars
 from hfpatch.cli.demo_models import build_model
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.model import probe as model_probe
+from ring_kernels.backends import UnsupportedBackendError
 from ring_kernels.tolerances import assert_close, tolerance
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -241,6 +242,26 @@ def test_plans_pick_the_kernel_and_refuse_by_name():
                                seq_len_local=8))
     plan = ring_plan(_call(causal=False, window=4), {}, ulysses)
     assert plan.kernel == "ulysses_attn_func" and plan.kwargs["layout"] == "zigzag"
+
+
+def test_what_a_kernel_refuses_reaches_the_caller_as_an_hfpatch_refusal():
+    """A backend that cannot compute the call (softcap on aten's CPU kernel) and a kernel's own refusal (a sink of
+    the wrong shape) come back as ``UnsupportedArgument`` naming the kernel's argument, the cause chained."""
+    ctx = RingContext(variant="ulysses", backend="torch_cpu", heads=HeadSplit(ulysses=1, ring=1))
+    ctx.set_step(StepState(kernel="ulysses", layout="contiguous", packed=False, batch_size=1, seq_len_global=8,
+                           seq_len_local=8))
+    plan = ring_plan(dict(_call(), softcap=2.0), {}, ctx)
+    q = torch.randn(1, 8, 4, 16)
+    with pytest.raises(UnsupportedArgument, match=r"ulysses_attn_func cannot compute this call: .*softcap is not "
+                                                  r"supported by aten's CPU flash kernel") as info:
+        plan.run(q, q, q)
+    assert info.value.parameter == "kernel" and info.value.value == "torch_cpu"
+    assert isinstance(info.value.__cause__, UnsupportedBackendError)
+    plan = ring_plan(_call(), {}, ctx)
+    with pytest.raises(UnsupportedArgument, match=r"ring_kernels.ulysses_attn_func refused this call: .*sink has "
+                                                  r"shape \(3,\)") as info:
+        plan.run(q, q, q, torch.zeros(3))
+    assert info.value.parameter == "sink" and isinstance(info.value.__cause__, ring_kernels.RingInputError)
 
 
 # -------------------------------------------------------------------------------------- realistic depth

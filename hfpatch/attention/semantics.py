@@ -19,7 +19,7 @@ copy of this table):
   also split the query heads, on the same layouts (``plan_step``), so positions, labels and the mixers' state
   passing are those of the ring. The query heads must divide by the Ulysses degree (``UnsupportedArgument``
   naming ``query``, with the grids that fit); whatever a kernel refuses reaches the caller as
-  ``UnsupportedArgument`` naming the kernel's argument.
+  ``UnsupportedArgument`` naming the kernel's argument (a block backend's refusal: ``kernel``).
 - ``sliding_window``: converted to flash-attn's ``window_size`` exactly as the installed release converts it
   (``(w - 1, w - 1)`` from 4.56, ``(w, w)`` before; see ``version_gates.TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE``), and
   like HF only when the (global) key length exceeds the window.
@@ -65,6 +65,7 @@ from hfpatch import version_gates
 from hfpatch.errors import UnsupportedArgument
 from ring_kernels.backends.reference import plain_attention
 from ring_kernels import RingInputError, shard, unshard
+from ring_kernels.backends import UnknownBackendError, UnsupportedBackendError
 
 __all__ = [
     "VARIANTS",
@@ -792,13 +793,23 @@ class RingPlan:
             if sink is None:  # (an extra keyword would make the call merge it into a copy of kwargs)
                 return kernel(q, k, v, **self.kwargs)
             return kernel(q, k, v, sink=sink, **self.kwargs)
-        except RingInputError as exc:  # what the kernel refuses reaches the model's caller as hfpatch's refusal
-            raise UnsupportedArgument(
-                exc.argument or "query", exc.value if exc.argument else tuple(q.shape),
-                f"ring_kernels.{self.kernel} refused this call: {exc}",
-                "pin another kernel (hfpatch.apply(kernel=...)) or change what the message names.") from exc
+        except (RingInputError, UnknownBackendError, UnsupportedBackendError) as exc:
+            raise _kernel_refusal(exc, self.kernel, self.kwargs.get("backend"), q) from exc
         finally:
             _RANK_CHECKED.reset(token)
+
+
+def _kernel_refusal(exc: ValueError, kernel: str, backend: Optional[str], q: torch.Tensor) -> UnsupportedArgument:
+    """What a kernel refused, as hfpatch's refusal: the kernel's argument (a backend's refusal: the kernel's
+    ``:backend``) and its message."""
+    if isinstance(exc, RingInputError):
+        return UnsupportedArgument(
+            exc.argument or "query", exc.value if exc.argument else tuple(q.shape),
+            f"ring_kernels.{kernel} refused this call: {exc}",
+            "pin another kernel (hfpatch.apply(kernel=...)), or change what the message names.")
+    return UnsupportedArgument(
+        "kernel", backend, f"the block backend of ring_kernels.{kernel} cannot compute this call: {exc}",
+        "leave the backend to the kernel (kernel='<variant>' or '<variant>:auto' picks one that can).")
 
 
 def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext,
