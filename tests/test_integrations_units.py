@@ -9,8 +9,13 @@ import types
 import pytest
 import torch
 
-from hfpatch.errors import UnsupportedArgument, UnsupportedRelease
-from hfpatch.integrations import batch, requirements
+import hfpatch.integrations
+from hfpatch.cli.demo_models import build_model
+from hfpatch.errors import MissingEnable, UnsupportedArgument, UnsupportedRelease
+from hfpatch.integrations import batch, parallelism_config_on_cpu, requirements
+from hfpatch.integrations.evaluation import OneCopyPerCPGroup
+from hfpatch.integrations.trainer import refuse_unsupported_losses, require_checkpointing, summary_line
+from hfpatch.model.labels import averaged_over_group, install_labels_hook
 
 IGNORE = -100
 
@@ -60,8 +65,6 @@ def test_missing_package_is_refused(monkeypatch):
 def test_cpu_context_restores_accelerate_by_identity():
     pytest.importorskip("accelerate")
     from accelerate.parallelism_config import ParallelismConfig
-
-    from hfpatch.integrations import parallelism_config_on_cpu
 
     original = ParallelismConfig.__dict__["_validate_accelerator"]
     with pytest.raises(KeyError):
@@ -130,17 +133,12 @@ def test_right_padding_with_ignored_labels_is_accepted():
 
 
 def _hooked_model(world_size: int):
-    from hfpatch.cli.demo_models import build_model
-    from hfpatch.model.labels import install_labels_hook
-
     model = build_model("llama")
     ctx = types.SimpleNamespace(world_size=world_size, group=None)
     return model, install_labels_hook(model, lambda: ctx)
 
 
 def test_averaged_share_without_cp_is_the_model_loss():
-    from hfpatch.model.labels import averaged_over_group
-
     model, hooks = _hooked_model(world_size=1)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], 1)
@@ -154,8 +152,6 @@ def test_averaged_share_without_cp_is_the_model_loss():
 
 
 def test_fused_lm_head_under_cp_needs_shift_labels_and_the_averaged_convention():
-    from hfpatch.model.labels import averaged_over_group
-
     model, hooks = _hooked_model(world_size=2)
     ids = torch.randint(0, 128, (1, 8))
     with pytest.raises(UnsupportedArgument) as info:
@@ -179,9 +175,6 @@ def test_enable_without_cp_leaves_the_trainer_as_it_was(tmp_path):
             pytest.skip(f"hfpatch.integrations supports {name}>={minimum}; {found} is installed")
     from transformers import Trainer, TrainingArguments
 
-    import hfpatch.integrations
-    from hfpatch.cli.demo_models import build_model
-
     trainer = Trainer(model=build_model("llama"), args=TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1))
     handle = hfpatch.integrations.enable(trainer)
@@ -194,8 +187,6 @@ def test_enable_without_cp_leaves_the_trainer_as_it_was(tmp_path):
 
 
 def test_losses_that_see_a_shard_are_refused():
-    from hfpatch.integrations.trainer import refuse_unsupported_losses
-
     base = dict(label_smoother=None, compute_loss_func=None, aux_loss_enabled=False,
                 args=types.SimpleNamespace(label_smoothing_factor=0.1))
     refuse_unsupported_losses(types.SimpleNamespace(**base))
@@ -209,8 +200,6 @@ def test_losses_that_see_a_shard_are_refused():
 
 def test_keep_attention_without_checkpointing_is_refused():
     """``enable(keep_attention=...)`` needs the trainer's checkpointing (transformers' or FSDP's) to keep through."""
-    from hfpatch.integrations.trainer import require_checkpointing
-
     def trainer(gradient_checkpointing, fsdp_checkpointing):
         plugin = types.SimpleNamespace(activation_checkpointing=fsdp_checkpointing)
         return types.SimpleNamespace(args=types.SimpleNamespace(gradient_checkpointing=gradient_checkpointing),
@@ -230,8 +219,6 @@ def test_keep_attention_without_checkpointing_is_refused():
 def test_eval_gather_keeps_one_copy_per_cp_group():
     """dp=2 x cp=2 (mesh ranks [[0, 1], [2, 3]]): of the four gathered parts, those of ranks 0 and 2 remain."""
     pytest.importorskip("accelerate", reason="the gather applies accelerate's recursively_apply")
-    from hfpatch.integrations.evaluation import OneCopyPerCPGroup
-
     mesh = types.SimpleNamespace(mesh=torch.tensor([[0, 1], [2, 3]]), mesh_dim_names=("dp_shard", "cp"))
     accelerator = types.SimpleNamespace(
         torch_device_mesh=mesh, num_processes=4,
@@ -243,8 +230,6 @@ def test_eval_gather_keeps_one_copy_per_cp_group():
 
 
 def test_enable_logs_what_runs_and_what_fell_back():
-    from hfpatch.integrations.trainer import summary_line
-
     trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(num_processes=4))
     ctx = types.SimpleNamespace(variant="zigzag", backend="reference")
     mixers = types.SimpleNamespace(modules=[("model.layers.0.mixer", "Mamba2Mixer", "mamba2")])
@@ -265,10 +250,6 @@ def test_a_forgotten_enable_is_named_before_torch_fails():
     SDPA) raises MissingEnable naming enable(trainer); an SDPA model goes on to accelerate's own method."""
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
-
-    import hfpatch.integrations
-    from hfpatch.cli.demo_models import build_model
-    from hfpatch.errors import MissingEnable
 
     guarded = Accelerator._prepare_cp
     assert guarded.hfpatch_guard
