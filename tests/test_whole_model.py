@@ -12,8 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
-from hfpatch.errors import is_wrapper
+from hfpatch.cli.demo_models import build_model
+from hfpatch.errors import ModelDivergence, UnsupportedArgument, UnsupportedModel, is_wrapper
+from hfpatch.inputs import IGNORE_INDEX, shift_labels
+from hfpatch.model import probe as model_probe
+from hfpatch.model.audit import audit
+from hfpatch.release.sweep.catalog import flash_causal_lm_classes
+from hfpatch.release.sweep.run import check_class
 from ring_kernels.tolerances import assert_close, tolerance
 
 LOSS = tolerance("cp", torch.float32, "loss")
@@ -72,7 +79,6 @@ class _TokenCumsum(torch.nn.Module):
 
 
 def _nothing_installed():
-    import hfpatch
     import transformers.modeling_flash_attention_utils as mfau
 
     assert hfpatch.active_patch() is None
@@ -83,9 +89,6 @@ def _nothing_installed():
 
 
 def test_audit_finds_nothing_in_a_plain_decoder():
-    from hfpatch.cli.demo_models import build_model
-    from hfpatch.model.audit import audit
-
     assert audit(build_model("llama")) == []
     assert audit(build_model("mixtral")) == []
 
@@ -98,8 +101,6 @@ def _needs_lfm2():
 
 
 def test_audit_names_every_mixer_layer_and_its_class():
-    from hfpatch.model.audit import audit
-
     _needs_lfm2()
     model = _lfm2()
     findings = audit(model)
@@ -110,9 +111,6 @@ def test_audit_names_every_mixer_layer_and_its_class():
 
 def test_audit_finds_an_unnamed_convolution_structurally():
     """A Conv1d in a module whose class name no pattern knows is still a finding, at the convolution's path."""
-    from hfpatch.cli.demo_models import build_model
-    from hfpatch.model.audit import audit
-
     model = build_model("llama")
     model.model.layers[0].token_conv = torch.nn.Conv1d(64, 64, 4, groups=64, padding=3)
     findings = audit(model)
@@ -121,8 +119,6 @@ def test_audit_finds_an_unnamed_convolution_structurally():
 
 
 def test_audit_positions_from_the_input_length():
-    from hfpatch.model.audit import audit
-
     findings = audit(_bart())
     assert [(f.path, f.kind) for f in findings] == [("model.decoder.embed_positions", "positions")]
     assert findings[0].module_class == "BartLearnedPositionalEmbedding"
@@ -130,16 +126,11 @@ def test_audit_positions_from_the_input_length():
 
 
 def test_audit_router_aux_loss():
-    from hfpatch.cli.demo_models import build_model
-    from hfpatch.model.audit import audit
-
     findings = audit(build_model("mixtral", output_router_logits=True))
     assert [f.kind for f in findings] == ["router-aux-loss"]
 
 
 def test_verify_argument_is_validated():
-    import hfpatch
-
     with pytest.raises(TypeError, match="'fast'"):
         hfpatch.apply(None, verify="full")
 
@@ -148,10 +139,6 @@ def test_verify_argument_is_validated():
 
 
 def _refusals(rank, world):
-    import hfpatch
-    from hfpatch.cli.demo_models import build_model
-    from hfpatch.errors import ModelDivergence, UnsupportedModel
-
     import transformers
 
     group = dist.group.WORLD
@@ -207,8 +194,6 @@ def _refusals(rank, world):
 
 def _reference(model_name, ids, **forward):
     """Non-CP loss of ``model(ids, labels=ids)`` (HF's own loss) and the gradients, eager, whole batch."""
-    from hfpatch.cli.demo_models import build_model
-
     model = build_model(model_name)
     loss = model(input_ids=ids, labels=ids, use_cache=False, **forward).loss
     loss.backward()
@@ -231,11 +216,6 @@ def _assert_equal(label, loss, grads, ref_loss, ref_grads):
 
 
 def _labels(rank, world):
-    import hfpatch
-    from hfpatch.cli.demo_models import build_model
-    from hfpatch.errors import UnsupportedArgument
-    from hfpatch.inputs import IGNORE_INDEX, shift_labels
-
     group = dist.group.WORLD
     ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(7))
     for name in ("llama", "mixtral"):
@@ -304,9 +284,6 @@ def _gpt2_fp32(rank, world):
     releases that look the dtype up inline (4.48 until then), where the flash path fails before any attention."""
     import importlib
 
-    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
-    from hfpatch.release.sweep.run import check_class
-
     entries = [e for e in flash_causal_lm_classes() if e.class_name == "GPT2LMHeadModel"]
     if not entries:
         return None
@@ -327,10 +304,6 @@ def _probe_over_a_group_without_cpu_transport(rank, world):
     """A model still on the CPU with a CP group that cannot exchange CPU tensors (NCCL; stood in for here by
     declaring the gloo group so): the probe runs over a gloo group of the same ranks made for it, destroyed after,
     and the patch keeps the CP group."""
-    import hfpatch
-    from hfpatch.model import probe as model_probe
-    from hfpatch.cli.demo_models import build_model
-
     made = []
     new_group = dist.new_group
 
