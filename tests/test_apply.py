@@ -15,7 +15,13 @@ import types
 import pytest
 import torch
 
+import hfpatch
 from _dist import run_world
+from hfpatch import active_patch, version_gates
+from hfpatch.attention import patcher, semantics
+from hfpatch.errors import PatchError, SignatureMismatch, UnsupportedArgument, UnsupportedRelease, VerificationError
+from hfpatch.model.routing import route_model
+from hfpatch.signatures import registry
 from ring_kernels.tolerances import assert_close, tolerance
 
 LOGITS = tolerance("cp", torch.float32, "out")
@@ -59,9 +65,6 @@ def _all_bound_to(fn):
 
 
 def _assert_untouched(original, model=None):
-    from hfpatch import active_patch
-    from hfpatch.attention import patcher
-
     assert _all_bound_to(original)
     assert not any(isinstance(f, patcher.RebindFinder) for f in sys.meta_path)
     assert active_patch() is None
@@ -109,10 +112,6 @@ def _ring_forward(patch, model, ids):
 
 
 def _case_llama_every_layer(group, late_dir):
-    import hfpatch
-    from hfpatch.errors import PatchError
-    from hfpatch.signatures import registry
-
     original = _bindings()[0]
     model = _tiny_llama()
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -187,7 +186,6 @@ def _case_class_table_model(group):
     """Falcon picks its attention class at construction from FALCON_ATTENTION_CLASSES (every release through
     5.23) and imports _flash_attention_forward only when flash-attn is installed: model= swaps the classes and
     injects the binding, and remove() undoes both."""
-    import hfpatch
     from transformers import FalconConfig, FalconForCausalLM
     from transformers.models.falcon import modeling_falcon
 
@@ -221,8 +219,6 @@ def _case_class_table_model(group):
 
 
 def _case_context_manager(group):
-    import hfpatch
-
     original = _bindings()[0]
     with pytest.raises(RuntimeError, match="inside the block"):
         with hfpatch.apply(group, verify=False) as patch:
@@ -233,10 +229,6 @@ def _case_context_manager(group):
 
 
 def _case_failures_leave_nothing(group):
-    import hfpatch
-    from hfpatch.attention import patcher, semantics
-    from hfpatch.errors import PatchError, VerificationError
-
     original = _bindings()[0]
     model = _tiny_llama()
 
@@ -264,7 +256,6 @@ def _case_failures_leave_nothing(group):
     _assert_untouched(original)
 
     # a failure after the install on one rank only (its model has no flash path): all ranks refuse
-    from hfpatch.errors import UnsupportedArgument
 
     rank = torch.distributed.get_rank(group)
     odd_model = torch.nn.Linear(2, 2) if rank == 1 else model
@@ -295,8 +286,6 @@ def _case_failures_leave_nothing(group):
 
 
 def _case_switch_original_via_env(group):
-    import hfpatch
-
     real = _bindings()[0]
     fake, fake_calls = _fake_original(real)
     _set_bindings(fake)
@@ -324,9 +313,6 @@ def _case_switch_original_via_env(group):
 
 
 def _case_unsupported(group):
-    import hfpatch
-    from hfpatch import version_gates
-    from hfpatch.errors import PatchError, SignatureMismatch, UnsupportedRelease
     from packaging.version import Version
 
     real = _bindings()[0]
@@ -382,8 +368,6 @@ def _case_groups_and_kernels(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import hfpatch
-
     original = _bindings()[0]
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     with hfpatch.apply(mesh) as patch:
@@ -421,8 +405,6 @@ def test_apply_on_two_ranks(tmp_path):
 
 
 def test_bad_arguments_are_refused_before_anything():
-    import hfpatch
-
     with pytest.raises(ValueError, match="on_unsupported='ignore'"):
         hfpatch.apply(on_unsupported="ignore")
     with pytest.raises(ValueError, match="kernel='flash'"):
@@ -436,17 +418,12 @@ def test_bad_arguments_are_refused_before_anything():
 
 
 def test_bad_switch_environment_is_refused_at_apply(monkeypatch):
-    import hfpatch
-
     monkeypatch.setenv("RING_ATTN_SWITCH", "on")
     with pytest.raises(ValueError, match="RING_ATTN_SWITCH='on'"):
         hfpatch.apply()
 
 
 def test_model_without_a_flash_path_is_refused_unchanged():
-    from hfpatch.errors import UnsupportedArgument
-    from hfpatch.model.routing import route_model
-
     class Config:
         _attn_implementation_internal = "eager"
 
@@ -477,8 +454,6 @@ def _cuda_apply_rank(rank, world):
     """One NCCL rank (``run_world(..., backend="nccl")`` put it on cuda:rank): the bf16 probe and a ring forward
     of a bf16 Llama on the GPUs, every layer through the ring, logits equal to the model's own."""
     import torch.distributed as dist
-
-    import hfpatch
 
     model = _tiny_llama().to(device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(5)).cuda()
