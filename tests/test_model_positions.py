@@ -19,8 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
-from hfpatch.errors import is_wrapper
+from hfpatch.errors import UnsupportedArgument, UnsupportedModel, is_wrapper
+from hfpatch.inputs import shift_labels, token_loss_sum
+from hfpatch.model.audit import audit
+from hfpatch.model.positions import recognise
+from hfpatch.release.sweep.catalog import flash_causal_lm_classes
+from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL, LOSS_RTOL
+from hfpatch.release.sweep.tiny import build_tiny
 
 FAMILY = ("BartForCausalLM", "MBartForCausalLM", "PLBartForCausalLM", "BlenderbotForCausalLM",
           "BlenderbotSmallForCausalLM", "MarianForCausalLM", "PegasusForCausalLM", "WhisperForCausalLM",
@@ -42,8 +49,6 @@ ALL_CASES = {**CASES, **LAYOUT_CASES}
 
 
 def _entries():
-    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
-
     return {e.class_name: e for e in flash_causal_lm_classes() if e.class_name in FAMILY and e.importable}
 
 
@@ -61,9 +66,6 @@ def _inputs(packed: bool):
 
 
 def _non_cp(model, ids, positions):
-    import hfpatch
-    from hfpatch.inputs import shift_labels, token_loss_sum
-
     model.zero_grad(set_to_none=True)
     extra = {} if positions is None else {"position_ids": positions}
     with hfpatch.switch("local"):
@@ -74,8 +76,6 @@ def _non_cp(model, ids, positions):
 
 
 def _cp(patch, model, ids, positions, pass_positions):
-    from hfpatch.inputs import token_loss_sum
-
     model.zero_grad(set_to_none=True)
     batch = patch.shard_inputs(ids, labels=ids, position_ids=positions)
     extra = {"position_ids": batch["position_ids"]} if pass_positions else {}
@@ -93,8 +93,6 @@ def _cp(patch, model, ids, positions, pass_positions):
 
 def _errors(loss, grads, loss_ref, grads_ref):
     """(relative loss error, worst gradient error as a multiple of its bound): the sweep's rule."""
-    from hfpatch.release.sweep.run import GRAD_FLOOR, GRAD_RTOL
-
     largest = max(g.abs().max().item() for g in grads_ref.values())
     worst = 0.0
     assert set(grads) == set(grads_ref)
@@ -115,8 +113,6 @@ def _case_skip(model, packed: bool, pass_positions: bool):
 
 
 def _uses_position_ids(model) -> bool:
-    import hfpatch
-
     ids, positions = _inputs(True)
     with torch.no_grad(), hfpatch.switch("local"):
         return not torch.equal(model(input_ids=ids, use_cache=False).logits,
@@ -128,9 +124,6 @@ def _cases_of(name):
 
 
 def _family_world(rank, world):
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-    from hfpatch.release.sweep.tiny import build_tiny
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -177,8 +170,6 @@ def family_results():
 @pytest.mark.parametrize("case", list(ALL_CASES))
 @pytest.mark.parametrize("class_name", FAMILY)
 def test_family_class_is_exact_under_cp(family_results, class_name, case):
-    from hfpatch.release.sweep.run import LOSS_RTOL
-
     if case not in _cases_of(class_name):
         pytest.skip(f"the layouts beyond {sorted(CASES)} run on the representatives {REPRESENTATIVES}")
     if (class_name, case) not in family_results:
@@ -223,10 +214,6 @@ def _with_custom_positions(model, *, same_name: bool):
 
 
 def test_every_family_position_module_on_this_release_is_recognised():
-    from hfpatch.model.audit import audit
-    from hfpatch.model.positions import recognise
-    from hfpatch.release.sweep.tiny import build_tiny
-
     entries = _entries()
     if not entries:
         pytest.skip("no class of the family has a flash-attention path on this transformers release")
@@ -239,16 +226,12 @@ def test_every_family_position_module_on_this_release_is_recognised():
 
 @pytest.mark.parametrize("same_name", [False, True])
 def test_unrecognised_position_module_stays_refused(same_name):
-    from hfpatch.model.audit import audit
-
     findings = audit(_with_custom_positions(_bart(), same_name=same_name))
     assert [(f.path, f.kind) for f in findings] == [("model.decoder.embed_positions", "positions")]
     assert "takes no position_ids" in findings[0].reason and "is not one of them" in findings[0].reason
 
 
 def test_changed_forward_signature_is_not_recognised(monkeypatch):
-    from hfpatch.model.audit import audit
-
     model = _bart()
     cls = type(model.model.decoder.embed_positions)
 
@@ -262,8 +245,6 @@ def test_changed_forward_signature_is_not_recognised(monkeypatch):
 
 
 def test_encoder_decoder_is_not_recognised():
-    from hfpatch.model.positions import recognise
-
     model = _bart()
     model.config.is_encoder_decoder = True
     assert recognise(model, model.model.decoder.embed_positions) is None
@@ -272,9 +253,7 @@ def test_encoder_decoder_is_not_recognised():
 def _refusal_checks():
     """On every rank of the world: apply(model=) refuses an unrecognised position module by name, installs
     nothing, and falls back with that reason."""
-    import hfpatch
     import transformers.modeling_flash_attention_utils as mfau
-    from hfpatch.errors import UnsupportedModel
 
     model = _with_custom_positions(_bart(), same_name=False)
     with pytest.raises(UnsupportedModel) as info:
