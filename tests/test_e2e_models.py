@@ -25,7 +25,13 @@ import traceback
 import torch
 import torch.distributed as dist
 
+import hfpatch
+import test_semantics
 from _dist import run_world
+from hfpatch import version_gates
+from hfpatch.cli.demo_models import build_model, eager_reference_overrides, reference_logits
+from hfpatch.inputs import shift_labels, token_loss_sum
+from hfpatch.model import routing as model_routing
 from ring_kernels.tolerances import assert_close, tolerance
 
 LOSS = tolerance("cp", torch.float32, "loss")
@@ -50,10 +56,7 @@ def _packed_inputs(docs=DOCS):
 
 def _baseline(model, ids, docs):
     """Non-CP loss (the HF causal-LM mean over shifted labels) and gradients; packed: document by document."""
-    from hfpatch.inputs import shift_labels, token_loss_sum
-
     model.zero_grad(set_to_none=True)
-    from hfpatch.cli.demo_models import reference_logits
 
     logits = reference_logits(model, ids, docs)
     loss_sum, count = token_loss_sum(logits, shift_labels(ids))
@@ -64,8 +67,6 @@ def _baseline(model, ids, docs):
 
 def _cp_step(patch, model, ids, pos):
     """One CP step the way the README writes it; returns the loss and the parameter gradients summed over ranks."""
-    from hfpatch.inputs import token_loss_sum
-
     model.zero_grad(set_to_none=True)
     batch = patch.shard_inputs(ids, labels=ids, position_ids=pos)
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
@@ -89,9 +90,6 @@ def _compare(label, loss, grads, ref_loss, ref_grads, loss_tolerance=LOSS, grad_
 
 
 def _run_case(rank, world, model_name, kind, kernel, verify):
-    import hfpatch
-    from hfpatch.cli.demo_models import build_model, eager_reference_overrides
-
     ids, pos, docs = {"batch": _batch_inputs, "packed": _packed_inputs,
                       "packed-zigzag": lambda: _packed_inputs(ZIGZAG_DOCS)}[kind]()
     ref_loss, ref_grads = _baseline(build_model(model_name, **eager_reference_overrides(model_name)), ids, docs)
@@ -108,8 +106,6 @@ def _run_case(rank, world, model_name, kind, kernel, verify):
 
 def _check_tolerance_detects_off_by_one(rank, world):
     """The comparison is sharp enough: a sliding window one token wider moves Mistral's loss far beyond it."""
-    from hfpatch.cli.demo_models import build_model
-
     ids, _, _ = _batch_inputs()
     right, _ = _baseline(build_model("mistral"), ids, None)
     wider, _ = _baseline(build_model("mistral", sliding_window=9), ids, None)
@@ -118,13 +114,9 @@ def _check_tolerance_detects_off_by_one(rank, world):
 
 def _apply_before_model_import(rank, world):
     """In a fresh process: apply first, import and build the model afterwards; every layer still runs the ring."""
-    import hfpatch
-    from hfpatch.model import routing as model_routing
-
     assert "transformers.models.llama.modeling_llama" not in sys.modules, "the model module was already imported"
     patch = hfpatch.apply(dist.group.WORLD)
     try:
-        from hfpatch.cli.demo_models import build_model
         import transformers.modeling_flash_attention_utils as mfau
 
         ids, _, _ = _batch_inputs()
@@ -143,9 +135,6 @@ def _apply_before_model_import(rank, world):
 
 def _switch_modes(rank, world):
     """RING_ATTN_SWITCH=reference (read at apply), then the runtime switch to the ring and to the original."""
-    import hfpatch
-    from hfpatch.cli.demo_models import build_model
-
     ids, _, _ = _batch_inputs()
     ref_loss, ref_grads = _baseline(build_model("llama"), ids, None)
     model = build_model("llama")
@@ -182,9 +171,6 @@ def _switch_modes(rank, world):
 def _bf16_within_kernel_tolerance(rank, world):
     """bf16: the CP step agrees with the non-CP bf16 step within the table's bf16 "cp" entries (loss and every
     gradient, max|err| / max|ref|); bf16 rounding differs between the two."""
-    import hfpatch
-    from hfpatch.cli.demo_models import build_model
-
     ids, _, _ = _batch_inputs()
     ref_loss, ref_grads = _baseline(build_model("llama", dtype=torch.bfloat16), ids, None)
     model = build_model("llama", dtype=torch.bfloat16)
@@ -206,8 +192,6 @@ def _world(rank, world, cases, extras):
     for fn_name in extras.get("after", []):
         globals()[fn_name](rank, world)
     if extras.get("semantics_cases"):
-        import test_semantics
-
         test_semantics.cases_world(rank, world, extras["semantics_cases"], ["ring_attention"])
 
 
@@ -220,8 +204,6 @@ def gemma2_flash_path_broken() -> bool:
     ``_flash_attention_forward`` is reached -- with or without hfpatch. 4.48 moved it to the shared
     integration. Gemma2 cases are left out on 4.47 only; ``test_gemma2_flash_path_of_4_47_needs_a_mask``
     proves the bug is still there, so the gate cannot outlive it."""
-    from hfpatch import version_gates
-
     version = version_gates.installed_transformers_version()
     return version_gates.TRANSFORMERS_CU_SEQ_LENS <= version < version_gates.TRANSFORMERS_ATTENTION_FUNCTIONS
 
@@ -235,7 +217,6 @@ def test_gemma2_flash_path_of_4_47_needs_a_mask(monkeypatch):
 
     if not gemma2_flash_path_broken():
         pytest.skip("only transformers 4.47.x: Gemma2's flash path there crashes without an attention mask")
-    from hfpatch.cli.demo_models import build_model
 
     # 4.47.1's GenerationConfig warns about use_cache=False with a malformed log call; pytest's log handler raises
     # on it in this (main) process. Silence transformers' warnings for the build only.
@@ -274,6 +255,4 @@ def test_models_match_non_cp_4_ranks():
              ("mistral", "packed", "auto"), ("mixtral", "batch", "auto"), ("qwen2", "batch", "ring")]
     cases = _runnable(cases)
     # plus the ring_attention unit cases of test_semantics on 4 ranks (one world fewer to spawn)
-    from test_semantics import CASES_4_RANKS
-
-    run_world(4, _world, cases, {"semantics_cases": CASES_4_RANKS})
+    run_world(4, _world, cases, {"semantics_cases": test_semantics.CASES_4_RANKS})
