@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
+from hfpatch.cli.demo_models import build_model
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.model.audit import audit
+from hfpatch.model.inputs_guard import install_inputs_guard
+from hfpatch.model.routing import modality_towers
+from hfpatch.release.sweep.catalog import flash_causal_lm_classes
+from hfpatch.release.sweep.tiny import NotBuilt, build_tiny
 
 
 def _llama_with_audio_tower():
@@ -18,8 +26,6 @@ def _llama_with_audio_tower():
     PreTrainedModel of its own config class, as composite models hold their encoders."""
     import transformers
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
-
-    from hfpatch.cli.demo_models import build_model
 
     model = build_model("llama")
     config = transformers.WhisperConfig(d_model=32, encoder_layers=1, encoder_attention_heads=2,
@@ -29,9 +35,6 @@ def _llama_with_audio_tower():
 
 
 def test_a_tower_of_another_modality_is_not_a_token_mixer():
-    from hfpatch.model.audit import audit
-    from hfpatch.model.routing import modality_towers
-
     model = _llama_with_audio_tower()
     assert modality_towers(model) == ["audio_tower"]
     assert audit(model) == []
@@ -44,11 +47,6 @@ def test_a_tower_of_another_modality_is_not_a_token_mixer():
 def test_released_multimodal_classes_audit_clean(model_type):
     """The released composites whose towers hold convolutions or position tables: nothing in the towers is a
     finding (their text stacks are what the model sweep proves exact)."""
-    from hfpatch.model.audit import audit
-    from hfpatch.model.routing import modality_towers
-    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
-    from hfpatch.release.sweep.tiny import NotBuilt, build_tiny
-
     entry = next((e for e in flash_causal_lm_classes() if e.model_type == model_type), None)
     if entry is None:
         pytest.skip(f"{model_type} has no flash-capable causal LM on this transformers release")
@@ -61,10 +59,6 @@ def test_released_multimodal_classes_audit_clean(model_type):
 
 
 def test_guard_refuses_modality_inputs_only_while_cp_is_active():
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-    from hfpatch.model.inputs_guard import install_inputs_guard
-
     class Echo(torch.nn.Module):
         def forward(self, input_ids=None, **kwargs):
             return input_ids
@@ -90,9 +84,6 @@ def test_guard_refuses_modality_inputs_only_while_cp_is_active():
 
 
 def _applied_model_refuses_images(rank, world):
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-
     model = _llama_with_audio_tower()
     patch = hfpatch.apply(dist.group.WORLD, model=model)
     try:
