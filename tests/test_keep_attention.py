@@ -12,16 +12,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
 from _release import skip_unless_ci_pin
+from hfpatch.cli.demo_models import build_model, tiny_config
+from hfpatch.errors import KeepAttentionError
+from hfpatch.inputs import token_loss_sum
+from ring_kernels import engine
 
 SEQ = 64
 
 
 def _model(route: str, dtype=torch.float32, shape=None):
     """A Llama (tiny, or ``shape`` = (hidden, layers, heads, kv heads, mlp)) checkpointed the way ``route`` says."""
-    from hfpatch.cli.demo_models import build_model, tiny_config
-
     if shape is None:
         model = build_model("llama", dtype=dtype)
     else:   # built in its dtype (no fp32 copy first): two ranks' weights and gradients stay within a CI machine
@@ -46,9 +49,6 @@ def _model(route: str, dtype=torch.float32, shape=None):
 
 def _step(model, patch, rank):
     """Loss and gradients (by name) of one CP step on a fixed batch; the ring forwards run (engine.forward_pass)."""
-    from hfpatch.inputs import token_loss_sum
-    from ring_kernels import engine
-
     ids = torch.randint(0, model.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(7))
     calls = []
     forward = engine.forward_pass
@@ -75,8 +75,6 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def _routes(rank, world, dtype, shape, routes):
-    import hfpatch
-
     results = []
     for route, keep_first in routes:
         layers = _model("none", dtype, shape).config.num_hidden_layers if shape is None else shape[1]
@@ -135,9 +133,6 @@ def test_real_scale_bf16_kept_attention_equals_plain_checkpointing():
 
 
 def test_refusals_name_the_problem():
-    import hfpatch
-    from hfpatch.errors import KeepAttentionError
-
     model = _model("none")
     for bad in (-1, "most", True, None):
         with pytest.raises(KeepAttentionError, match=r"budget=.* is not a budget; pass GiB"):
@@ -169,8 +164,6 @@ def test_refusals_name_the_problem():
 
 
 def test_remove_restores_checkpoint_functions_and_is_idempotent():
-    import hfpatch
-
     model = _model("transformers")
     originals = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
                  if getattr(m, "gradient_checkpointing", False)}
@@ -184,9 +177,6 @@ def test_remove_restores_checkpoint_functions_and_is_idempotent():
 
 
 def _compiled_is_refused(rank, world):
-    import hfpatch
-    from hfpatch.errors import KeepAttentionError
-
     model = _model("transformers")
     kept = hfpatch.model.keep_attention(model, budget="all")
     patch = hfpatch.apply(dist.group.WORLD, model=model, verify="fast")
