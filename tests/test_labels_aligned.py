@@ -8,12 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfpatch
 from _dist import run_world
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.model.positions import position_kwargs
+from hfpatch.release.sweep.catalog import flash_causal_lm_classes
+from hfpatch.release.sweep.run import check_class
+from hfpatch.release.sweep.tiny import build_tiny
 
 
 def _bart_entry():
-    from hfpatch.release.sweep.catalog import flash_causal_lm_classes
-
     entry = next((e for e in flash_causal_lm_classes() if e.model_type == "bart"), None)
     if entry is None:
         pytest.skip("BartForCausalLM has no flash-attention path on this transformers release")
@@ -21,12 +25,6 @@ def _bart_entry():
 
 
 def _aligned_world(rank, world, entry):
-    import hfpatch
-    from hfpatch.errors import UnsupportedArgument
-    from hfpatch.model.positions import position_kwargs
-    from hfpatch.release.sweep.run import check_class
-    from hfpatch.release.sweep.tiny import build_tiny
-
     group = dist.group.WORLD
     verdict = check_class(entry, group)  # CP model(labels=shard labels) vs non-CP model(ids, labels=ids)
     assert verdict.verdict == "exact", verdict
@@ -51,9 +49,6 @@ def test_aligned_loss_under_cp_2_ranks():
 def test_inactive_patch_gives_the_models_own_loss():
     """No CP: the shifted labels shard_inputs returned stand for the caller's labels, so an aligned model's loss
     is its own loss on them (not a shifted cross-entropy)."""
-    import hfpatch
-    from hfpatch.release.sweep.tiny import build_tiny
-
     entry = _bart_entry()
     model = build_tiny(entry)
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
