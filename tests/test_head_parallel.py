@@ -33,6 +33,7 @@ from hfpatch.attention.semantics import (HeadSplit, RingContext, StepState, pars
 from hfpatch.cli.demo_models import build_model
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.model import probe as model_probe
+from hfpatch.version_gates import TRANSFORMERS_POSITION_IDS, installed_transformers_version
 from ring_kernels.backends import UnsupportedBackendError
 from ring_kernels.tolerances import assert_close, tolerance
 
@@ -101,10 +102,14 @@ def _cp(patch, model, ids, positions):
 
 
 def _batches():
+    """The forms each kernel runs: a batch, and a packed row where the release's flash path receives position ids
+    (4.44+; before, the non-CP step cannot tell the documents apart, so there is nothing to compare with)."""
     ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(11))
-    packed = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(12))
-    positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
-    return {"batch": (ids, None), "packed": (packed, positions)}
+    forms = {"batch": (ids, None)}
+    if installed_transformers_version() >= TRANSFORMERS_POSITION_IDS:
+        packed = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(12))
+        forms["packed"] = (packed, torch.cat([torch.arange(n) for n in DOCUMENTS])[None])
+    return forms
 
 
 def _exact(name, kernel, functions, layers=2, **overrides):
