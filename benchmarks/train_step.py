@@ -27,9 +27,9 @@ by default, states in the parameters' dtype). Every rank holds ``--seq-per-gpu``
   kernels; ``--kernel`` as in ``apply``), ``patch.shard_inputs`` (zigzag for a batch, llama3 for packed documents),
   the loss reduced by ``patch.reduce_loss`` over the shifted labels ``shard_inputs`` returns (the user guide's
   step).
-- ``keep``: ``hfpatch`` with ``hfpatch.model.keep_attention(model, budget=--keep-budget)`` on the checkpointed layers:
+- ``keep``: ``hfpatch`` with ``hfpatch.keep_attention(model, budget=--keep-budget)`` on the checkpointed layers:
   each kept layer's recomputation takes its attention output and LSE from the forward instead of running the ring
-  (``hfpatch/model/keep_attention.py``). ``--keep-budget auto`` (default) keeps nothing in the first (warm-up) step,
+  (``hfpatch/model/checkpointing.py``). ``--keep-budget auto`` (default) keeps nothing in the first (warm-up) step,
   which measures the peak, then keeps what fits below 90% of the GPU's memory; a number is GiB. The row records the
   keeper's counters (``keep``: kept, replayed, gaps, budget).
 - ``native``: PyTorch's ``context_parallel`` (``native_cp.py``'s settings: causal load balancing, rotate method)
@@ -391,7 +391,7 @@ def _hfpatch_runner(args, shape: ModelShape, device, dtype, keep: bool = False) 
     patch = hfpatch.apply(mesh["cp"], kernel=args.kernel, model=model)
     if args.checkpointing == "full":
         checkpoint_layers(model)
-    kept = hfpatch.model.keep_attention(model, budget=args.keep_budget) if keep else None
+    kept = hfpatch.keep_attention(model, budget=args.keep_budget) if keep else None
     loss_module = ChunkedLoss(model, args.loss_chunk)
     shard_fsdp(loss_module, mesh["cp"])
     opt = make_optimizer(args.optimizer, loss_module.parameters(), args.lr, device)

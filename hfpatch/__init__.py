@@ -3,7 +3,7 @@
     patch = hfpatch.apply(cp_group, model=model)     # ring attention on every flash-attention call
     with hfpatch.switch("reference"): ...            # per-thread A/B against all-gathered plain attention
     patch.remove()                                   # transformers exactly as before
-    kept = hfpatch.model.keep_attention(model, budget="auto")   # checkpointing's recomputation skips the ring forward
+    kept = hfpatch.keep_attention(model, budget="auto")   # checkpointing's recomputation skips the ring forward
 
 ``hfpatch.switch`` is the switch (``hfpatch.modes.switch``): called, its per-thread context manager.
 
@@ -22,8 +22,8 @@ _EXPORTS = {
     "apply": "hfpatch.api",
     "Patch": "hfpatch.api",
     "active_patch": "hfpatch.api",
-    "keep_attention": "hfpatch.model.keep_attention",
-    "KeptAttention": "hfpatch.model.keep_attention",
+    "keep_attention": "hfpatch.model.checkpointing",
+    "KeptAttention": "hfpatch.model.checkpointing",
     "switch": "hfpatch.modes",
     "set_switch": "hfpatch.modes",
     "current_mode": "hfpatch.modes",
@@ -44,8 +44,6 @@ __all__ = ["apply", "Patch", "active_patch", "keep_attention", "KeptAttention", 
 
 
 def __getattr__(name: str):
-    if name == "model":                       # the model wing (keep_attention)
-        return importlib.import_module("hfpatch.model")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hfpatch' has no attribute {name!r}")

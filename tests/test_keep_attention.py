@@ -1,4 +1,4 @@
-"""hfpatch.model.keep_attention: a real HF Llama under hfpatch.apply on 2 gloo ranks trains to the same loss and
+"""hfpatch.keep_attention: a real HF Llama under hfpatch.apply on 2 gloo ranks trains to the same loss and
 gradients, bit for bit, with and without kept attention outputs, through each way of checkpointing it wraps
 (transformers' ``gradient_checkpointing_enable``, enabled before or after ``keep_attention``, and torch's
 ``checkpoint_wrapper``), while each layer's recomputation runs no ring forward. Then its refusals, ``remove()``,
@@ -86,11 +86,11 @@ def _routes(rank, world, dtype, shape, routes):
 
         if keep_first:                      # keep_attention before the checkpointing it wraps
             kept_model = _model("none", dtype, shape)
-            kept = hfpatch.model.keep_attention(kept_model, budget="all")
+            kept = hfpatch.keep_attention(kept_model, budget="all")
             kept_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             kept_model = _model(route, dtype, shape)
-            kept = hfpatch.model.keep_attention(kept_model, budget="all")
+            kept = hfpatch.keep_attention(kept_model, budget="all")
         patch = hfpatch.apply(dist.group.WORLD, model=kept_model, verify="fast")
         loss_k, grads_k, calls_k = _step(kept_model, patch, rank)
         patch.remove()
@@ -136,17 +136,17 @@ def test_refusals_name_the_problem():
     model = _model("none")
     for bad in (-1, "most", True, None):
         with pytest.raises(KeepAttentionError, match=r"budget=.* is not a budget; pass GiB"):
-            hfpatch.model.keep_attention(model, budget=bad)
+            hfpatch.keep_attention(model, budget=bad)
     if not torch.cuda.is_available():
         with pytest.raises(KeepAttentionError, match="budget='auto' measures CUDA memory"):
-            hfpatch.model.keep_attention(model)
+            hfpatch.keep_attention(model)
     with pytest.raises(KeepAttentionError, match="headroom=2 must be in"):
-        hfpatch.model.keep_attention(model, budget=1, headroom=2)
+        hfpatch.keep_attention(model, budget=1, headroom=2)
     with pytest.raises(KeepAttentionError, match="model must be a torch.nn.Module"):
-        hfpatch.model.keep_attention("llama", budget=1)
+        hfpatch.keep_attention("llama", budget=1)
 
     ids = torch.randint(0, 128, (1, 16))
-    kept = hfpatch.model.keep_attention(model, budget=1)              # nothing checkpointed yet: allowed until training
+    kept = hfpatch.keep_attention(model, budget=1)              # nothing checkpointed yet: allowed until training
     with torch.no_grad():
         model(input_ids=ids)                                     # no training forward: fine
     with pytest.raises(KeepAttentionError, match="training with no checkpointed layer"):
@@ -160,14 +160,14 @@ def test_refusals_name_the_problem():
     layer_cls = type(twice.model.layers[0])
     apply_activation_checkpointing(twice, check_fn=lambda m: isinstance(m, layer_cls))
     with pytest.raises(KeepAttentionError, match=r"'model.layers.0' is checkpointed twice"):
-        hfpatch.model.keep_attention(twice, budget=1)
+        hfpatch.keep_attention(twice, budget=1)
 
 
 def test_remove_restores_checkpoint_functions_and_is_idempotent():
     model = _model("transformers")
     originals = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
                  if getattr(m, "gradient_checkpointing", False)}
-    kept = hfpatch.model.keep_attention(model, budget=0.5)
+    kept = hfpatch.keep_attention(model, budget=0.5)
     assert kept.wrapped == list(originals) and "budget 0.50 GiB" in repr(kept.keeper)
     assert all(m._gradient_checkpointing_func.keeper is kept.keeper for n, m in model.named_modules() if n in originals)
     kept.remove()
@@ -178,7 +178,7 @@ def test_remove_restores_checkpoint_functions_and_is_idempotent():
 
 def _compiled_is_refused(rank, world):
     model = _model("transformers")
-    kept = hfpatch.model.keep_attention(model, budget="all")
+    kept = hfpatch.keep_attention(model, budget="all")
     patch = hfpatch.apply(dist.group.WORLD, model=model, verify="fast")
     compiled = torch.compile(model, backend="eager")
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))

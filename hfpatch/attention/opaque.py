@@ -178,7 +178,7 @@ def _flash_attention(tensors: List[torch.Tensor], ints: List[int], token: int,
     """Run the routed attention call; returns (out (B, S_local, H, D) in the query's dtype, mode_code int64 ())."""
     if current_region() is not None:
         raise PatchError(
-            "hfpatch.model.keep_attention does not apply to a compiled model: the compiled attention operator "
+            "hfpatch.keep_attention does not apply to a compiled model: the compiled attention operator "
             "recomputes its forward in its own backward, so outputs kept through checkpointing would only cost "
             "memory. Fix: remove keep_attention (kept.remove()) when compiling, or train without torch.compile.")
     dispatcher = _dispatcher(token)

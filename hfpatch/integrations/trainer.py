@@ -255,7 +255,7 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     ``on_unsupported`` and ``verify`` are ``hfpatch.apply``'s. Without a ``ParallelismConfig`` or with
     ``cp_size=1`` it applies nothing and the trainer trains as it would without hfpatch.
 
-    ``keep_attention``: None (default), or ``hfpatch.model.keep_attention``'s budget (GiB, ``"auto"``, ``"all"``): the
+    ``keep_attention``: None (default), or ``hfpatch.keep_attention``'s budget (GiB, ``"auto"``, ``"all"``): the
     checkpointing the trainer sets up (``gradient_checkpointing=True``, or FSDP's ``activation_checkpointing``)
     keeps each layer's attention output, so the recomputation skips the ring forward (``TrainerCP.kept``). It
     needs one of those two on (``UnsupportedArgument`` otherwise) and CP active (ignored without CP).
@@ -279,7 +279,7 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     handle = TrainerCP(trainer, patch, cp_size)
     handle._install()
     if keep_attention is not None and handle.active:
-        handle.kept = hfpatch.model.keep_attention(model, budget=keep_attention)
+        handle.kept = hfpatch.keep_attention(model, budget=keep_attention)
     trainer.hfpatch_cp = handle
     logger.info("%s", summary_line(handle, keep_attention))
     return handle

@@ -3,7 +3,7 @@ so that the backward's recomputation of the layer skips the ring forward and its
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     #   or FSDP2's usual torch checkpoint_wrapper / apply_activation_checkpointing, before or after this call
-    kept = hfpatch.model.keep_attention(model, budget="auto")      # GiB (a number), "auto" (CUDA: what fits) or "all"
+    kept = hfpatch.keep_attention(model, budget="auto")      # GiB (a number), "auto" (CUDA: what fits) or "all"
     ... train ...
     kept.remove()                                            # plain checkpointing again
 
