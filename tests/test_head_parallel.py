@@ -167,7 +167,7 @@ def test_ulysses_on_two_ranks():
 def _four_ranks(rank, world):
     _exact("llama", "usp:2x2:torch_cpu", ("usp_attn_func", "usp_attn_varlen_func"))
     # 2 query heads over 4 ranks: Ulysses refused, naming the heads and the grid whose Ulysses groups divide them
-    two_heads = dict(num_attention_heads=2, num_key_value_heads=2)
+    two_heads = dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=32)   # head_dim 16 = hidden / heads
     _refused(lambda: hfpatch.apply(dist.group.WORLD, model=build_model("llama", **two_heads), kernel="ulysses"),
              "query", r"2 query heads do not divide by the Ulysses degree 4.* Fix: kernel='usp:2x2'")
     _refused(lambda: hfpatch.apply(dist.group.WORLD, kernel="usp:3x2"), "kernel",
