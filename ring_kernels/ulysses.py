@@ -58,7 +58,7 @@ from .validation import LayoutCode, RingInputError
 
 __all__ = ["ulysses_attn_func", "ulysses_attn_varlen_func", "kv_replication", "check_heads", "check_zigzag_length",
            "check_zigzag_documents", "HeadExchange", "ExchangeIndices", "exchange_indices", "head_exchange",
-           "head_parallel", "all_to_all_single"]
+           "head_parallel", "all_to_all_single", "cached_indices"]
 
 # The one collective, looked up at every call: replaceable (tests count the calls through it, and
 # benchmarks/_nocomm.py times Ulysses without communication by putting a local copy in its place).
@@ -188,24 +188,30 @@ def _order(layout: str, world: int, seqlen: int, cu: Optional[torch.Tensor] = No
     return torch.cat([rank_positions(total, j, world, layout=layout, cu_seqlens=cu) for j in range(world)])
 
 
-_BATCH_INDICES: "OrderedDict[tuple, ExchangeIndices]" = OrderedDict()   # (layout, world, batch, seqlen) -> indices
+_BATCH_INDICES: "OrderedDict[tuple, ExchangeIndices]" = OrderedDict()   # key -> indices, newest last
 _BATCH_INDICES_SIZE = 32
 _LOCK = threading.Lock()
 
 
-def _batch_indices(layout: str, world: int, batch: int, seqlen: int) -> ExchangeIndices:
-    key = (layout, world, batch, seqlen)
+def cached_indices(key: tuple, build: Callable[[], ExchangeIndices]) -> ExchangeIndices:
+    """The exchange indices of ``key`` (Ulysses' and USP's batch calls), built once by ``build``; the
+    ``_BATCH_INDICES_SIZE`` most recent are kept."""
     with _LOCK:
         found = _BATCH_INDICES.get(key)
         if found is not None:
             _BATCH_INDICES.move_to_end(key)
             return found
-    found = exchange_indices(_order(layout, world, seqlen), world, batch, seqlen)
+    found = build()
     with _LOCK:
         _BATCH_INDICES[key] = found
         while len(_BATCH_INDICES) > _BATCH_INDICES_SIZE:
             _BATCH_INDICES.popitem(last=False)
     return found
+
+
+def _batch_indices(layout: str, world: int, batch: int, seqlen: int) -> ExchangeIndices:
+    return cached_indices(("ulysses", layout, world, batch, seqlen),
+                          lambda: exchange_indices(_order(layout, world, seqlen), world, batch, seqlen))
 
 
 def head_exchange(group, layout: str, batch: int, seqlen: int, device: torch.device) -> HeadExchange:

@@ -45,8 +45,8 @@ from .documents import VarlenCall
 from .layout import rank_positions
 from .llama3 import llama3_attn_varlen_func
 from .ring import ring_attn_func
-from .ulysses import (ExchangeIndices, HeadExchange, check_heads, check_zigzag_documents, check_zigzag_length,
-                      exchange_indices, head_parallel)
+from .ulysses import (ExchangeIndices, HeadExchange, cached_indices, check_heads, check_zigzag_documents,
+                      check_zigzag_length, exchange_indices, head_parallel)
 from .validation import LayoutCode, RingInputError
 from .varlen import ring_attn_varlen_func, zigzag_ring_attn_varlen_func
 from .zigzag import zigzag_ring_attn_func
@@ -181,23 +181,9 @@ def _ring_order(layout: str, grid: UspGrid, seqlen: int, cu: Optional[torch.Tens
     return order
 
 
-_BATCH_INDICES: "OrderedDict[tuple, ExchangeIndices]" = OrderedDict()   # (layout, grid, batch, seqlen) -> indices
-_BATCH_INDICES_SIZE = 32
-
-
 def _batch_indices(layout: str, grid: UspGrid, batch: int, seqlen: int) -> ExchangeIndices:
-    key = (layout, grid, batch, seqlen)
-    with _LOCK:
-        found = _BATCH_INDICES.get(key)
-        if found is not None:
-            _BATCH_INDICES.move_to_end(key)
-            return found
-    found = exchange_indices(_ring_order(layout, grid, seqlen), grid.ulysses, batch, seqlen)
-    with _LOCK:
-        _BATCH_INDICES[key] = found
-        while len(_BATCH_INDICES) > _BATCH_INDICES_SIZE:
-            _BATCH_INDICES.popitem(last=False)
-    return found
+    return cached_indices(("usp", layout, grid, batch, seqlen),
+                          lambda: exchange_indices(_ring_order(layout, grid, seqlen), grid.ulysses, batch, seqlen))
 
 
 def _exchange(ulysses_group, grid: UspGrid, indices: Optional[ExchangeIndices], batch: int, seqlen: int,
