@@ -30,17 +30,19 @@ CONFIGS: Dict[str, AttnConfig] = {
 }
 
 BATCH_VARIANTS = ("ring", "zigzag", "stripe", "ulysses", "usp")
-VARLEN_VARIANTS = ("ring_varlen", "zigzag_varlen", "llama3", "ulysses_varlen")
+VARLEN_VARIANTS = ("ring_varlen", "zigzag_varlen", "llama3", "ulysses_varlen", "usp_varlen")
 # zigzag and stripe exist to balance causal work; the library refuses causal=False for them. usp runs the zigzag
 # ring across its Ulysses groups.
 CAUSAL_ONLY = frozenset({"zigzag", "stripe", "zigzag_varlen", "usp"})
 # Variants that need a 2-D grid of ranks (a Ulysses group size and a ring group size, both >= 2).
-GRID_VARIANTS = frozenset({"usp"})
+GRID_VARIANTS = frozenset({"usp", "usp_varlen"})
 # The ring_kernels layout of the inputs each variant expects over its group ("usp": its zigzag ring's layout over
-# the whole group, ring_kernels.usp_layout("zigzag")).
+# the whole group, ring_kernels.usp_layout("zigzag"); "usp_varlen": its llama3 ring's, contiguous -- what hfpatch
+# runs for packed rows under "usp:UxR").
 VARIANT_LAYOUT = {
     "ring": "contiguous", "zigzag": "zigzag", "stripe": "stripe", "ulysses": "contiguous", "usp": "zigzag",
     "ring_varlen": "contiguous", "zigzag_varlen": "zigzag", "llama3": "contiguous", "ulysses_varlen": "contiguous",
+    "usp_varlen": "contiguous",
 }
 MODES = ("fwd", "fwd_bwd")
 

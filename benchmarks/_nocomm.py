@@ -34,6 +34,8 @@ __all__ = ["no_communication", "nocomm_unavailable_reason", "NoCommCounter"]
 _RING_EXCHANGE_VARIANTS = frozenset({"ring", "zigzag", "stripe", "ring_varlen", "zigzag_varlen"})
 _LLAMA3_COLLECTIVES = ("all_gather_tensor", "reduce_scatter_tensor")
 _ULYSSES_VARIANTS = frozenset({"ulysses", "ulysses_varlen"})
+# The USP variants and the ring variant each runs across its Ulysses groups (benchmarks/_runners.py).
+_USP_VARIANTS = {"usp": "zigzag", "usp_varlen": "llama3"}
 _ULYSSES_COLLECTIVE = "all_to_all_single"
 
 
@@ -71,14 +73,14 @@ def nocomm_unavailable_reason(variant: str) -> Optional[str]:
             return f"ring_kernels.llama3 is not importable ({exc})"
         missing = [n for n in _LLAMA3_COLLECTIVES if not callable(getattr(llama3, n, None))]
         return f"ring_kernels.llama3 has no {missing} to replace" if missing else None
-    if variant in _ULYSSES_VARIANTS or variant == "usp":
+    if variant in _ULYSSES_VARIANTS or variant in _USP_VARIANTS:
         try:
             import ring_kernels.ulysses as ulysses
         except ImportError as exc:
             return f"ring_kernels.ulysses is not importable ({exc})"
         if not callable(getattr(ulysses, _ULYSSES_COLLECTIVE, None)):
             return f"ring_kernels.ulysses has no {_ULYSSES_COLLECTIVE} to replace"
-        return nocomm_unavailable_reason("ring") if variant == "usp" else None
+        return nocomm_unavailable_reason(_USP_VARIANTS[variant]) if variant in _USP_VARIANTS else None
     return f"no communication stand-in is known for variant {variant!r}"
 
 
@@ -142,8 +144,9 @@ def _patches(variant: str, counter: NoCommCounter) -> List[Tuple[object, str, ob
         return _llama3_patches(counter)
     if variant in _ULYSSES_VARIANTS:
         return _ulysses_patches(counter)
-    if variant == "usp":
-        return _ulysses_patches(counter) + _ring_patches(counter)
+    if variant in _USP_VARIANTS:
+        ring = _llama3_patches(counter) if _USP_VARIANTS[variant] == "llama3" else _ring_patches(counter)
+        return _ulysses_patches(counter) + ring
     return _ring_patches(counter)
 
 

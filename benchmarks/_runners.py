@@ -28,14 +28,15 @@ _FUNCTIONS = {
     "ring": "ring_attn_func", "zigzag": "zigzag_ring_attn_func", "stripe": "stripe_attn_func",
     "ring_varlen": "ring_attn_varlen_func", "zigzag_varlen": "zigzag_ring_attn_varlen_func",
     "llama3": "llama3_attn_varlen_func", "ulysses": "ulysses_attn_func", "ulysses_varlen": "ulysses_attn_varlen_func",
-    "usp": "usp_attn_func",
+    "usp": "usp_attn_func", "usp_varlen": "usp_attn_varlen_func",
 }
 # Where a name may live while ring_kernels/__init__.py does not export it yet.
 _MODULES = ("ring_kernels", "ring_kernels.layout", "ring_kernels.ring", "ring_kernels.zigzag",
             "ring_kernels.stripe", "ring_kernels.varlen", "ring_kernels.llama3", "ring_kernels.ulysses",
             "ring_kernels.usp")
-# The usp ring variant (zigzag: causal work balanced over the ring) and its grid (``set_usp_grid``).
-USP_RING_VARIANT = "zigzag"
+# The ring variant each USP variant runs across its Ulysses groups (batch: zigzag, causal work balanced over the
+# ring; packed: llama3, as hfpatch's "usp:UxR" does on packed rows), and the grid (``set_usp_grid``).
+USP_RING_VARIANTS = {"usp": "zigzag", "usp_varlen": "llama3"}
 _USP_GRID: Dict[str, object] = {}
 
 
@@ -60,15 +61,15 @@ def set_usp_grid(ulysses_group, ring_group) -> None:
     _USP_GRID.update(ulysses_group=ulysses_group, ring_group=ring_group)
 
 
-def _usp_grid() -> Dict[str, object]:
+def _usp_grid(variant: str) -> Dict[str, object]:
     if not _USP_GRID:
-        raise LookupError("variant 'usp' needs a grid of process groups: call set_usp_grid first")
-    return dict(_USP_GRID, ring_variant=USP_RING_VARIANT)
+        raise LookupError(f"variant {variant!r} needs a grid of process groups: call set_usp_grid first")
+    return dict(_USP_GRID, ring_variant=USP_RING_VARIANTS[variant])
 
 
 def _group_kwargs(variant: str, group) -> Dict[str, object]:
-    """The keyword arguments that place ``variant`` on its ranks: ``group``, and usp's grid of it."""
-    return dict(_usp_grid(), group=group) if variant == "usp" else {"group": group}
+    """The keyword arguments that place ``variant`` on its ranks: ``group``, and a USP variant's grid of it."""
+    return dict(_usp_grid(variant), group=group) if variant in USP_RING_VARIANTS else {"group": group}
 
 
 @dataclass

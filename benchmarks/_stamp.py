@@ -273,6 +273,15 @@ def stamp(device: torch.device, world_size: int) -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
+def gpu_model(name: str) -> str:
+    """The GPU model in a device name, for file names: "NVIDIA H100 80GB HBM3" -> "H100", "NVIDIA H200" -> "H200";
+    without a model number, the name's last word with its punctuation removed ("cpu" for an empty name)."""
+    found = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", name or "")
+    if found:
+        return found.group(1)
+    return re.sub(r"[^A-Za-z0-9]+", "", name.split()[-1] if name else "cpu") or "cpu"
+
+
 def _short_tag(origin: dict) -> str:
     """A file-name tag: the short commit, or ``uncommitted-<12 hex of the source hash>``."""
     if origin["git_commit"] != UNCOMMITTED:
@@ -287,6 +296,8 @@ def main(argv=None) -> int:
                       help="print HFPATCH_COMMIT=... HFPATCH_SOURCE_HASH=... for HEAD (in a git checkout)")
     mode.add_argument("--tag", action="store_true", help="print the file-name tag of a result of this tree")
     mode.add_argument("--describe", action="store_true", help="print the provenance fields")
+    mode.add_argument("--gpu-model", action="store_true",
+                      help="print GPU 0's model for file names (gpu_model: H100, H200; cpu without CUDA)")
     args = p.parse_args(argv)
     if args.export:
         head = _head() if _own_checkout() else None
@@ -298,6 +309,9 @@ def main(argv=None) -> int:
             print(f"_stamp --export: the working tree differs from HEAD {head[:7]} under {SOURCE_DIRS}: commit "
                   f"first, or its results will be stamped {UNCOMMITTED}", file=sys.stderr)
         print(f"HFPATCH_COMMIT={head} HFPATCH_SOURCE_HASH={committed}")
+        return 0
+    if args.gpu_model:
+        print(gpu_model(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu")
         return 0
     origin = provenance()
     if args.tag:

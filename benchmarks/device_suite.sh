@@ -27,12 +27,12 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 log() { echo "## $(date -u +%H:%M:%S) $*"; }
 
-GPU=$(python -c "
+python -c "
 import sys, torch
 n = torch.cuda.device_count()
 if n < $NGPU:
-    sys.exit(f'device_suite.sh: {$NGPU} GPUs asked for, {n} visible')
-print(torch.cuda.get_device_name(0).split()[-1])") || exit 2
+    sys.exit(f'device_suite.sh: {$NGPU} GPUs asked for, {n} visible')" || exit 2
+GPU=$(python benchmarks/_stamp.py --gpu-model)
 MACHINE="${NGPU}x${GPU}"
 if [[ -z "$HFPATCH_COMMIT" ]]; then
   log "WARNING: HFPATCH_COMMIT is not set: every result of this run is stamped uncommitted-tree (see the usage above)"

@@ -31,7 +31,7 @@ HYBRID_STEPS=${HYBRID_STEPS:---warmup 1 --steps 3}
 HYBRID_EXTRA=${HYBRID_EXTRA:-}
 mkdir -p "$OUT"
 log() { echo "## $(date -u +%H:%M:%S) $*"; }
-GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0).split()[-1] if torch.cuda.is_available() else 'cpu')")
+GPU=$(python benchmarks/_stamp.py --gpu-model)
 TAG=${TAG:-$(python benchmarks/_stamp.py --tag)}
 if (( NGPU == 1 )); then MODES=single; HYBRID_SIZES=${HYBRID_SINGLE_SIZES:-16k 32k}
 else MODES=hfpatch,single; HYBRID_SIZES=${HYBRID_SIZES:-32k}; fi

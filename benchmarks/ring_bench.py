@@ -155,7 +155,7 @@ class Bench:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # A group of one per rank: the library's own single-GPU path for the varlen baseline.
         self.solo_group, _ = dist.new_subgroups(group_size=1)
-        self.usp_grid, self.usp_absent = self._usp_grid() if "usp" in args.variants else (None, None)
+        self.usp_grid, self.usp_absent = self._usp_grid() if GRID_VARIANTS & set(args.variants) else (None, None)
         self.mesh = None
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         self.backends = self._backends()

@@ -89,7 +89,7 @@ if _HERE not in sys.path:
     sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 from _cases import global_document_mix, local_document_mix  # noqa: E402
-from _stamp import stamp  # noqa: E402
+from _stamp import gpu_model, stamp  # noqa: E402
 from _timing import time_callable  # noqa: E402
 from ring_kernels.world import free_port  # noqa: E402
 
@@ -781,7 +781,7 @@ def _native_label(r: dict) -> str:
 
 
 def device_slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "", name.split()[-1] if name else "cpu") or "cpu"
+    return gpu_model(name)
 
 
 def _step_text(args) -> str:

@@ -33,7 +33,7 @@ EXTRA=${EXTRA:-}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}
 mkdir -p "$OUT"
 log() { echo "## $(date -u +%H:%M:%S) $*"; }
-GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0).split()[-1] if torch.cuda.is_available() else 'cpu')")
+GPU=$(python benchmarks/_stamp.py --gpu-model)
 TAG=${TAG:-$(python benchmarks/_stamp.py --tag)}
 if (( NGPU == 1 )); then MODES=single; else MODES=${MODES:-hfpatch,keep,native,single}; fi
 
