@@ -11,6 +11,7 @@ routing, its position, mixer, tracking, labels and inputs hooks, the switch defa
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
@@ -120,12 +121,18 @@ class Patch:
 
     @property
     def backend_choices(self) -> list:
-        """Which block backend ring_kernels chose for which shape class, why, and how many calls made each choice
-        (``ring_kernels.backends.choices()``: ``BackendChoice`` records of this process, since it started or
-        ``ring_kernels.backends.reset_choices()``; a backend's own fallback has ``fallback=True``). Every kernel
-        records its choice: a ring variant for its blocks, Ulysses for its attention over the whole sequence of
-        its heads, USP through the ring it runs across its Ulysses groups."""
-        return choices()
+        """Why each call ran as it did: first, under kernel="auto", the ``AutoChoice`` records of this patch
+        (``hfpatch.attention.layout_choice``: the kernel auto picked for which calls, the cost model's predicted
+        time of every candidate and why any was left out, or why the cost model did not choose; ``steps``: the
+        (step, call shape) pairs that decided it); then which block backend ring_kernels chose for which shape
+        class, why, and how many calls made each choice (``ring_kernels.backends.choices()``: ``BackendChoice``
+        records of this process, since it started or ``ring_kernels.backends.reset_choices()``; a backend's own
+        fallback has ``fallback=True``). Every kernel records its block choice: a ring variant for its blocks,
+        Ulysses for its attention over the whole sequence of its heads, USP through the ring it runs across its
+        Ulysses groups."""
+        auto = [] if self.ctx is None else [dataclasses.replace(record, steps=steps)
+                                            for record, steps in self.ctx.auto_choices.items()]
+        return auto + choices()
 
     @property
     def mixers(self) -> Optional[MixerInstallation]:
@@ -305,11 +312,14 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
     cp_group:        a ProcessGroup or a 1-D DeviceMesh of the context-parallel ranks; None (or a group of one
                      rank) -> an inactive Patch (no CP), transformers untouched.
     kernel:          "auto" | "zigzag" | "ring" | "stripe" | "llama3" (ring variants: the sequence split), or
-                     "ulysses" | "usp:UxR" (head-parallel: Ulysses groups of U consecutive ranks split the query heads,
-                     a ring of R = world / U across them; U must divide the query heads), optionally ":backend"
-                     ("zigzag:reference", "usp:2x2:torch_cudnn"). "auto" = zigzag for batch inputs, llama3 for packed
-                     inputs; it never picks a head-parallel kernel. "usp:UxR" makes the Ulysses and ring groups of
-                     ``cp_group`` (kept on ``patch.ctx.heads``; U x R must equal the group's size).
+                     "ulysses" | "usp:UxR" (head-parallel: Ulysses groups of U consecutive ranks split the query
+                     heads, a ring of R = world / U across them; U must divide the query heads), optionally
+                     ":backend" ("zigzag:reference", "usp:2x2:torch_cudnn"). "auto": each call's kernel chosen by
+                     the cost model calibrated on this GPU (``hfpatch.attention.layout_choice``: the zigzag ring,
+                     Ulysses or USP for batch rows; llama3, the ring, Ulysses or USP for packed rows), else zigzag
+                     for batch rows and llama3 for packed rows; ``backend_choices`` says which and why. "usp:UxR"
+                     makes the Ulysses and ring groups of ``cp_group`` (kept on ``patch.ctx.heads``; U x R must
+                     equal the group's size).
     on_unsupported:  "raise" (SignatureMismatch with a diff, or UnsupportedRelease) or "fallback" (inactive Patch
                      and one warning) when the installed transformers cannot be patched.
     verify:          True: after installing, the numeric probe of the wrapper over the group and, with ``model``,

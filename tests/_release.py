@@ -24,6 +24,7 @@ RELEASE_INDEPENDENT = {
     "test_import_graph.py": "scripts/import_graph.py reads the source with ast; nothing it checks is imported",
     "test_host_syncs.py": "benchmarks/host_path.py's host-op counter on ring_kernels' varlen path",
     "test_layout.py": "ring_kernels.layout shard / unshard",
+    "test_layout_costs.py": "ring_kernels.layout_costs and scripts/fit_layout_costs.py on the committed layout grid",
     "test_merge.py": "ring_kernels' LSE merge (eager and the fused Triton kernels under the interpreter)",
     "test_ring_batch.py": "ring_kernels' batch ring / zigzag / stripe engines on gloo worlds",
     "test_ring_checkpointing.py": "ring_kernels.checkpointing (kept ring outputs through torch's checkpointing) on "

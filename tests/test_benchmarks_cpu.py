@@ -117,8 +117,8 @@ def test_stamp_and_settings(bench_doc):
 
 
 def _measured(results):
-    """Ring rows of the variants a world of 2 runs (usp needs a 2 x 2 grid)."""
-    return [r for r in results if r["kind"] == "ring" and r["variant"] != "usp"]
+    """Ring rows of the variants a world of 2 runs (usp and usp_varlen need a 2 x 2 grid)."""
+    return [r for r in results if r["kind"] == "ring" and r["variant"] not in ("usp", "usp_varlen")]
 
 
 def test_every_variant_and_backend_measured_after_passing_the_gate(bench_doc):
@@ -148,6 +148,10 @@ def test_usp_without_a_grid_says_so(bench_doc):
     usp = [r for r in bench_doc["results"] if r["variant"] == "usp"]
     assert {(r["backend"], r["mode"]) for r in usp} == {(b, m) for b in BACKENDS for m in ("fwd", "fwd_bwd")}
     assert all(r["status"] == "skipped" and "2 x 2" in r["reason"] and "time_ms" not in r for r in usp), usp
+    packed = [r for r in bench_doc["results"] if r["variant"] == "usp_varlen"]
+    assert {(r["backend"], r["mode"], r["causal"]) for r in packed} == {
+        (b, m, c) for b in BACKENDS for m in ("fwd", "fwd_bwd") for c in (True, False)}
+    assert all(r["status"] == "skipped" and "2 x 2" in r["reason"] and "time_ms" not in r for r in packed), packed
     assert bench_doc["settings"]["usp_grid"] is None
 
 

@@ -28,8 +28,9 @@ import hfpatch
 import ring_kernels
 from _dist import run_world
 from _release import skip_unless_ci_pin
-from hfpatch.attention.semantics import (HeadSplit, RingContext, StepState, parse_kernel, plan_step, ring_plan,
-                                         usp_degrees)
+from hfpatch.attention.layout_choice import AutoChoice
+from hfpatch.attention.semantics import (HeadSplit, RingContext, StepState, auto_head_splits, parse_kernel, plan_step,
+                                         ring_plan, usp_degrees)
 from hfpatch.cli.demo_models import build_model
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.model import probe as model_probe
@@ -173,6 +174,54 @@ def _four_ranks(rank, world):
     _refused(lambda: hfpatch.apply(dist.group.WORLD, kernel="usp:3x2"), "kernel",
              r"'usp:3x2' asks for 3 x 2 = 6 ranks .* the CP group has 4\. Fix: kernel='usp:2x2'")
     _usp_probe_over_its_own_gloo_groups()
+    _auto_by_the_cost_model()
+
+
+_KERNEL_FUNCTIONS = {("zigzag", False): "zigzag_ring_attn_func", ("ulysses", False): "ulysses_attn_func",
+                     ("usp", False): "usp_attn_func", ("llama3", True): "llama3_attn_varlen_func",
+                     ("ring", True): "ring_attn_varlen_func", ("ulysses", True): "ulysses_attn_varlen_func",
+                     ("usp", True): "usp_attn_varlen_func"}
+
+
+def _auto_by_the_cost_model():
+    """kernel="auto" on a CPU group uses no cost model and says so; given the H100 calibration (as a calibrated GPU
+    gives it, ``RingContext.for_group``), each step runs the kernel the cost model picked, exactly, and
+    ``backend_choices`` names it with its predictions; a candidate that cannot run (2 query heads over a Ulysses
+    degree of 4) is left out with the reason, never run."""
+    model = build_model("llama")
+    with hfpatch.apply(dist.group.WORLD, model=model) as patch:
+        assert patch.ctx.machine is None and patch.ctx.auto_heads is None
+        patch.ctx.auto_choices.clear()       # the probes' decisions
+        with _Counted("zigzag_ring_attn_func") as counted:
+            _cp(patch, model, _batches()["batch"][0], None)
+        assert counted.calls == {"zigzag_ring_attn_func": 2}, counted.calls
+        chosen = [c for c in patch.backend_choices if isinstance(c, AutoChoice)]
+        assert [(c.kernel, c.layout_choice) for c in chosen] == [("zigzag", None)], chosen
+        assert "no layout-cost calibration for this device" in chosen[0].reason and chosen[0].steps == 1, chosen
+    for overrides in ({}, dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=32)):
+        model = build_model("llama", **overrides)
+        with hfpatch.apply(dist.group.WORLD, model=model) as patch:
+            patch.ctx.auto_heads = auto_head_splits(dist.group.WORLD, 4)
+            patch.ctx.machine = "H100"
+            for form, (ids, positions) in _batches().items():
+                ref_loss, ref_grads = _non_cp(model, ids, positions)
+                patch.ctx.auto_choices.clear()
+                functions = tuple(_KERNEL_FUNCTIONS.values())
+                with _Counted(*functions) as counted:
+                    loss, grads = _cp(patch, model, ids, positions)
+                picked = [c for c in patch.backend_choices if isinstance(c, AutoChoice)][-1]
+                assert picked.layout_choice is not None and picked.layout_choice.layout is not None, picked
+                assert counted.calls == {_KERNEL_FUNCTIONS[picked.kernel, form == "packed"]: 2}, (picked, counted.calls)
+                assert_close(loss, ref_loss, LOSS, f"auto {picked.kernel} {form}: CP loss vs non-CP")
+                for param, ref in ref_grads.items():
+                    assert_close(grads[param], ref, GRAD, f"auto {picked.kernel} {form}: gradient of {param}")
+                excluded = dict(picked.layout_choice.excluded)
+                # measured at one point on 4 H100s, fewer than the model's terms (ring_kernels/layout_costs.json)
+                expected = {"ring_varlen": "not calibrated on H100 at 4 GPUs"} if form == "packed" else {}
+                if overrides:
+                    ulysses = "ulysses_varlen" if form == "packed" else "ulysses"
+                    expected[ulysses] = "2 query heads do not divide by its Ulysses degree 4"
+                assert excluded == expected, excluded
 
 
 def _usp_probe_over_its_own_gloo_groups():

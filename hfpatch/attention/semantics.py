@@ -55,17 +55,19 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 import ring_kernels
 from hfpatch import version_gates
+from hfpatch.attention.layout_choice import auto_kernel, device_machine
 from hfpatch.errors import UnsupportedArgument
 from ring_kernels.backends.reference import plain_attention
 from ring_kernels import RingInputError, shard, unshard
 from ring_kernels.backends import UnknownBackendError, UnsupportedBackendError
+from ring_kernels.layout_costs import usp_grid
 
 __all__ = [
     "VARIANTS",
@@ -78,6 +80,8 @@ __all__ = [
     "check_grid",
     "head_split",
     "make_usp_groups",
+    "auto_head_splits",
+    "FROM_DEVICE",
     "plan_step",
     "RingPlan",
     "ring_plan",
@@ -100,13 +104,16 @@ VARIANTS = ("zigzag", "ring", "stripe", "llama3")
 # consecutive ranks x a ring of R ranks across them).
 HEAD_KERNELS = ("ulysses", "usp")
 _AUTO = "auto"
+# ``RingContext.for_group``'s machine: the calibration of this rank's CUDA device (``layout_choice.device_machine``).
+FROM_DEVICE = "device"
 _USP_FORM = "'usp:UxR' (U ranks per Ulysses group x R ring ranks, U x R = the CP group's size, e.g. 'usp:2x2')"
 
 # Kwargs that HF's own function would act on; every other kwarg is ignored by it and by us.
 _PAGED_KWARGS = ("cache", "cache_seqlens")
 
 # RingContext fields a RingPlan is built from: assigning any of them increments ``RingContext.version``.
-_PLAN_INPUTS = frozenset({"group", "rank", "world_size", "variant", "backend", "heads_k_stride", "heads", "step"})
+_PLAN_INPUTS = frozenset({"group", "rank", "world_size", "variant", "backend", "heads_k_stride", "heads", "step",
+                          "machine", "auto_heads"})
 _EMPTY: Mapping[str, Any] = {}
 
 
@@ -145,6 +152,9 @@ class StepState:
     rank_checked: set = field(default_factory=set, compare=False, repr=False)
     # device -> ``cu_seqlens`` on that device: copied once per step and device, for every plan of the step.
     cu_by_device: dict = field(default_factory=dict, compare=False, repr=False)
+    # kernel="auto": (causal, window, heads, K/V heads, head dim) -> the kernel chosen for this step
+    # (``hfpatch.attention.layout_choice.auto_kernel``).
+    auto_kernels: dict = field(default_factory=dict, compare=False, repr=False)
 
     def cu_seqlens_on(self, device: torch.device) -> torch.Tensor:
         """The step's GLOBAL ``cu_seqlens`` on ``device`` (a packed step only)."""
@@ -178,11 +188,18 @@ class RingContext:
     group:           the CP ProcessGroup (None: the default group).
     rank, world_size: this rank in ``group`` and its size.
     variant:         "auto" | "zigzag" | "ring" | "stripe" | "llama3" ("auto": zigzag for batch inputs, balanced
-                     causal work; llama3 for packed inputs), or a head-parallel kernel: "ulysses" | "usp:UxR".
-                     See ``plan_step``.
+                     causal work; llama3 for packed inputs -- on a calibrated ``machine``, each call's kernel on
+                     that split by the cost model, ``hfpatch.attention.layout_choice``), or a head-parallel kernel:
+                     "ulysses" | "usp:UxR". See ``plan_step``.
     backend:         the ring_kernels block backend ("auto" picks the fastest that can compute the block).
     heads_k_stride:  llama3 only: K/V heads gathered at a time (None: all at once).
     heads:           the ``HeadSplit`` of a head-parallel variant (``head_split``), else None.
+    machine:         "auto" only: the calibrated machine whose cost model chooses each call's kernel
+                     (``hfpatch.attention.layout_choice``), e.g. "H100"; None: plan_step's ring variants.
+                     ``machine_note``: how the device maps to it (a GPU using another's calibration), or "".
+    auto_heads:      "auto" with a machine: kernel -> ``HeadSplit`` of the head-parallel kernels auto may pick
+                     ("ulysses": every rank; "usp": the squarest grid, ``ring_kernels.layout_costs.usp_grid``).
+    auto_choices:    "auto": ``AutoChoice`` -> the (step, call shape) pairs it decided (``Patch.backend_choices``).
     step:            the current step's ``StepState`` (set by ``hfpatch.inputs.shard_inputs``), or None.
     call_original:   optional ``(call, extra) -> Tensor`` that re-calls transformers' original function (set by
                      the dispatcher); ``reference_attention`` uses it on the gathered sequence when flash-attn can
@@ -199,6 +216,10 @@ class RingContext:
     backend: str = "auto"
     heads_k_stride: Optional[int] = None
     heads: Optional[HeadSplit] = None
+    machine: Optional[str] = None
+    machine_note: str = ""
+    auto_heads: Optional[Dict[str, HeadSplit]] = None
+    auto_choices: dict = field(default_factory=dict, repr=False, compare=False)
     step: Optional[StepState] = None
     call_original: Optional[Callable[[dict, dict], torch.Tensor]] = None
     # role -> (tensor, tensor._version, result): per-step derivations keyed on the tensor HF passes to every layer.
@@ -234,13 +255,24 @@ class RingContext:
         return self.heads.ulysses if self.heads is not None else 1
 
     @classmethod
-    def for_group(cls, group=None, *, kernel: str = "auto", heads_k_stride: Optional[int] = None) -> "RingContext":
+    def for_group(cls, group=None, *, kernel: str = "auto", heads_k_stride: Optional[int] = None,
+                  machine: Optional[str] = FROM_DEVICE) -> "RingContext":
         """A context for ``group`` (None: the default group) with ``kernel`` = "variant" or "variant:backend".
-        For "usp:UxR" it makes the Ulysses and ring groups (``head_split``): collective over ``group``."""
+        For "usp:UxR" it makes the Ulysses and ring groups (``head_split``): collective over ``group``.
+        "auto": ``machine`` names the cost model's calibration (``FROM_DEVICE``: this rank's CUDA device's, when
+        ``group`` is NCCL's and the GPU is calibrated; None: none, plan_step's ring variants); with one, the
+        head-parallel kernels' groups are made here too (collective over ``group``)."""
         variant, backend = parse_kernel(kernel)
         rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+        note = ""
+        if variant != _AUTO or world_size == 1:
+            machine = None
+        elif machine == FROM_DEVICE:
+            found = device_machine(group)
+            machine, note = found if found is not None else (None, "")
         return cls(group=group, rank=rank, world_size=world_size, variant=variant, backend=backend,
-                   heads_k_stride=heads_k_stride, heads=head_split(group, variant, world_size))
+                   heads_k_stride=heads_k_stride, heads=head_split(group, variant, world_size), machine=machine,
+                   machine_note=note, auto_heads=auto_head_splits(group, world_size) if machine else None)
 
     def set_step(self, step: Optional[StepState]) -> None:
         """Install the state of a new step (None: derive it from each call's arguments again)."""
@@ -302,6 +334,16 @@ def check_grid(variant: str, world_size: int) -> None:
             f"the CP group's {world_size} ranks make no grid of two sides >= 2: kernel='ulysses' (all "
             f"{world_size} ranks split the heads) or a ring variant ('auto').",
         )
+
+
+def auto_head_splits(group, world_size: int) -> Dict[str, HeadSplit]:
+    """The head-parallel kernels "auto" may pick on ``group``: "ulysses" over every rank, and "usp" on the squarest
+    grid (``ring_kernels.layout_costs.usp_grid``; its groups made as ``head_split`` makes them: collective)."""
+    splits = {"ulysses": HeadSplit(ulysses=world_size, ring=1)}
+    grid = usp_grid(world_size)
+    if grid is not None:
+        splits["usp"] = head_split(group, f"usp:{grid[0]}x{grid[1]}", world_size)
+    return splits
 
 
 def head_split(group, variant: str, world_size: int) -> Optional[HeadSplit]:
@@ -813,7 +855,7 @@ def _kernel_refusal(exc: ValueError, kernel: str, backend: Optional[str], q: tor
 
 
 def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: Any, ctx: RingContext,
-                inputs: Optional[tuple], nheads: int) -> RingPlan:
+                inputs: Optional[tuple], nheads: int, kv_heads: int, head_dim: int) -> RingPlan:
     kwargs = dict(
         group=ctx.group,
         causal=bool(causal),
@@ -822,8 +864,12 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
         window_size=window_size_of(window, step.seq_len_global),
         softcap=float(softcap or 0.0),
     )
+    heads = ctx.heads
+    if ctx.variant == _AUTO:
+        step, picked = auto_kernel(step, kwargs["causal"], kwargs["window_size"], nheads, kv_heads, head_dim, ctx)
+        heads = picked or heads
     if step.kernel in HEAD_KERNELS:
-        return _head_plan(step, kwargs, ctx, inputs, nheads)
+        return _head_plan(step, kwargs, ctx, inputs, nheads, heads)
     if step.packed:
         if step.kernel == "llama3":
             kwargs["heads_k_stride"] = ctx.heads_k_stride
@@ -840,15 +886,15 @@ def _build_plan(step: StepState, causal: Any, scale: Any, window: Any, softcap: 
     return RingPlan(step, name, kwargs, False, inputs)
 
 
-def _head_plan(step: StepState, kwargs: dict, ctx: RingContext, inputs: Optional[tuple], nheads: int) -> RingPlan:
-    """The plan of a head-parallel step: Ulysses on the step's layout, or USP with the ring variant of
-    ``_USP_RING`` across its Ulysses groups; every refusal by name first."""
-    heads = ctx.heads
+def _head_plan(step: StepState, kwargs: dict, ctx: RingContext, inputs: Optional[tuple], nheads: int,
+               heads: Optional[HeadSplit]) -> RingPlan:
+    """The plan of a head-parallel step on ``heads`` (the context's, or auto's pick): Ulysses on the step's
+    layout, or USP with the ring variant of ``_USP_RING`` across its Ulysses groups; every refusal by name first."""
     if heads is None:
         raise RuntimeError(f"this step runs the {step.kernel!r} kernel but the RingContext has no HeadSplit (variant "
                            f"{ctx.variant!r}); make the context with RingContext.for_group(group, kernel=...)")
     if nheads % heads.ulysses:
-        _refuse_heads(nheads, ctx)
+        _refuse_heads(nheads, ctx, heads.ulysses)
     if step.kernel == "ulysses":
         kwargs["layout"] = step.layout
     else:
@@ -878,8 +924,8 @@ def _head_plan(step: StepState, kwargs: dict, ctx: RingContext, inputs: Optional
     return RingPlan(step, name, kwargs, step.packed, inputs)
 
 
-def _refuse_heads(nheads: int, ctx: RingContext) -> None:
-    degree, world = ctx.heads.ulysses, ctx.world_size
+def _refuse_heads(nheads: int, ctx: RingContext, degree: int) -> None:
+    world = ctx.world_size
     usable = [g for g in _grids(world) if nheads % usp_degrees(g)[0] == 0]
     raise UnsupportedArgument(
         "query", f"{nheads} heads",
@@ -902,7 +948,8 @@ def ring_plan(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContex
     q_shape = q.shape
     _refuse(call, extra or _EMPTY, q_shape, k, ctx, window, softcap)
     step = _step_for_call(call, q, ctx, q_shape)
-    return _build_plan(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx, inputs, q_shape[2])
+    return _build_plan(step, get("is_causal", True), get("softmax_scale"), window, softcap, ctx, inputs, q_shape[2],
+                       k.shape[2], q_shape[3])
 
 
 def ring_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: RingContext) -> torch.Tensor:

@@ -304,7 +304,10 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
     group = _group_for(ctx, device)
     previous_group, ctx.group = ctx.group, group
     previous_heads = heads = ctx.heads
+    previous_machine = ctx.machine
     try:
+        if group is not previous_group:
+            ctx.machine = None   # auto's head-parallel groups belong to the CP group: the probe's plans the ring
         if group is not previous_group and heads is not None and heads.ulysses_group is not None:
             # USP's subgroups of the probe's gloo group (made by every rank of it, as the group was)
             ctx.heads = heads = make_usp_groups(group, heads.ulysses, heads.ring, backend="gloo")
@@ -324,7 +327,7 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
             errors = _all_max(errors, group, device)
     finally:
         probe.remove()
-        ctx.group, ctx.heads = previous_group, previous_heads
+        ctx.group, ctx.heads, ctx.machine = previous_group, previous_heads, previous_machine
         ctx.set_step(previous_step)
         if heads is not previous_heads:
             dist.destroy_process_group(heads.ulysses_group)
