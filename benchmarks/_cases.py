@@ -79,8 +79,9 @@ def local_document_mix(tokens: int, world_size: int, seed: int = 0) -> List[int]
 def global_document_mix(local_mix: Sequence[int], world_size: int, seed: int = 0) -> List[int]:
     """``world_size`` copies of the per-GPU mix, shuffled (fixed seed): the global packed sequence.
 
-    The global sequence then holds exactly N times the per-GPU attention work, so ``N x T_single(local mix)``
-    is the ideal ring time, and after shuffling documents cross rank boundaries as they do in real packing.
+    The global sequence then holds exactly N times the per-GPU attention work, so each GPU's ideal share is
+    ``T_single(local mix)`` (one GPU's mix at the single-GPU rate), and after shuffling documents cross rank
+    boundaries as they do in real packing.
     """
     docs = list(local_mix) * world_size
     random.Random(seed + 1).shuffle(docs)

@@ -2,9 +2,13 @@
 
 Definitions (N = ranks, same config / causality / mode / tokens per rank):
 
-- ``efficiency``          = N x T_single(local shard, same backend) / T_ring(whole sequence)
-- ``efficiency_vs_best``  = N x min over every single-GPU baseline (all backends, SDPA included) / T_ring
-- ``t_ideal_ms``          = N x T_single(same backend): a ring that wastes nothing
+- ``t_ideal_ms``          = a ring that wastes nothing: each GPU does 1/N of the whole step's attention work at
+                            the single-GPU rate. Batch: the whole row of N x T tokens holds N^2 times the work of
+                            the local shard, so N x T_single(local shard, same backend). Packed: the global row is
+                            N copies of the local document mix (``_cases.global_document_mix``), N times its work,
+                            so 1 x T_single(local mix).
+- ``efficiency``          = t_ideal_ms / T_ring(whole sequence)
+- ``efficiency_vs_best``  = the same with the fastest single-GPU baseline (all backends, SDPA included)
 - ``t_ring_nocomm_ms``    = the ring with its P2P exchange replaced by local copies (``_nocomm``)
 - ``mem_ratio``           = peak(ring) / (peak(single, same backend) + K/V double buffer), target <= 1.10
 - native CP ``efficiency``= N x T_sdpa_single(same SDPA backend) / T_native_cp
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-__all__ = ["summarize"]
+__all__ = ["summarize", "ideal_shares"]
 
 Key = Tuple[str, str, bool, str, int]
 
@@ -59,10 +63,11 @@ def summarize(results: List[dict], world_size: int) -> List[dict]:
         row["tflops_per_gpu"] = r.get("tflops_per_gpu")
         same = base.get(("sdpa_single:" if r["kind"] == "native_cp" else "single:") + r["backend"])
         row["t_single_ms"] = _median(same) if same else None
-        row["t_ideal_ms"] = world_size * row["t_single_ms"] if same else None
+        shares = ideal_shares(r["layout"], world_size)
+        row["t_ideal_ms"] = shares * row["t_single_ms"] if same else None
         row["efficiency"] = row["t_ideal_ms"] / row["t_ms"] if same else None
         row["best_single"] = best_name
-        row["efficiency_vs_best"] = world_size * _median(best) / row["t_ms"] if best else None
+        row["efficiency_vs_best"] = shares * _median(best) / row["t_ms"] if best else None
         if r["kind"] == "ring":
             nc = nocomm.get(key + (r["variant"], r["backend"]))
             row["t_ring_nocomm_ms"] = _median(nc) if nc else None
@@ -73,6 +78,12 @@ def summarize(results: List[dict], world_size: int) -> List[dict]:
             row["rotate"] = r.get("rotate")
         rows.append(row)
     return rows
+
+
+def ideal_shares(layout: str, world_size: int) -> int:
+    """How many single-GPU baselines a wasteless ring takes per GPU (module docstring): N for a batch row, 1 for
+    a packed row."""
+    return world_size if layout == "batch" else 1
 
 
 def _best(base: Dict[str, dict]) -> Tuple[Optional[str], Optional[dict]]:

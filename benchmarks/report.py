@@ -1,6 +1,7 @@
 """Render a ring_bench JSON file as markdown tables and a plot of efficiency per variant x backend.
 
     python benchmarks/report.py benchmarks/results/ring_bench_<device>_<date>.json   # writes .md and .png
+    python benchmarks/report.py --resummarize <file>.json   # the summary recomputed from the results first
 
 The markdown needs nothing but the standard library; the plot needs matplotlib (``pip install matplotlib``),
 which the GPU machine may lack: run this script wherever matplotlib is, on the JSON that came back.
@@ -125,8 +126,10 @@ def markdown(doc: dict) -> str:
            f"Backends: {', '.join(doc['settings'].get('backends', []))}"
            + "".join(f"; left out: {b} ({why})" for b, why in doc["settings"].get("backends_left_out", {}).items())
            + "\n",
-           "Times are medians per call, slowest rank. Efficiency = N x T_single(local shard, same backend) / "
-           "T_ring; 'vs best' uses the fastest single-GPU baseline of any backend. See benchmarks/README.md.\n"]
+           "Times are medians per call, slowest rank. Efficiency = T_ideal / T_ring, T_ideal = N x T_single(local "
+           "shard, same backend) for batch rows and T_single(local document mix) for packed rows (the global row "
+           "is N copies of that mix); 'vs best' uses the fastest single-GPU baseline of any backend. See "
+           "benchmarks/README.md.\n"]
     if any(s["tokens_per_rank"] == TARGET_TOKENS for s in doc["summary"]):
         out += ["## Targets (issue 8)\n", _table(["config", "target", "best run", "reached"], targets(doc))]
     out += ["## Ring attention\n", _table(
@@ -265,6 +268,9 @@ def main(argv=None) -> int:
     p.add_argument("json", nargs="+")
     p.add_argument("--merge", metavar="OUT.json", help="merge the runs into one JSON (then one .md and .png)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--resummarize", action="store_true",
+                   help="recompute each file's summary from its measured results (benchmarks/_summary.py) and "
+                        "write it back to the JSON before rendering; the results themselves are not touched")
     args = p.parse_args(argv)
     if args.merge:
         if not args.merge.endswith(".json"):
@@ -276,7 +282,15 @@ def main(argv=None) -> int:
         _render(doc, args.merge, not args.no_plot)
         return 0
     for path in args.json:
-        _render(_load(path), path, not args.no_plot)
+        doc = _load(path)
+        if args.resummarize:
+            from _summary import summarize
+
+            doc["summary"] = summarize(doc["results"], doc["stamp"]["world_size"])
+            with open(path, "w") as f:
+                json.dump(doc, f, indent=1)
+            print(f"wrote {path} (summary recomputed)")
+        _render(doc, path, not args.no_plot)
     return 0
 
 

@@ -61,6 +61,8 @@ _COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=2)
 _REFUSALS = (ValueError, TypeError, NotImplementedError, LookupError)
 # Result kinds computed by ring_kernels (their rows name the block backends that ran); the others are torch's SDPA.
 _RING_KERNELS_KINDS = ("single", "ring", "ring_nocomm")
+# Baselines that run on one GPU: their useful work is done by that GPU alone (TFLOP/s per GPU).
+_SINGLE_KINDS = ("single", "sdpa_single")
 
 
 # ------------------------------------------------------------------------------------------- arguments
@@ -260,15 +262,18 @@ def _rank_check_skipped(skip: bool) -> Iterator[None]:
         yield
 
 
-def _timing_fields(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int]) -> dict:
+def _timing_fields(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int],
+                   gpus: int) -> dict:
     with _rank_check_skipped(bench.args.skip_rank_check):
-        return _timed(bench, step, mode, tokens, flops, mem_baseline)
+        return _timed(bench, step, mode, tokens, flops, mem_baseline, gpus)
 
 
-def _timed(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int]) -> dict:
+def _timed(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int], gpus: int) -> dict:
+    """Time ``step(mode)``; ``flops``: the useful work of the call, done by ``gpus`` GPUs (1 for a single-GPU
+    baseline, the group for a ring or native CP)."""
     warmup, iters = _iters_for(tokens, bench.args)
     timing = time_callable(lambda: step(mode), device=bench.device, warmup=warmup, iters=iters)
-    fields = {"time_ms": timing.as_dict(), "tflops_per_gpu": flops / bench.world / (timing.median_ms * 1e-3) / 1e12}
+    fields = {"time_ms": timing.as_dict(), "tflops_per_gpu": flops / gpus / (timing.median_ms * 1e-3) / 1e12}
     if mem_baseline is not None:
         fields["peak_mem_bytes"] = peak_memory_bytes(lambda: step(mode), device=bench.device,
                                                      baseline_bytes=mem_baseline)
@@ -376,8 +381,9 @@ def _measure(bench: Bench, make, local: Inputs, base: dict, doc_lengths, tag: st
             flops = attention_flops(doc_lengths, nheads=local.q.shape[-2], head_dim=local.q.shape[-1],
                                     causal=base["causal"], mode=mode)
             with recording() as timed:
+                gpus = 1 if base["kind"] in _SINGLE_KINDS else bench.world
                 timing, err_t = _attempt(bench, lambda: _timing_fields(
-                    bench, step, mode, base["tokens_per_rank"], flops, _mem_baseline(bench, local)))
+                    bench, step, mode, base["tokens_per_rank"], flops, _mem_baseline(bench, local), gpus))
             if err_t is None:
                 ran = _ran(built, timed) if base["kind"] in _RING_KERNELS_KINDS else {}
                 bench.record(**fields, status="ok", **timing, **ran)
@@ -530,7 +536,7 @@ def _measure_with(bench: Bench, step, base: dict, doc_lengths, tag: str, cfg: At
         flops = attention_flops(doc_lengths, nheads=cfg.nheads, head_dim=cfg.head_dim, causal=base["causal"],
                                 mode=mode)
         timing, err = _attempt(bench, lambda: _timing_fields(bench, step, mode, base["tokens_per_rank"], flops,
-                                                             baseline))
+                                                             baseline, bench.world))
         if err is None:
             bench.record(**base, mode=mode, status="ok", **timing)
             bench.log(f"{tag} native_cp {base['backend']}/{base['rotate']} {mode}: "

@@ -195,7 +195,8 @@ def test_summary_rows_and_markdown(bench_doc):
     rows = [s for s in bench_doc["summary"] if s["kind"] == "ring"]
     assert len(rows) == len(_measured(bench_doc["results"]))
     for s in rows:
-        assert s["efficiency"] == pytest.approx(2 * s["t_single_ms"] / s["t_ms"])
+        shares = 2 if s["layout"] == "batch" else 1          # test_packed_rows_ideal_is_one_local_mix_per_gpu
+        assert s["efficiency"] == pytest.approx(shares * s["t_single_ms"] / s["t_ms"])
         assert s["efficiency_vs_best"] <= s["efficiency"] * (1 + 1e-12)
     md = bench_doc["_markdown"]
     assert "## Ring attention" in md and "## Not measured" in md and "zigzag_varlen" in md
@@ -231,6 +232,33 @@ def test_summarize_arithmetic():
            "settings": {"dtype": "bf16"}, "results": results, "summary": summarize(results, 2)}
     md = report.markdown(doc)
     assert "## Targets (issue 8)" in md and "96.0%" in md and "1.30x" in md and "refused" in md
+
+
+def test_packed_rows_ideal_is_one_local_mix_per_gpu():
+    """The global packed row is N copies of the local mix (N times its work over N GPUs): a wasteless ring takes
+    T_single per GPU, not N x T_single as a batch row (N^2 times the local shard's work) does."""
+    results = [_result("single", "single", "torch_cudnn", 150.0, layout="varlen", tokens_per_rank=131072),
+               _result("ring", "llama3", "torch_cudnn", 200.0, layout="varlen", tokens_per_rank=131072),
+               _result("single", "single", "torch_cudnn", 100.0),
+               _result("ring", "zigzag", "torch_cudnn", 410.0)]
+    rows = {r["layout"]: r for r in summarize(results, world_size=4)}
+    assert rows["varlen"]["t_ideal_ms"] == 150.0 and rows["varlen"]["efficiency"] == pytest.approx(0.75)
+    assert rows["varlen"]["efficiency_vs_best"] == pytest.approx(0.75)
+    assert rows["batch"]["t_ideal_ms"] == 400.0 and rows["batch"]["efficiency"] == pytest.approx(400 / 410)
+
+
+def test_resummarize_rewrites_the_summary_only(tmp_path):
+    results = [_result("single", "single", "torch_cudnn", 150.0, layout="varlen"),
+               _result("ring", "llama3", "torch_cudnn", 200.0, layout="varlen")]
+    stale = [dict(summarize(results, 2)[0], efficiency=1.5)]
+    path = tmp_path / "old.json"
+    doc = {"stamp": {"world_size": 2, "device_name": "X", "date": "d", "torch": "t"}, "settings": {"dtype": "bf16"},
+           "results": results, "summary": stale}
+    path.write_text(json.dumps(doc))
+    assert report.main([str(path), "--resummarize", "--no-plot"]) == 0
+    again = json.loads(path.read_text())
+    assert again["results"] == results and again["summary"][0]["efficiency"] == pytest.approx(0.75)
+    assert "75.0%" in (tmp_path / "old.md").read_text()
 
 
 def test_merge_and_plot(tmp_path):
