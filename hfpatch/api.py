@@ -11,7 +11,6 @@ routing, its position, mixer, tracking, labels and inputs hooks, the switch defa
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import threading
@@ -130,8 +129,7 @@ class Patch:
         fallback has ``fallback=True``). Every kernel records its block choice: a ring variant for its blocks,
         Ulysses for its attention over the whole sequence of its heads, USP through the ring it runs across its
         Ulysses groups."""
-        auto = [] if self.ctx is None else [dataclasses.replace(record, steps=steps)
-                                            for record, steps in self.ctx.auto_choices.items()]
+        auto = [] if self.ctx is None else list(self.ctx.auto_choices.values())
         return auto + choices()
 
     @property

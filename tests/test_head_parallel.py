@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ import hfpatch
 import ring_kernels
 from _dist import run_world
 from _release import skip_unless_ci_pin
-from hfpatch.attention.layout_choice import AutoChoice
+from hfpatch.attention.layout_choice import KEPT_DECISIONS, AutoChoice, record
 from hfpatch.attention.semantics import (HeadSplit, RingContext, StepState, auto_head_splits, parse_kernel, plan_step,
                                          ring_plan, usp_degrees)
 from hfpatch.cli.demo_models import build_model
@@ -335,3 +335,16 @@ def _real_depth(rank, world):
 def test_real_depth_bf16_under_ulysses_is_accepted():
     skip_unless_ci_pin("the real-scale cases")
     run_world(2, _real_depth, timeout=600)
+
+
+def test_auto_decisions_are_counted_and_bounded():
+    """kernel="auto" keeps one record per (kernel, call shape), counting the steps that decided it, and at most
+    ``KEPT_DECISIONS`` of them: a run whose shapes keep changing does not grow the record without bound."""
+    decisions = OrderedDict()
+    for _ in range(3):
+        record(decisions, AutoChoice("zigzag", "why", "batch, 8 tokens per rank"))
+    assert list(decisions.values()) == [AutoChoice("zigzag", "why", "batch, 8 tokens per rank", steps=3)]
+    for n in range(KEPT_DECISIONS + 5):
+        record(decisions, AutoChoice("ulysses", "why", f"batch, {n} tokens per rank"))
+    assert len(decisions) == KEPT_DECISIONS and ("zigzag", "batch, 8 tokens per rank") not in decisions
+    assert next(reversed(decisions.values())).shape == f"batch, {KEPT_DECISIONS + 4} tokens per rank"

@@ -17,6 +17,7 @@ context (``auto_choices``) and shown by ``Patch.backend_choices``.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -26,7 +27,10 @@ import torch.distributed as dist
 from ring_kernels import layout_costs
 from ring_kernels.layout_costs import CallShape, LayoutChoice
 
-__all__ = ["AutoChoice", "device_machine", "auto_kernel", "CANDIDATES"]
+__all__ = ["AutoChoice", "device_machine", "auto_kernel", "record", "CANDIDATES", "KEPT_DECISIONS"]
+
+# Decisions kept per context (``record``): (kernel, shape) pairs, the least recently decided dropped beyond this.
+KEPT_DECISIONS = 64
 
 # (the step's layout, packed) -> cost-model layout -> the step kernel that runs it on that layout.
 CANDIDATES: Dict[Tuple[str, bool], Dict[str, str]] = {
@@ -45,8 +49,9 @@ class AutoChoice:
     kernel:   the kernel that computed the calls ("zigzag", "llama3", "ring", "ulysses", "usp").
     reason:   why: the cost model's pick and margin, or why the cost model did not choose.
     shape:    the calls it covers (form, tokens per rank, heads).
-    layout_choice: the cost model's ``LayoutChoice`` (every prediction and exclusion), or None when it did not run.
-    steps:    how many (step, call shape) pairs made this decision.
+    layout_choice: the cost model's ``LayoutChoice`` (every prediction and exclusion) of the latest of those
+              decisions, or None when it did not run.
+    steps:    how many (step, call shape) pairs made this decision (the same kernel for the same ``shape``).
     """
 
     kernel: str
@@ -108,6 +113,16 @@ def _decide(step: Any, causal: bool, window: Tuple[int, int], nheads: int, kv_he
     return step.kernel, AutoChoice(step.kernel, f"{step.kernel} (plan_step's ring variant): {why}", shape_text)
 
 
+def record(decisions: "OrderedDict[tuple, AutoChoice]", decision: AutoChoice) -> None:
+    """Count ``decision`` in ``decisions`` ((kernel, shape) -> the latest ``AutoChoice`` with its ``steps``),
+    keeping at most ``KEPT_DECISIONS`` entries (a run whose shapes keep changing must not grow it without bound)."""
+    key = (decision.kernel, decision.shape)
+    previous = decisions.pop(key, None)
+    decisions[key] = dataclasses.replace(decision, steps=(previous.steps if previous else 0) + 1)
+    while len(decisions) > KEPT_DECISIONS:
+        decisions.popitem(last=False)
+
+
 def auto_kernel(step: Any, causal: bool, window: Tuple[int, int], nheads: int, kv_heads: int,
                 head_dim: int, ctx: Any) -> Tuple[Any, Optional[Any]]:
     """The step to plan (``step``, or a copy whose kernel is auto's pick: same layout, same per-step caches) and
@@ -116,9 +131,9 @@ def auto_kernel(step: Any, causal: bool, window: Tuple[int, int], nheads: int, k
     key = (bool(causal), tuple(window), nheads, kv_heads, head_dim)
     found = step.auto_kernels.get(key)
     if found is None:
-        kernel, record = _decide(step, bool(causal), tuple(window), nheads, kv_heads, head_dim, ctx)
+        kernel, decision = _decide(step, bool(causal), tuple(window), nheads, kv_heads, head_dim, ctx)
         found = step.auto_kernels[key] = kernel
-        ctx.auto_choices[record] = ctx.auto_choices.get(record, 0) + 1
+        record(ctx.auto_choices, decision)
     if found == step.kernel:
         return step, None
     return dataclasses.replace(step, kernel=found), (ctx.auto_heads or {}).get(found)

@@ -54,6 +54,7 @@ copy of this table):
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -199,7 +200,8 @@ class RingContext:
                      ``machine_note``: how the device maps to it (a GPU using another's calibration), or "".
     auto_heads:      "auto" with a machine: kernel -> ``HeadSplit`` of the head-parallel kernels auto may pick
                      ("ulysses": every rank; "usp": the squarest grid, ``ring_kernels.layout_costs.usp_grid``).
-    auto_choices:    "auto": ``AutoChoice`` -> the (step, call shape) pairs it decided (``Patch.backend_choices``).
+    auto_choices:    "auto": (kernel, call shape) -> the latest ``AutoChoice`` of it, with the (step, call shape) pairs
+                     that decided it (``layout_choice.record``; ``Patch.backend_choices``).
     step:            the current step's ``StepState`` (set by ``hfpatch.inputs.shard_inputs``), or None.
     call_original:   optional ``(call, extra) -> Tensor`` that re-calls transformers' original function (set by
                      the dispatcher); ``reference_attention`` uses it on the gathered sequence when flash-attn can
@@ -219,7 +221,7 @@ class RingContext:
     machine: Optional[str] = None
     machine_note: str = ""
     auto_heads: Optional[Dict[str, HeadSplit]] = None
-    auto_choices: dict = field(default_factory=dict, repr=False, compare=False)
+    auto_choices: "OrderedDict[tuple, Any]" = field(default_factory=OrderedDict, repr=False, compare=False)
     step: Optional[StepState] = None
     call_original: Optional[Callable[[dict, dict], torch.Tensor]] = None
     # role -> (tensor, tensor._version, result): per-step derivations keyed on the tensor HF passes to every layer.
