@@ -120,17 +120,21 @@ class Patch:
 
     @property
     def backend_choices(self) -> list:
-        """Why each call ran as it did: first, under kernel="auto", the ``AutoChoice`` records of this patch
-        (``hfpatch.attention.layout_choice``: the kernel auto picked for which calls, the cost model's predicted
-        time of every candidate and why any was left out, or why the cost model did not choose; ``steps``: the
-        (step, call shape) pairs that decided it); then which block backend ring_kernels chose for which shape
-        class, why, and how many calls made each choice (``ring_kernels.backends.choices()``: ``BackendChoice``
-        records of this process, since it started or ``ring_kernels.backends.reset_choices()``; a backend's own
-        fallback has ``fallback=True``). Every kernel records its block choice: a ring variant for its blocks,
-        Ulysses for its attention over the whole sequence of its heads, USP through the ring it runs across its
-        Ulysses groups."""
-        auto = [] if self.ctx is None else list(self.ctx.auto_choices.values())
-        return auto + choices()
+        """Which block backend ring_kernels chose for which shape class, why, and how many calls made each choice
+        (``ring_kernels.backends.choices()``: ``BackendChoice`` records of this process, since it started or
+        ``ring_kernels.backends.reset_choices()``; a backend's own fallback has ``fallback=True``). Every kernel
+        records its choice: a ring variant for its blocks, Ulysses for its attention over the whole sequence of
+        its heads, USP through the ring it runs across its Ulysses groups. Which kernel kernel="auto" chose for
+        which calls, and why: ``layout_choices``."""
+        return choices()
+
+    @property
+    def layout_choices(self) -> list:
+        """kernel="auto"'s decisions (``hfpatch.attention.layout_choice.AutoChoice``): the kernel that computed which
+        calls (form, tokens per rank, heads), why -- the cost model's prediction for every candidate and what it
+        left out and why, or why the cost model did not choose -- and how many (step, call shape) pairs decided
+        it; the latest 64 (kernel, shape) pairs. Empty for a pinned kernel or an inactive patch."""
+        return [] if self.ctx is None else list(self.ctx.auto_choices.values())
 
     @property
     def mixers(self) -> Optional[MixerInstallation]:
@@ -315,7 +319,7 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
                      ":backend" ("zigzag:reference", "usp:2x2:torch_cudnn"). "auto": each call's kernel chosen by
                      the cost model calibrated on this GPU (``hfpatch.attention.layout_choice``: the zigzag ring,
                      Ulysses or USP for batch rows; llama3, the ring, Ulysses or USP for packed rows), else zigzag
-                     for batch rows and llama3 for packed rows; ``backend_choices`` says which and why. "usp:UxR"
+                     for batch rows and llama3 for packed rows; ``layout_choices`` says which and why. "usp:UxR"
                      makes the Ulysses and ring groups of ``cp_group`` (kept on ``patch.ctx.heads``; U x R must
                      equal the group's size).
     on_unsupported:  "raise" (SignatureMismatch with a diff, or UnsupportedRelease) or "fallback" (inactive Patch

@@ -186,7 +186,7 @@ _KERNEL_FUNCTIONS = {("zigzag", False): "zigzag_ring_attn_func", ("ulysses", Fal
 def _auto_by_the_cost_model():
     """kernel="auto" on a CPU group uses no cost model and says so; given the H100 calibration (as a calibrated GPU
     gives it, ``RingContext.for_group``), each step runs the kernel the cost model picked, exactly, and
-    ``backend_choices`` names it with its predictions; a candidate that cannot run (2 query heads over a Ulysses
+    ``layout_choices`` names it with its predictions; a candidate that cannot run (2 query heads over a Ulysses
     degree of 4) is left out with the reason, never run."""
     model = build_model("llama")
     with hfpatch.apply(dist.group.WORLD, model=model) as patch:
@@ -195,7 +195,7 @@ def _auto_by_the_cost_model():
         with _Counted("zigzag_ring_attn_func") as counted:
             _cp(patch, model, _batches()["batch"][0], None)
         assert counted.calls == {"zigzag_ring_attn_func": 2}, counted.calls
-        chosen = [c for c in patch.backend_choices if isinstance(c, AutoChoice)]
+        chosen = patch.layout_choices
         assert [(c.kernel, c.layout_choice) for c in chosen] == [("zigzag", None)], chosen
         assert "no layout-cost calibration for this device" in chosen[0].reason and chosen[0].steps == 1, chosen
     for overrides in ({}, dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=32)):
@@ -209,7 +209,8 @@ def _auto_by_the_cost_model():
                 functions = tuple(_KERNEL_FUNCTIONS.values())
                 with _Counted(*functions) as counted:
                     loss, grads = _cp(patch, model, ids, positions)
-                picked = [c for c in patch.backend_choices if isinstance(c, AutoChoice)][-1]
+                picked = patch.layout_choices[-1]
+                assert not any(isinstance(c, AutoChoice) for c in patch.backend_choices)   # block backends only
                 assert picked.layout_choice is not None and picked.layout_choice.layout is not None, picked
                 assert counted.calls == {_KERNEL_FUNCTIONS[picked.kernel, form == "packed"]: 2}, (picked, counted.calls)
                 assert_close(loss, ref_loss, LOSS, f"auto {picked.kernel} {form}: CP loss vs non-CP")

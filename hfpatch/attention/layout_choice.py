@@ -12,7 +12,7 @@ device (a CPU group, an uncalibrated GPU), non-causal or windowed calls (the mod
 without a window), a layout the user split themselves -- auto runs the ring variant of ``plan_step`` (zigzag for
 batch rows, llama3 for packed rows). A candidate that cannot run the call (query heads that do not divide by its
 Ulysses degree, no USP grid) is left out with the reason. Every decision, with its predictions, is kept on the
-context (``auto_choices``) and shown by ``Patch.backend_choices``.
+context (``auto_choices``) and shown by ``Patch.layout_choices``.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ CANDIDATES_KERNEL = {layout: kernel for table in CANDIDATES.values() for layout,
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """One decision of kernel="auto" (``Patch.backend_choices``).
+    """One decision of kernel="auto" (``Patch.layout_choices``).
 
     kernel:   the kernel that computed the calls ("zigzag", "llama3", "ring", "ulysses", "usp").
     reason:   why: the cost model's pick and margin, or why the cost model did not choose.

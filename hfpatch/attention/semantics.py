@@ -201,7 +201,7 @@ class RingContext:
     auto_heads:      "auto" with a machine: kernel -> ``HeadSplit`` of the head-parallel kernels auto may pick
                      ("ulysses": every rank; "usp": the squarest grid, ``ring_kernels.layout_costs.usp_grid``).
     auto_choices:    "auto": (kernel, call shape) -> the latest ``AutoChoice`` of it, with the (step, call shape) pairs
-                     that decided it (``layout_choice.record``; ``Patch.backend_choices``).
+                     that decided it (``layout_choice.record``; ``Patch.layout_choices``).
     step:            the current step's ``StepState`` (set by ``hfpatch.inputs.shard_inputs``), or None.
     call_original:   optional ``(call, extra) -> Tensor`` that re-calls transformers' original function (set by
                      the dispatcher); ``reference_attention`` uses it on the gathered sequence when flash-attn can
