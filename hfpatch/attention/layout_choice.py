@@ -90,7 +90,8 @@ def _feasible(layout: str, nheads: int, ctx: Any) -> Optional[str]:
 
 
 def _decide(step: Any, causal: bool, window: Tuple[int, int], nheads: int, kv_heads: int, head_dim: int,
-            ctx: Any) -> Tuple[str, Optional[AutoChoice]]:
+            ctx: Any) -> Tuple[str, AutoChoice]:
+    """(the step kernel to run, the decision that says why): the cost model's pick, or the step's own kernel."""
     candidates = CANDIDATES.get((step.layout, step.packed))
     shape_text = f"{'packed' if step.packed else 'batch'}, {step.seq_len_local} tokens per rank, H={nheads} " \
                  f"Hk={kv_heads} D={head_dim}"
