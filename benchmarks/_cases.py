@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["AttnConfig", "CONFIGS", "BATCH_VARIANTS", "VARLEN_VARIANTS", "CAUSAL_ONLY", "GRID_VARIANTS",
-           "VARIANT_LAYOUT", "MODES", "usp_split", "local_document_mix", "global_document_mix", "attention_flops"]
+           "VARIANT_LAYOUT", "MODES", "local_document_mix", "global_document_mix", "attention_flops"]
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,6 @@ VARIANT_LAYOUT = {
     "usp_varlen": "contiguous",
 }
 MODES = ("fwd", "fwd_bwd")
-
-
-def usp_split(world_size: int) -> Optional[Tuple[int, int]]:
-    """(Ulysses group size U, ring group size R) of the squarest grid of ``world_size`` ranks with U >= R >= 2
-    (4: 2 x 2, 8: 4 x 2, 6: 3 x 2), or None (fewer than 4 ranks, or a prime number)."""
-    splits = [(world_size // r, r) for r in range(2, int(math.isqrt(world_size)) + 1) if world_size % r == 0]
-    return splits[-1] if splits else None
 
 
 def local_document_mix(tokens: int, world_size: int, seed: int = 0) -> List[int]:

@@ -29,13 +29,13 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from _runners import USP_RING_VARIANTS as _USP_VARIANTS   # USP variant -> the ring variant across its groups
+
 __all__ = ["no_communication", "nocomm_unavailable_reason", "NoCommCounter"]
 
 _RING_EXCHANGE_VARIANTS = frozenset({"ring", "zigzag", "stripe", "ring_varlen", "zigzag_varlen"})
 _LLAMA3_COLLECTIVES = ("all_gather_tensor", "reduce_scatter_tensor")
 _ULYSSES_VARIANTS = frozenset({"ulysses", "ulysses_varlen"})
-# The USP variants and the ring variant each runs across its Ulysses groups (benchmarks/_runners.py).
-_USP_VARIANTS = {"usp": "zigzag", "usp_varlen": "llama3"}
 _ULYSSES_COLLECTIVE = "all_to_all_single"
 
 

@@ -274,12 +274,12 @@ def stamp(device: torch.device, world_size: int) -> dict:
 
 
 def gpu_model(name: str) -> str:
-    """The GPU model in a device name, for file names: "NVIDIA H100 80GB HBM3" -> "H100", "NVIDIA H200" -> "H200";
-    without a model number, the name's last word with its punctuation removed ("cpu" for an empty name)."""
-    found = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", name or "")
-    if found:
-        return found.group(1)
-    return re.sub(r"[^A-Za-z0-9]+", "", name.split()[-1] if name else "cpu") or "cpu"
+    """The GPU model in a device name, for file names (``ring_kernels.layout_costs.gpu_model``: "NVIDIA H100 80GB
+    HBM3" -> "H100"); without a model number, the name's last word with its punctuation removed ("cpu" for an
+    empty name)."""
+    from ring_kernels.layout_costs import gpu_model as model_in_name   # as backend_choices: ring_kernels on demand
+
+    return model_in_name(name) or re.sub(r"[^A-Za-z0-9]+", "", name.split()[-1] if name else "cpu") or "cpu"
 
 
 def _short_tag(origin: dict) -> str:

@@ -41,7 +41,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 from _cases import (BATCH_VARIANTS, CAUSAL_ONLY, CONFIGS, GRID_VARIANTS, MODES, VARLEN_VARIANTS,  # noqa: E402
-                    AttnConfig, attention_flops, global_document_mix, local_document_mix, usp_split)
+                    AttnConfig, attention_flops, global_document_mix, local_document_mix)
 from _check import max_over_ranks, passes, reference_attention, relative_errors  # noqa: E402
 from _nocomm import no_communication, nocomm_unavailable_reason  # noqa: E402
 from _runners import (Inputs, input_bytes, make_backend_step, make_inputs,  # noqa: E402
@@ -50,6 +50,7 @@ from _runners import (Inputs, input_bytes, make_backend_step, make_inputs,  # no
 from _stamp import backend_choices, stamp  # noqa: E402
 from _timing import peak_memory_bytes, time_callable  # noqa: E402
 import native_cp  # noqa: E402
+from ring_kernels.layout_costs import usp_grid  # noqa: E402
 import report  # noqa: E402
 from _summary import summarize  # noqa: E402
 
@@ -192,7 +193,7 @@ class Bench:
     def _usp_grid(self):
         """((U, R), None) after making usp's groups -- Ulysses groups of U consecutive ranks (one node's
         all-to-all), rings of R ranks across them -- or (None, why not)."""
-        split = usp_split(self.world)
+        split = usp_grid(self.world)
         if split is None:
             return None, f"usp needs a grid of at least 2 x 2 ranks; {self.world} ranks make none"
         u, r = split

@@ -19,7 +19,8 @@ Layouts are ring_kernels' functions on the inputs' layout: batch rows ``"zigzag"
 ``"ulysses"``, ``"usp"`` (the zigzag ring across Ulysses groups); packed rows ``"llama3"``, ``"ring_varlen"``,
 ``"zigzag_varlen"``, ``"ulysses_varlen"``, ``"usp_varlen"`` (the llama3 ring across Ulysses groups). USP runs on
 the squarest grid of the world (``usp_grid``). ``choose`` returns the cheapest feasible layout with every
-prediction and every exclusion, as a ``LayoutChoice``.
+prediction and every exclusion, as a ``LayoutChoice``. ``ONE_SPLIT`` lists the layouts that compute on one split
+of the inputs: what a caller that has already sharded the sequence can choose among.
 """
 from __future__ import annotations
 
@@ -31,12 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["CallShape", "LayoutChoice", "LayoutCosts", "LAYOUTS", "PACKED_LAYOUTS", "TABLE_PATH", "usp_grid",
-           "features", "load", "machine_of", "gpu_model"]
+from .ulysses import kv_replication
+
+__all__ = ["CallShape", "LayoutChoice", "LayoutCosts", "LAYOUTS", "PACKED_LAYOUTS", "ONE_SPLIT", "TABLE_PATH",
+           "usp_grid", "features", "load", "machine_of", "gpu_model"]
 
 TABLE_PATH = Path(__file__).with_name("layout_costs.json")
 PACKED_LAYOUTS = ("llama3", "ring_varlen", "zigzag_varlen", "ulysses_varlen", "usp_varlen")
 LAYOUTS = ("zigzag", "ring", "ulysses", "usp") + PACKED_LAYOUTS
+# packed -> the layouts that compute on one split of the inputs (batch rows: zigzag; packed rows: contiguous), the
+# plain ring and zigzag varlen left out (each needs its own split, and neither is the fastest causal layout there).
+ONE_SPLIT: Dict[bool, Tuple[str, ...]] = {False: ("zigzag", "ulysses", "usp"),
+                                          True: ("llama3", "ring_varlen", "ulysses_varlen", "usp_varlen")}
 _ULYSSES = ("ulysses", "ulysses_varlen")
 _USP = ("usp", "usp_varlen")
 _BYTES = 2           # bf16 / fp16: what the grid measures
@@ -85,22 +92,16 @@ def usp_grid(world: int) -> Optional[Tuple[int, int]]:
     return splits[-1] if splits else None
 
 
-def _kv_heads_sent(heads: int, kv_heads: int, degree: int) -> int:
-    """K/V heads an all-to-all over ``degree`` ranks moves: Hk, or Hk replicated up to a multiple of the degree
-    (ring_kernels.ulysses.kv_replication)."""
-    return kv_heads * (degree // math.gcd(kv_heads, degree))
-
-
 def features(layout: str, shape: CallShape) -> Tuple[float, float, float]:
     """(F TFLOP per rank, G GB sent per rank, 1) of ``layout`` on ``shape`` (the module docstring)."""
     h, d, n, t = shape.heads, shape.head_dim, shape.world, shape.tokens
     flops = 7.0 * shape.square_sum * h * d / n / 1e12
     if layout in _ULYSSES:
-        hk = _kv_heads_sent(h, shape.kv_heads, n)
+        hk = shape.kv_heads * kv_replication(h, shape.kv_heads, n)   # K/V heads sent, replicated as Ulysses does
         sent = t * d * _BYTES * (n - 1) / n * (4 * h + 4 * hk)
     elif layout in _USP:
         u, r = usp_grid(n) or (n, 1)
-        hk = _kv_heads_sent(h, shape.kv_heads, u)
+        hk = shape.kv_heads * kv_replication(h, shape.kv_heads, u)
         sent = t * d * _BYTES * ((u - 1) / u * (4 * h + 4 * hk) + 6 * (r - 1) * hk)
     else:
         sent = 6.0 * (n - 1) * t * shape.kv_heads * d * _BYTES
@@ -132,11 +133,10 @@ class LayoutChoice:
 class LayoutCosts:
     """The fitted coefficients of one machine: ``coefficients[world][layout] = (a, b, c)``."""
 
-    def __init__(self, machine: str, coefficients: Mapping[int, Mapping[str, Sequence[float]]], note: str = ""):
+    def __init__(self, machine: str, coefficients: Mapping[int, Mapping[str, Sequence[float]]]):
         self.machine = machine
         self.coefficients = {int(w): {k: tuple(float(x) for x in v) for k, v in table.items()}
                              for w, table in coefficients.items()}
-        self.note = note
 
     def world_for(self, world: int) -> Optional[int]:
         """The calibrated world size used for ``world``: itself, else the largest calibrated one below it, else

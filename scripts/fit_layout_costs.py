@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from _cases import global_document_mix, local_document_mix  # noqa: E402
 from _stamp import gpu_model  # noqa: E402
 
-from ring_kernels.layout_costs import LAYOUTS, TABLE_PATH, CallShape, LayoutCosts, features  # noqa: E402
+from ring_kernels.layout_costs import LAYOUTS, ONE_SPLIT, TABLE_PATH, CallShape, LayoutCosts, features  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(ROOT, "benchmarks", "results", "layout_grid_*.json")
 # GPU models that use another's calibration, and why (ring_kernels.layout_costs.machine_of).
@@ -88,7 +88,7 @@ def _groups(rows: Sequence[dict]) -> Dict[Tuple, List[dict]]:
     return groups
 
 
-def build_table(rows: Sequence[dict], sources: Sequence[str]) -> dict:
+def build_table(rows: Sequence[dict]) -> dict:
     machines: dict = {}
     for (machine, world, layout), group in sorted(_groups(rows).items()):
         if len(group) < MIN_POINTS:
@@ -108,11 +108,6 @@ def build_table(rows: Sequence[dict], sources: Sequence[str]) -> dict:
             "generated_by": "scripts/fit_layout_costs.py", "machines": machines, "same_as": SAME_AS}
 
 
-# The layouts hfpatch's kernel="auto" chooses among, by the inputs' form (hfpatch/attention/layout_choice.py):
-# the layouts of shard_inputs' split (zigzag batches, contiguous packed rows).
-AUTO_CANDIDATES = {False: ("zigzag", "ulysses", "usp"), True: ("llama3", "ring_varlen", "ulysses_varlen", "usp_varlen")}
-
-
 def regrets(rows: Sequence[dict], leave_out: bool) -> List[Tuple]:
     """(point, fastest measured, picked, regret) at every measured point; ``leave_out``: each point's rows are left
     out of the fits that predict it."""
@@ -123,7 +118,7 @@ def regrets(rows: Sequence[dict], leave_out: bool) -> List[Tuple]:
     out = []
     for point, measured in sorted(by_point.items()):
         machine, world, _, _, packed = point
-        candidates = [k for k in AUTO_CANDIDATES[packed] if k in measured]
+        candidates = [k for k in ONE_SPLIT[packed] if k in measured]
         predicted = {}
         for layout in candidates:
             train = [r for r in groups[machine, world, layout] if not (leave_out and _point_key(r) == point)]
@@ -150,7 +145,7 @@ def main(argv=None) -> int:
         print(f"fit_layout_costs: no layout grid files ({DEFAULT_RESULTS})", file=sys.stderr)
         return 2
     rows = read_grid(paths)
-    table = build_table(rows, paths)
+    table = build_table(rows)
     text = json.dumps(table, indent=1, sort_keys=True) + "\n"
     if args.check:
         with open(args.out) as f:

@@ -36,7 +36,7 @@ def test_pick_is_within_3_percent_of_the_fastest_at_every_measured_point():
     assert len(points) >= 19
     checked = 0
     for (machine, world, tokens, config, packed), measured in points.items():
-        candidates = [k for k in script.AUTO_CANDIDATES[packed] if k in measured]
+        candidates = [k for k in layout_costs.ONE_SPLIT[packed] if k in measured]
         if len(candidates) < 2:
             continue
         shape = measured[candidates[0]]["shape"]

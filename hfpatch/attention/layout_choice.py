@@ -25,21 +25,21 @@ import torch
 import torch.distributed as dist
 
 from ring_kernels import layout_costs
-from ring_kernels.layout_costs import CallShape, LayoutChoice
+from ring_kernels.layout_costs import ONE_SPLIT, CallShape, LayoutChoice
 
-__all__ = ["AutoChoice", "device_machine", "auto_kernel", "record", "CANDIDATES", "KEPT_DECISIONS"]
+__all__ = ["AutoChoice", "device_machine", "auto_kernel", "record", "CANDIDATES", "KERNEL_OF", "KEPT_DECISIONS"]
 
 # Decisions kept per context (``record``): (kernel, shape) pairs, the least recently decided dropped beyond this.
 KEPT_DECISIONS = 64
 
-# (the step's layout, packed) -> cost-model layout -> the step kernel that runs it on that layout.
-CANDIDATES: Dict[Tuple[str, bool], Dict[str, str]] = {
-    ("zigzag", False): {"zigzag": "zigzag", "ulysses": "ulysses", "usp": "usp"},
-    ("contiguous", True): {"llama3": "llama3", "ring_varlen": "ring", "ulysses_varlen": "ulysses",
-                           "usp_varlen": "usp"},
-}
-# cost-model layout -> step kernel, whatever the step's layout
-CANDIDATES_KERNEL = {layout: kernel for table in CANDIDATES.values() for layout, kernel in table.items()}
+# cost-model layout -> the step kernel that runs it (hfpatch.attention.semantics' plans)
+KERNEL_OF = {"zigzag": "zigzag", "ulysses": "ulysses", "usp": "usp", "llama3": "llama3", "ring_varlen": "ring",
+             "ulysses_varlen": "ulysses", "usp_varlen": "usp"}
+_HEAD_PARALLEL = ("ulysses", "usp")
+# (the step's layout, packed) -> the cost-model layouts that compute on it: shard_inputs' splits (zigzag batch rows,
+# contiguous packed rows), ``ring_kernels.layout_costs.ONE_SPLIT``.
+CANDIDATES: Dict[Tuple[str, bool], Tuple[str, ...]] = {("zigzag", False): ONE_SPLIT[False],
+                                                       ("contiguous", True): ONE_SPLIT[True]}
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,14 @@ def _shape(step: Any, nheads: int, kv_heads: int, head_dim: int, world: int) -> 
 
 def _feasible(layout: str, nheads: int, ctx: Any) -> Optional[str]:
     """None when ``layout`` can compute a call of ``nheads`` query heads on ``ctx``, else why not."""
-    split = (ctx.auto_heads or {}).get(CANDIDATES_KERNEL.get(layout, ""))
-    if layout in ("ulysses", "ulysses_varlen", "usp", "usp_varlen"):
-        if split is None:
-            return f"no {CANDIDATES_KERNEL[layout]} groups on this context ({ctx.world_size} ranks)"
-        if nheads % split.ulysses:
-            return f"{nheads} query heads do not divide by its Ulysses degree {split.ulysses}"
+    kernel = KERNEL_OF[layout]
+    if kernel not in _HEAD_PARALLEL:
+        return None
+    split = (ctx.auto_heads or {}).get(kernel)
+    if split is None:
+        return f"no {kernel} groups on this context ({ctx.world_size} ranks)"
+    if nheads % split.ulysses:
+        return f"{nheads} query heads do not divide by its Ulysses degree {split.ulysses}"
     return None
 
 
@@ -109,8 +111,8 @@ def _decide(step: Any, causal: bool, window: Tuple[int, int], nheads: int, kv_he
             return step.kernel, AutoChoice(step.kernel, f"{step.kernel} (plan_step's ring variant): {choice.reason}",
                                            shape_text, choice)
         note = f" ({ctx.machine_note})" if ctx.machine_note else ""
-        return candidates[choice.layout], AutoChoice(candidates[choice.layout], choice.reason + note, shape_text,
-                                                     choice)
+        kernel = KERNEL_OF[choice.layout]
+        return kernel, AutoChoice(kernel, choice.reason + note, shape_text, choice)
     return step.kernel, AutoChoice(step.kernel, f"{step.kernel} (plan_step's ring variant): {why}", shape_text)
 
 
@@ -128,13 +130,13 @@ def auto_kernel(step: Any, causal: bool, window: Tuple[int, int], nheads: int, k
                 head_dim: int, ctx: Any) -> Tuple[Any, Optional[Any]]:
     """The step to plan (``step``, or a copy whose kernel is auto's pick: same layout, same per-step caches) and
     the ``HeadSplit`` of a head-parallel pick. Decided once per step and (causal, window, heads, K/V heads, head
-    dim); each new decision is counted on ``ctx.auto_choices``."""
+    dim), kept on ``step.auto_kernels`` for the step's other layers; each decision is counted on
+    ``ctx.auto_choices``."""
     key = (bool(causal), tuple(window), nheads, kv_heads, head_dim)
     found = step.auto_kernels.get(key)
     if found is None:
         kernel, decision = _decide(step, bool(causal), tuple(window), nheads, kv_heads, head_dim, ctx)
-        found = step.auto_kernels[key] = kernel
         record(ctx.auto_choices, decision)
-    if found == step.kernel:
-        return step, None
-    return dataclasses.replace(step, kernel=found), (ctx.auto_heads or {}).get(found)
+        found = step.auto_kernels[key] = ((step, None) if kernel == step.kernel else
+                                          (dataclasses.replace(step, kernel=kernel), (ctx.auto_heads or {}).get(kernel)))
+    return found

@@ -153,8 +153,8 @@ class StepState:
     rank_checked: set = field(default_factory=set, compare=False, repr=False)
     # device -> ``cu_seqlens`` on that device: copied once per step and device, for every plan of the step.
     cu_by_device: dict = field(default_factory=dict, compare=False, repr=False)
-    # kernel="auto": (causal, window, heads, K/V heads, head dim) -> the kernel chosen for this step
-    # (``hfpatch.attention.layout_choice.auto_kernel``).
+    # kernel="auto": (causal, window, heads, K/V heads, head dim) -> (the StepState to plan: this one or a copy with
+    # the kernel chosen, the HeadSplit of a head-parallel pick) (``hfpatch.attention.layout_choice.auto_kernel``).
     auto_kernels: dict = field(default_factory=dict, compare=False, repr=False)
 
     def cu_seqlens_on(self, device: torch.device) -> torch.Tensor:

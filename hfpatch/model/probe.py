@@ -308,9 +308,9 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
     try:
         if group is not previous_group:
             ctx.machine = None   # auto's head-parallel groups belong to the CP group: the probe's plans the ring
-        if group is not previous_group and heads is not None and heads.ulysses_group is not None:
-            # USP's subgroups of the probe's gloo group (made by every rank of it, as the group was)
-            ctx.heads = heads = make_usp_groups(group, heads.ulysses, heads.ring, backend="gloo")
+            if heads is not None and heads.ulysses_group is not None:
+                # USP's subgroups of the probe's gloo group (made by every rank of it, as the group was)
+                ctx.heads = heads = make_usp_groups(group, heads.ulysses, heads.ring, backend="gloo")
         model.eval()
         with torch.no_grad():
             with modes.switch("local"), _named_failure(model, "non-CP"):
