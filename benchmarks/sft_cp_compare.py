@@ -36,7 +36,7 @@ if ROOT not in sys.path:
 
 from ring_kernels.tolerances import error_of, tolerance  # noqa: E402
 
-__all__ = ["launch_command", "compare", "table", "main"]
+__all__ = ["launch_command", "one_gpu", "compare", "table", "main"]
 
 
 def launch_command(device: str, cp: int, log: str, extra: List[str]) -> List[str]:
@@ -51,7 +51,7 @@ def launch_command(device: str, cp: int, log: str, extra: List[str]) -> List[str
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp), *script]
 
 
-def _one_gpu(env: dict) -> dict:
+def one_gpu(env: dict) -> dict:
     """``env`` with one GPU visible: the first of those visible. A single process that sees several GPUs makes
     Trainer wrap the model in ``nn.DataParallel``, which SFTTrainer refuses."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         path = os.path.join(args.out, f"{args.tag}_cp{cp}.json")
         if os.path.exists(path):
             os.remove(path)
-        code = _run(launch_command(args.device, cp, path, args.example), _one_gpu(env) if cp == 1 else env)
+        code = _run(launch_command(args.device, cp, path, args.example), one_gpu(env) if cp == 1 else env)
         if code != 0:
             print(f"the cp={cp} run failed with exit status {code}", flush=True)
             return code

@@ -23,7 +23,9 @@ class Run:
     ``label`` names the run ("cp=2", "no CP"); ``losses``: the global loss of every optimizer step, step 1 first;
     ``tokens`` and ``seconds``: the tokens of the global batches of the timed steps and their wall time;
     ``timed``: which steps those are ("2-5": every step after the first, which pays one-time costs; "1" for a
-    one-step run); ``processes``: how many processes ran it."""
+    one-step run); ``processes``: how many processes ran it. ``peak_allocated_gib`` / ``peak_reserved_gib``: on
+    CUDA, ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` since training began, the largest over the
+    ranks, in GiB (None on CPU)."""
 
     label: str
     losses: Tuple[float, ...]
@@ -31,6 +33,8 @@ class Run:
     seconds: float
     timed: str
     processes: int
+    peak_allocated_gib: Optional[float] = None
+    peak_reserved_gib: Optional[float] = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -56,8 +60,10 @@ def throughput_line(run: Run) -> str:
     rate = run.tokens_per_second
     each = "" if run.processes == 1 else f", {rate / run.processes:,.0f} per process"
     plural = "es" if run.processes > 1 else ""
+    memory = ("" if run.peak_allocated_gib is None else
+              f"; peak memory {run.peak_allocated_gib:.2f} GiB allocated, {run.peak_reserved_gib:.2f} GiB reserved")
     return (f"throughput, {run.label}: {rate:,.0f} tokens/s on {run.processes} process{plural}{each} "
-            f"({_steps(run.timed)})")
+            f"({_steps(run.timed)}){memory}")
 
 
 def compare(with_cp: Run, without_cp: Run, dtype: str) -> Tuple[List[str], bool]:

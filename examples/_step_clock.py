@@ -6,7 +6,9 @@ the examples' throughput line.
 collator builds (padding excluded where the batch has an attention mask), in the order it builds them. The trainer
 builds the batches in step order, so optimizer step s (1-based) used batches (s-1)G to sG-1, G being the gradient
 accumulation steps. Every rank of a CP group builds the same batches; ``run`` reduces the counts to the global
-batch's (a collective: call it on every rank).
+batch's (a collective: call it on every rank). On CUDA it also resets the peak-memory counters when training begins
+(after accelerate prepared the model) and reports each rank's peak allocated and reserved memory, the largest over
+the ranks.
 """
 from __future__ import annotations
 
@@ -52,6 +54,10 @@ class StepClock(TrainerCallback):
         trainer.add_callback(clock)
         return clock
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if _on_cuda():
+            torch.cuda.reset_peak_memory_stats()
+
     def on_step_begin(self, args, state, control, **kwargs):
         _synchronize()
         self._start = time.perf_counter()
@@ -65,28 +71,48 @@ class StepClock(TrainerCallback):
         sum over every rank's batches divided by ``cp_size``, whose ranks built the same ones)."""
         timed, name = timed_steps(len(self.seconds))
         counts = self.collator.counts[timed.start * self.accumulation:timed.stop * self.accumulation]
-        tokens = torch.tensor([float(sum(counts))], dtype=torch.float64, device=trainer.accelerator.device)
+        device = trainer.accelerator.device
+        tokens = torch.tensor([float(sum(counts))], dtype=torch.float64, device=device)
+        peaks = _peak_memory_gib(device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(tokens)
+            if peaks is not None:
+                torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+        allocated, reserved = (None, None) if peaks is None else peaks.tolist()
         return Run(label=label, losses=tuple(losses), tokens=tokens.item() / cp_size,
-                   seconds=sum(self.seconds[timed]), timed=name, processes=trainer.accelerator.num_processes)
+                   seconds=sum(self.seconds[timed]), timed=name, processes=trainer.accelerator.num_processes,
+                   peak_allocated_gib=allocated, peak_reserved_gib=reserved)
+
+
+def _on_cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _on_cuda():
         torch.cuda.synchronize()
+
+
+def _peak_memory_gib(device: torch.device):
+    """This rank's (max_memory_allocated, max_memory_reserved) in GiB as a float64 tensor on ``device``; None off
+    CUDA."""
+    if device.type != "cuda" or not _on_cuda():
+        return None
+    return torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30,
+                         torch.cuda.max_memory_reserved(device) / 2 ** 30], dtype=torch.float64, device=device)
 
 
 def train_timed(trainer, cp_handle, cp_size: int):
     """Train ``trainer`` (its per-step printer removed: the examples print their own lines), timed by a
-    ``StepClock``, then remove ``cp_handle`` whatever happened; returns (the log entry of every optimizer step, the
-    run's ``Run``)."""
+    ``StepClock``, then remove ``cp_handle`` (None: nothing to remove) whatever happened; returns (the log entry of
+    every optimizer step, the run's ``Run``)."""
     trainer.remove_callback(PrinterCallback)
     clock = StepClock.attach(trainer)
     try:
         trainer.train()
     finally:
-        cp_handle.remove()
+        if cp_handle is not None:
+            cp_handle.remove()
     steps = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
     run = clock.run(trainer, "no CP" if cp_size == 1 else f"cp={cp_size}", [e["loss"] for e in steps], cp_size)
     return steps, run
