@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -193,6 +194,8 @@ def test_flash_attn_is_chosen_by_name_only(cuda_declared):
 
 def test_varlen_kernel_choice_is_recorded(monkeypatch):
     monkeypatch.setattr(tcv, "op_available", lambda device: True)
+    monkeypatch.setattr(tcv, "CUDNN_SHAPES", tcv.CudnnShapes())
+    tcv.CUDNN_SHAPES.built.add((("cuda", torch.bfloat16, 128), 8192, 8192))   # as if cuDNN had built it before
     common = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, softcap=0.0)
     assert tcv.varlen_kernel_for("torch_flash", "torch_flash", document_lengths=[(64, 64)], **common) is not None
     many_short = [(32, 32)] * 40
@@ -202,6 +205,45 @@ def test_varlen_kernel_choice_is_recorded(monkeypatch):
     assert got == [("torch_flash_varlen", "torch_flash", "cuda bfloat16 head_dim=128 mask=documents"),
                    ("torch_flash_varlen", "auto", "cuda bfloat16 head_dim=128 mask=documents")]
     assert "estimated faster than per-document torch_cudnn calls" in choices()[1].reason
+
+
+KEY = ("cuda:0", torch.bfloat16, 128)
+
+
+def test_new_document_lengths_go_to_flash_until_they_pay_for_cudnn_graphs():
+    """Rent or buy: a shape cuDNN has no graph for costs its build (0.3 s), less what flash already lost on it."""
+    shapes = tcv.CudnnShapes()
+    long_doc = [(8192, 8192)]           # cuDNN's kernel saves ~6 ms a call on it against flash
+    decisions = [shapes.per_block_calls_cost_more(long_doc, KEY) for _ in range(80)]
+    switch = decisions.index(False)
+    loss = shapes.flash_loss(8192, 8192)
+    assert 5e-3 < loss < 7e-3
+    assert all(decisions[:switch]) and not any(decisions[switch:])
+    assert switch == math.ceil(shapes.build_s / loss - 1)    # regret + this call's loss reach the build cost
+    assert (KEY, 8192, 8192) in shapes.built and not shapes.regret
+    # built for this device, dtype and head dim only
+    assert shapes.per_block_calls_cost_more(long_doc, ("cuda:0", torch.bfloat16, 64))
+
+
+def test_varied_short_documents_never_buy_graphs():
+    """SFT-like rows: ~2k-token documents of lengths that change at every step stay on one flash varlen call,
+    since no length comes back often enough to repay its graph; a row of one long document is built at once."""
+    shapes = tcv.CudnnShapes()
+    g = torch.Generator().manual_seed(0)
+    for step in range(20):
+        lengths = torch.randint(1024, 3072, (16,), generator=g).tolist()
+        docs = [(n, n) for n in lengths]
+        for layer_call in range(48):       # 16 layers: forward, recomputation, backward
+            assert shapes.per_block_calls_cost_more(docs, KEY), (step, layer_call)
+    assert not shapes.built
+    assert not shapes.per_block_calls_cost_more([(131072, 131072)], KEY)
+
+
+def test_shape_memory_is_bounded():
+    shapes = tcv.CudnnShapes(limit=64)
+    for n in range(1, 500):
+        shapes.per_block_calls_cost_more([(n, n)] * 40, KEY)
+    assert len(shapes.regret) <= 64 and not shapes.built
 
 
 # ------------------------------------------------------------------------- torch_cuda's GQA fallback

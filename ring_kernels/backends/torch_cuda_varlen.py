@@ -18,6 +18,16 @@ only ``scale`` is passed by keyword, so the same call works on both).
 A ``VarlenSegments`` describes one call's documents; ``varlen_kernel_for`` says whether this path serves a
 backend choice (the ``"torch_flash"`` backend, or ``"auto"`` when its per-document calls would cost more), and
 notes each time it does in ``choices`` (backend ``"torch_flash_varlen"``, mask ``documents``).
+
+What "cost more" counts (``CudnnShapes``): cuDNN builds an execution graph for every new (query rows, key rows)
+shape, which costs about 0.3 s of host time per shape, forward and backward together, against about 0.8 ms for a
+shape it has built (one H100, torch 2.11: benchmarks/results/cudnn_shape_cost_1xH100_9502c84.log). Packed
+documents of varied lengths bring new shapes at every step: SFT rows of ~2k-token documents on 2 H100s ran
+4.9 s per step with per-document cuDNN calls (benchmarks/results/sft_throughput_2xH100_32k_9502c84.md; the
+profile, ``profile_sft_2xH100_9502c84_hfpatch_packed.log``, has cuDNN's forward and backward at 3.5 and 5.7 ms of
+host time per call on average). So a shape cuDNN has not built costs its graph, unless the calls that went to
+flash for it already lost that much against cuDNN's kernel (rent or buy: a shape that keeps coming back is
+built, one seen a few times is not).
 """
 from __future__ import annotations
 
@@ -28,8 +38,8 @@ import torch
 
 from .choices import note, shape_class
 
-__all__ = ["VarlenSegments", "VarlenKernel", "TorchFlashVarlen", "varlen_kernel_for", "segments_from_rows",
-           "segments_from_lengths"]
+__all__ = ["VarlenSegments", "VarlenKernel", "TorchFlashVarlen", "varlen_kernel_for", "CudnnShapes", "CUDNN_SHAPES",
+           "segments_from_rows", "segments_from_lengths"]
 
 _HALF = (torch.float16, torch.bfloat16)
 # Measured on H200, causal fwd+bwd, 32 heads x 128: torch flash
@@ -38,6 +48,9 @@ _HALF = (torch.float16, torch.bfloat16)
 _FLASH_FLOPS_PER_S = 286e12
 _CUDNN_FLOPS_PER_S = 528e12
 _PER_BLOCK_OVERHEAD_S = 100e-6
+# Host time of cuDNN's graph build for a shape it has not seen, forward + backward (module docstring): 0.3 s on
+# average over 30 new causal lengths of 512-1536 tokens, 32 heads x 128, bf16, on one H100.
+_CUDNN_GRAPH_BUILD_S = 0.3
 
 
 @dataclass(frozen=True)
@@ -201,17 +214,63 @@ def op_available(device) -> bool:
             and hasattr(torch.ops.aten, "_flash_attention_backward"))
 
 
-def _per_block_calls_cost_more(document_lengths: List[Tuple[int, int]]) -> bool:
-    """Whether ``len(documents)`` per-document cuDNN calls cost more than one flash varlen call (fwd+bwd).
+def _attention_flops(sq: int, sk: int) -> float:
+    """Forward + backward FLOPs of one (sq x sk) block at H x D = 4096 (32 heads x 128, the measured configuration;
+    the common factor cancels in the comparisons only approximately)."""
+    return 4.0 * 4096 * 3.5 * sq * sk
 
-    Time of the varlen call ~ F / flash rate; per-document calls ~ F / cuDNN rate + n x overhead. F is
-    proportional to sum(Sq x Sk); the common factor (4 x H x D x 3.5) cancels in the per-head comparison only
-    approximately, so it uses H x D = 4096 (32 heads x 128), the measured configuration.
+
+class CudnnShapes:
+    """The per-document block shapes cuDNN has built graphs for in this process, and what flash cost the calls
+    that left the others unbuilt (module docstring).
+
+    ``per_block_calls_cost_more(lengths, key)`` decides one call: per-document cuDNN calls cost their kernels at
+    cuDNN's rate, a fixed overhead per call, and, for each distinct shape not yet built, its graph build less the
+    regret already gathered for it; one flash varlen call costs the kernels at flash's rate. Choosing cuDNN marks
+    the call's shapes built; choosing flash adds, to each unbuilt shape's regret, what its blocks would have saved
+    on cuDNN's kernel. ``key`` (device, dtype, head dim) separates graphs that cannot be shared. Bounded: at most
+    ``limit`` regret entries (the oldest half are dropped when full); built shapes are kept, as cuDNN keeps them.
+
+    A shape is (query rows, key rows): whether the block is causal is not part of it, so a shape built for one mask
+    counts as built for the other (an underestimate of cuDNN's cost, never a refusal of a built shape).
     """
-    flops = sum(4.0 * 4096 * 3.5 * sq * sk for sq, sk in document_lengths)
-    flash = flops / _FLASH_FLOPS_PER_S
-    per_block = flops / _CUDNN_FLOPS_PER_S + len(document_lengths) * _PER_BLOCK_OVERHEAD_S
-    return per_block > flash
+
+    def __init__(self, build_s: float = _CUDNN_GRAPH_BUILD_S, limit: int = 1 << 16) -> None:
+        self.build_s = build_s
+        self.limit = limit
+        self.built: set = set()
+        self.regret: Dict[tuple, float] = {}
+
+    @staticmethod
+    def flash_loss(sq: int, sk: int) -> float:
+        """Seconds one (sq x sk) block loses on flash against a cuDNN call with a built graph (0 if none)."""
+        f = _attention_flops(sq, sk)
+        return max(f / _FLASH_FLOPS_PER_S - f / _CUDNN_FLOPS_PER_S - _PER_BLOCK_OVERHEAD_S, 0.0)
+
+    def per_block_calls_cost_more(self, document_lengths: Sequence[Tuple[int, int]], key: tuple = ()) -> bool:
+        flops = [_attention_flops(sq, sk) for sq, sk in document_lengths]
+        flash = sum(flops) / _FLASH_FLOPS_PER_S
+        shapes: Dict[tuple, float] = {}                # unbuilt shape -> what its blocks lose on flash this call
+        for sq, sk in document_lengths:
+            shape = (key, sq, sk)
+            if shape not in self.built:
+                shapes[shape] = shapes.get(shape, 0.0) + self.flash_loss(sq, sk)
+        builds = sum(max(self.build_s - self.regret.get(shape, 0.0), 0.0) for shape in shapes)
+        per_block = sum(flops) / _CUDNN_FLOPS_PER_S + len(document_lengths) * _PER_BLOCK_OVERHEAD_S + builds
+        if per_block > flash:
+            for shape, loss in shapes.items():
+                self.regret[shape] = self.regret.get(shape, 0.0) + loss
+            if len(self.regret) > self.limit:
+                for shape in list(self.regret)[: len(self.regret) // 2]:
+                    del self.regret[shape]
+            return True
+        for shape in shapes:
+            self.built.add(shape)
+            self.regret.pop(shape, None)
+        return False
+
+
+CUDNN_SHAPES = CudnnShapes()
 
 
 def varlen_kernel_for(requested: str, chosen_name: str, *, device, dtype: torch.dtype, head_dim: int,
@@ -220,7 +279,8 @@ def varlen_kernel_for(requested: str, chosen_name: str, *, device, dtype: torch.
     or None to keep one backend call per block.
 
     ``"torch_flash"`` always uses it (same kernel, one call); ``"auto"`` uses it instead of cuDNN when the
-    documents (``(query rows, key rows)`` per block) are many and short enough that per-block calls cost more.
+    per-block calls would cost more for these documents (``(query rows, key rows)`` per block): many and short, or
+    of lengths cuDNN would first have to build graphs for (``CudnnShapes``, ``CUDNN_SHAPES``).
     """
     if not op_available(device) or dtype not in _HALF or head_dim % 8 or head_dim > 256 or softcap > 0.0:
         return None
@@ -228,9 +288,12 @@ def varlen_kernel_for(requested: str, chosen_name: str, *, device, dtype: torch.
         _note_varlen(requested, "one torch flash varlen call per step for all packed documents (the same kernel "
                                 "as torch_flash's per-document calls)", device, dtype, head_dim)
         return _flash_varlen()
-    if requested == "auto" and chosen_name == "torch_cudnn" and _per_block_calls_cost_more(document_lengths):
+    key = (str(torch.device(device)), dtype, head_dim)
+    if requested == "auto" and chosen_name == "torch_cudnn" and \
+            CUDNN_SHAPES.per_block_calls_cost_more(document_lengths, key):
         _note_varlen(requested, "auto: one torch flash varlen call estimated faster than per-document torch_cudnn "
-                                "calls for these documents (many and short)", device, dtype, head_dim)
+                                "calls for these documents (many and short, or lengths cuDNN has no graph for)",
+                     device, dtype, head_dim)
         return _flash_varlen()
     return None
 
