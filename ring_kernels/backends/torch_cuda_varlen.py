@@ -232,7 +232,10 @@ class CudnnShapes:
     ``limit`` regret entries (the oldest half are dropped when full); built shapes are kept, as cuDNN keeps them.
 
     A shape is (query rows, key rows): whether the block is causal is not part of it, so a shape built for one mask
-    counts as built for the other (an underestimate of cuDNN's cost, never a refusal of a built shape).
+    counts as built for the other (an underestimate of cuDNN's cost, never a refusal of a built shape). Each call
+    decides anew, so a checkpointed layer's recomputation may take the other kernel than its forward did (when its
+    shapes were bought in between); both compute the same attention, to rounding, and a call's backward always
+    runs the kernel its forward chose.
     """
 
     def __init__(self, build_s: float = _CUDNN_GRAPH_BUILD_S, limit: int = 1 << 16) -> None:
