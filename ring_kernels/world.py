@@ -1,12 +1,18 @@
-"""A local world: run a function on N spawned processes of this machine joined in a process group.
+"""A local world: run a function on N processes of this machine joined in a process group.
 
     values = run_world(2, fn, *args)             # fn(rank, world_size, *args) on 2 gloo CPU processes
     values = run_world(2, fn, backend="nccl")    # rank r on cuda:r
 
 One spawner for everything that needs ranks on one machine: trying ``ring_kernels`` without a launcher,
 ``hfpatch demo``, ``hfpatch check``'s dry run, the model sweep, and the tests. ``fn`` must be defined at module
-level (it is pickled by name into the children); its return values must pickle. Spawning costs a few seconds per
-process (importing torch), so a caller batches many cases into one world.
+level (it is pickled by name into the children); its return values must pickle.
+
+The ranks are forked from multiprocessing's fork server, which imports this module (so torch) and whatever
+``preload_in_ranks`` named once, when the process's first world starts (seconds); each later world starts in a
+fraction of a second. (A spawned rank imports torch and the caller's modules anew: seconds per world.) A rank
+gets the parent's environment at the time of the call (``os.environ`` with ``env`` added), applied before any of
+the caller's modules is imported in it; modules the server preloaded saw the environment of the first world's
+start. Where the platform has no fork server, ranks are spawned.
 
 ``backend="nccl"`` pins rank r to ``cuda:r`` (``torch.cuda.set_device`` and ``device_id`` at
 ``init_process_group``, so the communicator is created eagerly on that device); gloo ranks use one CPU thread
@@ -87,7 +93,23 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-def _child(rank, world_size, port, backend, group_timeout, fn, args, kwargs, results):
+class _Environment:
+    """The parent's environment for a rank: unpickling it (the first of the rank's arguments, before ``fn`` and the
+    modules ``fn`` needs are imported) makes it the rank's ``os.environ``."""
+
+    def __init__(self, environ: dict) -> None:
+        self.environ = environ
+
+    def __reduce__(self):
+        return _set_environment, (self.environ,)
+
+
+def _set_environment(environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _child(environ, rank, world_size, port, backend, group_timeout, fn, args, kwargs, results):
     global _channel
     _channel = (results, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -140,21 +162,6 @@ def _check_arguments(world_size, backend, timeout) -> None:
         raise ValueError(f"run_world: backend='nccl' needs one CUDA device per rank ({world_size}), found "
                          f"{torch.cuda.device_count()}; skip the test (or the run) with fewer GPUs, or use "
                          "backend='gloo'")
-
-
-def _start(procs, env: dict) -> None:
-    """Start the ranks with ``env`` added to their environment (spawn copies the parent's at start)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _supervise(procs, results, timeout: Optional[float], on_report):
@@ -231,15 +238,44 @@ def run_world(world_size: int, fn: Callable, *args, backend: str = "gloo", timeo
     return [values[r] for r in range(world_size)]
 
 
+# Modules the fork server imports once, so that each rank forked from it starts with them imported (a spawned rank
+# imports torch anew: seconds). This module is one of them, so that a rank finds ``_child`` without importing
+# anything before its environment is set. ``preload_in_ranks`` adds to it before the first world starts.
+PRELOAD = [__name__]
+_CONTEXT = None
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Have every rank start with ``modules`` imported (the fork server imports them once); effective only before
+    the first world of this process starts."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
+
+def _context():
+    """The fork-server context (ranks forked from one server that imported ``PRELOAD``), or spawn where the
+    platform has no fork server."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        if "forkserver" in mp.get_all_start_methods():
+            _CONTEXT = mp.get_context("forkserver")
+            _CONTEXT.set_forkserver_preload(list(PRELOAD))
+        else:
+            _CONTEXT = mp.get_context("spawn")
+    return _CONTEXT
+
+
 def _run_once(world_size, fn, args, kwargs, backend, timeout, group_timeout, env, on_report):
     """One start of the world on a fresh port: (messages, ranks stopped after a failure, hung ranks, processes)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, group_timeout, fn, args, kwargs, results))
+    environ = _Environment({**os.environ, **(env or {})})
+    procs = [ctx.Process(target=_child, args=(environ, r, world_size, port, backend, group_timeout, fn, args, kwargs,
+                                              results))
              for r in range(world_size)]
     try:
-        _start(procs, env or {})
+        for p in procs:
+            p.start()
         messages, stopped_after_failure, hung = _supervise(procs, results, timeout, on_report)
     except BaseException:   # a test timeout or Ctrl-C interrupted the parent: leave no orphaned rank behind
         for p in procs:

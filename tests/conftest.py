@@ -7,8 +7,17 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _release import MARKER, RELEASE_INDEPENDENT, SAME_WORKER  # noqa: E402
+from importlib.util import find_spec  # noqa: E402
+
+from ring_kernels.world import preload_in_ranks  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# The tests' ranks are forked from ring_kernels.world's fork server: have it import transformers' modeling core once
+# (where transformers is installed), so that a rank of a test on a transformers model starts in a fraction of a
+# second instead of importing it anew (seconds; the suite starts hundreds of worlds).
+if find_spec("transformers") is not None:
+    preload_in_ranks("transformers.modeling_utils")
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # Under pytest-xdist the workers share the cores: one worker's in-process torch ops get its share of them, not

@@ -46,6 +46,37 @@ def test_world_runs_collectives_and_returns_each_ranks_value():
     assert values == [{"rank": r, "backend": "gloo", "env_rank": r} for r in range(3)]
 
 
+def _environment(rank, world_size, names):
+    return {name: os.environ.get(name) for name in names}
+
+
+def test_ranks_get_the_callers_environment_at_the_call(monkeypatch):
+    """Ranks fork from a server started with an earlier world's environment; each world's ranks still see the
+    caller's os.environ as it is at the call, with ``env`` added for them only."""
+    run_world(2, _environment, ["HFPATCH_WORLD_A"])                 # the fork server is up from here on
+    monkeypatch.setenv("HFPATCH_WORLD_A", "set after the server started")
+    monkeypatch.delenv("HFPATCH_WORLD_GONE", raising=False)
+    values = run_world(2, _environment, ["HFPATCH_WORLD_A", "HFPATCH_WORLD_B", "HFPATCH_WORLD_GONE"],
+                       env={"HFPATCH_WORLD_B": "for the ranks"})
+    assert values == [{"HFPATCH_WORLD_A": "set after the server started", "HFPATCH_WORLD_B": "for the ranks",
+                       "HFPATCH_WORLD_GONE": None}] * 2
+    assert "HFPATCH_WORLD_B" not in os.environ
+    if "forkserver" in torch.multiprocessing.get_all_start_methods():
+        assert world._context().get_start_method() == "forkserver"
+
+
+def test_the_environment_is_set_before_the_callers_module_is_imported(tmp_path, monkeypatch):
+    """A module that reads a variable when it is imported, imported in the ranks only to find ``fn``, reads the
+    caller's value."""
+    (tmp_path / "reads_env_at_import.py").write_text(
+        "import os\nSEEN = os.environ.get('HFPATCH_WORLD_IMPORT')\n\n\ndef fn(rank, world_size):\n    return SEEN\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("HFPATCH_WORLD_IMPORT", "outer")
+    import reads_env_at_import
+
+    assert run_world(2, reads_env_at_import.fn, env={"HFPATCH_WORLD_IMPORT": "for the ranks"}) == ["for the ranks"] * 2
+
+
 def test_world_reports_the_failing_rank():
     with pytest.raises(DistributedFailure, match="(?s)1 of 2 ranks failed.*rank 1.*boom from rank 1"):
         run_world(2, _fail_on_rank_1, timeout=60)
