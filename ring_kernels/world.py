@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_world", "report", "free_port", "exit_now", "DistributedFailure", "BACKENDS", "FAILURE_GRACE_S",
-           "PORT_ATTEMPTS"]
+__all__ = ["run_world", "report", "free_port", "exit_now", "preload_in_ranks", "start_method", "DistributedFailure",
+           "BACKENDS", "FAILURE_GRACE_S", "PORT_ATTEMPTS"]
 
 BACKENDS = ("gloo", "nccl")
 # Seconds the other ranks get to finish (or report their own failure) after one rank failed.
@@ -249,6 +249,11 @@ def preload_in_ranks(*modules: str) -> None:
     """Have every rank start with ``modules`` imported (the fork server imports them once); effective only before
     the first world of this process starts."""
     PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
+
+def start_method() -> str:
+    """How this process starts ranks: "forkserver", or "spawn" where the platform has no fork server."""
+    return _context().get_start_method()
 
 
 def _context():

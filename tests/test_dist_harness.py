@@ -62,7 +62,7 @@ def test_ranks_get_the_callers_environment_at_the_call(monkeypatch):
                        "HFPATCH_WORLD_GONE": None}] * 2
     assert "HFPATCH_WORLD_B" not in os.environ
     if "forkserver" in torch.multiprocessing.get_all_start_methods():
-        assert world._context().get_start_method() == "forkserver"
+        assert world.start_method() == "forkserver"
 
 
 def test_the_environment_is_set_before_the_callers_module_is_imported(tmp_path, monkeypatch):
