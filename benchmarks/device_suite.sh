@@ -42,7 +42,7 @@ python benchmarks/_stamp.py --describe || exit 2
 TAG=${TAG:-$(python benchmarks/_stamp.py --tag)}
 log "machine $MACHINE, file tag $TAG, results in $OUT"
 
-profile() { timeout 45 torchrun --nproc-per-node "$NGPU" benchmarks/profile_ring.py --backend torch_cudnn --iters 10 \
+profile() { timeout 45 torchrun --standalone --nproc-per-node "$NGPU" benchmarks/profile_ring.py --backend torch_cudnn --iters 10 \
   --top 0 "$@" 2>&1 | grep -E "^--- rank 0|attention \(cudnn|nccl  "; }
 step() { grep -o "step [0-9.]*" "$1" | head -1 | cut -d' ' -f2; }
 
@@ -70,7 +70,7 @@ PY
 log "profile step sums (ms): ${sums[*]}; benchmarks run with [${SETTINGS[$best]:-default NCCL settings}]"
 for kv in ${SETTINGS[$best]}; do export "$kv"; done
 
-B="torchrun --nproc-per-node $NGPU benchmarks/ring_bench.py --skip-rank-check --out $OUT"
+B="torchrun --standalone --nproc-per-node $NGPU benchmarks/ring_bench.py --skip-rank-check --out $OUT"
 log "8k batch, llama3-8b"
 timeout 250 $B --tokens 8192 --layouts batch --configs llama3-8b --variants ring,zigzag,stripe \
   --backends torch_cudnn,torch_flash,triton --native cudnn,flash --max-minutes 3.2 --tag ring_bench_${MACHINE}_8k_batch_$TAG

@@ -42,7 +42,7 @@ for family in $HYBRID_FAMILIES; do
   stem="hybrid_step_${family}_${NGPU}x${GPU}_$(echo $HYBRID_SIZES | tr ' ' '-')_${TAG}"
   log "hybrid training step, ${family}, ${sizes} tokens per GPU, ${NGPU} GPUs, modes ${MODES}" \
       "(limit ${HYBRID_LIMIT_S} s)"
-  timeout "$HYBRID_LIMIT_S" torchrun --nproc-per-node "$NGPU" benchmarks/hybrid_step.py --family "$family" \
+  timeout "$HYBRID_LIMIT_S" torchrun --standalone --nproc-per-node "$NGPU" benchmarks/hybrid_step.py --family "$family" \
     --modes "$MODES" --seq-per-gpu "$sizes" $HYBRID_STEPS --max-minutes $minutes --out "$OUT" --tag "$stem" \
     $HYBRID_EXTRA
 done

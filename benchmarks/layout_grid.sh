@@ -42,7 +42,7 @@ for size in $SIZES; do
   iters=""
   if (( tokens > 65536 )); then iters="--warmup 1 --iters 2"; fi
   log "${size} tokens per GPU: ${variants} (limit ${limit} s)"
-  timeout "$limit" torchrun --nproc-per-node "$NGPU" benchmarks/ring_bench.py --skip-rank-check --tokens "$tokens" \
+  timeout "$limit" torchrun --standalone --nproc-per-node "$NGPU" benchmarks/ring_bench.py --skip-rank-check --tokens "$tokens" \
     --configs "$CONFIGS" --layouts batch,varlen --causal causal --variants "$variants" --backends torch_cudnn \
     --native cudnn --modes fwd_bwd --no-nocomm $iters --max-minutes "$(python -c "print(round($limit * 0.8 / 60, 2))")" --no-plot --out "$OUT" \
     --tag "layout_grid_${NGPU}x${GPU}_${size}_${TAG}"

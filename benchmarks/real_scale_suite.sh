@@ -42,15 +42,15 @@ if wants probe; then
   timeout 260 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_probe_gpu.py 2>&1 | quiet > "$OUT/probe_8b.log"
 fi
 if wants margin; then
-  timeout 100 torchrun --nproc-per-node 4 benchmarks/probe_margin.py --device cuda --exact small,8b --dtypes bfloat16 \
+  timeout 100 torchrun --standalone --nproc-per-node 4 benchmarks/probe_margin.py --device cuda --exact small,8b --dtypes bfloat16 \
     2>&1 | quiet > "$OUT/probe_margin_4gpu.log"
-  timeout 60 torchrun --nproc-per-node 4 benchmarks/probe_margin.py --device cuda --exact small --dtypes float32 \
+  timeout 60 torchrun --standalone --nproc-per-node 4 benchmarks/probe_margin.py --device cuda --exact small --dtypes float32 \
     --watchdog 50 2>&1 | quiet >> "$OUT/probe_margin_4gpu.log"
-  timeout 90 torchrun --nproc-per-node 2 benchmarks/probe_margin.py --device cuda --exact small,8b --dtypes bfloat16 \
+  timeout 90 torchrun --standalone --nproc-per-node 2 benchmarks/probe_margin.py --device cuda --exact small,8b --dtypes bfloat16 \
     2>&1 | quiet > "$OUT/probe_margin_2gpu.log"
 fi
 if wants cost; then
-  timeout 80 torchrun --nproc-per-node 1 benchmarks/model_probe_cost.py --device cuda --model 8b --tokens 4096 \
+  timeout 80 torchrun --standalone --nproc-per-node 1 benchmarks/model_probe_cost.py --device cuda --model 8b --tokens 4096 \
     2>&1 | quiet > "$OUT/probe_cost_8b.log"
 fi
 if wants hybrids; then
@@ -75,7 +75,7 @@ second_pair=2,3
    fi
  fi
  if wants fp32; then
-   timeout 90 torchrun --nproc-per-node 2 benchmarks/probe_margin.py --device cuda --exact small --dtypes float32 \
+   timeout 90 torchrun --standalone --nproc-per-node 2 benchmarks/probe_margin.py --device cuda --exact small --dtypes float32 \
      --watchdog 75 2>&1 | quiet > "$OUT/probe_margin_fp32_2gpu.log"
  fi) &
 wait

@@ -43,7 +43,7 @@ for size in $SIZES; do
   if [[ "$size" == "32k" || "$size" == "32768" ]]; then limit=${LIMIT_S:-540}; steps="--warmup 1 --steps 3"
   else limit=${LIMIT_S:-1200}; steps="--warmup 1 --steps 2"; fi
   log "training step, ${size} tokens per GPU, ${NGPU} GPUs, modes ${MODES} (limit ${limit} s)"
-  timeout "$limit" torchrun --nproc-per-node "$NGPU" benchmarks/train_step.py --modes "$MODES" \
+  timeout "$limit" torchrun --standalone --nproc-per-node "$NGPU" benchmarks/train_step.py --modes "$MODES" \
     --seq-per-gpu "$size" --single-layers "$SINGLE_LAYERS" $steps "${NATIVE[@]}" --max-minutes $(( limit / 60 - 2 )) \
     --out "$OUT" --tag "$stem" $EXTRA
   if (( ${#NATIVE[@]} == 0 )) && [[ -f "$OUT/$stem.json" ]]; then
