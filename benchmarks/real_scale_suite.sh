@@ -11,8 +11,9 @@
 #   hybrids   tests/gpu/test_hybrids_gpu.py on GPUs 0,1, beside `sft` on GPUs 2,3 (on 0,1 too on a 2-GPU machine)
 #   sft       benchmarks/sft_cp_compare.py: examples/sft_cp.py with cp=2 and cp=1, bf16 then fp32 (SFT_RUNS:
 #             "dtype:tokens per row" pairs, default "bfloat16:16384 float32:8192"; "none": no comparison); with
-#             SFT_THROUGHPUT=<tokens per GPU> then benchmarks/sft_throughput.py: hfpatch cp=2, one GPU at its share
-#             and accelerate's own cp_size=2 on the ~1B Llama in bf16 (6 steps each, 180 s per launch)
+#             SFT_THROUGHPUT=<tokens per GPU> then benchmarks/sft_throughput.py: hfpatch cp=2, one GPU at its share,
+#             accelerate's own cp_size=2 and hfpatch on its rows, on the ~1B Llama in bf16 (6 steps each, 180 s per
+#             launch)
 #   fp32      benchmarks/probe_margin.py in fp32 on GPUs 2,3 (after sft), each rank's stacks printed if it hangs
 #
 # The packages the machine lacks travel in .whl/ (benchmarks/README.md: transformers 5.24.0, TRL, datasets and
@@ -69,7 +70,7 @@ second_pair=2,3
      echo "sft $dtype exit $?" >> "$OUT/sft_cp_$dtype.log"
    done
    if [ -n "${SFT_THROUGHPUT:-}" ]; then
-     timeout 580 python3 benchmarks/sft_throughput.py --device cuda --cp 2 --model small --dtype bfloat16 \
+     timeout 760 python3 benchmarks/sft_throughput.py --device cuda --cp 2 --model small --dtype bfloat16 \
        --tokens-per-gpu "$SFT_THROUGHPUT" --steps 6 --timeout 180 --out "$OUT" > "$OUT/sft_throughput.log" 2>&1
      echo "sft throughput exit $?" >> "$OUT/sft_throughput.log"
    fi

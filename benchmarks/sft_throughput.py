@@ -9,7 +9,9 @@ GPU (T = ``--tokens-per-gpu``, N = ``--cp``):
   ids, so this baseline computes every one of the T x T scores);
 - ``accelerate``: ``--cp N --cp-impl accelerate --plain`` on N GPUs: accelerate's own CP (torch's
   ``context_parallel`` over SDPA), one document of N x T tokens per row (documents drawn at least that long and
-  cut at it: every row full), since it cannot train packed rows.
+  cut at it: every row full), since it cannot train packed rows;
+- ``hfpatch unpacked``: ``--cp N --plain`` on N GPUs, the accelerate run's rows under hfpatch's ring: the
+  like-for-like comparison with accelerate (the same rows, the same attention work).
 
     # 2 GPUs, the ~1B Llama at 32k tokens per GPU, bf16 (benchmarks/README.md):
     python benchmarks/sft_throughput.py --device cuda --out benchmarks/results --model small --dtype bfloat16 \\
@@ -51,8 +53,8 @@ from sft_cp_compare import launch_command, one_gpu  # noqa: E402
 
 __all__ = ["RUNS", "run_arguments", "row_of", "failure", "ratios", "markdown", "main"]
 
-RUNS = ("hfpatch", "one GPU", "accelerate")
-_SLUG = {"hfpatch": "hfpatch", "one GPU": "one_gpu", "accelerate": "accelerate"}
+RUNS = ("hfpatch", "one GPU", "accelerate", "hfpatch unpacked")
+_SLUG = {"hfpatch": "hfpatch", "one GPU": "one_gpu", "accelerate": "accelerate", "hfpatch unpacked": "hfpatch_unpacked"}
 _OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory", re.I)
 
 
@@ -66,8 +68,8 @@ def run_arguments(run: str, args) -> List[str]:
     if run == "one GPU":
         return [*common, "--pack-len", str(t), "--doc-len", str(args.doc_len)]
     # one document per row, drawn between 1 and 3 rows long and cut at the row: every row has n x t tokens
-    return [*common, "--cp-impl", "accelerate", "--plain", "--batch", "1", "--pack-len", str(n * t),
-            "--doc-len", str(2 * n * t)]
+    unpacked = [*common, "--plain", "--batch", "1", "--pack-len", str(n * t), "--doc-len", str(2 * n * t)]
+    return [*unpacked, "--cp-impl", "accelerate"] if run == "accelerate" else unpacked
 
 
 def _timed_steps(timed: str) -> int:
@@ -93,14 +95,18 @@ def row_of(run: str, gpus: int, command: List[str], record: Optional[dict], stat
 
 
 def ratios(rows: List[dict]) -> dict:
-    """hfpatch's tokens/s per GPU over one GPU's and over accelerate's (None where a run has no number)."""
+    """hfpatch's tokens/s per GPU over one GPU's and over accelerate's, and on accelerate's own rows (unpacked) over
+    accelerate's (None where a run has no number)."""
     rate = {r["run"]: r.get("tokens_per_s_per_gpu") if r["status"] == "ok" else None for r in rows}
     own = rate.get("hfpatch")
 
     def over(other: str) -> Optional[float]:
         return own / rate[other] if own and rate.get(other) else None
 
-    return {"hfpatch_vs_one_gpu": over("one GPU"), "hfpatch_vs_accelerate": over("accelerate")}
+    unpacked = rate.get("hfpatch unpacked")
+    return {"hfpatch_vs_one_gpu": over("one GPU"), "hfpatch_vs_accelerate": over("accelerate"),
+            "unpacked_hfpatch_vs_accelerate": unpacked / rate["accelerate"] if unpacked and rate.get("accelerate")
+            else None}
 
 
 def _fmt(value, spec: str) -> str:
@@ -134,7 +140,8 @@ def markdown(rows: List[dict], meta: dict) -> str:
                     f"{_fmt(r.get('peak_reserved_gib'), '.2f')} | {losses} | {status} | `{_cell(r['command'])}` |")
     q = meta["ratios"]
     tail = ["", f"hfpatch vs one GPU (tokens/s per GPU): {_fmt(q['hfpatch_vs_one_gpu'], '.3f')}x; "
-                f"hfpatch vs accelerate's CP (tokens/s per GPU): {_fmt(q['hfpatch_vs_accelerate'], '.3f')}x.",
+                f"hfpatch vs accelerate's CP (tokens/s per GPU): {_fmt(q['hfpatch_vs_accelerate'], '.3f')}x; on "
+                f"accelerate's rows (unpacked, the same work): {_fmt(q.get('unpacked_hfpatch_vs_accelerate'), '.3f')}x.",
             "", "The one-GPU run trains packed rows with the model's own SDPA attention and a dense document mask "
                 "(transformers builds it from the position ids): it computes every score of its row, where hfpatch's "
                 "varlen kernel computes only each document's."]
@@ -232,7 +239,8 @@ def main(argv=None) -> int:
                      f"{args.device}",
             "runs": f"hfpatch cp={args.cp} packed rows of {args.cp * args.tokens_per_gpu} tokens; one GPU packed rows "
                     f"of {args.tokens_per_gpu}; accelerate cp_size={args.cp} (SDPA) unpacked rows of "
-                    f"{args.cp * args.tokens_per_gpu}; documents of mean {args.doc_len} in the packed rows; "
+                    f"{args.cp * args.tokens_per_gpu}, and hfpatch on those rows; documents of mean {args.doc_len} "
+                    "in the packed rows; "
                     f"{args.steps} steps each, the first untimed",
             "argv": sys.argv if argv is None else argv, "stamp": None}
     rows: List[dict] = []

@@ -37,20 +37,23 @@ def _record(tokens: float, seconds: float, processes: int, losses=(4.0, 3.5, 3.0
 def test_rows_ratios_and_table_from_fabricated_records():
     rows = [st.row_of("hfpatch", 2, ["cmd", "a"], _record(2 * 2 * 65536, 4.0, 2, peak=40.0), "ok"),
             st.row_of("one GPU", 1, ["cmd", "b"], _record(2 * 32768, 1.0, 1, peak=30.0), "ok"),
-            st.row_of("accelerate", 2, ["cmd", "c"], _record(2 * 2 * 65536, 5.0, 2), "ok")]
+            st.row_of("accelerate", 2, ["cmd", "c"], _record(2 * 2 * 65536, 5.0, 2), "ok"),
+            st.row_of("hfpatch unpacked", 2, ["cmd", "d"], _record(2 * 2 * 65536, 4.5, 2), "ok")]
     assert rows[0]["tokens_per_s"] == 65536 and rows[0]["tokens_per_s_per_gpu"] == 32768
     assert rows[0]["step_s"] == 2.0 and rows[0]["tokens_per_step"] == 131072 and rows[0]["timed_steps"] == "2-3"
     assert rows[0]["loss_first"] == 4.0 and rows[0]["loss_last"] == 3.0 and rows[0]["peak_reserved_gib"] == 41.0
     q = st.ratios(rows)
-    assert q == {"hfpatch_vs_one_gpu": pytest.approx(0.5), "hfpatch_vs_accelerate": pytest.approx(1.25)}
+    assert q == {"hfpatch_vs_one_gpu": pytest.approx(0.5), "hfpatch_vs_accelerate": pytest.approx(1.25),
+                 "unpacked_hfpatch_vs_accelerate": pytest.approx(5.0 / 4.5)}
     text = st.markdown(rows, {"title": "t", "runs": "r", "stamp": None, "ratios": q})
     assert "| hfpatch | 2 | a | 131072 | 65,536 | 32,768 | 2.000 | 40.00 | 41.00 | 4.0000, 3.0000 | ok | `cmd a` |" \
         in text, text
-    assert "0.500x" in text and "1.250x" in text and "not stamped yet" in text
+    assert "0.500x" in text and "1.250x" in text and "1.111x" in text and "not stamped yet" in text
     # a failed run is a row with its reason, and the ratios it would feed are None
     failed = [rows[0], rows[1], st.row_of("accelerate", 2, ["cmd", "c|d"], None, "out of memory", "OOM | here")]
     q = st.ratios(failed)
     assert q["hfpatch_vs_accelerate"] is None and q["hfpatch_vs_one_gpu"] == pytest.approx(0.5)
+    assert q["unpacked_hfpatch_vs_accelerate"] is None
     text = st.markdown(failed, {"title": "t", "runs": "r", "stamp": None, "ratios": q})
     assert "| accelerate | 2 | - | - | - | - | - | - | - | - | out of memory: OOM \\| here | `cmd c\\|d` |" in text
     assert "accelerate's CP (tokens/s per GPU): -x" in text
@@ -70,11 +73,12 @@ def test_a_failed_launch_is_named_from_its_output():
 def test_run_arguments_give_the_same_tokens_per_gpu():
     args = st.parse_args(["--out", "x", "--tokens-per-gpu", "32768", "--model", "small"])
     assert args.selected == list(st.RUNS) and args.tag == "sft_throughput_small_32768_bfloat16"
-    hf, one, acc = (st.run_arguments(run, args) for run in st.RUNS)
+    hf, one, acc, unpacked = (st.run_arguments(run, args) for run in st.RUNS)
     assert hf[hf.index("--pack-len") + 1] == "65536" and "--plain" not in hf and "--cp-impl" not in hf
     assert one[one.index("--pack-len") + 1] == "32768"
     assert acc[acc.index("--pack-len") + 1] == "65536" and acc[acc.index("--doc-len") + 1] == "131072"
     assert {"--plain", "--cp-impl", "accelerate"} <= set(acc) and acc[acc.index("--batch") + 1] == "1"
+    assert unpacked == [a for a in acc if a not in ("--cp-impl", "accelerate")]      # the same rows, hfpatch's ring
     with pytest.raises(SystemExit):
         st.parse_args(["--out", "x", "--runs", "hfpatch,nope"])
 
@@ -122,6 +126,7 @@ def test_cpu_run_of_the_benchmark(tmp_path):
     assert rows["one GPU"]["attention"] == "sdpa, document mask from the position ids"
     assert rows["hfpatch"]["tokens_per_s_per_gpu"] > 0 and rows["hfpatch"]["peak_allocated_gib"] is None   # CPU
     assert rows["accelerate"]["status"] == "refused" and "needs --device cuda" in rows["accelerate"]["reason"]
+    assert rows["hfpatch unpacked"]["status"] == "ok" and rows["hfpatch unpacked"]["tokens_per_s_per_gpu"] > 0
     assert saved["complete"] and saved["stamp"]["device_type"] == "cpu"
     assert saved["ratios"]["hfpatch_vs_one_gpu"] > 0 and saved["ratios"]["hfpatch_vs_accelerate"] is None
-    assert (tmp_path / "t.md").read_text().count("\n| ") == 4        # the header and three rows
+    assert (tmp_path / "t.md").read_text().count("\n| ") == 5        # the header and four rows
