@@ -30,7 +30,7 @@ Refused before any work (usage error, exit 2, naming the fix): ``--cp-impl accel
 ``context_parallel`` has no document mask: packed documents would attend across their boundaries; TRL refuses
 ``packing=True`` under CP for that reason) and on CPU with ``--cp`` > 1 (``context_parallel`` shards only the CUDA
 SDPA kernels; CPU SDPA fails with "does not have a sharding strategy registered"). benchmarks/sft_throughput.py
-times hfpatch, one GPU and accelerate's CP against each other with this script.
+times hfpatch (packed, and on accelerate's rows), one GPU and accelerate's CP against each other with this script.
 
 What rank 0 prints, and the options ``--no-compare``, ``--plot FILE`` and ``--log-json PATH``: as in
 examples/trainer_cp.py (every step, the throughput, then the same steps without CP as one process, side by side

@@ -110,6 +110,7 @@ def _set_environment(environ: dict) -> None:
 
 
 def _child(environ, rank, world_size, port, backend, group_timeout, fn, args, kwargs, results):
+    # ``environ`` (an ``_Environment``) did its work when the rank unpickled it, before ``fn``
     global _channel
     _channel = (results, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -1,14 +1,13 @@
 import os
 import sys
+from importlib.util import find_spec
 
 import pytest
 
-# Spawned children unpickle test functions by module name: make tests/ importable for them.
+# The ranks unpickle test functions by module name: make tests/ importable for them.
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _release import MARKER, RELEASE_INDEPENDENT, SAME_WORKER  # noqa: E402
-from importlib.util import find_spec  # noqa: E402
-
 from ring_kernels.world import preload_in_ranks  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -220,6 +220,10 @@ def _attention_flops(sq: int, sk: int) -> float:
     return 4.0 * 4096 * 3.5 * sq * sk
 
 
+def _flash_loss(flops: float) -> float:
+    return max(flops / _FLASH_FLOPS_PER_S - flops / _CUDNN_FLOPS_PER_S - _PER_BLOCK_OVERHEAD_S, 0.0)
+
+
 class CudnnShapes:
     """The per-document block shapes cuDNN has built graphs for in this process, and what flash cost the calls
     that left the others unbuilt (module docstring).
@@ -247,17 +251,16 @@ class CudnnShapes:
     @staticmethod
     def flash_loss(sq: int, sk: int) -> float:
         """Seconds one (sq x sk) block loses on flash against a cuDNN call with a built graph (0 if none)."""
-        f = _attention_flops(sq, sk)
-        return max(f / _FLASH_FLOPS_PER_S - f / _CUDNN_FLOPS_PER_S - _PER_BLOCK_OVERHEAD_S, 0.0)
+        return _flash_loss(_attention_flops(sq, sk))
 
     def per_block_calls_cost_more(self, document_lengths: Sequence[Tuple[int, int]], key: tuple = ()) -> bool:
         flops = [_attention_flops(sq, sk) for sq, sk in document_lengths]
         flash = sum(flops) / _FLASH_FLOPS_PER_S
         shapes: Dict[tuple, float] = {}                # unbuilt shape -> what its blocks lose on flash this call
-        for sq, sk in document_lengths:
+        for (sq, sk), f in zip(document_lengths, flops):
             shape = (key, sq, sk)
             if shape not in self.built:
-                shapes[shape] = shapes.get(shape, 0.0) + self.flash_loss(sq, sk)
+                shapes[shape] = shapes.get(shape, 0.0) + _flash_loss(f)
         builds = sum(max(self.build_s - self.regret.get(shape, 0.0), 0.0) for shape in shapes)
         per_block = sum(flops) / _CUDNN_FLOPS_PER_S + len(document_lengths) * _PER_BLOCK_OVERHEAD_S + builds
         if per_block > flash:
@@ -291,9 +294,8 @@ def varlen_kernel_for(requested: str, chosen_name: str, *, device, dtype: torch.
         _note_varlen(requested, "one torch flash varlen call per step for all packed documents (the same kernel "
                                 "as torch_flash's per-document calls)", device, dtype, head_dim)
         return _flash_varlen()
-    key = (str(torch.device(device)), dtype, head_dim)
     if requested == "auto" and chosen_name == "torch_cudnn" and \
-            CUDNN_SHAPES.per_block_calls_cost_more(document_lengths, key):
+            CUDNN_SHAPES.per_block_calls_cost_more(document_lengths, (str(torch.device(device)), dtype, head_dim)):
         _note_varlen(requested, "auto: one torch flash varlen call estimated faster than per-document torch_cudnn "
                                 "calls for these documents (many and short, or lengths cuDNN has no graph for)",
                      device, dtype, head_dim)
