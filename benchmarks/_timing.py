@@ -8,6 +8,7 @@ rank's own median is kept too (``rank_median_ms``), so that a rank slower than t
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -61,13 +62,31 @@ def _max_over_ranks(values: List[float], device: torch.device, group) -> List[fl
     return t.tolist()
 
 
+def _probe_ms(fn: Callable[[], object], device: torch.device, group) -> float:
+    """One untimed-for-the-result call of ``fn()``: its wall time in ms, the slowest rank's (the same on every rank)."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return _max_over_ranks([(time.perf_counter() - t0) * 1e3], device, group)[0]
+
+
 def time_callable(fn: Callable[[], object], *, device: torch.device, warmup: int, iters: int,
-                  group=None) -> Timing:
-    """Run ``fn()`` ``warmup`` times untimed, then ``iters`` times timed; return the slowest-rank statistics."""
+                  group=None, min_total_ms: float = 0.0, max_iters: int = 100) -> Timing:
+    """Run ``fn()`` ``warmup`` times untimed, then ``iters`` times timed; return the slowest-rank statistics.
+
+    ``min_total_ms`` > 0: ``iters`` is a minimum; one more untimed call measures ``fn`` and the timed calls are
+    raised to cover ``min_total_ms`` (at most ``max_iters``), so that a short call is timed over many runs. Every
+    rank takes the same count (the probe's slowest rank decides), as collectives inside ``fn`` require."""
     if iters < 1:
         raise ValueError(f"time_callable: iters={iters} must be >= 1")
+    if max_iters < iters:
+        raise ValueError(f"time_callable: max_iters={max_iters} must be >= iters={iters}")
     for _ in range(warmup):
         fn()
+    if min_total_ms > 0:
+        probe = _probe_ms(fn, device, group)
+        iters = min(max(iters, math.ceil(min_total_ms / max(probe, 1e-3))), max_iters)
     synchronize(device)
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group=group)

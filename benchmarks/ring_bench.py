@@ -106,7 +106,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    help="time with the option skip_rank_check (no per-call cross-rank shape check: one all_gather "
                         "and a host sync less per call); the correctness gate always runs with the check")
     p.add_argument("--warmup", type=int, default=None, help="default: 3 up to 8k tokens, 2 to 16k, 1 above")
-    p.add_argument("--iters", type=int, default=None, help="default: 10 up to 8k tokens, 5 to 16k, 3 above")
+    p.add_argument("--iters", type=int, default=None, help="default: 10 up to 8k tokens, 5 to 16k, 3 above, raised "
+                   "to cover --min-timed-ms")
+    p.add_argument("--min-timed-ms", type=float, default=300.0,
+                   help="without --iters, time each case over at least this many ms of calls (at most 100 calls): "
+                        "a packed row costs a tenth of a batch row of the same tokens, and 3 calls of ~20 ms vary "
+                        "by more than the layouts differ (default 300; 0: the token-based counts alone)")
     p.add_argument("--check-tokens", type=int, default=1024, help="tokens per GPU of the correctness gate")
     p.add_argument("--max-minutes", type=float, default=None, help="start no new case group after this")
     p.add_argument("--out", default=os.path.join(_HERE, "results"))
@@ -132,8 +137,11 @@ def _validate_choices(args) -> None:
 
 
 def _iters_for(tokens: int, args) -> tuple:
+    """(warmup, timed calls, min timed ms) of a case of ``tokens`` per GPU: explicit --iters are taken as given."""
     warmup, iters = (3, 10) if tokens <= 8192 else (2, 5) if tokens <= 16384 else (1, 3)
-    return (args.warmup if args.warmup is not None else warmup, args.iters if args.iters is not None else iters)
+    if args.iters is not None:
+        return (args.warmup if args.warmup is not None else warmup, args.iters, 0.0)
+    return (args.warmup if args.warmup is not None else warmup, iters, args.min_timed_ms)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -272,8 +280,9 @@ def _timing_fields(bench: Bench, step, mode: str, tokens: int, flops: float, mem
 def _timed(bench: Bench, step, mode: str, tokens: int, flops: float, mem_baseline: Optional[int], gpus: int) -> dict:
     """Time ``step(mode)``; ``flops``: the useful work of the call, done by ``gpus`` GPUs (1 for a single-GPU
     baseline, the group for a ring or native CP)."""
-    warmup, iters = _iters_for(tokens, bench.args)
-    timing = time_callable(lambda: step(mode), device=bench.device, warmup=warmup, iters=iters)
+    warmup, iters, min_timed_ms = _iters_for(tokens, bench.args)
+    timing = time_callable(lambda: step(mode), device=bench.device, warmup=warmup, iters=iters,
+                           min_total_ms=min_timed_ms)
     fields = {"time_ms": timing.as_dict(), "tflops_per_gpu": flops / gpus / (timing.median_ms * 1e-3) / 1e12}
     if mem_baseline is not None:
         fields["peak_mem_bytes"] = peak_memory_bytes(lambda: step(mode), device=bench.device,
@@ -561,7 +570,8 @@ def _document(bench: Bench) -> dict:
             "backends_left_out": bench.backends_left_out,
             "causal": args.causal, "modes": args.modes, "native": args.native, "native_rotate": args.native_rotate,
             "usp_grid": bench.usp_grid, "nocomm": not args.no_nocomm, "skip_rank_check": args.skip_rank_check, "dtype": args.dtype, "check_tokens_per_rank": args.check_tokens,
-            "iters": {str(t): dict(zip(("warmup", "iters"), _iters_for(t, args))) for t in args.tokens},
+            "iters": {str(t): dict(zip(("warmup", "iters", "min_timed_ms"), _iters_for(t, args)))
+                      for t in args.tokens},
             "argv": sys.argv[1:],
         },
         "results": bench.results,

@@ -110,27 +110,28 @@ def build_table(rows: Sequence[dict]) -> dict:
 
 def regrets(rows: Sequence[dict], leave_out: bool) -> List[Tuple]:
     """(point, fastest measured, picked, regret) at every measured point; ``leave_out``: each point's rows are left
-    out of the fits that predict it."""
-    by_point: Dict[Tuple, Dict[str, dict]] = defaultdict(dict)
+    out of the fits that predict it. A layout measured more than once at a point (repeated runs) counts with its
+    mean time there."""
+    by_point: Dict[Tuple, Dict[str, List[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        by_point[_point_key(r)][r["layout"]] = r
+        by_point[_point_key(r)][r["layout"]].append(r)
     groups = _groups(rows)
     out = []
     for point, measured in sorted(by_point.items()):
         machine, world, _, _, packed = point
+        ms = {layout: sum(r["ms"] for r in runs) / len(runs) for layout, runs in measured.items()}
         candidates = [k for k in ONE_SPLIT[packed] if k in measured]
         predicted = {}
         for layout in candidates:
             train = [r for r in groups[machine, world, layout] if not (leave_out and _point_key(r) == point)]
             if len(groups[machine, world, layout]) >= MIN_POINTS and train:
                 predicted[layout] = LayoutCosts(machine, {world: {layout: fit(train)}}).predict(
-                    layout, measured[layout]["shape"])
+                    layout, measured[layout][0]["shape"])
         if not predicted:
             continue
-        best = min(candidates, key=lambda k: measured[k]["ms"])
+        best = min(candidates, key=ms.get)
         pick = min(predicted, key=predicted.get)
-        out.append((point, best, measured[best]["ms"], pick, measured[pick]["ms"],
-                    measured[pick]["ms"] / measured[best]["ms"] - 1))
+        out.append((point, best, ms[best], pick, ms[pick], ms[pick] / ms[best] - 1))
     return out
 
 

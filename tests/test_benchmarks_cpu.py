@@ -47,6 +47,18 @@ def _world(rank, world_size, out_dir):
                       iters=2)
     assert t.median_ms >= 30.0 and t.min_ms >= 30.0, t
 
+    # min_total_ms raises the timed calls to cover it, the same count on every rank (the slowest rank's probe
+    # decides: rank 1's >= 10 ms per call -> at most 12 calls for 120 ms, on rank 0 too), and never above max_iters.
+    t = time_callable(lambda: time.sleep(0.01 if rank == 1 else 0.0), device=torch.device("cpu"), warmup=0,
+                      iters=2, min_total_ms=120.0)
+    assert 3 <= t.iters <= 12 and t.median_ms >= 10.0, t
+    counts = [torch.zeros(1) for _ in range(world_size)]
+    torch.distributed.all_gather(counts, torch.tensor([float(t.iters)]))
+    assert len({c.item() for c in counts}) == 1, counts
+    capped = time_callable(lambda: time.sleep(0.001), device=torch.device("cpu"), warmup=0, iters=2,
+                           min_total_ms=1000.0, max_iters=5)
+    assert capped.iters == 5, capped
+
     import ring_bench
 
     assert ring_bench.main(ARGV + ["--out", out_dir]) == 0
