@@ -63,7 +63,8 @@ def _max_over_ranks(values: List[float], device: torch.device, group) -> List[fl
 
 
 def _probe_ms(fn: Callable[[], object], device: torch.device, group) -> float:
-    """One untimed-for-the-result call of ``fn()``: its wall time in ms, the slowest rank's (the same on every rank)."""
+    """The wall time in ms of one more call of ``fn()``, kept out of the statistics: the slowest rank's, so the same
+    on every rank."""
     synchronize(device)
     t0 = time.perf_counter()
     fn()
