@@ -98,15 +98,12 @@ def ratios(rows: List[dict]) -> dict:
     """hfpatch's tokens/s per GPU over one GPU's and over accelerate's, and on accelerate's own rows (unpacked) over
     accelerate's (None where a run has no number)."""
     rate = {r["run"]: r.get("tokens_per_s_per_gpu") if r["status"] == "ok" else None for r in rows}
-    own = rate.get("hfpatch")
 
-    def over(other: str) -> Optional[float]:
-        return own / rate[other] if own and rate.get(other) else None
+    def over(run: str, other: str) -> Optional[float]:
+        return rate[run] / rate[other] if rate.get(run) and rate.get(other) else None
 
-    unpacked = rate.get("hfpatch unpacked")
-    return {"hfpatch_vs_one_gpu": over("one GPU"), "hfpatch_vs_accelerate": over("accelerate"),
-            "unpacked_hfpatch_vs_accelerate": unpacked / rate["accelerate"] if unpacked and rate.get("accelerate")
-            else None}
+    return {"hfpatch_vs_one_gpu": over("hfpatch", "one GPU"), "hfpatch_vs_accelerate": over("hfpatch", "accelerate"),
+            "unpacked_hfpatch_vs_accelerate": over("hfpatch unpacked", "accelerate")}
 
 
 def _fmt(value, spec: str) -> str:

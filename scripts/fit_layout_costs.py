@@ -108,25 +108,32 @@ def build_table(rows: Sequence[dict]) -> dict:
             "generated_by": "scripts/fit_layout_costs.py", "machines": machines, "same_as": SAME_AS}
 
 
-def regrets(rows: Sequence[dict], leave_out: bool) -> List[Tuple]:
-    """(point, fastest measured, picked, regret) at every measured point; ``leave_out``: each point's rows are left
-    out of the fits that predict it. A layout measured more than once at a point (repeated runs) counts with its
-    mean time there."""
-    by_point: Dict[Tuple, Dict[str, List[dict]]] = defaultdict(lambda: defaultdict(list))
+def measured_points(rows: Sequence[dict]) -> Dict[Tuple, Dict[str, Tuple[float, CallShape]]]:
+    """(machine, world, tokens, config, packed) -> layout -> (ms, shape) of every measured point; a layout measured
+    more than once at a point (repeated runs) counts with its mean time there."""
+    runs: Dict[Tuple, Dict[str, List[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        by_point[_point_key(r)][r["layout"]].append(r)
+        runs[_point_key(r)][r["layout"]].append(r)
+    return {point: {layout: (sum(r["ms"] for r in found) / len(found), found[0]["shape"])
+                    for layout, found in by_layout.items()}
+            for point, by_layout in runs.items()}
+
+
+def regrets(rows: Sequence[dict], leave_out: bool) -> List[Tuple]:
+    """(point, fastest measured, picked, regret) at every measured point (``measured_points``); ``leave_out``:
+    each point's rows are left out of the fits that predict it."""
     groups = _groups(rows)
     out = []
-    for point, measured in sorted(by_point.items()):
+    for point, measured in sorted(measured_points(rows).items()):
         machine, world, _, _, packed = point
-        ms = {layout: sum(r["ms"] for r in runs) / len(runs) for layout, runs in measured.items()}
+        ms = {layout: found[0] for layout, found in measured.items()}
         candidates = [k for k in ONE_SPLIT[packed] if k in measured]
         predicted = {}
         for layout in candidates:
             train = [r for r in groups[machine, world, layout] if not (leave_out and _point_key(r) == point)]
             if len(groups[machine, world, layout]) >= MIN_POINTS and train:
                 predicted[layout] = LayoutCosts(machine, {world: {layout: fit(train)}}).predict(
-                    layout, measured[layout][0]["shape"])
+                    layout, measured[layout][1])
         if not predicted:
             continue
         best = min(candidates, key=ms.get)

@@ -5,7 +5,6 @@ batch and packed), and its choices say what was left out and why."""
 from __future__ import annotations
 
 import importlib.util
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -39,9 +38,7 @@ KNOWN_MISSES = {("H100", 4, 8192, "mha", True): ("ring_varlen", "llama3"),
 def test_pick_is_within_3_percent_of_the_fastest_at_every_measured_point():
     script = _fit_script()
     rows = script.read_grid(sorted(str(p) for p in (ROOT / "benchmarks" / "results").glob("layout_grid_*.json")))
-    points = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        points[r["machine"], r["world"], r["tokens"], r["config"], r["shape"].packed][r["layout"]].append(r)
+    points = script.measured_points(rows)                 # repeated runs of a point: the mean
     assert len(points) >= 30
     checked, misses = 0, {}
     for point, measured in points.items():
@@ -49,8 +46,8 @@ def test_pick_is_within_3_percent_of_the_fastest_at_every_measured_point():
         candidates = [k for k in layout_costs.ONE_SPLIT[packed] if k in measured]
         if len(candidates) < 2:
             continue
-        ms = {k: sum(r["ms"] for r in measured[k]) / len(measured[k]) for k in candidates}   # repeats: the mean
-        choice = load(point[0]).choose(measured[candidates[0]][0]["shape"], {k: None for k in candidates})
+        ms = {k: measured[k][0] for k in candidates}
+        choice = load(point[0]).choose(measured[candidates[0]][1], {k: None for k in candidates})
         fastest = min(candidates, key=ms.get)
         if ms[choice.layout] / ms[fastest] - 1 > 0.03:
             misses[point] = (fastest, choice.layout)
