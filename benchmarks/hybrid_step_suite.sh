@@ -14,6 +14,8 @@
 #   HYBRID_LIMIT_S       seconds per family (default 540)
 #   HYBRID_STEPS         warm-up and timed steps per measurement (default "--warmup 1 --steps 3")
 #   HYBRID_EXTRA         more hybrid_step.py flags (e.g. "--layers 8" for a quick look)
+#   HYBRID_MODES         hybrid_step.py --modes when NGPU >= 2 (default hfpatch,single; "hfpatch" alone when the
+#                        one-GPU row at these tokens per GPU exists from another job: it does not depend on NGPU)
 # The fast mixer kernels run where their packages import (flash-linear-attention / fla-core, causal-conv1d,
 # mamba-ssm); each row names the implementation every mixer kernel ran, and the JSON lists the installed versions.
 set -u
@@ -34,7 +36,7 @@ log() { echo "## $(date -u +%H:%M:%S) $*"; }
 GPU=$(python benchmarks/_stamp.py --gpu-model)
 TAG=${TAG:-$(python benchmarks/_stamp.py --tag)}
 if (( NGPU == 1 )); then MODES=single; HYBRID_SIZES=${HYBRID_SINGLE_SIZES:-16k 32k}
-else MODES=hfpatch,single; HYBRID_SIZES=${HYBRID_SIZES:-32k}; fi
+else MODES=${HYBRID_MODES:-hfpatch,single}; HYBRID_SIZES=${HYBRID_SIZES:-32k}; fi
 sizes=$(echo $HYBRID_SIZES | tr ' ' ',')
 minutes=$(( HYBRID_LIMIT_S / 60 - 2 )); (( minutes < 1 )) && minutes=1
 
