@@ -28,8 +28,9 @@ def test_stored_table_is_the_fit_of_the_committed_grid():
 
 # Points where the fitted table's pick is measured more than 3% slower than the fastest layout: the issue's target
 # is not met there yet. Packed MHA on 4 GPUs at 32k: the fastest head-parallel layout 24.7 ms and llama3 29.1 ms in
-# both of two runs (3 and 20 timed calls), so the gap is real, not noise; the linear model puts usp_varlen's flat 8k-32k floor and its
-# compute slope on one line (predicts 28.5 ms) and under-counts llama3's K/V all-gather for 32 K/V heads (26.3 ms).
+# both of two runs (3 and 20 timed calls), so the gap is real, not noise; the linear model puts usp_varlen's flat
+# 8k-32k floor and its compute slope on one line (predicts 28.5 ms) and under-counts llama3's K/V all-gather for
+# 32 K/V heads (26.3 ms).
 # The test fails when the listed point meets the target (remove it) or another point misses it.
 KNOWN_MISSES = {("H100", 4, 32768, "mha", True): ("usp_varlen", "llama3")}
 
