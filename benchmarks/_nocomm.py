@@ -5,9 +5,9 @@
 - ring, zigzag, stripe, ring_varlen, zigzag_varlen: ``ring_kernels.comm.RingExchange.start`` (every transfer of
   the ring engine, either direction: K/V r -> r+1 in the forward; K/V and the dK/dV partial sums r -> r-1 in
   the backward) becomes what a ring of one rank does: copy each send buffer into its receive buffer.
-- llama3: the module-level tensor collectives ``ring_kernels.llama3.all_gather_tensor`` /
-  ``reduce_scatter_tensor`` become a copy of this rank's own part (the all-gather fills only our slot of the
-  gathered buffer, the reduce-scatter takes our slot of the full gradient), returning a finished work object.
+- llama3: the module-level all-to-all ``ring_kernels.llama3.all_to_all_single`` (the K/V rows other ranks read,
+  and their gradients back) becomes a copy of as many leading rows of the send buffer as both buffers hold (the
+  two differ in size: a rank sends and receives different rows), returning a finished work object.
 - ulysses, ulysses_varlen: the all-to-all ``ring_kernels.ulysses.all_to_all_single`` becomes one copy of the
   send buffer into the receive buffer (each rank's slot keeps what was meant for that rank), returning a
   finished work object; usp: both that and the ring's ``RingExchange.start``.
@@ -31,10 +31,10 @@ import torch
 
 from _runners import USP_RING_VARIANTS as _USP_VARIANTS   # USP variant -> the ring variant across its groups
 
-__all__ = ["no_communication", "nocomm_unavailable_reason", "NoCommCounter"]
+__all__ = ["no_communication", "nocomm_unavailable_reason", "nothing_to_exchange", "NoCommCounter"]
 
 _RING_EXCHANGE_VARIANTS = frozenset({"ring", "zigzag", "stripe", "ring_varlen", "zigzag_varlen"})
-_LLAMA3_COLLECTIVES = ("all_gather_tensor", "reduce_scatter_tensor")
+_LLAMA3_COLLECTIVES = ("all_to_all_single",)
 _ULYSSES_VARIANTS = frozenset({"ulysses", "ulysses_varlen"})
 _ULYSSES_COLLECTIVE = "all_to_all_single"
 
@@ -54,6 +54,19 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
+
+
+def nothing_to_exchange(variant: str, doc_lengths: Optional[Sequence[int]], world: int) -> bool:
+    """True where ``variant`` moves nothing between ranks for these documents, so a run that never called the
+    stand-ins did not bypass them: llama3 when no document crosses a rank boundary (it exchanges only the rows
+    of crossing documents)."""
+    if variant != "llama3" or not doc_lengths or world < 2:
+        return False
+    local, ends, end = sum(doc_lengths) // world, {0}, 0
+    for length in doc_lengths:
+        end += length
+        ends.add(end)
+    return all(r * local in ends for r in range(1, world))
 
 
 def nocomm_unavailable_reason(variant: str) -> Optional[str]:
@@ -92,14 +105,6 @@ def _local_copy(send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> N
         r.copy_(s)
 
 
-def _own_slot(full: torch.Tensor, part: torch.Tensor, group) -> torch.Tensor:
-    """This rank's slot of ``full`` (N * rows along dim 0), the shape of ``part``."""
-    import torch.distributed as dist
-
-    rank, rows = dist.get_rank(group), part.shape[0]
-    return full[rank * rows:(rank + 1) * rows]
-
-
 def _ring_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:
     from ring_kernels.comm import RingExchange
 
@@ -113,18 +118,14 @@ def _ring_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:
 def _llama3_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:
     import ring_kernels.llama3 as llama3
 
-    def all_gather_without_communication(output, input, group=None, async_op=False):
+    def all_to_all_without_communication(output, input, output_split_sizes=None, input_split_sizes=None,
+                                         group=None, async_op=False):
         counter.calls += 1
-        _own_slot(output, input, group).copy_(input)
+        rows = min(output.shape[0], input.shape[0])
+        output[:rows].copy_(input[:rows])
         return _Done() if async_op else None
 
-    def reduce_scatter_without_communication(output, input, op=None, group=None, async_op=False):
-        counter.calls += 1
-        output.copy_(_own_slot(input, output, group))
-        return _Done() if async_op else None
-
-    return [(llama3, "all_gather_tensor", all_gather_without_communication),
-            (llama3, "reduce_scatter_tensor", reduce_scatter_without_communication)]
+    return [(llama3, "all_to_all_single", all_to_all_without_communication)]
 
 
 def _ulysses_patches(counter: NoCommCounter) -> List[Tuple[object, str, object]]:

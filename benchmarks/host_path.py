@@ -203,9 +203,7 @@ class HostOpCounter(TorchDispatchMode):
         for name in _COLLECTIVES:
             self._hook_collective(dist, name, name)
         if self._llama3 is not None:
-            for name, label in (("all_gather_tensor", "all_gather_into_tensor"),
-                                ("reduce_scatter_tensor", "reduce_scatter_tensor")):
-                self._hook_collective(self._llama3, name, label)
+            self._hook_collective(self._llama3, "all_to_all_single", "all_to_all_single")
         return super().__enter__()
 
     def _hook_collective(self, module, name: str, label: str) -> None:

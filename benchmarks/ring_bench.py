@@ -43,7 +43,7 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 from _cases import (BATCH_VARIANTS, CAUSAL_ONLY, CONFIGS, GRID_VARIANTS, MODES, VARLEN_VARIANTS,  # noqa: E402
                     AttnConfig, attention_flops, global_document_mix, local_document_mix)
 from _check import max_over_ranks, passes, reference_attention, relative_errors  # noqa: E402
-from _nocomm import no_communication, nocomm_unavailable_reason  # noqa: E402
+from _nocomm import no_communication, nocomm_unavailable_reason, nothing_to_exchange  # noqa: E402
 from _runners import (Inputs, input_bytes, make_backend_step, make_inputs,  # noqa: E402
                       make_ring_step, make_varlen_single_step, ring_outputs_and_grads, set_usp_grid, shard_inputs,
                       shard_tensors)
@@ -417,7 +417,10 @@ def _measure_nocomm(bench: Bench, make, local: Inputs, base: dict, doc_lengths, 
     with no_communication(base["variant"]) as counter:
         before = len(bench.results)
         _measure(bench, make, local, nbase, doc_lengths, tag)
-    if counter.calls == 0:   # the variant bypassed RingExchange: it communicated, so the time is not no-comm
+    if counter.calls == 0 and nothing_to_exchange(base["variant"], doc_lengths, bench.world):
+        for r in bench.results[before:]:
+            r.update(note="no document crosses a rank boundary: the run had nothing to communicate")
+    elif counter.calls == 0:   # the variant bypassed the stand-ins: it communicated, so the time is not no-comm
         for r in bench.results[before:]:
             r.update(status="skipped", time_ms=None,
                      reason="the variant never called the patched communication (it bypassed the stand-in)")

@@ -15,7 +15,8 @@ the environment only an override (``ring_kernels.options`` documents every optio
 
 Modules: ``engine`` (blocks, ring loops, autograd) and ``rounding`` (each row rounded once) under the batch
 layouts ``ring``, ``zigzag``, ``stripe``; ``documents`` (packed-document planning, the cu_seqlens cache) under
-``varlen`` (ring and zigzag over documents) and ``llama3`` (all-gathered K/V); ``backends`` compute blocks;
+``varlen`` (ring and zigzag over documents) and ``llama3`` (the K/V rows of crossing documents exchanged);
+``backends`` compute blocks;
 ``checkpointing`` keeps each ring call's output through activation checkpointing (the recomputation skips the ring).
 ``ulysses`` splits heads instead of the sequence (an all-to-all before and after attention; any layout, batch and
 varlen); ``usp`` runs a ring variant across groups of Ulysses ranks (a 2-D split of inputs sharded over the whole

@@ -1,46 +1,50 @@
-"""Llama3-style context parallelism for packed documents: all-gather K/V in head slices, local queries.
+"""Llama3-style context parallelism for packed documents: exchange the K/V rows other ranks read, local queries.
 
 Layout ``"contiguous"``: rank r holds packed tokens [r*L, (r+1)*L) of the global sequence described by
-``cu_seqlens``. Instead of a ring, each rank all-gathers the K/V of the whole sequence, ``heads_k_stride``
-K/V heads at a time (bounding the memory of the gathered copy: 2 buffers x (N*L, stride, D) for K and V),
-and computes its queries of the matching query heads against them.
+``cu_seqlens``. Instead of a ring, each rank receives the K/V rows that its queries can see on other ranks, and
+only those: the rows of the (at most two) documents that cross its range's ends, cut to what the window lets its
+queries see (``Exchange``). Every rank derives every rank's needs from ``cu_seqlens`` alone (identical on every
+rank), so one all-to-all per tensor moves them, ``heads_k_stride`` K/V heads at a time (bounding the memory of
+the received copy: 2 buffers x (R, stride, D) for K and V, R the rows received). Where every document stays on
+one rank nothing travels at all. An all-gather of the whole sequence (what Llama 3's paper describes) would move
+(N-1)*L rows to every rank; packed documents shorter than L need a small fraction of that.
 
 Blocks, per document d overlapping our tokens [qa, qb): causally, keys [start(d), qa) are FULL and keys
-[qa, qb) are aligned CAUSAL; non-causally all keys of d are FULL; a window classifies them like the ring
-(``documents.classify``), so there is no dense (S x S) mask in the standard cases. Key ranges are also cut at
-our own token range: *local* blocks (keys this rank holds) need no gathered copy and run while the
-all-gather is in flight; only *remote* blocks (documents that cross a rank boundary) wait for it.
+[qa, qb) are aligned CAUSAL; non-causally all keys of d are FULL; a window first cuts the key range to the keys
+some query sees and classifies the rest like the ring (``documents.classify``), so there is no dense (S x S)
+mask in the standard cases. Key ranges are also cut at our own token range: *local* blocks (keys this rank
+holds) need no received copy and run while the exchange is in flight; only *remote* blocks (documents that
+cross a rank boundary) wait for it.
 
-Backward, per head slice: half of the local blocks while the K/V all-gather is in flight (their dK/dV go to
-our own rows of a full-sequence partial buffer), the remote blocks (into the other ranks' rows of it), the
-reduce-scatter of the partials back to their owners started, and the other half of the local blocks meanwhile
-(held, and added to our rows once the reduce-scatter has landed there).
+Backward, per head slice: half of the local blocks while the K/V exchange is in flight (their dK/dV go straight
+into our results), the remote blocks (into partials over the received rows, one block per row), the partials
+sent back to their owners by the reverse all-to-all, and the other half of the local blocks meanwhile; once the
+partials have landed, each owner adds them into its results.
 
 Rounding (``rounding``'s rule: every value rounded to its output dtype once; fp32 only where a value gets >= 3
 contributions): out and dq are written in q's dtype, each row rounded once: a row with one block (most rows:
 only documents that cross a rank boundary have remote blocks) gets a copy of it, a second block merges (adds)
 into it with fp32 math, and only rows with >= 3 blocks use an fp32 accumulator. A K/V row gets one dK/dV
-contribution per rank that sees it (this rank's local blocks have disjoint key rows, and so have each rank's
-remote blocks; head slices split heads, not rows): with N <= 2 at most two, so the partials and the results
-are in k's dtype — the reduce-scatter adds (ours or 0) + (the other rank's or 0), exact or one rounding, and
-the held half lands on rows holding 0 or the other rank's value, one rounding. With N >= 3 they are fp32
-(the reduce-scatter sums N values) and cast once at the end. The forward needs no fp32 buffer at N = 2 but
-the lse (1, H, L): no query row gets >= 3 blocks (a document would have to cross both ends of a rank).
+contribution from this rank's local blocks (their key rows are disjoint) and one from each other rank that
+receives it (each rank's remote blocks have disjoint key rows too; head slices split heads, not rows), so the
+partials travel in k's dtype, exact. The results are in k's dtype when no row of ours gets more than two
+contributions (one rounding at most), else fp32, cast once at the end (``Exchange.accumulate``: a document
+that spans a whole rank, seen by ranks on both sides, or by several ranks after it). The forward needs no fp32
+buffer but the lse (1, H, L) unless a query row gets >= 3 blocks (a document would have to cross both ends of
+a rank, non-causally).
 
-Memory, in units of U = the local k + v (bytes, k's dtype), for one slice (``heads_k_stride=None``; with S
-slices the gathered and partial buffers are per slice, 2 resp. 1 of them alive, each 1/S of the sizes below):
-the gathered K/V are N*U (the benchmarks' "K/V double buffer" allowance, 2U at N = 2), the partials N*U,
-the results dk/dv U (allocated when the reduce-scatter starts: it writes them), dq as single-GPU attention's.
-The backward's peak is its first half of local blocks (or the remote blocks): gathered K/V 2U + bf16
-partials 2U + dq + the running call's outputs and workspace for about half of the local rows (the halves
-also halve that). The second half runs with the partials (in flight) + results 3U: the gathered K/V are freed
-after their last use. So the backward's peak holds 4U of ring buffers where an fp32 design would hold 10U
-(2U gathered + 4U fp32 partials + 2U fp32 receive buffers + 2U fp32 dK/dV accumulators). Measured GPU and CPU
-peaks: benchmarks/results/README.md, "llama3 memory".
+Memory, for one head slice (``heads_k_stride=None``; with S slices each buffer below is 1/S of it): the
+received K/V, 2 buffers of R rows each for K and V (R <= (N-1)*L; R = 0 where no document crosses into our
+range); in the backward, the partials over the R received rows, the rows we sent (their gradients land there)
+and the results dk/dv over our L rows, as single-GPU attention's (fp32 when ``accumulate``). The backward's
+peak is its first half of local blocks (or the remote blocks): the running call's outputs and workspace for
+about half of the local rows (the halves also halve that). Measured GPU and CPU peaks of the all-gather form
+this replaced: benchmarks/results/README.md, "llama3 memory".
 
-Per call, nothing is planned twice: the plan, the fast path's segments (cumulative lengths already on the
-device) and the rounding plans are cached with the cu_seqlens tensor (``documents.CuEntry``: same object, same
-``_version``), so a repeated call with the same cu_seqlens (every layer of a step) makes no device->host copy.
+Per call, nothing is planned twice: the plan (with every rank's exchange), the fast path's segments
+(cumulative lengths already on the device) and the rounding plans are cached with the cu_seqlens tensor
+(``documents.CuEntry``: same object, same ``_version``), so a repeated call with the same cu_seqlens (every
+layer of a step) makes no device->host copy.
 
 Varlen fast path (CUDA, ``backends.torch_cuda_varlen``): the local blocks are aligned squares, one per local
 document, tiling our rows in order, so all of them are ONE call of torch's packed-document flash op per head
@@ -67,35 +71,70 @@ from .rounding import RowPlan, fold_grads, fold_outputs, plan_rows
 
 __all__ = ["llama3_attn_varlen_func"]
 
-# torch 2.13 renamed the tensor collectives (the old names warn); same arguments, older torch has only the old.
-all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# One all-to-all per tensor moves the K/V rows (and their gradients back); module-level so that the benchmarks'
+# no-communication stand-in (benchmarks/_nocomm.py) and the tests can replace it.
+all_to_all_single = dist.all_to_all_single
 
 
 @dataclass(frozen=True)
 class _Llama3Block:
-    """One backend call: local query rows x key rows, of the local K/V (``local``) or of the gathered sequence.
+    """One backend call: local query rows x key rows of the local K/V (``local``) or of the received rows.
 
-    ``first``: the first block over these query rows (local blocks run first, and every query row has one: its
-    own position is always visible); the engine's rounding plan (``rounding.plan_rows``) derives the same from the
-    blocks' rows, and more: which rows get a second or a third contribution.
+    ``kv_rows``: rows of the tensor the block reads (our K/V, or the received rows); ``keys``: the same keys as
+    global token positions. ``first``: the first block over these query rows (local blocks run first, and every
+    query row has one: its own position is always visible); the engine's rounding plan (``rounding.plan_rows``)
+    derives the same from the blocks' rows, and more: which rows get a second or a third contribution.
     """
 
     q_rows: slice
     kv_rows: slice
+    keys: slice
     mask: BlockMask
     local: bool
     first: bool
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """The K/V rows that travel in one call, as this rank sees them (every rank derives all of them from
+    ``cu_seqlens``, so the split sizes agree without a message).
+
+    send:       per destination rank, our local rows [a, b) that its remote blocks read ((0, 0): none).
+    recv:       per source rank, how many of its rows we receive. In rank order they are our remote keys in
+                global order: [lo, q0) from the ranks before us, then [q1, hi) from the ranks after us.
+    lo, hi:     the first received key before our range (q0 when none) and the end of those after it (q1).
+    accumulate: some K/V row of ours gets >= 3 dK/dV contributions (ours and other ranks'): the results are
+                accumulated in fp32 and rounded once; else they stay in k's dtype (one rounding at most).
+    """
+
+    send: Tuple[Tuple[int, int], ...]
+    recv: Tuple[int, ...]
+    lo: int
+    hi: int
+    accumulate: bool
+
+    @property
+    def send_sizes(self) -> List[int]:
+        return [b - a for a, b in self.send]
+
+    @property
+    def received(self) -> int:
+        return sum(self.recv)
+
+    @property
+    def sent(self) -> int:
+        return sum(b - a for a, b in self.send)
+
+
 @dataclass
 class _Llama3Plan:
-    """This rank's blocks (local ones run while the K/V all-gather is in flight) and whether to gather (N > 1)."""
+    """This rank's blocks (local ones run while the exchange is in flight) and its ``exchange`` (None when no
+    rank reads another's rows: a world of one, or every document on one rank)."""
 
     local_blocks: List[_Llama3Block]
     remote_blocks: List[_Llama3Block]
     kind: str
-    gather: bool
+    exchange: Optional[Exchange]
 
 
 def _split_at(ka: int, kb: int, cuts: Tuple[int, int]) -> List[Tuple[int, int]]:
@@ -104,22 +143,91 @@ def _split_at(ka: int, kb: int, cuts: Tuple[int, int]) -> List[Tuple[int, int]]:
     return [(a, b) for a, b in zip(points, points[1:]) if a < b]
 
 
-def llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: bool,
-                window: Tuple[int, int]) -> _Llama3Plan:
-    """Blocks of our queries (local rows) per document overlapping our tokens [q0, q0 + L)."""
-    builder = StepBuilder()
+def _visible(qa: int, qb: int, ka: int, kb: int, window: Tuple[int, int]) -> Tuple[int, int]:
+    """[ka, kb) cut to the keys that some query in [qa, qb) sees through ``window`` (possibly empty)."""
+    if window[0] >= 0:
+        ka = max(ka, qa - window[0])
+    if window[1] >= 0:
+        kb = min(kb, qb + window[1])
+    return ka, kb
+
+
+_Piece = Tuple[slice, int, int, BlockMask]
+
+
+def _pieces(cu: torch.Tensor, rank: int, local: int, causal: bool, window: Tuple[int, int],
+            builder: StepBuilder) -> List[_Piece]:
+    """(query rows, first key, end key, mask) of rank ``rank``'s blocks, per document overlapping its tokens."""
     q0, q1 = rank * local, (rank + 1) * local
-    pieces: List[Tuple[slice, int, int, BlockMask]] = []
+    pieces: List[_Piece] = []
     for d in documents_overlapping(cu, q0, q1):
         doc_a, doc_b = int(cu[d]), int(cu[d + 1])
-        qa, qb = max(doc_a, q0), min(doc_b, q0 + local)
+        qa, qb = max(doc_a, q0), min(doc_b, q1)
         # Causal: split at qa so that both parts are standard blocks (FULL before, aligned CAUSAL after);
-        # then cut at our own range so that local keys need no gathered copy.
+        # then cut at our own range so that local keys need no received copy.
         key_ranges = [(doc_a, qa), (qa, qb)] if causal else [(doc_a, doc_b)]
-        for ka, kb in (piece for kr in key_ranges for piece in _split_at(*kr, (q0, q1))):
-            kind, mask = classify(qa, qb, ka, kb, causal, window)
-            if builder.keep(kind):
-                pieces.append((slice(qa - q0, qb - q0), ka, kb, mask))
+        for ka, kb in key_ranges:
+            ka, kb = _visible(qa, qb, ka, kb, window)
+            for pa, pb in _split_at(ka, kb, (q0, q1)):
+                kind, mask = classify(qa, qb, pa, pb, causal, window)
+                if builder.keep(kind):
+                    pieces.append((slice(qa - q0, qb - q0), pa, pb, mask))
+    return pieces
+
+
+def _remote_span(pieces: List[_Piece], q0: int, q1: int) -> Tuple[int, int]:
+    """(lo, hi): the keys a rank reads from others are [lo, q0) and [q1, hi) (the pieces are cut at q0, q1)."""
+    lo = min([ka for _, ka, kb, _ in pieces if kb <= q0], default=q0)
+    hi = max([kb for _, ka, kb, _ in pieces if ka >= q1], default=q1)
+    return lo, hi
+
+
+def _most_overlapping(ranges: List[Tuple[int, int]]) -> int:
+    """The largest number of ``ranges`` [a, b) that share one position."""
+    events = sorted([(a, 1) for a, b in ranges if b > a] + [(b, -1) for a, b in ranges if b > a])
+    most = now = 0
+    for _, step in events:            # at equal positions -1 sorts first: [a, b) and [b, c) do not overlap
+        now += step
+        most = max(most, now)
+    return most
+
+
+def _exchange(spans: List[Tuple[int, int]], rank: int, local: int,
+              local_keys: List[Tuple[int, int]]) -> Optional[Exchange]:
+    """This rank's ``Exchange`` from every rank's remote span; None when no rank reads another's rows."""
+    if all(lo == r * local and hi == (r + 1) * local for r, (lo, hi) in enumerate(spans)):
+        return None
+    q0, q1 = rank * local, (rank + 1) * local
+
+    def overlap(a: int, b: int, c: int, d: int) -> Tuple[int, int]:
+        lo, hi = max(a, c), min(b, d)
+        return (lo, hi) if lo < hi else (0, 0)
+
+    send, recv = [], []
+    for r, (lo, hi) in enumerate(spans):
+        wanted = (lo, r * local) if rank < r else (r * local + local, hi) if rank > r else (0, 0)
+        a, b = overlap(*wanted, q0, q1)
+        send.append((a - q0, b - q0) if b > a else (0, 0))
+        ours = (spans[rank][0], q0) if r < rank else (q1, spans[rank][1]) if r > rank else (0, 0)
+        a, b = overlap(*ours, r * local, r * local + local)
+        recv.append(b - a)
+    # Contributions per K/V row of ours: our local blocks (disjoint key rows) + every rank that receives it.
+    counted = list(local_keys) + [(a + q0, b + q0) for a, b in send if b > a]
+    lo, hi = spans[rank]
+    return Exchange(tuple(send), tuple(recv), lo, hi, _most_overlapping(counted) >= 3)
+
+
+def llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: bool,
+                window: Tuple[int, int]) -> _Llama3Plan:
+    """Blocks of our queries (local rows) per document overlapping our tokens [q0, q0 + L), and the exchange
+    of every rank's remote keys."""
+    builder = StepBuilder()
+    q0, q1 = rank * local, (rank + 1) * local
+    pieces = _pieces(cu, rank, local, causal, window, builder)
+    spans = [_remote_span(pieces, q0, q1) if r == rank else
+             _remote_span(_pieces(cu, r, local, causal, window, StepBuilder()), r * local, (r + 1) * local)
+             for r in range(world)]
+    lo = spans[rank][0]
     local_blocks, remote_blocks, seen = [], [], set()
     for is_local in (True, False):            # execution order: local blocks, then remote ones
         for rows, ka, kb, mask in pieces:
@@ -127,11 +235,12 @@ def llama3_plan(cu: torch.Tensor, rank: int, world: int, local: int, causal: boo
                 continue
             first = (rows.start, rows.stop) not in seen
             seen.add((rows.start, rows.stop))
-            kv_rows = slice(ka - q0, kb - q0) if is_local else slice(ka, kb)
-            (local_blocks if is_local else remote_blocks).append(_Llama3Block(rows, kv_rows, mask, is_local, first))
-    # Every rank joins the collectives whenever there are other ranks (even if its own blocks are all local:
-    # another rank may need its K/V); local blocks hide them.
-    return _Llama3Plan(local_blocks, remote_blocks, builder.kind, world > 1)
+            # Received rows: [lo, q0) then [q1, hi), in that order.
+            at = ka - q0 if is_local else ka - lo if kb <= q0 else (q0 - lo) + (ka - q1)
+            block = _Llama3Block(rows, slice(at, at + kb - ka), slice(ka, kb), mask, is_local, first)
+            (local_blocks if is_local else remote_blocks).append(block)
+    exchange = _exchange(spans, rank, local, [(b.keys.start, b.keys.stop) for b in local_blocks])
+    return _Llama3Plan(local_blocks, remote_blocks, builder.kind, exchange)
 
 
 @dataclass(frozen=True)
@@ -171,7 +280,7 @@ def _local_fast_segments(plan: _Llama3Plan, local: int, device) -> Optional[_Seg
     whole = _local_segments(plan.local_blocks, device)
     if whole is None or (whole.q_rows.start, whole.q_rows.stop) != (0, local):
         return None
-    before, after = halves(plan.local_blocks) if plan.gather else (plan.local_blocks, [])
+    before, after = halves(plan.local_blocks) if plan.exchange else (plan.local_blocks, [])
     split = [_local_segments(part, device) if part else None for part in (before, after)]
     if any(part and seg is None for part, seg in zip((before, after), split)):
         return None
@@ -218,42 +327,51 @@ class _Llama3Config:
         return self.memo[key]
 
 
-class _SliceGather:
-    """All-gathers of K/V head slices into two alternating buffers, one in flight while the other is used.
+def _send_rows(x: torch.Tensor, send: Tuple[Tuple[int, int], ...]) -> torch.Tensor:
+    """The rows of x (L, stride, D) for each destination in rank order, one contiguous tensor (a view when
+    only one destination takes rows and they are contiguous already)."""
+    parts = [x[a:b] for a, b in send if b > a]
+    if not parts:
+        return x.new_empty((0, *x.shape[1:]))
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 
-    k, v: (1, L, Hk, D) local; a gathered slice is (1, N*L, stride, D) in global token order (the collective
-    writes its (N*L, stride, D) storage: gloo gathers along dim 0). Every started slice must be taken with
-    ``get`` (which waits for it) before the slice two later reuses its buffer.
+
+class _SliceExchange:
+    """All-to-alls of K/V head slices (``Exchange``) into two alternating buffers, one in flight while the other
+    is used.
+
+    k, v: (1, L, Hk, D) local; a received slice is (1, R, stride, D): our remote keys in global order. Every
+    started slice must be taken with ``get`` (which waits for it) before the slice two later reuses its buffer.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, cfg: _Llama3Config):
-        self.k, self.v, self.cfg = k, v, cfg
+        self.k, self.v, self.cfg, self.exchange = k, v, cfg, cfg.plan.exchange
         n_bufs = min(2, k.shape[2] // cfg.stride)
-        shape = (k.shape[1] * cfg.world, cfg.stride, k.shape[3])
+        shape = (self.exchange.received, cfg.stride, k.shape[3])
         self.buffers = [(k.new_empty(shape), v.new_empty(shape)) for _ in range(n_bufs)]
-        self.blocks = [(kb.unsqueeze(0), vb.unsqueeze(0)) for kb, vb in self.buffers]   # the same, as (1, T, .)
+        self.blocks = [(kb.unsqueeze(0), vb.unsqueeze(0)) for kb, vb in self.buffers]   # the same, as (1, R, .)
         self.pending = {}   # j -> (works, the inputs they read): both live until ``get(j)`` has waited
 
     def start(self, j: int) -> None:
         heads = slice(j * self.cfg.stride, (j + 1) * self.cfg.stride)
-        assert j - len(self.buffers) not in self.pending, f"K/V slice {j}: its buffer is still being gathered"
+        assert j - len(self.buffers) not in self.pending, f"K/V slice {j}: its buffer is still being received"
         kbuf, vbuf = self.buffers[j % len(self.buffers)]
-        # The (L, stride, D) copies are held with the works, not left to the backend to keep alive, until waited.
-        inputs = (self.k[0, :, heads].contiguous(), self.v[0, :, heads].contiguous())
-        # The tensor all-gather concatenates along dim 0 = the global token order of the contiguous layout.
-        works = [all_gather_tensor(buf, part, group=self.cfg.group, async_op=True)
+        # The send buffers are held with the works, not left to the backend to keep alive, until waited.
+        ex = self.exchange
+        inputs = tuple(_send_rows(x[0, :, heads], ex.send) for x in (self.k, self.v))
+        works = [all_to_all_single(buf, part, list(ex.recv), ex.send_sizes, group=self.cfg.group, async_op=True)
                  for buf, part in zip((kbuf, vbuf), inputs)]
         self.pending[j] = (works, inputs)
 
     def get(self, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Wait for slice j; gathered (1, N*L, stride, D) K and V."""
+        """Wait for slice j; received (1, R, stride, D) K and V."""
         works, _inputs = self.pending.pop(j)
         for work in works:
             work.wait()
         return self.blocks[j % len(self.blocks)]
 
     def release(self, j: int, slices: int) -> None:
-        """Slice j's gathered K/V are no longer used: free their buffer when no later slice reuses it, so that
+        """Slice j's received K/V are no longer used: free their buffer when no later slice reuses it, so that
         what runs next (the backward's second half of local blocks) does not carry it."""
         slot = j % len(self.buffers)
         if j + len(self.buffers) >= slices:
@@ -316,7 +434,7 @@ def _forward_local(q4, k4, v4, hk, hq, result: _Result, cfg: _Llama3Config) -> i
 def _forward_ranges(cfg: _Llama3Config) -> List[slice]:
     """Query rows of the forward's contributions in call order: the local call(s), then the remote blocks."""
     local = [cfg.fast.whole.q_rows] if cfg.fast is not None else [b.q_rows for b in cfg.plan.local_blocks]
-    return local + ([b.q_rows for b in cfg.plan.remote_blocks] if cfg.plan.gather else [])
+    return local + [b.q_rows for b in cfg.plan.remote_blocks]
 
 
 def forward_pass(q4, k4, v4, cfg: _Llama3Config):
@@ -325,17 +443,17 @@ def forward_pass(q4, k4, v4, cfg: _Llama3Config):
     rows = cfg.memoised(("forward rows", q4.shape[1]), lambda: _rows_plan(_forward_ranges(cfg), q4.shape[1]))
     result = _Result(q4, rows)
     slices, group_size = k4.shape[2] // cfg.stride, q4.shape[2] // k4.shape[2]
-    gather = _SliceGather(k4, v4, cfg) if plan.gather else None
-    if gather:
-        gather.start(0)
+    exchange = _SliceExchange(k4, v4, cfg) if plan.exchange else None
+    if exchange:
+        exchange.start(0)
     for j in range(slices):
-        if gather and j + 1 < slices:
-            gather.start(j + 1)                       # the next slice travels while this one computes
+        if exchange and j + 1 < slices:
+            exchange.start(j + 1)                     # the next slice travels while this one computes
         hk, hq = heads(j, cfg, group_size)
         done = _forward_local(q4, k4, v4, hk, hq, result, cfg)
-        if gather:
-            _forward_blocks(plan.remote_blocks, done, q4, *gather.get(j), hq, result, cfg)  # gathered meanwhile
-            gather.release(j, slices)
+        if exchange:
+            _forward_blocks(plan.remote_blocks, done, q4, *exchange.get(j), hq, result, cfg)  # received meanwhile
+            exchange.release(j, slices)
     return result.out, result.lse
 
 
@@ -343,22 +461,6 @@ def _disjoint(ranges: List[slice]) -> bool:
     """No row lies in two of ``ranges``."""
     spans = sorted((r.start, r.stop) for r in ranges if r.stop > r.start)
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-
-
-def _kv_grad_dtype(cfg: _Llama3Config, dtype: torch.dtype) -> torch.dtype:
-    """dtype of the dK/dV results and partials: k's own for N <= 2, fp32 for N >= 3 (``rounding``'s rule).
-
-    A K/V row of rank r gets one contribution per rank whose queries see it: one from r's local blocks (their
-    key rows are disjoint: one query range per document, its keys cut into disjoint pieces) and one from each
-    other rank's remote blocks (disjoint likewise). Head slices split heads, never rows, and a document that
-    crosses a rank boundary only adds the other rank's one contribution. So with N <= 2 every row gets <= 2,
-    summed once; with N >= 3 up to N. Decided from N alone: every rank must reduce-scatter in the same dtype.
-    """
-    # Checked once per plan (the memo is shared by the calls of one cu_seqlens), not on every backward.
-    assert cfg.memoised("kv rows disjoint", lambda: (_disjoint([b.kv_rows for b in cfg.plan.local_blocks]),
-                                                    _disjoint([b.kv_rows for b in cfg.plan.remote_blocks]))) \
-        == (True, True), "local (or remote) blocks share K/V rows"
-    return dtype if cfg.world <= 2 else torch.float32
 
 
 class _Into:
@@ -373,80 +475,61 @@ class _Into:
         self.dv[:, rows] += dv
 
 
-class _Held:
-    """Block gradients kept until their destination is written (``_KVGrads.finish``), then added ``into`` it."""
-
-    def __init__(self):
-        self.grads: List[Tuple[slice, torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, rows: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        self.grads.append((rows, dk, dv))
-
-    def into(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        add = _Into(dk, dv)
-        for rows, gk, gv in self.grads:
-            add(rows, gk, gv)
-        self.grads.clear()
-
-
 class _KVGrads:
-    """dK/dV of one backward: the results ``dk``/``dv`` (1, L, Hk, D) and, per head slice, the full-sequence
-    partials (1, N*L, stride, D) that one reduce-scatter per tensor sends back to the K/V owners.
+    """dK/dV of one backward: the results ``dk``/``dv`` (1, L, Hk, D), zeroed, that our local blocks add into,
+    and, per head slice when ranks exchange rows, the partials over the received rows (one remote block per row,
+    in k's dtype: exact) that one all-to-all per tensor sends back to their owners (``start``), to land in the
+    rows we sent and be added into the results (``finish``).
 
-    dtype (``_kv_grad_dtype``): k's for N <= 2, fp32 for N >= 3 (the caller casts once). One slice at a time
-    (N > 1): ``partials(j)`` zeroes the partials; the first half of the local blocks adds into our own rows of
-    them (``own``) and the remote blocks into the other ranks' rows; ``start(j)`` reduce-scatters them into our
-    rows of the results (straight into ``dk``/``dv`` when one slice holds every head, else into ``part`` and
-    copied by ``finish``) while the second half of the local blocks is ``held``; ``finish(j)`` waits and adds
-    it. Every row: (own half or 0) + (the other rank's or 0) in the reduce-scatter, + (held or 0) -- at most
-    two non-zero terms with N = 2, one rounding.
+    The results are in k's dtype, or fp32 when a row of ours gets >= 3 contributions (``Exchange.accumulate``;
+    the caller casts once). Every row: (our local block or 0) + (each receiving rank's partial or 0).
     """
 
     def __init__(self, k4: torch.Tensor, cfg: _Llama3Config):
-        self.cfg, self.shape, self.device = cfg, k4.shape, k4.device
-        self.dtype = _kv_grad_dtype(cfg, k4.dtype)
-        n, hk, d = k4.shape[1], k4.shape[2], k4.shape[3]
-        self.whole = cfg.stride == hk                      # one slice: the reduce-scatter lands in the results
-        new = lambda *shape: torch.empty(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        if cfg.plan.gather:
-            self.dk = self.dv = None                       # allocated when the first reduce-scatter starts
-            self.full = (new(n * cfg.world, cfg.stride, d), new(n * cfg.world, cfg.stride, d))
-            self.part = None if self.whole else (new(n, cfg.stride, d), new(n, cfg.stride, d))
-        else:                                              # one rank: local blocks only, one per row
-            self.dk, self.dv = (torch.zeros(k4.shape, dtype=self.dtype, device=self.device) for _ in range(2))
-        self.pending = None                                # (j, works) of the reduce-scatter in flight
+        self.cfg, self.exchange = cfg, cfg.plan.exchange
+        # Checked once per plan (the memo is shared by the calls of one cu_seqlens), not on every backward.
+        assert cfg.memoised("kv rows disjoint", lambda: (_disjoint([b.kv_rows for b in cfg.plan.local_blocks]),
+                                                        _disjoint([b.kv_rows for b in cfg.plan.remote_blocks]))) \
+            == (True, True), "local (or remote) blocks share K/V rows"
+        wide = self.exchange is not None and self.exchange.accumulate
+        dtype = torch.float32 if wide else k4.dtype
+        self.dk, self.dv = (torch.zeros(k4.shape, dtype=dtype, device=k4.device) for _ in range(2))
+        if self.exchange is not None:
+            d = k4.shape[3]
+            new = lambda rows: k4.new_empty((rows, cfg.stride, d))  # noqa: E731
+            self.partials = (new(self.exchange.received), new(self.exchange.received))
+            self.landed = (new(self.exchange.sent), new(self.exchange.sent))
+        self.pending = None                                # (j, works) of the all-to-all in flight
 
     def local(self, hk: slice) -> _Into:
-        """Where a world of one adds its local blocks: the results at heads ``hk``."""
+        """Where our local blocks add: the results at K/V heads ``hk``."""
         return _Into(self.dk[:, :, hk], self.dv[:, :, hk])
 
-    def partials(self, j: int) -> Tuple[_Into, _Into]:
-        """(own rows, all rows) of slice j's zeroed full-sequence partials; the previous slice has finished."""
+    def remote(self, j: int) -> _Into:
+        """Where the remote blocks of slice j add: its zeroed partials; the previous slice has finished."""
         assert self.pending is None, f"dK/dV slice {self.pending[0]} was never finished"
-        fk, fv = (x.zero_().unsqueeze(0) for x in self.full)
-        n = self.shape[1]
-        own = slice(self.cfg.rank * n, (self.cfg.rank + 1) * n)
-        return _Into(fk[:, own], fv[:, own]), _Into(fk, fv)
+        return _Into(*(x.zero_().unsqueeze(0) for x in self.partials))
 
     def start(self, j: int) -> None:
-        if self.dk is None:
-            self.dk, self.dv = (torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(2))
-        outputs = (self.dk[0], self.dv[0]) if self.whole else self.part
-        self.pending = (j, [reduce_scatter_tensor(out, full, group=self.cfg.group, async_op=True)
-                            for out, full in zip(outputs, self.full)])
+        """Send slice j's partials back to the ranks that own their rows."""
+        ex = self.exchange
+        self.pending = (j, [all_to_all_single(out, part, ex.send_sizes, list(ex.recv), group=self.cfg.group,
+                                              async_op=True) for out, part in zip(self.landed, self.partials)])
 
-    def finish(self, j: int, held: _Held) -> None:
-        """Wait for slice j's reduce-scatter, then add the second half's ``held`` gradients (rows written once)."""
+    def finish(self, j: int) -> None:
+        """Wait for slice j's partials and add them into the results at the rows each destination read."""
         pending_j, works = self.pending
         assert pending_j == j, (pending_j, j)
         for work in works:
             work.wait()
         self.pending = None
         heads = slice(j * self.cfg.stride, (j + 1) * self.cfg.stride)
-        if not self.whole:
-            self.dk[0, :, heads].copy_(self.part[0])
-            self.dv[0, :, heads].copy_(self.part[1])
-        held.into(self.dk[:, :, heads], self.dv[:, :, heads])
+        at = 0
+        for a, b in self.exchange.send:
+            if b > a:
+                for result, landed in zip((self.dk, self.dv), self.landed):
+                    result[0, a:b, heads] += landed[at:at + b - a]
+                at += b - a
 
 
 class _QueryGrads:
@@ -466,7 +549,7 @@ class _QueryGrads:
 def _backward_blocks(blocks, first: int, dout4, q4, out4, lse, k_rows, v_rows, hq, dq: _QueryGrads, sink,
                      cfg) -> int:
     """Backward of ``blocks`` (dq contributions ``first``, ...) against K/V rows (1, T, stride, D): each block's
-    dk/dv go to ``sink(kv_rows, dk, dv)`` (``_Into`` or ``_Held``). Returns the next contribution index."""
+    dk/dv go to ``sink(kv_rows, dk, dv)`` (an ``_Into``). Returns the next contribution index."""
     for i, blk in enumerate(blocks):
         rows = blk.q_rows
         dq_b, dk, dv = cfg.backend.backward(
@@ -498,8 +581,7 @@ def _backward_ranges(cfg: _Llama3Config, before, after) -> List[slice]:
         local = ([b.q_rows for b in before], [b.q_rows for b in after])
     else:
         local = tuple([seg.q_rows] if seg is not None else [] for seg in (cfg.fast.before, cfg.fast.after))
-    remote = [b.q_rows for b in cfg.plan.remote_blocks] if cfg.plan.gather else []
-    return local[0] + remote + local[1]
+    return local[0] + [b.q_rows for b in cfg.plan.remote_blocks] + local[1]
 
 
 def halves(blocks: List[_Llama3Block]) -> Tuple[List[_Llama3Block], List[_Llama3Block]]:
@@ -522,40 +604,38 @@ def _backward_local(part, first: int, dout4, q4, out4, lse, k4, v4, hk, hq, dq: 
 
 
 def _backward(dout4, q4, k4, v4, out4, lse, cfg: _Llama3Config):
-    """Gradients dq (1, L, H, D) in q's dtype, dk, dv (1, L, Hk, D) in ``_kv_grad_dtype`` from the merged out4
-    (1, L, H, D) and lse (1, H, L).
+    """Gradients dq (1, L, H, D) in q's dtype, dk, dv (1, L, Hk, D) in k's dtype or fp32 (``_KVGrads``) from the
+    merged out4 (1, L, H, D) and lse (1, H, L).
 
-    Per head slice: half of the local blocks while its K/V all-gather is in flight, the remote blocks, the
-    reduce-scatter of the slice's partials started, then the other half of the local blocks meanwhile.
+    Per head slice: half of the local blocks while its K/V exchange is in flight, the remote blocks, their
+    partials sent back to the owners, then the other half of the local blocks meanwhile.
     """
     plan = cfg.plan
     slices, group_size = k4.shape[2] // cfg.stride, q4.shape[2] // k4.shape[2]
-    before, after = cfg.memoised("halves", lambda: halves(plan.local_blocks) if plan.gather
+    before, after = cfg.memoised("halves", lambda: halves(plan.local_blocks) if plan.exchange
                                  else (plan.local_blocks, []))
     dq = _QueryGrads(q4, cfg.memoised(("backward rows", q4.shape[1]), lambda: _rows_plan(
         _backward_ranges(cfg, before, after), q4.shape[1])))
     if cfg.fast is not None:                          # the same halves as packed-document calls
         before, after = cfg.fast.before, cfg.fast.after
     grads = _KVGrads(k4, cfg)
-    gather = _SliceGather(k4, v4, cfg) if plan.gather else None
-    if gather:
-        gather.start(0)
+    exchange = _SliceExchange(k4, v4, cfg) if plan.exchange else None
+    if exchange:
+        exchange.start(0)
     for j in range(slices):
-        if gather and j + 1 < slices:
-            gather.start(j + 1)
+        if exchange and j + 1 < slices:
+            exchange.start(j + 1)
         hk, hq = heads(j, cfg, group_size)
         common = (dout4, q4, out4, lse, k4, v4, hk, hq, dq)
-        if not gather:
-            _backward_local(before, 0, *common, grads.local(hk), cfg)
+        done = _backward_local(before, 0, *common, grads.local(hk), cfg)
+        if not exchange:
             continue
-        own, every = grads.partials(j)
-        done = _backward_local(before, 0, *common, own, cfg)
-        done = _backward_blocks(plan.remote_blocks, done, dout4, q4, out4, lse, *gather.get(j), hq, dq, every, cfg)
-        gather.release(j, slices)
+        done = _backward_blocks(plan.remote_blocks, done, dout4, q4, out4, lse, *exchange.get(j), hq, dq,
+                                grads.remote(j), cfg)
+        exchange.release(j, slices)
         grads.start(j)                                # back to their owners while the rest computes
-        held = _Held()
-        _backward_local(after, done, *common, held, cfg)
-        grads.finish(j, held)
+        _backward_local(after, done, *common, grads.local(hk), cfg)
+        grads.finish(j)
     return dq.dq, grads.dk, grads.dv
 
 
@@ -567,7 +647,7 @@ class _Llama3Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, sink, cfg: _Llama3Config):
         region = current_region()                     # a kept checkpoint region (ring_kernels.checkpointing)
         kept = region.take(q, "llama3_attn_varlen_func") if region is not None else None
-        if kept is not None:                          # a recomputation: the forward's own out and lse, no gather
+        if kept is not None:                          # a recomputation: the forward's own out and lse, no exchange
             out, lse = kept
         else:
             out, lse = forward_pass(q, k, v, cfg)     # in q's dtype, each row rounded once
@@ -597,21 +677,22 @@ def _check_stride(fn: str, heads_k_stride, nheads_k: int) -> int:
     if heads_k_stride < 1 or nheads_k % heads_k_stride != 0:
         divisors = [s for s in range(1, nheads_k + 1) if nheads_k % s == 0]
         raise validation.RingInputError(
-            f"{fn}: heads_k_stride={heads_k_stride} must divide nheads_k={nheads_k} (K/V heads are gathered "
-            f"heads_k_stride at a time); use one of {divisors}, or None to gather all K/V heads at once")
+            f"{fn}: heads_k_stride={heads_k_stride} must divide nheads_k={nheads_k} (K/V heads are exchanged "
+            f"heads_k_stride at a time); use one of {divisors}, or None to exchange all K/V heads at once")
     return heads_k_stride
 
 
 def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, softmax_scale=None,
                             backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0,
                             heads_k_stride: Optional[int] = None, sink=None):
-    """Attention over packed documents sharded contiguously, by all-gathering K/V (Llama 3 style).
+    """Attention over packed documents sharded contiguously; each rank receives the K/V rows its queries see
+    on other ranks (Llama 3 style, without gathering the rest).
 
     q: (T_local, H, D); k, v: (T_local, Hk, D), H % Hk == 0 — or all three as HF's packed row (1, T_local,
     H|Hk, D), used as is (no view); rank r holds packed tokens [r*T_local, (r+1)*T_local) of the global sequence
     described by ``cu_seqlens`` (int32 (num_docs + 1,), identical on every rank). ``heads_k_stride`` K/V heads
-    are gathered at a time (None = all; it must divide Hk): peak extra memory is 2 x 2 x (N*T_local,
-    heads_k_stride, D). Returns out (T_local, H, D), or (1, T_local, H, D) for 4-D q; differentiable.
+    are exchanged at a time (None = all; it must divide Hk): peak extra memory is 2 x 2 x (R, heads_k_stride, D),
+    R <= (N-1)*T_local the rows received (those of the documents that cross into our range). Returns out (T_local, H, D), or (1, T_local, H, D) for 4-D q; differentiable.
     ``window_size`` (left, right) and ``softcap`` follow flash-attn; ``dropout_p`` must be 0.
     ``sink``: None, or attention-sink logits (H,) -- any float dtype, on q's device, may require grad: every
     query's softmax gets one extra key per head with this logit and value 0 (gpt-oss's ``s_aux``). Its

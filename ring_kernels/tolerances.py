@@ -85,7 +85,9 @@ _ENTRIES = [
                                                  "2.0e-6 (the Triton kernel under the interpreter: 8.8e-7)"),
     Tolerance("kernel", "bfloat16", "out", 1e-2, "P rounded to bf16 before P@V and the output rounded once "
                                                  "(bf16 eps 2**-7 = 7.8e-3); measured worst 5.6e-3"),
-    Tolerance("kernel", "bfloat16", "lse", 1e-5, "the lse is fp32 whatever the inputs' dtype; measured worst 1.6e-7"),
+    Tolerance("kernel", "bfloat16", "lse", 5e-5, "the lse is fp32 whatever the inputs' dtype; measured worst 1.6e-7, "
+                                                 "but 1.5e-5 from torch's CPU kernel on a CPU without AVX-512 (AVX2); "
+                                                 "an lse error e scales a merged block by exp(e), far below bf16's eps"),
     Tolerance("kernel", "bfloat16", "grad", 2e-2, "dS and P rounded to bf16 before the gradient products, each "
                                                   "gradient rounded once; measured worst 9.0e-3"),
     Tolerance("kernel", "float16", "out", 2e-3, "P rounded to fp16 before P@V (fp16 eps 2**-10 = 9.8e-4); "

@@ -183,7 +183,7 @@ class LayoutCode(enum.IntEnum):
     STRIPE = 2             # stripe_attn_func
     RING_VARLEN = 10       # ring_attn_varlen_func: contiguous documents
     ZIGZAG_VARLEN = 11     # zigzag_ring_attn_varlen_func
-    LLAMA3_VARLEN = 12     # llama3_attn_varlen_func: contiguous, K/V all-gathered
+    LLAMA3_VARLEN = 12     # llama3_attn_varlen_func: contiguous, crossing K/V rows exchanged
     ULYSSES = 20           # ulysses_attn_func on contiguous shards (+ 1: zigzag, + 2: stripe)
     ULYSSES_ZIGZAG = 21
     ULYSSES_STRIPE = 22

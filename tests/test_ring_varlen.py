@@ -299,40 +299,39 @@ class _CheckedWork:
 
 
 class _StrictCollectives:
-    """Within the block, llama3's async collectives are held to the contract that NCCL needs (and gloo mostly
+    """Within the block, llama3's async all-to-alls are held to the contract that NCCL needs (and gloo mostly
     forgives, so a breach shows only rarely, under load): nothing writes an op's input or reads its output
     before ``wait``, and every op started is waited for before the call returns. Each output is filled with
-    NaN when its op starts (gloo's reduce-scatter writes it only in ``wait``: an early read sees NaN), each
-    input is compared at ``wait`` with a snapshot taken at the start, and the ops are counted."""
+    NaN when its op starts (an early read sees NaN), each input is compared at ``wait`` with a snapshot taken at
+    the start, and the ops are counted."""
 
     def __init__(self, enabled: bool):
-        self.enabled, self.started, self.in_flight = enabled, {"all_gather": 0, "reduce_scatter": 0}, set()
+        self.enabled, self.started, self.in_flight = enabled, 0, set()
 
-    def _strict(self, name, collective):
-        def issue(output, tensor_in, group=None, async_op=False):
-            assert async_op, f"llama3 issued a blocking {name}"
+    def _strict(self, collective):
+        def issue(output, tensor_in, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+            assert async_op, "llama3 issued a blocking all-to-all"
             snapshot = tensor_in.clone()
             output.fill_(float("nan"))
-            self.started[name] += 1
-            return _CheckedWork(name, collective(output, tensor_in, group=group, async_op=True), tensor_in,
-                                snapshot, self.in_flight)
+            self.started += 1
+            work = collective(output, tensor_in, output_split_sizes, input_split_sizes, group=group, async_op=True)
+            return _CheckedWork("all_to_all", work, tensor_in, snapshot, self.in_flight)
         return issue
 
     def __enter__(self):
-        self.saved = llama3.all_gather_tensor, llama3.reduce_scatter_tensor
+        self.saved = llama3.all_to_all_single
         if self.enabled:
-            llama3.all_gather_tensor = self._strict("all_gather", self.saved[0])
-            llama3.reduce_scatter_tensor = self._strict("reduce_scatter", self.saved[1])
+            llama3.all_to_all_single = self._strict(self.saved)
         return self
 
     def __exit__(self, *exc):
-        llama3.all_gather_tensor, llama3.reduce_scatter_tensor = self.saved
+        llama3.all_to_all_single = self.saved
 
     def check_counts(self, n, slices):
-        """Forward and backward each all-gather K and V per head slice; the backward reduce-scatters dK and dV."""
+        """Per head slice, the forward and the backward each exchange K and V, and the backward sends dK and dV
+        back: 6 all-to-alls (the cases' documents cross rank boundaries; a group of one exchanges nothing)."""
         assert not self.in_flight, f"{len(self.in_flight)} collective(s) never waited for"
-        slices = slices if n > 1 else 0                 # a group of one gathers nothing
-        want = {"all_gather": 4 * slices, "reduce_scatter": 2 * slices}
+        want = 6 * slices if n > 1 else 0
         assert self.started == want, (self.started, want)
 
 
@@ -378,18 +377,19 @@ def _llama3_block_grads(out, dout4, k_all, v_all, group, rank, n):
                 dq[0, rows, hq] += gq.float()
                 dkv[0, 0, own][kv, hk] += gk.float()
                 dkv[1, 0, own][kv, hk] += gv.float()
-        # Local blocks read our own K/V rows; remote ones a gathered (contiguous) head slice of the sequence.
-        gathered = [x[0, :, hk].contiguous()[None] for x in (k_all, v_all)]
-        blocks = [(b, k4[:, :, hk], v4[:, :, hk], own) for b in cfg.plan.local_blocks] if cfg.fast is None else []
-        blocks += [(b, *gathered, slice(None)) for b in cfg.plan.remote_blocks]
-        for blk, keys, values, where in blocks:
+        # Local blocks read our own K/V rows; remote ones the whole sequence's, at their global key positions.
+        whole = [x[0, :, hk].contiguous()[None] for x in (k_all, v_all)]
+        blocks = [(b, k4[:, :, hk], v4[:, :, hk], own, b.kv_rows) for b in cfg.plan.local_blocks] \
+            if cfg.fast is None else []
+        blocks += [(b, *whole, slice(None), b.keys) for b in cfg.plan.remote_blocks]
+        for blk, keys, values, where, rows in blocks:
             gq, gk, gv = cfg.backend.backward(
-                dout4[:, blk.q_rows, hq], q4[:, blk.q_rows, hq], keys[:, blk.kv_rows], values[:, blk.kv_rows],
+                dout4[:, blk.q_rows, hq], q4[:, blk.q_rows, hq], keys[:, rows], values[:, rows],
                 out4[:, blk.q_rows, hq], lse[:, hq, blk.q_rows], scale=cfg.scale, mask=blk.mask,
                 softcap=cfg.softcap)
             dq[:, blk.q_rows, hq] += gq.float()
-            dkv[0][:, where][:, blk.kv_rows, hk] += gk.float()
-            dkv[1][:, where][:, blk.kv_rows, hk] += gv.float()
+            dkv[0][:, where][:, rows, hk] += gk.float()
+            dkv[1][:, where][:, rows, hk] += gv.float()
     dist.all_reduce(dkv, group=group)
     return dq, dkv[0, :, own], dkv[1, :, own]
 
@@ -421,44 +421,54 @@ def _llama3_dkdv_rounded_once(group, rank, n, device, *, causal, stride, standin
         assert mismatch == 0.0, (name, causal, stride, standin is not None, backend, mismatch)
 
 
-class _RecordedReduceScatter:
-    """Within the block, the dtypes and shapes of llama3's reduce-scatter inputs."""
+class _RecordedExchange:
+    """Within the block, the dtypes and shapes of llama3's all-to-all inputs, in call order."""
 
     def __enter__(self):
-        self.module, self.saved, self.inputs = llama3, llama3.reduce_scatter_tensor, []
+        self.saved, self.inputs = llama3.all_to_all_single, []
 
-        def recording(output, tensor_in, group=None, async_op=False):
+        def recording(output, tensor_in, *args, **kwargs):
             self.inputs.append((tensor_in.dtype, tuple(tensor_in.shape)))
-            return self.saved(output, tensor_in, group=group, async_op=async_op)
-        llama3.reduce_scatter_tensor = recording
+            return self.saved(output, tensor_in, *args, **kwargs)
+        llama3.all_to_all_single = recording
         return self
 
     def __exit__(self, *exc):
-        self.module.reduce_scatter_tensor = self.saved
+        llama3.all_to_all_single = self.saved
 
 
 def _llama3_kv_grad_buffers(group, rank, n, device="cpu", backend="torch_cpu"):
-    """bf16 llama3, forward + backward: with 2 ranks the dK/dV partials are reduce-scattered in bf16 and no fp32
-    buffer of a local K/V tensor's size or more is allocated (only lse, (1, H, L)); with 3 ranks the partials
-    (N*L, Hk, D) travel in fp32 (a row may get 3 contributions), cast once at the end."""
+    """bf16 llama3, forward + backward: K/V and the dK/dV partials travel in bf16, over exactly the rows the plan
+    exchanges. With 2 ranks no K/V row gets more than two contributions and no fp32 buffer of a local K/V
+    tensor's size or more is allocated (only lse, (1, H, L)); with 3 ranks one document reaches every rank, so
+    some rows get three, and a rank holding such rows accumulates its results (1, L, Hk, D) in fp32 (cast once at
+    the end), and only such a rank."""
     torch.manual_seed(5)
-    lengths = _contiguous_docs(n, 16)
+    lengths = _contiguous_docs(n, 16) if n == 2 else [4, 40, 4]          # n == 3: [4, 44) covers all three
     local, h, hk, d = sum(lengths) // n, 8, 2, 64
     q = torch.randn(1, local, h, d, device=device).bfloat16().requires_grad_()
     k, v = (torch.randn(1, local, hk, d, device=device).bfloat16().requires_grad_() for _ in range(2))
     for causal, stride in ((True, None), (False, 1)):
-        with _RecordedReduceScatter() as scattered, fp32_factories() as seen:
+        plans = [llama3.llama3_plan(_cu(lengths).long(), r, n, local, causal, (-1, -1)) for r in range(n)]
+        ex = plans[rank].exchange
+        with _RecordedExchange() as exchanged, fp32_factories() as seen:
             out = _fn("llama3")(q, k, v, _cu(lengths).to(device), group=group, causal=causal, backend=backend,
                                 heads_k_stride=stride)
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         big = [a for a in seen.fp32 if a[2] >= k.numel()]
-        slices = hk // (stride or hk)
-        want_dtype = torch.bfloat16 if n == 2 else torch.float32
-        assert scattered.inputs == [(want_dtype, (n * local, stride or hk, d))] * (2 * slices), scattered.inputs
+        width = stride or hk
+        kv, back = (torch.bfloat16, (ex.sent, width, d)), (torch.bfloat16, (ex.received, width, d))
+        # Per slice: forward K, V; backward K, V, then dK, dV (the partials over the received rows).
+        want = [kv] * (4 * (hk // width)) + [back] * (2 * (hk // width))
+        assert sorted(exchanged.inputs) == sorted(want), (rank, causal, stride, exchanged.inputs, want)
+        assert ex.received > 0 or ex.sent > 0, (rank, ex)
         if n == 2:
-            assert big == [], (rank, causal, stride, big)
+            assert not any(p.exchange.accumulate for p in plans), (causal, [p.exchange for p in plans])
         else:
-            assert ("aten.empty.memory_format", (n * local, stride or hk, d), n * local * (stride or hk) * d) in big
+            assert any(p.exchange.accumulate for p in plans), (causal, [p.exchange for p in plans])
+        kv_wide = [a[1] for a in big if a[1] == (1, local, hk, d)]       # dk, dv results in fp32
+        assert kv_wide == [(1, local, hk, d)] * (2 if ex.accumulate else 0), (rank, causal, stride, big)
+        assert n > 2 or big == [], (rank, causal, stride, big)
 
 
 def _cases_ranks(rank, world, cases):
@@ -638,18 +648,162 @@ def test_llama3_plan_local_blocks_first_remote_blocks_only_for_crossing_document
     for causal in (True, False):
         for rank in range(n):
             plan = llama3.llama3_plan(cu, rank, n, local, causal, (-1, -1))
-            assert plan.gather
+            assert plan.exchange is not None
             firsts = [(b.q_rows.start, b.q_rows.stop) for b in plan.local_blocks if b.first]
             assert sorted(r for a, b in firsts for r in range(a, b)) == list(range(local))
             assert not any(b.first for b in plan.remote_blocks)
             assert all(0 <= b.kv_rows.start and b.kv_rows.stop <= local for b in plan.local_blocks)
             q0 = rank * local
-            remote = sorted(k for b in plan.remote_blocks for k in range(b.kv_rows.start, b.kv_rows.stop))
+            remote = sorted(k for b in plan.remote_blocks for k in range(b.keys.start, b.keys.stop))
             want = {0: [6, 7, 8] if not causal else [], 1: [2, 3, 4, 5], 2: []}[rank]
             assert remote == want and all(not q0 <= k < q0 + local for k in remote), (rank, causal, remote)
     aligned = _cu([2, 4, 6, 1, 5]).long()          # boundaries at 6 and 12 fall between documents
     for causal in (True, False):
         assert not any(llama3.llama3_plan(aligned, r, n, local, causal, (-1, -1)).remote_blocks for r in range(n))
+
+
+def _keys_seen(cu, n, local, causal, window):
+    """By brute force, per rank: {key position: 1} for every key that some query of the rank sees (same document,
+    causal, window), as a list of sets."""
+    left, right = (w if w >= 0 else 1 << 30 for w in window)
+    right = min(right, 0) if causal else right
+    bounds = cu.tolist()
+    seen = []
+    for r in range(n):
+        keys = set()
+        for p in range(r * local, (r + 1) * local):
+            d = max(i for i in range(len(bounds) - 1) if bounds[i] <= p < bounds[i + 1] or bounds[i] == p)
+            a, b = bounds[d], bounds[d + 1]
+            keys.update(range(max(a, p - left), min(b, p + right + 1)))
+        seen.append(keys)
+    return seen
+
+
+def _exchange_mixes(n, local):
+    """Document mixes of N ranks x ``local`` tokens: crossing, spanning several ranks, aligned, single tokens."""
+    rng = __import__("random").Random(n)
+    mixes = [_contiguous_docs(n, local), [local * n], [local] * n, [1] * (local * n)]
+    for _ in range(4):
+        lengths, left = [], local * n
+        while left:
+            take = min(left, rng.choice([1, 2, 3, local // 2, local, 2 * local, 3 * local]))
+            lengths.append(take)
+            left -= take
+        mixes.append(lengths)
+    return mixes
+
+
+def test_llama3_exchange_moves_exactly_the_rows_other_ranks_read():
+    """Every rank receives exactly the keys its queries see on other ranks (brute force over positions), in
+    global order; what rank s sends to r is what r receives from s; remote blocks read the received rows at
+    their keys; the results accumulate in fp32 exactly where some K/V row gets >= 3 contributions; nothing is
+    exchanged where every document stays on one rank."""
+    for n in (2, 3, 4, 5):
+        local = 7
+        for lengths in _exchange_mixes(n, local):
+            cu = _cu(lengths).long()
+            for causal in (True, False):
+                for window in ((-1, -1), (3, 0), (2, 4), (0, 0)):
+                    where = (n, lengths, causal, window)
+                    plans = [llama3.llama3_plan(cu, r, n, local, causal, window) for r in range(n)]
+                    seen = _keys_seen(cu, n, local, causal, window)
+                    remote = [sorted(k for k in seen[r] if not r * local <= k < (r + 1) * local) for r in range(n)]
+                    if not any(remote):
+                        assert all(p.exchange is None for p in plans), where
+                        continue
+                    for r, plan in enumerate(plans):
+                        ex, q0, q1 = plan.exchange, r * local, (r + 1) * local
+                        received = list(range(ex.lo, q0)) + list(range(q1, ex.hi))
+                        assert received == remote[r], (where, r, ex)
+                        for s in range(n):
+                            a, b = plans[s].exchange.send[r]
+                            assert ex.recv[s] == b - a, (where, r, s)
+                            assert list(range(s * local + a, s * local + b)) == \
+                                [k for k in remote[r] if s * local <= k < (s + 1) * local], (where, r, s)
+                        for blk in plan.remote_blocks:
+                            assert received[blk.kv_rows] == list(range(blk.keys.start, blk.keys.stop)), (where, r)
+                        for blk in plan.local_blocks:
+                            assert blk.keys.start - q0 == blk.kv_rows.start, (where, r)
+                        counts = [sum(k in seen[x] for x in range(n)) for k in range(q0, q1)]
+                        assert ex.accumulate == (max(counts) >= 3), (where, r, counts)
+
+
+def _documents_reference(q, k, v, dout, cu, rows, causal, window):
+    """(out, dq, dk, dv) in fp32 of plain attention of the documents overlapping global ``rows``, one K/V head at a
+    time (bounded memory at real widths); rows of other documents stay 0. fp32's error is far below the bf16
+    kernel's tolerance, which is what this reference checks."""
+    bounds = cu.tolist()
+    outs = [torch.zeros(x.shape) for x in (q, q, k, v)]
+    group = q.shape[1] // k.shape[1]
+    for a, b in zip(bounds, bounds[1:]):
+        if b <= rows.start or a >= rows.stop or b == a:
+            continue
+        pos = torch.arange(a, b)
+        visible = torch.ones(b - a, b - a, dtype=torch.bool)
+        if causal:
+            visible &= pos[None, :] <= pos[:, None]
+        if window[0] >= 0:
+            visible &= pos[None, :] >= pos[:, None] - window[0]
+        if window[1] >= 0:
+            visible &= pos[None, :] <= pos[:, None] + window[1]
+        for j in range(k.shape[1]):
+            hq = slice(j * group, (j + 1) * group)
+            qd, kd, vd = (x[a:b, heads].float().requires_grad_() for x, heads in ((q, hq), (k, slice(j, j + 1)),
+                                                                               (v, slice(j, j + 1))))
+            scores = torch.einsum("qhd,kd->hqk", qd, kd[:, 0]) * q.shape[-1] ** -0.5
+            out = torch.einsum("hqk,kd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vd[:, 0])
+            out.backward(dout[a:b, hq].float())
+            outs[0][a:b, hq], outs[1][a:b, hq] = out.detach(), qd.grad
+            outs[2][a:b, j], outs[3][a:b, j] = kd.grad[:, 0], vd.grad[:, 0]
+    return outs
+
+
+def _llama3_real_width(rank, n, mixes, device="cpu", backend="torch_cpu"):
+    if _BENCH not in sys.path:
+        sys.path.insert(0, _BENCH)
+    from _cases import global_document_mix, local_document_mix
+
+    group = dist.group.WORLD
+    h, hk, d = 32, 8, 128                               # Llama-3-8B attention: 32 query heads over 8 K/V heads
+    for local, mix in mixes:
+        if mix == "benchmark":
+            lengths = global_document_mix(local_document_mix(local, n), n)
+        else:                                           # "spanning": one document from 0.6 L to (N - 0.8) L
+            start, end = local * 6 // 10, (n - 1) * local + local // 5
+            lengths = [start, end - start, n * local - end]
+        cu = _cu(lengths)
+        torch.manual_seed(17)
+        q, dout = (torch.randn(local * n, h, d).bfloat16() for _ in range(2))
+        k, v = (torch.randn(local * n, hk, d).bfloat16() for _ in range(2))
+        own = slice(rank * local, (rank + 1) * local)
+        leaves = [x[own].to(device).requires_grad_() for x in (q, k, v)]
+        out = rk.llama3_attn_varlen_func(*leaves, cu.to(device), group=group, causal=True, backend=backend)
+        out.backward(dout[own].to(device))
+        want = _documents_reference(q, k, v, dout, cu, own, True, (-1, -1))
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *(x.grad for x in leaves)), want):
+            assert got.dtype == torch.bfloat16
+            assert_close(got.float().cpu(), ref[own], _tolerance(torch.bfloat16, name),
+                         f"rank {rank}/{n} {name} {mix} on {device}")
+        # What travelled: the keys of the document crossing into our range, nothing more.
+        ex = llama3.llama3_plan(cu.long(), rank, n, local, True, (-1, -1)).exchange     # what the call exchanged
+        doc_start = max(a for a in cu.tolist() if a <= rank * local)
+        assert ex.received == rank * local - doc_start, (rank, mix, ex)
+        totals = torch.tensor([ex.received, int(ex.accumulate)])
+        dist.all_reduce(totals, group=group)
+        if mix == "benchmark":                          # a small part of an all-gather's N (N - 1) L rows
+            assert int(totals[0]) <= 0.25 * n * (n - 1) * local, (mix, int(totals[0]))
+        elif n >= 3:                                    # a document over all ranks: some K/V rows get 3 or more
+            assert int(totals[1]) > 0, (mix, int(totals[1]))
+
+
+def test_llama3_exchange_at_real_width_in_bf16():
+    """4 gloo ranks, bf16, Llama-3-8B's attention (32 / 8 heads, d 128), causal: 2048 tokens per rank of packed
+    documents of the benchmarks' mix (log-uniform up to half a rank), then 512 per rank with one document reaching
+    all four ranks (the fp32 accumulation of dK/dV); out, dq, dk, dv of each rank against fp32
+    per-document attention, and the rows the exchange moved: exactly the crossing document's keys, for the mix a
+    quarter of an all-gather's or less. (aten's bf16 CPU attention backward runs ~10x slower than its fp32 one:
+    the spanning document is kept short.)"""
+    run_world(4, _llama3_real_width, [(2048, "benchmark"), (512, "spanning")], timeout=600)
 
 
 # ------------------------------------------------------------------------------ cu_seqlens host cache
@@ -862,15 +1016,12 @@ class _Quiet:
 
 
 def _expected_collectives(variant, n, mode, slices=1):
-    """What one call must issue on N ranks, and nothing more: llama3 all-gathers K and V per head slice in the
-    forward and again in the backward, and reduce-scatters dK and dV per slice; the ring engine exchanges K/V
-    N-1 times in the forward (2 sends + 2 receives each), and in the backward K/V N-2 times and the dK/dV
-    partials N-1 times."""
+    """What one call must issue on N ranks, and nothing more: llama3 exchanges K and V per head slice (one
+    all-to-all each) in the forward and again in the backward, and sends dK and dV back; the ring engine
+    exchanges K/V N-1 times in the forward (2 sends + 2 receives each), and in the backward K/V N-2 times and
+    the dK/dV partials N-1 times."""
     if variant == "llama3":
-        want = {"all_gather_into_tensor": 2 * slices}
-        if mode == "fwd_bwd":
-            want = {"all_gather_into_tensor": 4 * slices, "reduce_scatter_tensor": 2 * slices}
-        return want
+        return {"all_to_all_single": (6 if mode == "fwd_bwd" else 2) * slices}
     batches = (n - 1) + ((n - 2) + (n - 1) if mode == "fwd_bwd" else 0)
     return {"batch_isend_irecv": batches, "p2p_ops": 4 * batches}
 
@@ -1078,7 +1229,7 @@ def test_varlen_on_cuda_nccl_matches_plain_attention(capsys):
 
 
 def _cuda_llama3_rank(rank, world):
-    """llama3's lean dK/dV on NCCL: bf16 partials reduce-scattered (no fp32 buffer of K/V size), each gradient
+    """llama3's lean dK/dV on NCCL: bf16 partials exchanged (no fp32 buffer of K/V size), each gradient
     rounded once — with torch's flash backend, whose local blocks take the packed-document fast path."""
     for causal, stride in ((True, None), (False, 1)):
         _llama3_dkdv_rounded_once(None, rank, world, "cuda", causal=causal, stride=stride, backend="torch_flash")
@@ -1092,6 +1243,32 @@ def test_llama3_bf16_kv_grads_on_cuda_nccl_are_lean_and_rounded_once():
     if "torch_flash" not in available_backends("cuda"):
         pytest.skip("torch's flash attention backend is not available on this GPU")
     run_world(2, _cuda_llama3_rank, backend="nccl", timeout=120)
+
+
+def _llama3_one_gpu_rank(rank, world):
+    """llama3 on CUDA tensors, ranks sharing one GPU over gloo (its all-to-all stages CUDA tensors through the
+    host). With 2 ranks: every CUDA backend's llama3 cases (and 'auto''s windowed one), and the dK/dV rounding and
+    buffers with torch's flash backend (the packed-document fast path). With 2 and 4: the real-width mixes."""
+    torch.cuda.set_device(0)
+    if world == 2:
+        references = {}
+        for backend, cases in _cuda_plan():
+            for case in (c for c in cases if c["variant"] == "llama3"):
+                _run_case(None, rank, world, 0, case, ref_cache=references)
+        if "torch_flash" in available_backends("cuda"):
+            for causal, stride in ((True, None), (False, 1)):
+                _llama3_dkdv_rounded_once(None, rank, world, "cuda", causal=causal, stride=stride,
+                                          backend="torch_flash")
+            _llama3_kv_grad_buffers(None, rank, world, device="cuda", backend="torch_flash")
+    _llama3_real_width(rank, world, [(4096, "benchmark"), (2048, "spanning")], device="cuda", backend="auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("world", [2, 4])
+def test_llama3_exchange_on_one_gpu_over_gloo(world):
+    run_world(world, _llama3_one_gpu_rank, timeout=280)
 
 
 def test_flash_varlen_kernel_calls_match_the_op_schemas_on_meta():

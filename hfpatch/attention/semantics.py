@@ -193,7 +193,7 @@ class RingContext:
                      that split by the cost model, ``hfpatch.attention.layout_choice``), or a head-parallel kernel:
                      "ulysses" | "usp:UxR". See ``plan_step``.
     backend:         the ring_kernels block backend ("auto" picks the fastest that can compute the block).
-    heads_k_stride:  llama3 only: K/V heads gathered at a time (None: all at once).
+    heads_k_stride:  llama3 only: K/V heads exchanged at a time (None: all at once).
     heads:           the ``HeadSplit`` of a head-parallel variant (``head_split``), else None.
     machine:         "auto" only: the calibrated machine whose cost model chooses each call's kernel
                      (``hfpatch.attention.layout_choice``), e.g. "H100"; None: plan_step's ring variants.

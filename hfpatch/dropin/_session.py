@@ -43,7 +43,7 @@ def check_stride(fn: str, heads_k_stride) -> Optional[int]:
     if heads_k_stride is None:
         return None
     if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1:
-        raise ValueError(f"{fn}: heads_k_stride={heads_k_stride!r} must be a positive int (K/V heads all-gathered "
+        raise ValueError(f"{fn}: heads_k_stride={heads_k_stride!r} must be a positive int (K/V heads exchanged "
                          f"at a time by llama3; it must divide the model's num_key_value_heads) or None (all)")
     return heads_k_stride
 

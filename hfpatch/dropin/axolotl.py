@@ -10,7 +10,7 @@ then each rank feeds the model its part of ``input_ids``/``position_ids`` in the
 ===================  =================================================================  ======================
 RingAttnFunc         what rank r of N holds (dim 1 of input_ids / position_ids)          packed rows (batch 1)
 ===================  =================================================================  ======================
-``varlen_llama3``    ``x.chunk(N, dim=1)[r]``                                             llama3 (all-gather K/V)
+``varlen_llama3``    ``x.chunk(N, dim=1)[r]``                                             llama3 (exchanged K/V)
 ``batch_ring``       ``x.chunk(N, dim=1)[r]``                                             ring varlen
 ``varlen_ring``      ``x.chunk(N, dim=1)[r]``                                             ring varlen
 ``batch_zigzag``     chunks r and 2N-1-r of ``x.chunk(2N, dim=1)``                         refused (see below)
@@ -120,7 +120,7 @@ def register_ring_attn_from_device_mesh(device_mesh, context_parallel_dim: Union
     """Record the CP group of ``device_mesh[context_parallel_dim]`` and patch transformers' flash-attention path
     with the ring function ``ring_attn_func`` (default ``varlen_llama3``); returns hfpatch's ``Patch``.
 
-    heads_k_stride: llama3: K/V heads all-gathered at a time (None: all at once).
+    heads_k_stride: llama3: K/V heads exchanged at a time (None: all at once).
     model:          (extension) also switch this model onto the patched flash path, even without flash-attn.
     verify:         (extension) hfpatch's numeric probe over the group (collective: call on every rank).
 

@@ -64,7 +64,7 @@ def substitute_hf_flash_attn(process_group: dist.ProcessGroup, heads_k_stride: O
                              model: Optional[torch.nn.Module] = None, verify: bool = True):
     """Give transformers' flash-attention path llama3 ring attention over ``process_group``; returns the ``Patch``.
 
-    heads_k_stride: K/V heads all-gathered at a time (must divide the model's K/V heads; None: all at once).
+    heads_k_stride: K/V heads exchanged at a time (must divide the model's K/V heads; None: all at once).
     model:          (extension) also switch this model onto the patched flash path, even without flash-attn
                     installed; a model loaded with ``attn_implementation="flash_attention_2"`` needs nothing.
     verify:         (extension) run hfpatch's numeric probe over the group (a collective: call on every rank).
@@ -333,7 +333,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   return_attn_probs=False, group=None, *, softcap=0.0):
     """q (T/N, H, D), k/v (T/N, Hk, D): contiguous chunk r of the packed row; the metadata comes from
     ``llama3_flash_attn_prepare_cu_seqlens`` (``cu_seqlens_k``/``max_seqlen_*`` are implied by it).
-    ``heads_k_stride`` K/V heads are all-gathered at a time. -> out (T/N, H, D)."""
+    ``heads_k_stride`` K/V heads are exchanged at a time. -> out (T/N, H, D)."""
     return _llama3("llama3_flash_attn_varlen_func", q, k, v, cu_seqlens_q, local_k_slice, heads_k_stride, dropout_p,
                    softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
                    softcap)
