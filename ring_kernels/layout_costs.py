@@ -8,7 +8,10 @@ A layout's time for one call, forward + backward, in milliseconds, is modelled a
   the forward's two matmuls on half the square, the backward 2.5 times the forward);
 - ``G``: the GB each rank sends (bf16), forward + backward: the ring variants pass the other ranks' K/V and, in the
   backward, K/V and their gradients again; Ulysses sends q, k, v and the output gradient out and the output and
-  q/k/v gradients back over all-to-alls; USP does both, Ulysses within its groups and the ring across them;
+  q/k/v gradients back over all-to-alls; USP does both, Ulysses within its groups and the ring across them. llama3
+  is charged the same as the ring: the bytes of the all-gather it ran when the grid was measured. It now moves only
+  the rows of documents that cross a rank boundary (at most that), so its predictions are upper bounds until the
+  grid is measured again;
 - ``c``: what a call costs whatever its size (launches, synchronisation).
 
 The coefficients ``a, b, c`` are per (machine, world size, layout), fitted (weighted least squares, none negative)
