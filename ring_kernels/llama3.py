@@ -692,7 +692,8 @@ def llama3_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, so
     H|Hk, D), used as is (no view); rank r holds packed tokens [r*T_local, (r+1)*T_local) of the global sequence
     described by ``cu_seqlens`` (int32 (num_docs + 1,), identical on every rank). ``heads_k_stride`` K/V heads
     are exchanged at a time (None = all; it must divide Hk): peak extra memory is 2 x 2 x (R, heads_k_stride, D),
-    R <= (N-1)*T_local the rows received (those of the documents that cross into our range). Returns out (T_local, H, D), or (1, T_local, H, D) for 4-D q; differentiable.
+    R <= (N-1)*T_local the rows received (those of the documents that cross into our range). Returns out
+    (T_local, H, D), or (1, T_local, H, D) for 4-D q; differentiable.
     ``window_size`` (left, right) and ``softcap`` follow flash-attn; ``dropout_p`` must be 0.
     ``sink``: None, or attention-sink logits (H,) -- any float dtype, on q's device, may require grad: every
     query's softmax gets one extra key per head with this logit and value 0 (gpt-oss's ``s_aux``). Its
