@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import sys
 import time
 
@@ -663,8 +664,8 @@ def test_llama3_plan_local_blocks_first_remote_blocks_only_for_crossing_document
 
 
 def _keys_seen(cu, n, local, causal, window):
-    """By brute force, per rank: {key position: 1} for every key that some query of the rank sees (same document,
-    causal, window), as a list of sets."""
+    """By brute force, per rank: the set of key positions that some query of the rank sees (same document, causal,
+    window)."""
     left, right = (w if w >= 0 else 1 << 30 for w in window)
     right = min(right, 0) if causal else right
     bounds = cu.tolist()
@@ -672,8 +673,7 @@ def _keys_seen(cu, n, local, causal, window):
     for r in range(n):
         keys = set()
         for p in range(r * local, (r + 1) * local):
-            d = max(i for i in range(len(bounds) - 1) if bounds[i] <= p < bounds[i + 1] or bounds[i] == p)
-            a, b = bounds[d], bounds[d + 1]
+            a, b = next((x, y) for x, y in zip(bounds, bounds[1:]) if x <= p < y)
             keys.update(range(max(a, p - left), min(b, p + right + 1)))
         seen.append(keys)
     return seen
@@ -681,7 +681,7 @@ def _keys_seen(cu, n, local, causal, window):
 
 def _exchange_mixes(n, local):
     """Document mixes of N ranks x ``local`` tokens: crossing, spanning several ranks, aligned, single tokens."""
-    rng = __import__("random").Random(n)
+    rng = random.Random(n)
     mixes = [_contiguous_docs(n, local), [local * n], [local] * n, [1] * (local * n)]
     for _ in range(4):
         lengths, left = [], local * n
