@@ -21,6 +21,7 @@ from _dist import run_world
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, _BENCH)
 
+from _nocomm import nothing_to_exchange  # noqa: E402
 from _summary import summarize  # noqa: E402
 import _stamp  # noqa: E402
 import report  # noqa: E402
@@ -183,6 +184,16 @@ def test_single_baselines_and_nocomm_runs(bench_doc):
     # No CUDA here: PyTorch's native CP is recorded as skipped with the reason, never silently absent.
     native = [r for r in res if r["kind"] == "native_cp"]
     assert native and all(r["status"] == "skipped" and "CUDA" in r["reason"] for r in native)
+
+
+def test_llama3_with_no_crossing_document_has_nothing_to_exchange():
+    """A no-communication run that never called a stand-in is kept only where the variant had nothing to move:
+    llama3 with every rank boundary between documents; any other variant or a crossing document is a bypass."""
+    assert nothing_to_exchange("llama3", [20, 12, 32], 2)              # the boundary at 32 ends a document
+    assert not nothing_to_exchange("llama3", [20, 20, 24], 2)          # [20, 40) crosses it
+    assert nothing_to_exchange("llama3", [16, 8, 8, 16, 16], 4)        # 16, 32, 48 all end documents
+    assert not nothing_to_exchange("ring_varlen", [20, 12, 32], 2)     # the ring passes K/V whatever the documents
+    assert not nothing_to_exchange("llama3", None, 2) and not nothing_to_exchange("llama3", [64], 1)
 
 
 def test_a_run_out_of_time_says_so(bench_doc):
