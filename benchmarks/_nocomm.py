@@ -25,6 +25,7 @@ time must be discarded — the caller checks ``counter.calls``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -57,16 +58,15 @@ class _Done:
 
 
 def nothing_to_exchange(variant: str, doc_lengths: Optional[Sequence[int]], world: int) -> bool:
-    """True where ``variant`` moves nothing between ranks for these documents, so a run that never called the
-    stand-ins did not bypass them: llama3 when no document crosses a rank boundary (it exchanges only the rows
-    of crossing documents)."""
+    """True where ``variant`` moves nothing between ranks for these documents (causal, no window), so a run that
+    never called the stand-ins did not bypass them: llama3 when its plan has no exchange (no document crosses a
+    rank boundary)."""
     if variant != "llama3" or not doc_lengths or world < 2:
         return False
-    local, ends, end = sum(doc_lengths) // world, {0}, 0
-    for length in doc_lengths:
-        end += length
-        ends.add(end)
-    return all(r * local in ends for r in range(1, world))
+    from ring_kernels.llama3 import llama3_plan
+
+    cu = torch.tensor([0, *itertools.accumulate(doc_lengths)])
+    return llama3_plan(cu, 0, world, int(cu[-1]) // world, True, (-1, -1)).exchange is None
 
 
 def nocomm_unavailable_reason(variant: str) -> Optional[str]:

@@ -729,32 +729,22 @@ def test_llama3_exchange_moves_exactly_the_rows_other_ranks_read():
 
 
 def _documents_reference(q, k, v, dout, cu, rows, causal, window):
-    """(out, dq, dk, dv) in fp32 of plain attention of the documents overlapping global ``rows``, one K/V head at a
-    time (bounded memory at real widths); rows of other documents stay 0. fp32's error is far below the bf16
-    kernel's tolerance, which is what this reference checks."""
+    """(out, dq, dk, dv) in fp32 of plain attention (``_reference``) of the documents overlapping global ``rows``,
+    one document and one K/V head at a time (bounded memory at real widths); rows of other documents stay 0.
+    fp32's error is far below the bf16 kernel's tolerance, which is what this reference checks."""
     bounds = cu.tolist()
     outs = [torch.zeros(x.shape) for x in (q, q, k, v)]
     group = q.shape[1] // k.shape[1]
     for a, b in zip(bounds, bounds[1:]):
         if b <= rows.start or a >= rows.stop or b == a:
             continue
-        pos = torch.arange(a, b)
-        visible = torch.ones(b - a, b - a, dtype=torch.bool)
-        if causal:
-            visible &= pos[None, :] <= pos[:, None]
-        if window[0] >= 0:
-            visible &= pos[None, :] >= pos[:, None] - window[0]
-        if window[1] >= 0:
-            visible &= pos[None, :] <= pos[:, None] + window[1]
         for j in range(k.shape[1]):
-            hq = slice(j * group, (j + 1) * group)
-            qd, kd, vd = (x[a:b, heads].float().requires_grad_() for x, heads in ((q, hq), (k, slice(j, j + 1)),
-                                                                               (v, slice(j, j + 1))))
-            scores = torch.einsum("qhd,kd->hqk", qd, kd[:, 0]) * q.shape[-1] ** -0.5
-            out = torch.einsum("hqk,kd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vd[:, 0])
+            hq, hk = slice(j * group, (j + 1) * group), slice(j, j + 1)
+            qd, kd, vd = (x[a:b, heads].float().requires_grad_() for x, heads in ((q, hq), (k, hk), (v, hk)))
+            out = _reference(qd, kd, vd, _cu([b - a]), causal=causal, window=window)
             out.backward(dout[a:b, hq].float())
             outs[0][a:b, hq], outs[1][a:b, hq] = out.detach(), qd.grad
-            outs[2][a:b, j], outs[3][a:b, j] = kd.grad[:, 0], vd.grad[:, 0]
+            outs[2][a:b, hk], outs[3][a:b, hk] = kd.grad, vd.grad
     return outs
 
 
