@@ -2,21 +2,25 @@
 
 A layout's time for one call, forward + backward, in milliseconds, is modelled as
 
-    t = a * F + b * G + c
+    t = max(f, a * F + b * G + c)
 
 - ``F``: the call's attention TFLOP per rank (causal: ``7 * sum(s^2) * H * D / N`` over the global sequences s:
   the forward's two matmuls on half the square, the backward 2.5 times the forward);
 - ``G``: the GB each rank sends (bf16), forward + backward: the ring variants pass the other ranks' K/V and, in the
   backward, K/V and their gradients again; Ulysses sends q, k, v and the output gradient out and the output and
   q/k/v gradients back over all-to-alls; USP does both, Ulysses within its groups and the ring across them. llama3
-  is charged the same as the ring: the bytes of the all-gather it ran when the grid was measured. It now moves only
-  the rows of documents that cross a rank boundary (at most that), so its predictions are upper bounds until the
-  grid is measured again;
-- ``c``: what a call costs whatever its size (launches, synchronisation).
+  is charged the ring's bytes, what its all-gather moved; it now moves only the rows of documents that cross a rank
+  boundary (at most that), and its fitted ``a, c, f`` carry what it costs where it was measured so (a calibration
+  older than that, e.g. the H100s' at 4 GPUs, over-predicts it);
+- ``c``: what a call costs whatever its size (launches, synchronisation);
+- ``f``: the floor, in ms: what a call costs while the GPU finishes its work before the host has issued it (packed
+  rows launch kernels per document, so their small calls take the same time whatever their size; 0 where no
+  measured point sits on a floor).
 
-The coefficients ``a, b, c`` are per (machine, world size, layout), fitted (weighted least squares, none negative)
-on the layout grid that ``benchmarks/layout_grid.sh`` measures, by ``scripts/fit_layout_costs.py`` into
-``layout_costs.json`` beside this module, which records the measured points and how close the fit came.
+The coefficients ``a, b, c, f`` are per (GPU model, world size, layout), fitted by ``scripts/fit_layout_costs.py``
+(the floor on the points of least TFLOP, the line, by weighted least squares with no coefficient negative, on the
+rest) on the layout grid that ``benchmarks/layout_grid.sh`` measures, into ``layout_costs.json`` beside this
+module, which records the measured points and how close the fit came.
 
 Layouts are ring_kernels' functions on the inputs' layout: batch rows ``"zigzag"``, ``"ring"`` (contiguous),
 ``"ulysses"``, ``"usp"`` (the zigzag ring across Ulysses groups); packed rows ``"llama3"``, ``"ring_varlen"``,
@@ -134,12 +138,24 @@ class LayoutChoice:
 
 
 class LayoutCosts:
-    """The fitted coefficients of one machine: ``coefficients[world][layout] = (a, b, c)``."""
+    """The fitted coefficients of one machine: ``coefficients[world][layout] = (a, b, c, f)`` (a floor ``f`` left
+    out is 0: the plain line). ``borrowed[world] = (machine, why)`` marks a world size whose coefficients are
+    another machine's (``load``: one calibrated where this one is not)."""
 
-    def __init__(self, machine: str, coefficients: Mapping[int, Mapping[str, Sequence[float]]]):
+    def __init__(self, machine: str, coefficients: Mapping[int, Mapping[str, Sequence[float]]],
+                 borrowed: Optional[Mapping[int, Tuple[str, str]]] = None):
         self.machine = machine
-        self.coefficients = {int(w): {k: tuple(float(x) for x in v) for k, v in table.items()}
+        self.coefficients = {int(w): {k: _with_floor(v) for k, v in table.items()}
                              for w, table in coefficients.items()}
+        self.borrowed = {int(w): tuple(found) for w, found in (borrowed or {}).items()}
+
+    def calibration(self, world: int) -> str:
+        """Whose calibration predicts at the calibrated ``world`` (``world_for``), said for a reason: "H100", or
+        "H100 (for H200: why)" where borrowed."""
+        if world not in self.borrowed:
+            return self.machine
+        other, why = self.borrowed[world]
+        return f"{other} (for {self.machine}, not calibrated at {world} GPUs: {why})"
 
     def world_for(self, world: int) -> Optional[int]:
         """The calibrated world size used for ``world``: itself, else the largest calibrated one below it, else
@@ -157,7 +173,8 @@ class LayoutCosts:
         coefficients = self.coefficients.get(world, {}).get(layout) if world is not None else None
         if coefficients is None:
             return None
-        return sum(c * f for c, f in zip(coefficients, features(layout, shape)))
+        *line, floor = coefficients
+        return max(floor, sum(c * f for c, f in zip(line, features(layout, shape))))
 
     def choose(self, shape: CallShape, candidates: Mapping[str, Optional[str]]) -> LayoutChoice:
         """The cheapest of ``candidates`` (layout -> None when it can run this call, else why it cannot)."""
@@ -170,10 +187,11 @@ class LayoutCosts:
             else:
                 predicted.append((layout, float(f"{ms:.4g}")))
         predicted.sort(key=lambda item: item[1])
-        where = f"{self.machine}, {world} GPUs" + ("" if world == shape.world else
-                                                    f" (the nearest calibrated world to {shape.world})")
+        machine = self.borrowed.get(world, (self.machine,))[0]
+        where = f"{self.calibration(world)}, {world} GPUs" + ("" if world == shape.world else
+                                                               f" (the nearest calibrated world to {shape.world})")
         if not predicted:
-            return LayoutChoice(None, self.machine, world, shape.describe(), (), tuple(excluded),
+            return LayoutChoice(None, machine, world, shape.describe(), (), tuple(excluded),
                                 f"no candidate layout is calibrated and feasible ({where})")
         best, ms = predicted[0]
         margin = ""
@@ -181,8 +199,15 @@ class LayoutCosts:
             runner_up, its_ms = predicted[1]
             more = f"+{its_ms / ms - 1:.1%}" if ms > 0 else f"+{its_ms - ms:.3g} ms"
             margin = f"; next {runner_up} {its_ms:.3g} ms ({more})"
-        return LayoutChoice(best, self.machine, world, shape.describe(), tuple(predicted), tuple(excluded),
+        return LayoutChoice(best, machine, world, shape.describe(), tuple(predicted), tuple(excluded),
                             f"{best}: predicted {ms:.3g} ms by the cost model of {where}{margin}")
+
+
+def _with_floor(coefficients: Sequence[float]) -> Tuple[float, float, float, float]:
+    values = tuple(float(x) for x in coefficients)
+    if len(values) not in (3, 4):
+        raise ValueError(f"layout cost coefficients are (a, b, c) or (a, b, c, floor); got {values}")
+    return values if len(values) == 4 else values + (0.0,)
 
 
 def gpu_model(device_name: str) -> Optional[str]:
@@ -199,7 +224,8 @@ def _table() -> dict:
 
 def machine_of(device_name: str) -> Optional[Tuple[str, str]]:
     """(the calibrated machine, a note) for a CUDA device name, or None when no calibration covers it. A model
-    listed under the table's "same_as" uses another's calibration; the note says which and why."""
+    without a calibration of its own but listed under the table's "same_as" uses another's; the note says which and
+    why (a model with its own borrows only the world sizes it lacks: ``load``)."""
     model = gpu_model(device_name)
     table = _table()
     if model in table["machines"]:
@@ -211,10 +237,24 @@ def machine_of(device_name: str) -> Optional[Tuple[str, str]]:
 
 
 def load(machine: str) -> LayoutCosts:
-    """The coefficients of ``machine`` (a key of ``layout_costs.json``'s machines); KeyError naming those there."""
-    machines = _table()["machines"]
+    """The coefficients of ``machine`` (a key of ``layout_costs.json``'s machines), and, for the world sizes it has
+    none of, those of the machine it is listed the same as ("same_as"), marked ``borrowed``; KeyError naming the
+    calibrated machines."""
+    table = _table()
+    machines = table["machines"]
     if machine not in machines:
         raise KeyError(f"no layout-cost calibration for {machine!r}; calibrated: {sorted(machines)}")
-    entry = machines[machine]
-    return LayoutCosts(machine, {int(w): {layout: fit["coefficients"] for layout, fit in table.items()}
-                                 for w, table in entry["worlds"].items()})
+    coefficients = _worlds(machines[machine])
+    borrowed = {}
+    alias = table.get("same_as", {}).get(machine)
+    if alias is not None:
+        for world, fits in _worlds(machines[alias["machine"]]).items():
+            if world not in coefficients:
+                coefficients[world] = fits
+                borrowed[world] = (alias["machine"], alias["why"])
+    return LayoutCosts(machine, coefficients, borrowed)
+
+
+def _worlds(entry: dict) -> Dict[int, Dict[str, list]]:
+    return {int(w): {layout: list(fit["coefficients"]) + [fit.get("floor_ms", 0.0)] for layout, fit in fits.items()}
+            for w, fits in entry["worlds"].items()}

@@ -8,8 +8,9 @@ every measured point, fitted on all points and with each point left out of its o
 The grid's files come from ``benchmarks/layout_grid.sh`` (ring_bench.py rows: kind "ring", causal, fwd_bwd, status
 ok; packed rows use ring_bench's document mix, rebuilt here from benchmarks/_cases.py). Every layout of every
 (machine, world size) is fitted on its own points: weighted least squares on the relative error, terms whose
-coefficient would be negative dropped. A layout measured at fewer points than the model has terms (3) is not
-calibrated: the table lists it under "too_few_points", and auto never predicts it.
+coefficient would be negative dropped, for the line; the floor is the level of the points of least TFLOP that best
+fits them all together with the line through the rest (``fit``). A layout measured at fewer points than the line
+has terms (3) is not calibrated: the table lists it under "too_few_points", and auto never predicts it.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from _stamp import gpu_model  # noqa: E402
 from ring_kernels.layout_costs import LAYOUTS, ONE_SPLIT, TABLE_PATH, CallShape, LayoutCosts, features  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(ROOT, "benchmarks", "results", "layout_grid_*.json")
-# GPU models that use another's calibration, and why (ring_kernels.layout_costs.machine_of).
+# GPU models that use another's calibration at the world sizes they have none of their own at, and why
+# (ring_kernels.layout_costs.load).
 SAME_AS = {"H200": {"machine": "H100", "why": "the same Hopper SMs and NVLink 4 (900 GB/s); only the HBM differs"}}
 SIGNIFICANT = 5
 MIN_POINTS = 3           # the model's terms: a layout measured at fewer points is left uncalibrated
@@ -65,20 +67,46 @@ def read_grid(paths: Sequence[str]) -> List[dict]:
     return rows
 
 
-def fit(rows: Sequence[dict]) -> Tuple[float, float, float]:
-    """(a, b, c) of ``rows`` (one layout of one machine and world size): see the module docstring."""
+def _line(rows: Sequence[dict]) -> Tuple[float, float, float]:
+    """(a, b, c) of ``rows``: least squares on the relative error, a term whose coefficient would be negative dropped
+    (fewer points than terms, as in a left-out fit: F first, then c)."""
     x = torch.tensor([features(r["layout"], r["shape"]) for r in rows], dtype=torch.float64)
     y = torch.tensor([r["ms"] for r in rows], dtype=torch.float64)
     w = (1.0 / y).unsqueeze(1)
-    active = {1: [0], 2: [0, 2]}.get(len(rows), [0, 1, 2])   # fewer points (a left-out fit): F first, then c
+    active = {1: [0], 2: [0, 2]}.get(len(rows), [0, 1, 2])
     while True:
         solution = torch.zeros(3, dtype=torch.float64)
         if active:
             sol = torch.linalg.lstsq((x * w)[:, active], (y * w.squeeze(1)).unsqueeze(1)).solution.squeeze(1)
             solution[active] = sol
         if not active or (solution >= 0).all():
-            return tuple(float(f"{v:.{SIGNIFICANT}g}") for v in solution.tolist())
+            return tuple(solution.tolist())
         active.remove(active[int(torch.argmin(solution[active]))])
+
+
+def _relative_error(coefficients: Sequence[float], rows: Sequence[dict]) -> float:
+    """The squared relative error of ``coefficients`` summed over ``rows`` (one machine, world size and layout)."""
+    first = rows[0]
+    costs = LayoutCosts(first["machine"], {first["world"]: {first["layout"]: coefficients}})
+    return sum((costs.predict(r["layout"], r["shape"]) / r["ms"] - 1) ** 2 for r in rows)
+
+
+def fit(rows: Sequence[dict]) -> Tuple[float, float, float, float]:
+    """(a, b, c, f) of ``rows`` (one layout of one machine and world size): see the module docstring. The points in
+    order of TFLOP, then GB (of equal work, the one sending less sits nearer the floor), then time; every split of
+    that order that leaves the line at least ``MIN_POINTS`` points is tried: the points before it set the floor (the
+    level of least relative error over them), the rest the line; the split with the least squared relative error
+    over all points wins (the empty split: no floor)."""
+    ordered = sorted(rows, key=lambda r: (features(r["layout"], r["shape"])[:2], r["ms"]))
+    best = None
+    for k in range(0, max(1, len(ordered) - MIN_POINTS + 1)):
+        below = ordered[:k]
+        floor = sum(1 / r["ms"] for r in below) / sum(1 / r["ms"] ** 2 for r in below) if below else 0.0
+        coefficients = _line(ordered[k:]) + (floor,)
+        error = _relative_error(coefficients, ordered)
+        if best is None or error < best[0] - 1e-12:   # a floor only where it fits better than none
+            best = (error, coefficients)
+    return tuple(float(f"{v:.{SIGNIFICANT}g}") for v in best[1])
 
 
 def _groups(rows: Sequence[dict]) -> Dict[Tuple, List[dict]]:
@@ -95,16 +123,18 @@ def build_table(rows: Sequence[dict]) -> dict:
             entry = machines.setdefault(machine, {"worlds": {}})
             entry.setdefault("too_few_points", {}).setdefault(str(world), {})[layout] = len(group)
             continue
-        a_b_c = fit(group)
-        costs = LayoutCosts(machine, {world: {layout: a_b_c}})
+        a_b_c_f = fit(group)
+        costs = LayoutCosts(machine, {world: {layout: a_b_c_f}})
         worst = max(abs(costs.predict(layout, r["shape"]) / r["ms"] - 1) for r in group)
         entry = machines.setdefault(machine, {"worlds": {}})
         entry["worlds"].setdefault(str(world), {})[layout] = {
-            "coefficients": list(a_b_c), "points": len(group), "worst_relative_error": round(worst, 4)}
+            "coefficients": list(a_b_c_f[:3]), "floor_ms": a_b_c_f[3], "points": len(group),
+            "worst_relative_error": round(worst, 4)}
     for machine, entry in machines.items():
         entry["source"] = sorted({r["file"] for r in rows if r["machine"] == machine})
-    return {"schema": 1,
-            "model": "t_ms = a * tflop_per_rank + b * gb_sent_per_rank + c (ring_kernels/layout_costs.py)",
+    return {"schema": 2,
+            "model": "t_ms = max(floor_ms, a * tflop_per_rank + b * gb_sent_per_rank + c) "
+                     "(ring_kernels/layout_costs.py)",
             "generated_by": "scripts/fit_layout_costs.py", "machines": machines, "same_as": SAME_AS}
 
 
@@ -165,7 +195,7 @@ def main(argv=None) -> int:
         return 0
     with open(args.out, "w") as f:
         f.write(text)
-    print(f"wrote {args.out}: {len(rows)} measured rows from {len(paths)} files")
+    print(f"wrote {os.path.relpath(args.out, ROOT)}: {len(rows)} measured rows from {len(paths)} files")
     for leave_out in (False, True):
         found = regrets(rows, leave_out)
         within = sum(1 for *_, regret in found if regret <= 0.03)
