@@ -412,14 +412,18 @@ def _hfpatch_runner(args, shape: ModelShape, device, dtype, keep: bool = False) 
 
         reset_choices()
         patch.reset_calls()
+        patch.ctx.auto_choices.clear()      # kernel="auto"'s decisions of this case alone
 
     def backend() -> str:
         names = list(dict.fromkeys(c.backend for c in patch.backend_choices))
-        kernel = patch.ctx.step.kernel if patch.ctx.step is not None else "?"
+        picked = list(dict.fromkeys(c.kernel for c in patch.layout_choices))   # what ran, under kernel="auto"
+        kernel = "+".join(picked) or (patch.ctx.step.kernel if patch.ctx.step is not None else "?")
         return f"{kernel} x {'+'.join(names) or '?'}"
 
     def extra() -> dict:
         info = {"backend_choices": [c.as_dict() for c in patch.backend_choices],
+                "layout_choices": [{"kernel": c.kernel, "reason": c.reason, "shape": c.shape, "steps": c.steps}
+                                   for c in patch.layout_choices],
                 "ring_layers": len(patch.layers_seen()), "patch": repr(patch)}
         if kept is not None:
             info["keep"] = kept.stats()

@@ -58,7 +58,8 @@ def _world(rank, world, out_dir):
             # numpy: tensors would travel to the parent through shared memory that dies with this process
             grads = {_name(n): p.grad.full_tensor().numpy() for n, p in runner.loss_module.named_parameters()}
             steps[layout] = {"loss": loss.item(), "grads": grads, "backend": runner.backend(),
-                             "ring_layers": runner.extra()["ring_layers"]}
+                             "ring_layers": runner.extra()["ring_layers"],
+                             "layout_choices": runner.extra()["layout_choices"]}
     finally:
         runner.close()
     code = ts.main(TINY + ["--modes", "hfpatch,keep,native,single", "--steps", "1", "--warmup", "0", "--optimizer",
@@ -92,6 +93,10 @@ def test_train_step_benchmark_measures_a_correct_step(tmp_path):
         assert got["ring_layers"] == SHAPE.layers, got
         expected_kernel = "zigzag" if layout == "batch" else "llama3"
         assert got["backend"].startswith(expected_kernel + " x torch_cpu"), got["backend"]
+        # kernel="auto" (the benchmark's default) decided this case alone: no calibration on a CPU group
+        [decision] = got["layout_choices"]
+        assert decision["kernel"] == expected_kernel and decision["steps"] >= 1, decision
+        assert "no layout-cost calibration for this device" in decision["reason"], decision
 
     assert result["code"] == 0
     with open(tmp_path / "cpu_test.json") as f:
