@@ -66,13 +66,20 @@ def _llama(hidden, layers, heads, kv_heads, mlp, vocab, dtype, device):
                                       num_hidden_layers=layers, num_attention_heads=heads,
                                       num_key_value_heads=kv_heads, max_position_embeddings=131072,
                                       use_cache=False)
-    return _build(transformers.LlamaForCausalLM, config, dtype, device)
+    return build_seeded(transformers.LlamaForCausalLM, config, dtype, device)
 
 
-def _build(model_cls, config, dtype, device):
+def build_seeded(model_cls, config, dtype, device):
+    """``model_cls`` of ``config`` in ``dtype`` on ``device``, seeded, its weights drawn once by the model's own
+    scheme (``init_weights``: what ``_from_config`` would give, from another draw). torch's per-module defaults,
+    which that scheme overwrites, are skipped: they cost as much again, half a real-scale build on a CPU."""
+    from transformers import initialization
+
     torch.manual_seed(0)
     with torch.device(device):
-        model = model_cls._from_config(config, dtype=dtype)
+        with initialization.no_init_weights():
+            model = model_cls._from_config(config, dtype=dtype)
+        model.init_weights()
     return model.train()
 
 
@@ -86,17 +93,17 @@ def _family(name, dtype, device, **shape):
                   use_cache=False)
     if name == "gemma2":
         config = transformers.Gemma2Config(**common, head_dim=h // heads, sliding_window=8, query_pre_attn_scalar=64)
-        return _build(transformers.Gemma2ForCausalLM, config, dtype, device)
+        return build_seeded(transformers.Gemma2ForCausalLM, config, dtype, device)
     if name == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2,
                                              moe_intermediate_size=mlp // 4, head_dim=h // heads)
-        return _build(transformers.Qwen3MoeForCausalLM, config, dtype, device)
+        return build_seeded(transformers.Qwen3MoeForCausalLM, config, dtype, device)
     config = transformers.Qwen3_5TextConfig(**common, head_dim=h // heads, linear_num_key_heads=heads // 2,
                                             linear_num_value_heads=heads, linear_key_head_dim=64,
                                             linear_value_head_dim=64,
                                             layer_types=["linear_attention", "linear_attention",
                                                          "linear_attention", "full_attention"] * (n // 4))
-    return _build(transformers.Qwen3_5ForCausalLM, config, dtype, device)
+    return build_seeded(transformers.Qwen3_5ForCausalLM, config, dtype, device)
 
 
 def exact_cases(sets, device):
@@ -124,7 +131,7 @@ def _lfm2(dtype, device):
                                      num_attention_heads=8, num_key_value_heads=2,
                                      layer_types=["conv", "full_attention", "conv", "full_attention"],
                                      use_cache=False)
-    return _build(transformers.Lfm2ForCausalLM, config, dtype, device)
+    return build_seeded(transformers.Lfm2ForCausalLM, config, dtype, device)
 
 
 # ---------------------------------------------------------------------------------------------- seeded bugs

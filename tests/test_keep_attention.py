@@ -7,6 +7,8 @@ and the same at real depth and width in bf16 (hidden 2048 x 48 layers).
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 
 import pytest
 import torch
@@ -19,6 +21,10 @@ from hfpatch.cli.demo_models import build_model, tiny_config
 from hfpatch.errors import KeepAttentionError
 from hfpatch.inputs import token_loss_sum
 from ring_kernels import engine
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import probe_margin as pm  # noqa: E402
 
 SEQ = 64
 # The real-scale case's tokens (8 per rank): what it tests is depth, width and dtype. On a CPU without AVX-512, torch
@@ -38,8 +44,7 @@ def _model(route: str, dtype=torch.float32, shape=None):
         config = tiny_config("llama", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                              num_key_value_heads=kv_heads, head_dim=hidden // heads, intermediate_size=mlp,
                              vocab_size=1024, initializer_range=0.02)
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = pm.build_seeded(transformers.LlamaForCausalLM, config, dtype, torch.device("cpu"))
     model.train()
     if route == "transformers":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
