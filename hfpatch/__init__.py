@@ -36,11 +36,13 @@ _EXPORTS = {
     "UnsupportedModel": "hfpatch.errors",
     "ModelDivergence": "hfpatch.errors",
     "KeepAttentionError": "hfpatch.errors",
+    "RingNotReached": "hfpatch.errors",
 }
 
 __all__ = ["apply", "Patch", "active_patch", "keep_attention", "KeptAttention", "switch", "set_switch",
            "current_mode", "HfpatchError", "SignatureMismatch", "UnsupportedArgument", "PatchError",
-           "VerificationError", "UnsupportedRelease", "UnsupportedModel", "ModelDivergence", "KeepAttentionError"]
+           "VerificationError", "UnsupportedRelease", "UnsupportedModel", "ModelDivergence", "KeepAttentionError",
+           "RingNotReached"]
 
 
 def __getattr__(name: str):

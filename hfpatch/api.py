@@ -22,16 +22,18 @@ import torch.distributed as dist
 
 from hfpatch import inputs, modes, verify as verify_module, version_gates
 from hfpatch.attention import codegen, patcher
-from hfpatch.model import audit as model_audit, positions as model_positions
+from hfpatch.model import audit as model_audit
 from hfpatch.attention.dispatch import Dispatcher
-from hfpatch.errors import (AlreadyRemoved, ModelDivergence, PatchError, SignatureMismatch, UndoStack,
+from hfpatch.errors import (AlreadyRemoved, HfpatchError, PatchError, SignatureMismatch, UndoStack, UnsupportedArgument,
                             UnsupportedModel, UnsupportedRelease, VerificationError, is_wrapper, mark_wrapper)
+from hfpatch.model.attach import AttachedModel, attach
+from hfpatch.model.heads import head_of
 from hfpatch.model.labels import install_labels_hook
-from hfpatch.mixers import MixerInstallation, install_mixers
-from hfpatch.model.inputs_guard import install_inputs_guard
+from hfpatch.model.reach import ReachWatch
+from hfpatch.mixers import MixerInstallation
 from hfpatch.model.probe import ProbeResult, probe_model
 from hfpatch.attention.discovery import attention_modules
-from hfpatch.model.routing import ModelRouting, route_model
+from hfpatch.model.wrappers import inner_model
 from hfpatch.attention.semantics import RingContext, check_grid, parse_kernel
 from hfpatch.signatures import registry
 from hfpatch.verify import group_max
@@ -81,14 +83,11 @@ class Patch:
         # The parts it reads (each also on the undo stack, where installed): None until installed.
         self._dispatcher: Optional[Dispatcher] = dispatcher
         self._installation: Optional[patcher.Installation] = None
-        self._routing: Optional[ModelRouting] = None
-        self._mixers: Optional[MixerInstallation] = None
-        # Why model(labels=) is refused under CP for the model of apply(model=) (set by the whole-model probe).
-        self.labels_refusal: Optional[str] = None
-        self.labels_alignment: str = "shifted"  # the model's own loss: "shifted" or "aligned" (model_probe)
-        # The whole-model probe's result (model_probe.ProbeResult: worst error, where, how many tensors compared),
-        # or None where it did not run (no model=, verify="fast" or False, an inactive patch).
-        self.probe: Optional[ProbeResult] = None
+        self._version: Any = None  # the transformers release matched (for routing models added later)
+        # Every model on this patch's ring (apply's model= first, then add_model's), in the order added.
+        self._models: list[AttachedModel] = []
+        # The check that each CP step's forward reached the ring (hfpatch.model.reach); None when inactive.
+        self.reach: Optional[ReachWatch] = None
 
     # ------------------------------------------------------------------------------------ inspection
     @property
@@ -100,8 +99,30 @@ class Patch:
         if self._installation is None or self.removed:
             return []
         injected = [f"{module.__name__}._flash_attention_forward (injected by model=)"
-                    for module, _ in (self._routing.injected if self._routing is not None else [])]
+                    for attached in self.models if attached.routing is not None
+                    for module, _ in attached.routing.injected]
         return [site.label for site in self._installation.sites] + injected
+
+    @property
+    def models(self) -> list[AttachedModel]:
+        """Every model on this patch's ring (``apply(model=)``'s first, then each ``add_model``'s), in the order
+        added; a removed one drops out."""
+        return [attached for attached in self._models if not attached.removed]
+
+    # The whole-model probe's verdicts for the model of apply(model=) (its AttachedModel has them; None / "shifted"
+    # without one): why model(labels=) is refused under CP, how its own loss pairs logits with labels, the
+    # probe's ProbeResult (None where it did not run: no model=, verify="fast" or False, an inactive patch).
+    @property
+    def labels_refusal(self) -> Optional[str]:
+        return self._models[0].labels_refusal if self._models else None
+
+    @property
+    def labels_alignment(self) -> str:
+        return self._models[0].labels_alignment if self._models else "shifted"
+
+    @property
+    def probe(self) -> Optional[ProbeResult]:
+        return self._models[0].probe if self._models else None
 
     @property
     def calls(self) -> Counter:
@@ -143,7 +164,7 @@ class Patch:
         kernel, each holding a wrapper whose ``__wrapped__`` is the kernel the release picked; ``calls``: Counter
         (kernel role, switch mode) -> calls). None without ``model=``, when inactive, or after ``remove()``. For
         reading: ``remove()`` takes the mixers out with the rest of the patch."""
-        return None if self.removed else self._mixers
+        return None if self.removed or not self._models else self._models[0].mixers
 
     def reset_calls(self) -> None:
         """Clear ``calls``, ``mode_calls`` and the per-forward record."""
@@ -196,17 +217,93 @@ class Patch:
                             "attn_implementation": getattr(config, "_attn_implementation", None)})
         return missing
 
+    # ------------------------------------------------------------------------------------------- models
+    def add_model(self, model: torch.nn.Module, *, verify: bool = True) -> AttachedModel:
+        """Put another model on this patch's ring (a reference, critic or reward model beside the policy of
+        ``apply(model=)``): audited, switched onto the patched flash path and hooked exactly as ``apply(model=)``
+        does (``hfpatch.model.attach``), then, with ``verify=True``, checked by the whole-model probe. A wrapper is
+        resolved to its transformers model (``hfpatch.model.wrappers``). Returns its ``AttachedModel``:
+        ``remove()`` takes this model off the ring and changes no other model; ``patch.remove()`` takes every
+        model off. Collective over the CP group (every rank must call it, with the same model). Refused:
+        ``UnsupportedModel`` (the audit), ``ModelDivergence`` (the probe), ``PatchError`` (a model already on the
+        ring, or a removed patch). On an inactive patch only the labels hook is installed, as ``apply(model=)``
+        does there."""
+        if not (verify is True or verify is False):
+            raise TypeError(f"add_model(verify={verify!r}) must be True (the whole-model probe) or False")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"add_model(model={type(model).__name__}) must be a transformers model (torch.nn.Module)")
+        model = inner_model(model)
+        if self.removed:
+            raise PatchError(f"{self!r} was removed; a model added now would never reach the ring. Fix: apply again.")
+        if any(attached.model is model for attached in self.models):
+            raise PatchError(f"{type(model).__name__} is already on this patch's ring; adding it twice would hook it "
+                             "twice. Fix: add each model once (patch.models lists them).")
+        if not self.active:
+            return self._attach_inactive(model)
+        group = self.ctx.group
+        failure: Optional[BaseException] = None
+        attached = None
+        try:
+            findings = model_audit.audit(model)
+            if findings:
+                raise UnsupportedModel(model_audit.describe(findings, model), findings=findings)
+            attached = self._attach(model)
+        except BaseException as exc:  # re-raised below, after the other ranks have been told
+            failure = exc
+        if group_max(_FAILED if failure is not None else _OK, group) != _OK:
+            if attached is not None:
+                attached.remove()
+            if failure is not None:
+                raise failure
+            raise PatchError(f"add_model({type(model).__name__}) failed on another rank of the CP group (see that "
+                             "rank's error); nothing was added on this rank either.")
+        if verify:
+            try:
+                probed = _probe_named(model, self.ctx)
+            except BaseException:
+                attached.remove()
+                raise
+            attached.labels_refusal, attached.labels_alignment = probed.labels_refusal, probed.labels_alignment
+            attached.probe = probed
+            self._dispatcher.reset()  # the probe's calls are not the user's
+        return attached
+
+    def _attach(self, model: torch.nn.Module) -> AttachedModel:
+        attached = attach(model, wrapper=self._installation.wrapper, ctx=self.ctx, track=self._dispatcher.track,
+                          ctx_of=self.live_ctx_or_none, transformers_version=self._version)
+        self._models.append(attached)
+        return attached
+
+    def _attach_inactive(self, model: torch.nn.Module) -> AttachedModel:
+        undo = UndoStack(f"the model {type(model).__name__}")
+        if head_of(model).kind == "per-token":
+            undo.push(install_labels_hook(model, lambda: None), "the labels hook")
+        attached = AttachedModel(model=model, undo=undo)
+        self._models.append(attached)
+        return attached
+
+    def _remove_models(self) -> None:
+        for attached in reversed(self._models):
+            if not attached.removed:
+                attached.remove()
+
     # ----------------------------------------------------------------------------------- input helpers
     def shard_inputs(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                      position_ids: Optional[torch.Tensor] = None) -> dict:
         """This rank's ``input_ids``, ``position_ids`` (global) and ``labels`` (already shifted) in the step's
         layout; the identity (labels shifted the same way) when the patch is inactive. See
         ``hfpatch.inputs.shard_inputs``."""
-        return inputs.shard_inputs(self._live_ctx(), input_ids, labels=labels, position_ids=position_ids)
+        ctx = self._live_ctx()
+        if ctx is not None:
+            self.reach.step("shard_inputs")  # RingNotReached: the last step's forward never reached the ring
+        return inputs.shard_inputs(ctx, input_ids, labels=labels, position_ids=position_ids)
 
     def reduce_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
         """Token-weighted mean loss over the CP group (``loss_sum / num_tokens`` when inactive)."""
-        return inputs.reduce_loss(self._live_ctx(), loss_sum, num_tokens)
+        ctx = self._live_ctx()
+        if ctx is not None:
+            self.reach.check("reduce_loss")
+        return inputs.reduce_loss(ctx, loss_sum, num_tokens)
 
     def live_ctx_or_none(self):
         """The ``RingContext`` while this patch is active and not removed, else None (what the labels hook of
@@ -294,8 +391,9 @@ def _inactive(reason: str, *, level: int = logging.INFO, model: Optional[torch.n
     ``shard_inputs`` give the non-CP loss when passed to the model."""
     logger.log(level, "hfpatch: not active (%s); transformers untouched, input helpers are the identity", reason)
     patch = Patch(active=False, reason=reason)
+    patch._undo.callback(patch._remove_models, "the models")
     if model is not None:
-        patch._undo.push(install_labels_hook(model, lambda: None), "the labels hook")
+        patch._attach_inactive(model)
     return patch
 
 
@@ -335,8 +433,10 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
                      ``labels`` from ``shard_inputs`` to give the non-CP loss (``hfpatch.model.labels``); all restored by
                      ``remove()``. Raises ``UnsupportedArgument`` for a model without a flash path.
 
-    ``RING_ATTN_SWITCH`` is read here (``1``/unset ring, ``0`` original, ``reference``) and becomes the
-    process-wide switch default until ``remove()``.
+    ``RING_ATTN_SWITCH`` is read here (``1``/unset ring, ``0`` original, ``reference``, ``local``) and becomes the
+    process-wide switch default until ``remove()``; it is read again at every step boundary (``shard_inputs``, the
+    drop-ins' ``update_*_params``, each forward of a model on the ring), so flipping it between steps A/Bs a
+    suspicious loss curve (``hfpatch.modes.refresh_from_env``).
 
     Collective over a group of two or more ranks: every rank must call it. The ranks agree (one all-reduce)
     before installing, so all of them install, all fall back, or all raise; with ``verify`` the probe's verdict
@@ -346,6 +446,7 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
     (naming it; call ``patch.remove()`` first). All-or-nothing: if anything fails, nothing is left installed.
     """
     _validate_arguments(kernel, on_unsupported, verify, model)
+    model = inner_model(model) if model is not None else None  # a wrapper's transformers model (model.wrappers)
 
     env_mode = modes.mode_from_env()  # a bad RING_ATTN_SWITCH is an error even without CP
     group = _resolve_group(cp_group)
@@ -426,9 +527,9 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
     patch: Optional[Patch] = None
     failure: Optional[BaseException] = None
     try:
-        patch = _install_here(group, kernel, model, match, version)
-        previous = modes.set_switch(env_mode)
-        patch._undo.callback(lambda: modes.set_switch(previous), "the switch default")
+        patch = _install_here(group, kernel, model, match, version, fallback=on_unsupported == "fallback")
+        # the default, and the reading step boundaries compare RING_ATTN_SWITCH with (modes.refresh_from_env)
+        patch._undo.callback(modes.follow_env(env_mode), "the switch default")
     except BaseException as exc:  # re-raised below, after the other ranks have been told
         failure = exc
     # Agree before the probe: its ring exchanges blocks between ranks, so a rank that failed and skipped it would
@@ -443,11 +544,12 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
         if verify:
             verify_module.numeric(patch._installation.wrapper, match, patch.ctx)
         if verify is True and model is not None:
-            probed = probe_model(model, patch.ctx)
-            patch.labels_refusal, patch.labels_alignment = probed.labels_refusal, probed.labels_alignment
-            patch.probe = probed
+            probed = _probe_named(model, patch.ctx)
+            attached = patch._models[0]
+            attached.labels_refusal, attached.labels_alignment = probed.labels_refusal, probed.labels_alignment
+            attached.probe = probed
         patch._dispatcher.reset()  # the probes' calls are not the user's
-    except ModelDivergence as exc:
+    except (VerificationError, UnsupportedArgument, UnsupportedModel) as exc:  # a named refusal of the model
         _remove_quietly(patch)
         if on_unsupported != "fallback":
             raise
@@ -469,7 +571,21 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
     return patch
 
 
-def _install_here(group, kernel, model, match, version) -> Patch:
+def _probe_named(model: torch.nn.Module, ctx: RingContext) -> ProbeResult:
+    """``probe_model``, where an error of the probe's own code (not the model's: ``probe_model`` names those)
+    becomes a ``VerificationError`` naming the probe, so that ``on_unsupported="fallback"`` honours it."""
+    try:
+        return probe_model(model, ctx)
+    except (HfpatchError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        raise VerificationError(
+            f"whole-model probe: checking {type(model).__name__} failed ({type(exc).__name__}: {exc}); nothing is "
+            "left installed. Fix: train it without CP (apply(..., on_unsupported='fallback')), or skip the probe "
+            "with verify='fast' only if you have compared its CP and non-CP outputs yourself.") from exc
+
+
+def _install_here(group, kernel, model, match, version, *, fallback: bool = False) -> Patch:
     """This rank's part of apply: render, install at every site, switch the model, check identity. On failure
     everything it did is undone before the error propagates."""
     import transformers.modeling_flash_attention_utils as mfau  # not at the top: importing hfpatch must not load it
@@ -492,15 +608,12 @@ def _install_here(group, kernel, model, match, version) -> Patch:
     try:
         installation = patcher.install(patcher.binding_sites(original), wrapper)  # all-or-nothing by itself
         patch._installation = undo.push(installation, "the attention patch")
+        patch._version = version
+        patch.reach = ReachWatch(dispatcher, fallback=fallback)
+        undo.push(patch.reach.install(), "the ring-reach watch")
+        undo.callback(patch._remove_models, "the models")  # every model on the ring, before the attention patch
         if model is not None:
-            patch._routing = undo.push(route_model(model, wrapper, transformers_version=version), "the model routing")
-            undo.push(model_positions.install(model, patch.live_ctx_or_none), "the position hooks")  # global positions
-            # recognised sequence mixers under CP (hfpatch.mixers)
-            patch._mixers = undo.push(install_mixers(model, ctx), "the sequence mixers")
-            patch.track(model)
-            undo.push(install_labels_hook(model, patch.live_ctx_or_none, lambda: patch.labels_refusal,
-                                          lambda: patch.labels_alignment), "the labels hook")
-            undo.push(install_inputs_guard(model, patch.live_ctx_or_none), "the inputs guard")  # images/audio refused
+            patch._attach(model)
         verify_module.identity(installation)
     except BaseException:
         _remove_quietly(patch)

@@ -15,6 +15,7 @@ __all__ = [
     "UnsupportedArgument",
     "PatchError",
     "VerificationError",
+    "RingNotReached",
     "AlreadyRemoved",
     "RemovalFailed",
     "SitesRebound",
@@ -163,6 +164,17 @@ class ModelDivergence(VerificationError):
         self.error = error
         self.tolerance = tolerance
         self.dtype = dtype
+
+
+class RingNotReached(PatchError):
+    """A model's forward under an active patch computed its attention without the ring: its attention never
+    reached the patched flash path (an SDPA or eager model not given to ``apply(model=)``), so it attended within
+    this rank's shard only. Raised at the next step boundary (``hfpatch.model.reach``); ``model_class`` names it."""
+
+    def __init__(self, message: str, *, model_class: str, attn_implementation) -> None:
+        super().__init__(message)
+        self.model_class = model_class
+        self.attn_implementation = attn_implementation
 
 
 class MissingEnable(HfpatchError, RuntimeError):

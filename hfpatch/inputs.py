@@ -22,6 +22,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from hfpatch import modes
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.attention.semantics import RingContext, StepState, packed_cu_seqlens, plan_step
 from ring_kernels.layout import local_positions
@@ -142,6 +143,7 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
     document when packed): pad with tokens labelled -100 at the end of the row otherwise (exact for causal models).
     With ``ctx`` None or a world of one this is the identity (labels shifted the same way) and no state is recorded.
     """
+    modes.refresh_from_env()  # a step boundary: RING_ATTN_SWITCH, flipped since the last one, takes effect
     _check_inputs(input_ids, labels, position_ids)
     positions = _whole_position_ids(input_ids, position_ids)
     cu = _packing(positions)

@@ -26,7 +26,7 @@ from _dist import DistributedFailure, run_world
 from hfpatch.cli.demo_models import build_model, eager_reference_overrides, reference_logits
 from hfpatch.dropin import axolotl
 from hfpatch.dropin.ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params, use_ring_attn
-from hfpatch.errors import UnsupportedArgument
+from hfpatch.errors import PatchError, UnsupportedArgument
 from test_e2e_models import gemma2_flash_path_broken
 
 PARTS = ("ring_flash_attn", "axolotl")
@@ -276,10 +276,12 @@ def _hf_flow(rank, world, model_name):
 
 def _hf_misuse(rank, world, patch, model):
     """A step described with other lengths than the model gets, and the switch."""
-    again = substitute_hf_flash_attn(None, 1, model=model)  # a second call replaces the first; None: default group
-    assert again.active and again is not patch and patch.removed and hfpatch.active_patch() is again
-    assert again.ctx.world_size == world
-    patch = again
+    again = substitute_hf_flash_attn(None, 1, model=model)  # a second call keeps the first; None: default group
+    assert again is patch and not patch.removed and hfpatch.active_patch() is patch
+    assert [attached.model for attached in patch.models] == [model]
+    with pytest.raises(PatchError, match="replacing it would take the earlier call's models off the ring"):
+        substitute_hf_flash_attn(None, 2, model=model)  # another stride: refused, the first patch kept
+    assert not patch.removed
     update_ring_flash_attn_params(torch.tensor([0, 8, 24], dtype=torch.int32), dist.group.WORLD)
     ids = torch.zeros(1, 32 // world, dtype=torch.long)
     with pytest.raises(UnsupportedArgument, match="update_ring_flash_attn_params described this step"):
@@ -396,6 +398,10 @@ def _refusals(mesh, model):
         axolotl.register_ring_attn_from_device_mesh(mesh, ("tp",), None, "batch_ring")
     with pytest.raises(ValueError, match="ring_attn_func='ring'"):
         axolotl.register_ring_attn_from_device_mesh(mesh, ("cp",), None, "ring")
+    # Another ring function while this patch is live: refused by name, this patch (and its model) kept.
+    with pytest.raises(PatchError, match="replacing it would take the earlier call's models off the ring"):
+        axolotl.register_ring_attn_from_device_mesh(mesh, "cp", None, "varlen_llama3", model=model)
+    assert not patch.removed and [attached.model for attached in patch.models] == [model]
     patch.remove()
 
 
@@ -416,8 +422,9 @@ def _axolotl_part(rank, world):
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))
     model = None
-    for func, model_name, kind in CASES[world]:  # each register replaces the previous patch
+    for func, model_name, kind in CASES[world]:  # each case's patch removed before the next registers its own
         if model_name == "gemma2" and gemma2_flash_path_broken():
             model_name = "mistral"
-        model, _ = _axolotl_case(mesh, func, model_name, kind)
+        model, patch = _axolotl_case(mesh, func, model_name, kind)
+        patch.remove()
     _refusals(mesh, model)

@@ -5,8 +5,9 @@ and ``trainer.predict()`` logits (rank 0) to ``--out``.
 
 A case is ``model:kind:dp:cp`` or ``model:kind:dp:cp:keep``: model a tiny family of ``hfpatch.cli.demo_models``; kind ``trainer`` (transformers'
 Trainer, rows of one document, some labels -100), ``sft_plain`` (TRL SFTTrainer, right-padded rows of one
-document each, attention mask) or ``sft_packed`` (TRL SFTTrainer, padding-free rows of bin-packed documents:
-position ids and cu_seq_lens); the world must be dp x cp processes. cp == 1 is the non-CP run of the same script
+document each, attention mask), ``sft_lora`` (the same with ``peft_config=``: a LoRA adapter that SFTTrainer puts
+on the model) or ``sft_packed`` (TRL SFTTrainer, padding-free rows of bin-packed documents: position ids and
+cu_seq_lens); the world must be dp x cp processes. cp == 1 is the non-CP run of the same script
 (same global batches); cp > 1 runs through ``hfpatch.integrations.enable``. ``keep``: the trainer checkpoints
 every layer (``gradient_checkpointing=True``, non-reentrant) and ``enable(trainer, keep_attention="all")`` keeps
 each layer's attention output through it; the case also reports the keeper's counters.
@@ -50,6 +51,14 @@ def _documents(count: int, seed: int):
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
+def _lora():
+    """The ``sft_lora`` kind's adapter: LoRA on the attention's query and value projections, no dropout."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                      task_type="CAUSAL_LM")
+
+
 def _dataset(kind: str, split: str = "train"):
     """The training rows, or (``split="eval"``) EVAL_ROWS other rows of the same kind."""
     from datasets import Dataset
@@ -58,7 +67,7 @@ def _dataset(kind: str, split: str = "train"):
     if kind == "trainer":  # rows of 22 tokens (not a multiple of 2 x cp: padded by the integration)
         docs = [(d * 5)[:22] for d in _documents(32 if split == "train" else EVAL_ROWS, 1 + seed)]
         return Dataset.from_dict({"input_ids": docs, "labels": [[-100] * 3 + d[3:] for d in docs]})
-    if kind == "sft_plain":
+    if kind in ("sft_plain", "sft_lora"):
         return Dataset.from_dict({"input_ids": _documents(32 if split == "train" else EVAL_ROWS, 2 + seed)})
     from trl import pack_dataset
 
@@ -102,7 +111,7 @@ def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str, keep: bool 
             from trl import SFTTrainer
 
             trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=_dataset(kind, "eval"),
-                                 processing_class=_tokenizer())
+                                 processing_class=_tokenizer(), peft_config=_lora() if kind == "sft_lora" else None)
     return trainer, hfpatch.integrations.enable(trainer, keep_attention="all" if keep else None)
 
 

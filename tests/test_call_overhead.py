@@ -253,6 +253,7 @@ def _dispatcher(ctx):
     originals = []
     d = dispatch.Dispatcher(original=lambda **kw: originals.append(kw) or kw["query_states"] * 3.0, match=match,
                             ctx=ctx)
+    d.original_runs = lambda call: True  # the recorder stands in for a flash path that runs here
     return d, originals
 
 

@@ -17,10 +17,9 @@ All cases of one world size run inside one world (spawning processes costs secon
 """
 from __future__ import annotations
 
-import importlib.util
+import logging
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -133,39 +132,100 @@ def _apply_before_model_import(rank, world):
     _compare("apply before import", loss, grads, ref_loss, ref_grads)
 
 
+class _Records(logging.Handler):
+    """The records of the ``hfpatch`` logger while installed (a spawned rank has no caplog)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+        self.logger = logging.getLogger("hfpatch")
+        self.logger.addHandler(self)
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def local_warnings(self):
+        return [m for m in self.messages if "switch mode 'local'" in m]
+
+
+def _local_step(model, batch):
+    """A forward and backward of ``model`` on this rank's tensors alone (its own loss, no reduction over ranks):
+    the logits and the parameter gradients."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    loss_sum, count = token_loss_sum(logits, batch["labels"])
+    (loss_sum / count).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare_local(label, got, want):
+    """``_local_step`` results: the logits and every parameter gradient, each within the fp32 "cp" entries."""
+    (logits, grads), (ref_logits, ref_grads) = got, want
+    assert_close(logits, ref_logits, tolerance("cp", torch.float32, "out"), f"{label}: logits")
+    assert set(ref_grads) == set(grads), f"{label}: parameters with and without gradient differ"
+    for name, ref in ref_grads.items():
+        assert_close(grads[name], ref, GRAD, f"{label}: gradient of {name}")
+
+
 def _switch_modes(rank, world):
-    """RING_ATTN_SWITCH=reference (read at apply), then the runtime switch to the ring and to the original."""
+    """RING_ATTN_SWITCH=reference (read at apply), then the runtime switch to the ring; "original" (switch("0"), and
+    RING_ATTN_SWITCH=0 set between steps) equal to the model's own SDPA forward and backward on the same local
+    tensors; "local" on the shards warns once, the whole-model probe's "local" on whole rows never."""
     ids, _, _ = _batch_inputs()
     ref_loss, ref_grads = _baseline(build_model("llama"), ids, None)
     model = build_model("llama")
+    sdpa = build_model("llama", attn_implementation="sdpa")  # the same weights, the model's own attention
+    records = _Records()
     os.environ["RING_ATTN_SWITCH"] = "reference"
     try:
-        patch = hfpatch.apply(dist.group.WORLD, model=model)
+        # verify=True: the whole-model probe runs "local". The contiguous ring: each rank's positions run without a
+        # jump, so SDPA's mask builder (which starts a document at any jump, in any row) sees one sequence per row,
+        # as the flash path does (its rule: batch 1 only).
+        patch = hfpatch.apply(dist.group.WORLD, kernel="ring", model=model)
     finally:
         del os.environ["RING_ATTN_SWITCH"]
     layers = model.config.num_hidden_layers
     try:
-        loss, grads = _cp_step(patch, model, ids, None)
+        assert patch.probe is not None and records.local_warnings() == [], records.messages
+        os.environ["RING_ATTN_SWITCH"] = "reference"  # unchanged since apply: the step below runs the reference
+        try:
+            loss, grads = _cp_step(patch, model, ids, None)
+        finally:
+            del os.environ["RING_ATTN_SWITCH"]
         assert dict(patch.mode_calls) == {"reference": layers}, patch.mode_calls
         _compare("switch reference", loss, grads, ref_loss, ref_grads)
-        with hfpatch.switch("1"):
-            loss, grads = _cp_step(patch, model, ids, None)
+        loss, grads = _cp_step(patch, model, ids, None)  # the variable unset since: the ring, from this step on
         assert patch.mode_calls["ring"] == layers, patch.mode_calls
-        _compare("switch 1", loss, grads, ref_loss, ref_grads)
-        if importlib.util.find_spec("flash_attn") is None:
-            # "0" calls transformers' own flash attention, which needs flash-attn (or the `kernels` package) and
-            # fails inside transformers without it: proof that the call went to the original, not to the ring.
-            with hfpatch.switch("0"):
-                try:
-                    _cp_step(patch, model, ids, None)
-                except Exception as exc:  # the type differs by release (ImportError, AttributeError, ...)
-                    frames = traceback.extract_tb(exc.__traceback__)
-                    assert any("modeling_flash_attention_utils" in f.filename for f in frames), frames[-3:]
-                else:
-                    raise AssertionError("switch 0 did not reach transformers' original flash attention")
-            assert patch.mode_calls["original"] >= 1, patch.mode_calls
+        _compare("switch unset", loss, grads, ref_loss, ref_grads)
+
+        # "original" on this rank's shard: the model's own attention on the local tensors, whether or not
+        # flash-attn is installed (without it, plain attention: SDPA's result).
+        batch = patch.shard_inputs(ids, labels=ids)
+        want = _local_step(sdpa, batch)
+        with hfpatch.switch("0"):
+            got = _local_step(model, batch)
+        assert patch.mode_calls["original"] == layers, patch.mode_calls
+        _compare_local("switch 0", got, want)
+        os.environ["RING_ATTN_SWITCH"] = "0"  # flipped between steps: the next step boundary follows it
+        try:
+            batch = patch.shard_inputs(ids, labels=ids)
+            got = _local_step(model, batch)
+        finally:
+            del os.environ["RING_ATTN_SWITCH"]
+        assert patch.mode_calls["original"] == 2 * layers, patch.mode_calls
+        _compare_local("RING_ATTN_SWITCH=0", got, want)
+        loss, grads = _cp_step(patch, model, ids, None)  # unset again: back to the ring
+        assert patch.mode_calls["ring"] == 2 * layers, patch.mode_calls
+        _compare("switch unset again", loss, grads, ref_loss, ref_grads)
+
+        assert records.local_warnings() == [], records.messages
+        with hfpatch.switch("local"):
+            _local_step(model, batch)
+            _local_step(model, batch)
+        assert len(records.local_warnings()) == 1, records.messages  # once per patch
     finally:
         patch.remove()
+        records.logger.removeHandler(records)
 
 
 def _bf16_within_kernel_tolerance(rank, world):

@@ -27,7 +27,8 @@ non-CP runs in the 2-process one; the launches, not the runs, are most of the mo
 Families: llama; gemma2 (sliding window on every other layer, attention and final logit softcapping); qwen2
 (biased q/k/v projections), all exact in MODELS.md. Kinds: ``trainer`` (Trainer, fixed-length rows padded by the
 integration, prompt labels -100), ``sft_plain`` (SFTTrainer, right-padded rows with an attention mask),
-``sft_packed`` (SFTTrainer, padding-free rows of bin-packed documents: position ids and cu_seq_lens).
+``sft_packed`` (SFTTrainer, padding-free rows of bin-packed documents: position ids and cu_seq_lens); and, where
+peft is installed, ``llama:sft_lora`` (SFTTrainer with ``peft_config=``: LoRA on q/v, trained exactly as non-CP).
 """
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ GRAD_NORM_RTOL = 1e-5
 PARAM_ATOL = 2e-6
 MODELS = ("llama", "gemma2", "qwen2")
 KINDS = ("trainer", "sft_plain", "sft_packed")
-CASES = [f"{model}:{kind}" for model in MODELS for kind in KINDS]
+# SFTTrainer with peft_config= (a LoRA adapter on the model), where peft is installed
+PEFT_CASES = ["llama:sft_lora"] if importlib.util.find_spec("peft") is not None else []
+CASES = [f"{model}:{kind}" for model in MODELS for kind in KINDS] + PEFT_CASES
 # 2x2: every family and every kind once (all nine with HFPATCH_TEST_TRAINER_FULL=1).
 CASES_2X2 = CASES if os.environ.get("HFPATCH_TEST_TRAINER_FULL") == "1" else \
     ["llama:trainer", "gemma2:sft_packed", "qwen2:sft_plain"]

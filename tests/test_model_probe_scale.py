@@ -9,7 +9,9 @@ probe_margin.py builds the cases; these tests hold its verdicts and margin).
   is at least 10x the largest error of the exact models of the same world and dtype.
 - real scale, bf16 and fp16, 2 ranks: ``apply(model=)`` with the default ``verify=True`` accepts a Llama of hidden
   2048 x 48 layers (GQA 4:1: an 8B's width and depth) and one of hidden 1024 x 80 layers (a 70B's depth), which the
-  probe comparing free-running forwards refused in bf16 (relative error 0.054 > 0.05 at 2048 x 48).
+  probe comparing free-running forwards refused in bf16 (relative error 0.054 > 0.05 at 2048 x 48); a value head
+  (``LlamaForSequenceClassification``, one label) on the 2048 x 48 decoder is accepted with its pooled score and
+  loss compared on every rank, and refused by name when each rank pools its own last token.
 
 All of it runs under the CI pin only (1.5 minutes on 2 cores): the cases are built from that release's classes,
 and the probe's code does not depend on the release. Under the older releases of the matrix the model sweep runs
@@ -28,6 +30,7 @@ import torch.distributed as dist
 import hfpatch
 from _dist import run_world
 from _release import skip_unless_ci_pin
+from hfpatch.model import attach
 from hfpatch.errors import ModelDivergence
 from hfpatch.model.probe import probe_tolerance
 
@@ -71,7 +74,27 @@ def test_seeded_divergences_are_refused_with_margin(world):
     run_world(world, _seeded, [torch.bfloat16, torch.float32], timeout=600.0)
 
 
-def _real_scale(rank, world, dtype, shapes):
+def _value_head_on(causal, dtype):
+    """A ``LlamaForSequenceClassification`` with one label (a value / reward head) on ``causal``'s decoder (the same
+    modules: no second real-scale build), its score head drawn fresh and ``pad_token_id`` set."""
+    import copy
+
+    import transformers
+
+    config = copy.deepcopy(causal.config)
+    config.num_labels, config.pad_token_id = 1, 0
+    shell = copy.deepcopy(config)
+    shell.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = transformers.LlamaForSequenceClassification(shell)
+    model.config, model.model = config, causal.model
+    torch.manual_seed(1)
+    model.score = torch.nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype)
+    torch.nn.init.normal_(model.score.weight, std=config.initializer_range)
+    return model
+
+
+def _real_scale(rank, world, dtype, shapes, value_head=False):
     for hidden, layers, heads, kv_heads, mlp in shapes:
         model = pm._llama(hidden, layers, heads, kv_heads, mlp, 32000, dtype, torch.device("cpu"))
         patch = hfpatch.apply(dist.group.WORLD, model=model)      # the default verify=True
@@ -80,12 +103,35 @@ def _real_scale(rank, world, dtype, shapes):
         assert patch.probe is not None and probe.compared > layers * 10
         if rank == 0:
             print(f"\n{dtype} {hidden}x{layers}: accepted, worst {probe.worst:.3g} at {probe.worst_at}")
+        if value_head and (hidden, layers) == (2048, 48):
+            _real_scale_value_head(rank, model, dtype)
         del model
+
+
+def _real_scale_value_head(rank, causal, dtype):
+    """The pooled output at real scale: the value head is accepted with its pooled score and loss compared on every
+    rank, and refused (naming the output field) when each rank pools its own last token."""
+    model = _value_head_on(causal, dtype)
+    with hfpatch.apply(dist.group.WORLD, model=model) as patch:
+        probe = patch.probe
+    assert {"logits", "loss"} <= set(probe.outputs) and probe.worst <= probe_tolerance(dtype), probe
+    original = attach.install_pooled_head
+    attach.install_pooled_head = lambda *args, **kwargs: None
+    try:
+        with pytest.raises(ModelDivergence) as info:
+            hfpatch.apply(dist.group.WORLD, model=model)
+    finally:
+        attach.install_pooled_head = original
+    assert "output field" in info.value.check and info.value.error > 10 * probe.worst, info.value.check
+    if rank == 0:
+        print(f"{dtype} value head on 2048x48: accepted, worst {probe.worst:.3g}; without the pooling refused at "
+              f"{info.value.check} ({info.value.error:.3g})")
 
 
 def test_real_scale_bf16_is_accepted():
     skip_unless_ci_pin("the real-scale cases")
-    run_world(2, _real_scale, torch.bfloat16, [(2048, 48, 16, 4, 5632), (1024, 80, 8, 2, 2816)], timeout=900.0)
+    run_world(2, _real_scale, torch.bfloat16, [(2048, 48, 16, 4, 5632), (1024, 80, 8, 2, 2816)], value_head=True,
+              timeout=900.0)
 
 
 def test_real_depth_fp16_is_accepted():

@@ -312,10 +312,21 @@ def test_sinks_in_a_world_of_one_and_in_local_mode(fn, packed):
     _close("s_aux=None", no_sink, _expected(q, k, v, causal=True, docs=docs))
 
 
-def test_kv_cache_decode_is_refused():
+@pytest.mark.parametrize("more, extra, parameter", [
+    ({}, {}, "key"),  # a decode step: one query over the cached keys
+    ({}, {"cache_seqlens": torch.zeros(1)}, "cache_seqlens"),
+    ({"block_table": torch.zeros(1, 4, dtype=torch.int32)}, {}, "block_table"),
+])
+def test_kv_cache_refusals_give_fixes_that_work_without_flash_attn(more, extra, parameter):
+    """Generating after ``patch.remove()`` (every cache) or ``use_cache=False`` (a model's own cache): neither needs
+    flash-attn, unlike transformers' flash function."""
     q, k, v = _qkv(seq=8)
-    with pytest.raises(UnsupportedArgument, match="use_cache=False"):
-        ring_attention(hf_call(q[:, :1], k, v, query_length=1), {}, _local_ctx())
+    q = q[:, :1] if parameter == "key" else q
+    with pytest.raises(UnsupportedArgument) as info:
+        ring_attention(hf_call(q, k, v, query_length=q.shape[1], **more), extra, _local_ctx())
+    fix = info.value.fix
+    assert info.value.parameter == parameter and "patch.remove()" in fix and "RING_ATTN_SWITCH" not in fix
+    assert ("use_cache=False" in fix) is (parameter != "block_table")
 
 
 def test_all_ones_mask_is_dropped_and_ignored_kwargs_change_nothing():

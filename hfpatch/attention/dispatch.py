@@ -18,9 +18,11 @@ Per call:
 3. Anything else is planned (``plan_and_run``): the role dict, the call counted under its mode, then ``"ring"`` ->
    ``semantics.ring_plan`` (every refusal, the step, the kernel's arguments); the plan runs and, when nothing in the
    call is refused or derived per call, the site keeps it with its inputs (``CallSite.plans``: the one plan cache);
-   ``"original"`` -> the original transformers function, re-called by parameter name; ``"reference"``/``"local"``
-   -> ``semantics``. While Dynamo traces (torch.compile) the call is one opaque operator
-   (``hfpatch.attention.opaque``). ``semantics.ring_attention`` is the ring's seam: replaced (a test's stand-in for a
+   ``"original"`` -> ``run_original``: the original transformers function, re-called by parameter name, where its
+   flash path can run (``semantics.flash_path_runs``, a non-CPU query), else ``semantics.local_attention`` (what
+   the model's own SDPA/eager attention computes on these tensors); ``"reference"``/``"local"`` -> ``semantics``
+   (``"local"`` on this rank's shard of a step warns once per patch: it is not the non-CP computation). While
+   Dynamo traces (torch.compile) the call is one opaque operator (``hfpatch.attention.opaque``). ``semantics.ring_attention`` is the ring's seam: replaced (a test's stand-in for a
    wrong or failing ring), it computes every ring call that reaches the planner, and no plan is kept.
 
 Counts live per thread (``ThreadState``: no lock per call; readers sum every thread's), under the call's site, so
@@ -30,6 +32,7 @@ user variable): it then calls the original function, exactly what the restored b
 """
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections import Counter
@@ -43,7 +46,7 @@ from hfpatch.attention import codegen as _codegen
 from hfpatch.attention import semantics as _semantics
 from hfpatch import modes as _modes
 from hfpatch.attention.discovery import attention_modules
-from hfpatch.errors import UndoStack
+from hfpatch.errors import UndoStack, UnsupportedArgument
 
 __all__ = ["Dispatcher", "LayerRecord", "CallSite", "ThreadState", "INPUTS", "calling_module"]
 
@@ -64,6 +67,8 @@ _export_flag = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") e
 # The autograd engine's current graph task (-1: no backward running on this thread); see _opaque.is_recomputing.
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _current_mode = _modes.current_mode
+_refresh_switch = _modes.refresh_from_env
+logger = logging.getLogger("hfpatch")
 _RECOMPUTED = "<recomputed>"  # the kind under which a recomputed call is counted (never a switch mode)
 
 # id(code) -> (code, names): which of _HOLDER_NAMES a frame of that code can hold. Reading ``frame.f_locals`` builds
@@ -244,6 +249,8 @@ class Dispatcher:
         # CallSite -> the mode of its last call in the current forward (one item store per call: atomic).
         self._forward: dict[CallSite, str] = {}
         self._lock = threading.Lock()  # for the readers, reset and the site table, never taken per call
+        self._calls_before_reset = 0  # forward calls counted before the last reset (``total_calls``)
+        self._warned_local = False  # "local" on a shard: warned once per patch (``run_mode``)
         self.entry = self._make_entry()
 
     # ------------------------------------------------------------------------------------------ the call
@@ -367,12 +374,55 @@ class Dispatcher:
         if mode == "reference":
             return _semantics.reference_attention(call, extra, self.ctx)
         if mode == "local":
+            if not self._warned_local:
+                self._warn_local_on_shard(call)
             return _semantics.local_attention(call, extra, self.ctx)
-        return self.call_original(call, extra)
+        return self.run_original(call, extra)
+
+    def run_original(self, call: dict, extra: dict) -> torch.Tensor:
+        """Switch mode ``"original"``: what the model's own attention computes on this call's (local) tensors.
+        Transformers' original function where its flash path can run (``original_runs``) or the patch is removed
+        (what the restored binding sites call); else
+        ``semantics.local_attention``: the SDPA/eager result on these tensors (causal or not, window, softcap,
+        scale, GQA, sinks, documents from ``cu_seq_lens``/``position_ids``). Something plain attention cannot honour
+        there (a padding mask, dropout, a KV cache) raises ``UnsupportedArgument`` with its fix, never
+        transformers' ImportError. q (B, S, H, D), k/v (B, S, Hk, D) -> (B, S, H, D)."""
+        if self._removed or self.original_runs(call):
+            return self.call_original(call, extra)
+        try:
+            return _semantics.local_attention(call, extra, self.ctx)
+        except UnsupportedArgument as exc:
+            raise UnsupportedArgument(
+                exc.parameter, exc.value,
+                "switch mode 'original' computes the model's own attention in plain math here, transformers' flash "
+                f"path being unable to run (flash-attn is not installed, or the query is on CPU): {exc.reason}",
+                f"{exc.fix + ' Or: ' if exc.fix else ''}install flash-attn on a CUDA machine to run transformers' "
+                "own function.",
+            ) from exc
+
+    def original_runs(self, call: dict) -> bool:
+        """Whether transformers' original function can run this call: its flash path loads
+        (``semantics.flash_path_runs`` of the call's implementation, read once per process) and the query is not on
+        CPU (flash-attn has no CPU kernel)."""
+        return not call["query"].is_cpu and _semantics.flash_path_runs(call.get("implementation"))
 
     def call_original(self, call: dict, extra: dict) -> torch.Tensor:
         """Re-call the original transformers function with this call's arguments, by parameter name."""
         return self.original(**_codegen.original_kwargs(self.match, call, extra))
+
+    def _warn_local_on_shard(self, call: dict) -> None:
+        """Warn (once per patch) when a ``"local"`` call's query is this rank's shard of the current step: its
+        length is the step's local length and shorter than the global one. A whole sequence (the whole-model probe,
+        the model sweep, no step) is what ``"local"`` is for: no warning."""
+        step = self.ctx.step
+        if step is None or step.seq_len_local >= step.seq_len_global or call["query"].shape[1] != step.seq_len_local:
+            return
+        self._warned_local = True
+        logger.warning(
+            "hfpatch: switch mode 'local' runs attention within this rank's shard only (%d of %d tokens): not the "
+            "non-CP computation. For an A/B against the ring on identical inputs use 'reference'; for the model's "
+            "own attention on the local tensors, 'original'. (Logged once per patch.)",
+            step.seq_len_local, step.seq_len_global)
 
     # ------------------------------------------------------------------------------------- call sites
     def _site(self, slot: tuple) -> CallSite:
@@ -418,7 +468,8 @@ class Dispatcher:
         return self._site(_slot(layer_idx, module))
 
     def track(self, model: torch.nn.Module) -> UndoStack:
-        """Make each forward of ``model`` a new "last forward" (``begin_forward``), and bind its attention modules'
+        """Make each forward of ``model`` a new "last forward" (``begin_forward``) and a step boundary of the switch
+        (``modes.refresh_from_env``: a flipped ``RING_ATTN_SWITCH`` takes effect), and bind its attention modules'
         sites by ``layer_idx`` for the calls made while that forward runs on this thread (an index shared by two
         of its attention modules is left to the stack). Returns both hooks as one ``UndoStack`` (``remove()``)."""
         by_index: dict = {}
@@ -432,6 +483,7 @@ class Dispatcher:
         def begin(module, args):
             if _is_compiling():
                 return  # compiled calls keep one record per layer and are counted by layer_idx (hfpatch/attention/opaque.py)
+            _refresh_switch()  # a step boundary: RING_ATTN_SWITCH, flipped since the last one, takes effect
             self.begin_forward()
             state = threads.state
             state.outer_bound.append(state.bound)
@@ -503,12 +555,18 @@ class Dispatcher:
             self._forward.clear()
 
     def reset(self) -> None:
-        """Clear every counter and the per-forward record."""
+        """Clear every counter and the per-forward record (``total_calls`` keeps counting)."""
         with self._lock:
-            for by_kind in self._every_thread:
-                for counts in list(by_kind.values()):
-                    counts.clear()  # the dicts themselves stay: the entry holds the thread's ring/recomputed
+            for kind, counts in [(kind, counts) for by_kind in self._every_thread for kind, counts in by_kind.items()]:
+                if kind != _RECOMPUTED:
+                    self._calls_before_reset += sum(counts.values())
+                counts.clear()  # the dicts themselves stay: the entry holds the thread's ring/recomputed
             self._forward.clear()
+
+    def total_calls(self) -> int:
+        """Every forward call the wrappers made, in any mode, over the patch's life (``reset`` does not clear it;
+        recomputations excluded): what ``hfpatch.model.reach`` compares between two step boundaries."""
+        return self._calls_before_reset + sum(self.mode_calls.values())
 
     def forward_records(self) -> list[LayerRecord]:
         """The calls of the current forward (since the last ``begin_forward``/``reset``), one per site."""

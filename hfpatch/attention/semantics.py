@@ -89,6 +89,7 @@ __all__ = [
     "ring_attention",
     "reference_attention",
     "local_attention",
+    "flash_path_runs",
     "plain_attention",
     "sink_of",
     "cast_to_target",
@@ -111,6 +112,12 @@ _USP_FORM = "'usp:UxR' (U ranks per Ulysses group x R ring ranks, U x R = the CP
 
 # Kwargs that HF's own function would act on; every other kwarg is ignored by it and by us.
 _PAGED_KWARGS = ("cache", "cache_seqlens")
+# The fixes of a KV cache's refusal: each works whether or not flash-attn is installed (the model's own attention,
+# restored by remove(), runs any cache; a forward without a cache is what CP computes).
+_PAGED_CACHE_FIX = ("generate after patch.remove() (the model's own attention and its cache are back); CP is for "
+                    "training and prefill of whole sequences.")
+_KV_CACHE_FIX = ("call the model with use_cache=False under CP (training and prefill need no cache), or generate "
+                 "after patch.remove() (the model's own attention and its cache are back).")
 
 # RingContext fields a RingPlan is built from: assigning any of them increments ``RingContext.version``.
 _PLAN_INPUTS = frozenset({"group", "rank", "world_size", "variant", "backend", "heads_k_stride", "heads", "step",
@@ -442,21 +449,21 @@ def _refuse(call: Mapping[str, Any], extra: Mapping[str, Any], q_shape: torch.Si
         raise UnsupportedArgument(
             role, call[role],
             "a paged KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
-            "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for training/prefill.",
+            _PAGED_CACHE_FIX,
         )
     if extra and (extra.get("cache") is not None or extra.get("cache_seqlens") is not None):
         name = next(n for n in _PAGED_KWARGS if extra.get(n) is not None)
         raise UnsupportedArgument(
             name, extra[name],
             "a KV cache cannot be used with context parallelism (each rank holds a slice of the sequence).",
-            "run generation without hfpatch (patch.remove() or RING_ATTN_SWITCH=0); CP is for training/prefill.",
+            _KV_CACHE_FIX,
         )
     if k.shape[1] != q_shape[1]:
         raise UnsupportedArgument(
             "key", k,
             f"keys cover {k.shape[1]} tokens but queries {q_shape[1]}: a KV cache (generation) cannot be used with "
             f"context parallelism, where every rank holds an equal slice of one sequence.",
-            "call the model with use_cache=False under CP, or generate without hfpatch (RING_ATTN_SWITCH=0).",
+            _KV_CACHE_FIX,
         )
     mask = get("attention_mask")
     if mask is not None:
@@ -1020,17 +1027,42 @@ def local_attention(call: Mapping[str, Any], extra: Mapping[str, Any], ctx: Ring
     return out.contiguous()  # as flash-attn returns it: some models .view() the output
 
 
+# transformers' availability check of the flash-attn package an ``attn_implementation`` loads (None: flash-attn 2,
+# what ``apply(model=)`` switches a model to, or 3; each check exists from the release that introduced the package).
+_FLASH_CHECKS = {None: ("is_flash_attn_2_available", "is_flash_attn_3_available"),
+                 "flash_attention_2": ("is_flash_attn_2_available",),
+                 "flash_attention_3": ("is_flash_attn_3_available",),
+                 "flash_attention_4": ("is_flash_attn_4_available",)}
+_PAGED_PREFIX = "paged|"  # continuous batching's names of the same implementations (5.x)
+
+
+@functools.lru_cache(maxsize=None)
+def flash_path_runs(implementation: Optional[str] = None) -> bool:
+    """Whether transformers' original ``_flash_attention_forward`` can load its kernel for a call whose
+    ``attn_implementation`` is ``implementation``: transformers' own check of the flash-attn package that
+    implementation imports (installed, a supported version, a device it runs on); a hub kernel (``"org/name"``)
+    was loaded when the model was set to it. Without it the original raises transformers' ImportError at its first
+    line. Read once per process per implementation (``cache_clear()`` reads again); a call on CPU tensors still
+    cannot run flash-attn (the caller checks the device)."""
+    name = implementation[len(_PAGED_PREFIX):] if isinstance(implementation, str) and implementation.startswith(
+        _PAGED_PREFIX) else implementation
+    if isinstance(name, str) and "/" in name:
+        return True
+    import transformers.utils as hf_utils  # not at the top: importing hfpatch must not load transformers
+
+    checks = [getattr(hf_utils, check, None) for check in _FLASH_CHECKS.get(name, ())]
+    return any(check is not None and bool(check()) for check in checks)
+
+
 def _original_on_whole(call, extra, ctx: RingContext, gathered, cu) -> Optional[torch.Tensor]:
-    """Run transformers' original function on the gathered sequence when flash-attn can (CUDA, half precision);
-    None otherwise (the caller then computes the same semantics in plain math)."""
+    """Run transformers' original function on the gathered sequence when its flash path can (``flash_path_runs``,
+    CUDA, half precision); None otherwise (the caller then computes the same semantics in plain math)."""
     q = gathered[0]
     if ctx.call_original is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return None
     if cu is not None and "cu_seq_lens_q" not in call:
         return None  # a release (< 4.47) whose function cannot be told the documents: plain math honours them
-    try:
-        import flash_attn  # noqa: F401  (the original function needs it)
-    except ImportError:
+    if not flash_path_runs(call.get("implementation")):
         return None
     whole = dict(call)
     whole.update(query=gathered[0], key=gathered[1], value=gathered[2], query_length=q.shape[1], attention_mask=None)

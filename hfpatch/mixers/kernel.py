@@ -40,7 +40,7 @@ __all__ = ["KernelCall", "SequenceKernel", "CACHE_REASON", "CACHE_FIX", "PACKING
 
 CACHE_REASON = ("a recurrent state carried in from a cache (generation) cannot be used with context parallelism, "
                 "where every rank holds a slice of one whole sequence.")
-CACHE_FIX = "call the model with use_cache=False under CP, or generate without hfpatch (RING_ATTN_SWITCH=0)."
+CACHE_FIX = "call the model with use_cache=False under CP, or generate after patch.remove() (the model as it was)."
 
 # Packing metadata the fast kernels would honour (document starts reset the state or the window).
 PACKING_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q")

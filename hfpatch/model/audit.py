@@ -16,8 +16,14 @@ sequence on a rank that holds a shard of it. ``audit(model)`` returns one ``Find
                      positions then come from the input's length, so rank r would number its tokens from 0. The
                      recognised ones (the BART-family, Whisper and MusicGen decoders' tables) are fed each rank's
                      global positions instead.
+``wrapper``          a wrapper (``hfpatch.model.wrappers``) whose forward cannot take the step's positions and
+                     which does not hold exactly one transformers model that could (the fix names
+                     ``apply(model=wrapper.<attribute>)``); ``adapter``: PEFT prompt learning (virtual tokens on
+                     every rank). Either replaces the ``positions`` finding of the same wrapper.
 ``router-aux-loss``  ``output_router_logits`` is on: the mixture-of-experts load-balancing loss is a product of
                      per-token means, computed from each rank's tokens only.
+``pooled-head``      the head pools the sequence into one output per row by a rule ``hfpatch.model.heads`` does not
+                     reproduce across shards (the last non-pad token's rule is made exact there).
 
 Each finding names the module path and class, the reason and the fix; a finding never depends on anything but
 the model, so every rank of a CP group reaches the same verdict. What no rule here knows (a future release's
@@ -25,15 +31,15 @@ new mixer, a user's custom module) is caught by the whole-model probe (``hfpatch
 """
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass
 
 import torch
 
 from hfpatch import mixers as _mixers
-from hfpatch.model import positions as model_positions
+from hfpatch.model import heads as model_heads, positions as model_positions
 from hfpatch.model.routing import modality_towers
+from hfpatch.model.wrappers import accepts_position_ids, wrapper_refusal
 
 __all__ = ["Finding", "MIXER_CLASS_PATTERN", "audit", "describe"]
 
@@ -72,7 +78,9 @@ class Finding:
 def audit(model: torch.nn.Module) -> list[Finding]:
     """Every ``Finding`` of ``model`` (empty: nothing outside attention mixes tokens along the sequence, positions
     come from ``position_ids``). Reads the model only; changes nothing."""
-    return _mixer_findings(model) + _position_findings(model) + _router_findings(model)
+    wrapper = _wrapper_findings(model)
+    positions = [] if wrapper else _position_findings(model)
+    return _mixer_findings(model) + wrapper + positions + _router_findings(model) + _head_findings(model)
 
 
 def describe(findings: list[Finding], model: torch.nn.Module) -> str:
@@ -121,30 +129,10 @@ def _family_part(class_name: str, model: torch.nn.Module) -> str:
     return class_name[shared:]
 
 
-def _accepts_position_ids(model: torch.nn.Module) -> bool:
-    """``model.forward`` takes ``position_ids``: by name, or through ``**kwargs`` handed on to a text model
-    that takes them by name (composite models: MOSS-Transcribe-Diarize's ``language_model``)."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # no introspectable signature: assume it does, the probe still checks
-        return True
-    if "position_ids" in parameters:
-        return True
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return False
-    from transformers import PreTrainedModel  # not at the top: importing hfpatch must not load transformers
-
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return any(module is not model and isinstance(module, PreTrainedModel) and module.config is text
-               and "position_ids" in inspect.signature(module.forward).parameters
-               for module in model.modules())
-
-
 def _position_findings(model: torch.nn.Module) -> list[Finding]:
     """The first position module that numbers tokens by the input's length and that ``hfpatch.model.positions``
     does not recognise (a recognised one is fed each rank's global positions by ``apply``)."""
-    if _accepts_position_ids(model):
+    if accepts_position_ids(model):
         return []
 
     towers = modality_towers(model)  # their positions number audio frames or patches, never shards of tokens
@@ -155,6 +143,9 @@ def _position_findings(model: torch.nn.Module) -> list[Finding]:
         if name.rsplit(".", 1)[-1] in _POSITION_NAMES or any(part in cls for part in _POSITION_CLASS_PARTS):
             if model_positions.recognise(model, module) is not None:
                 continue
+            refusal = wrapper_refusal(model)  # a wrapper around a model that does take them: name that model
+            if refusal is not None:
+                return [Finding("", type(model).__name__, refusal.kind, refusal.reason, refusal.fix)]
             return [Finding(
                 name, cls, "positions",
                 f"{type(model).__name__}.forward takes no position_ids, so this module numbers the tokens by the "
@@ -163,6 +154,16 @@ def _position_findings(model: torch.nn.Module) -> list[Finding]:
                 _FALLBACK_FIX,
             )]
     return []
+
+
+def _wrapper_findings(model: torch.nn.Module) -> list[Finding]:
+    """A wrapper ``hfpatch.model.wrappers.inner_model`` could not unwrap that no other rule would refuse: PEFT
+    prompt learning, and a module that is no transformers model (no ``config``) holding transformers models.
+    (A wrapper whose forward takes no ``position_ids`` is named where its positions would be refused.)"""
+    refusal = wrapper_refusal(model)
+    if refusal is None or not (refusal.kind == "adapter" or not hasattr(model, "config")):
+        return []
+    return [Finding("", type(model).__name__, refusal.kind, refusal.reason, refusal.fix)]
 
 
 def _router_findings(model: torch.nn.Module) -> list[Finding]:
@@ -176,3 +177,12 @@ def _router_findings(model: torch.nn.Module) -> list[Finding]:
                 "set config.output_router_logits = False for CP training, or " + _FALLBACK_FIX,
             )]
     return []
+
+
+def _head_findings(model: torch.nn.Module) -> list[Finding]:
+    reason = model_heads.head_finding_reason(model)
+    if reason is None:
+        return []
+    return [Finding("", type(model).__name__, "pooled-head", reason,
+                    "train the per-token model under CP (its hidden states are exact) and pool them yourself from "
+                    "the gathered sequence, or " + _FALLBACK_FIX)]

@@ -53,7 +53,7 @@ from hfpatch.modes import current_mode
 from hfpatch.errors import UndoStack, UnsupportedArgument
 from hfpatch.inputs import aligned_labels, is_shifted
 
-__all__ = ["install_labels_hook", "averaged_over_group"]
+__all__ = ["install_labels_hook", "averaged_over_group", "averaged_over_group_now"]
 
 _LABEL_NAMES = ("labels", "shift_labels", "num_items_in_batch")
 
@@ -77,6 +77,11 @@ def averaged_over_group() -> Iterator[None]:
         yield
     finally:
         _reduction.averaged = previous
+
+
+def averaged_over_group_now() -> bool:
+    """Whether this thread runs inside ``averaged_over_group()``."""
+    return _reduction.averaged
 
 
 class _Pending(threading.local):

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from hfpatch import inputs as _inputs
 from hfpatch.attention.semantics import make_usp_groups
+from hfpatch.model import heads as _heads
 from hfpatch.model.positions import position_kwargs
 from hfpatch import modes
 from hfpatch.errors import HfpatchError, ModelDivergence, VerificationError
@@ -70,7 +71,8 @@ class ProbeResult:
     ``labels_refusal``: why ``model(labels=)`` cannot be made equal to the model's own non-CP loss (its loss is
     not the token-mean cross-entropy of its logits), or None; ``labels_alignment``: how the model's own loss pairs
     logits with labels -- "shifted" (HF's causal-LM one-token shift) or "aligned" (each position scored against its
-    own label, no shift: the BART-family and Whisper causal LMs)."""
+    own label, no shift: the BART-family and Whisper causal LMs); ``outputs``: the fields of the model's own output
+    that were compared whole (a pooled score, a loss) or as this rank's tokens (logits), on every rank."""
 
     worst: float
     compared: int
@@ -79,6 +81,7 @@ class ProbeResult:
     worst_at: str = ""
     labels_refusal: Optional[str] = None
     labels_alignment: str = "shifted"
+    outputs: Tuple[str, ...] = ()
 
 
 def probe_tolerance(dtype: torch.dtype) -> float:
@@ -98,8 +101,11 @@ class _Check:
     cls: str
     location: Optional[Location]
     expected: torch.Tensor  # the non-CP tensor, whole sequence, the model's dtype
+    field: Optional[str] = None  # a field of the model's own output ("logits", "loss", "hidden_states[2]")
 
     def describe(self) -> str:
+        if self.field is not None:
+            return f"output field {self.field!r} of the model"
         what = "output" if self.location is None else f"input {_location_text(self.location)}"
         return f"{what} of {self.path or '<the model>'}"
 
@@ -124,6 +130,8 @@ class _Probe:
         self._forcing = False
         self.seq_len: Optional[int] = None
         self.index: Optional[torch.Tensor] = None
+        self._fields = 0  # checks from here on: the fields of the model's own output (``_floating_fields``)
+        self._whole = 0   # the whole sequence's length (set by ``probe_model``)
         self._handles = []
         for name, module in model.named_modules():
             cls = type(module).__name__
@@ -132,15 +140,32 @@ class _Probe:
 
     def record(self, model, seq_len: int, **kwargs) -> None:
         self._calls, self._forcing, self.seq_len = {}, False, seq_len
-        model(**kwargs)
+        output = model(**kwargs)
         self.seq_len = None
+        self._fields = len(self.checks)
+        self.checks.extend(_Check("", type(model).__name__, None, value.detach().clone(), field=name)
+                           for name, value in _floating_fields(output))
+
+    def field_shape(self, name: str) -> Optional[torch.Size]:
+        """The shape of the recorded model output's field ``name``, or None."""
+        shapes = [c.expected.shape for c in self.checks[self._fields:] if c.field == name]
+        return shapes[0] if shapes else None
 
     def force(self, model, index: torch.Tensor, **kwargs) -> None:
         self._calls, self._forcing, self.index = {}, True, index
         self.errors = [-1.0 if c.location is not None else math.inf for c in self.checks]
         self.seq_len = index.numel()
-        model(**kwargs)
+        output = model(**kwargs)
         self.seq_len = None
+        got = dict(_floating_fields(output))
+        for i in range(self._fields, len(self.checks)):
+            check = self.checks[i]
+            expected = check.expected
+            if _along(expected, self._whole):  # a per-token field: this rank's tokens of it
+                expected = expected.index_select(1, index)
+            value = got.get(check.field)
+            if isinstance(value, torch.Tensor) and value.shape == expected.shape:
+                self.errors[i] = _relative(value, expected)
 
     def _call(self, name: str, phase: str) -> int:
         call = self._calls.get((name, phase), 0)
@@ -217,6 +242,26 @@ def _sequence_inputs(args, kwargs, seq_len: int) -> list[tuple[Location, torch.T
             found.append((location, value))
         elif type(value) in (tuple, list):
             found.extend((location + (j,), item) for j, item in enumerate(value) if _along(item, seq_len))
+    return found
+
+
+def _floating_fields(output: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every floating-point tensor of what the model returned, by name: a ModelOutput's fields ("logits",
+    "loss", ...), a tuple's items ("#1"), one tuple level down ("hidden_states[2]")."""
+    if isinstance(output, torch.Tensor):
+        items = [("output", output)]
+    elif hasattr(output, "items"):
+        items = list(output.items())
+    elif isinstance(output, (tuple, list)):
+        items = [(f"#{i}", value) for i, value in enumerate(output)]
+    else:
+        return []
+    found = []
+    for name, value in items:
+        values = [(name, value)] if isinstance(value, torch.Tensor) else [
+            (f"{name}[{j}]", item) for j, item in enumerate(value)] if isinstance(value, (tuple, list)) else []
+        found.extend((key, tensor) for key, tensor in values
+                     if isinstance(tensor, torch.Tensor) and (tensor.is_floating_point() or tensor.is_complex()))
     return found
 
 
@@ -298,8 +343,11 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
     seq = tokens_per_rank * ctx.world_size
     generator = torch.Generator().manual_seed(_SEED)
     ids = torch.randint(0, _vocab_size(model), (1, seq), generator=generator).to(device)
+    labels = _heads.probe_labels(model, 1, generator)  # a pooled head's loss is compared too
+    extra = {} if labels is None else {"labels": labels.to(device)}
     flags = _training_flags(model)
     probe = _Probe(model)
+    probe._whole = seq
     previous_step = ctx.step
     group = _group_for(ctx, device)
     previous_group, ctx.group = ctx.group, group
@@ -314,13 +362,14 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
         model.eval()
         with torch.no_grad():
             with modes.switch("local"), _named_failure(model, "non-CP"):
-                probe.record(model, seq, input_ids=ids, use_cache=False,
+                probe.record(model, seq, input_ids=ids, use_cache=False, **extra,
                              **position_kwargs(model, torch.arange(seq, device=device)[None]))
-            labels_alignment, labels_refusal = _own_loss_check(model, ids, tolerance=tolerance)
+            labels_alignment, labels_refusal = _own_loss_check(model, ids, tolerance=tolerance,
+                                                               logits_shape=probe.field_shape("logits"))
             batch = _inputs.shard_inputs(ctx, ids)
             index = batch["position_ids"][0].to(device)  # the global token indices this rank holds, in its order
             with modes.switch("ring"), _named_failure(model, "CP"):
-                probe.force(model, index, input_ids=batch["input_ids"], use_cache=False,
+                probe.force(model, index, input_ids=batch["input_ids"], use_cache=False, **extra,
                             **position_kwargs(model, batch["position_ids"]))
         errors = torch.tensor(probe.errors, dtype=torch.float64)
         if errors.numel():
@@ -347,30 +396,44 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
     worst = max(compared, key=lambda i: values[i], default=None)
     return ProbeResult(worst=values[worst] if worst is not None else 0.0, compared=len(compared), tokens=seq,
                        dtype=dtype, worst_at=probe.checks[worst].describe() if worst is not None else "",
-                       labels_refusal=labels_refusal, labels_alignment=labels_alignment)
+                       labels_refusal=labels_refusal, labels_alignment=labels_alignment,
+                       outputs=tuple(c.field for c in probe.checks[probe._fields:]))
 
 
-def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float) -> tuple[str, Optional[str]]:
+def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float, logits_shape: Optional[torch.Size]
+                    ) -> tuple[str, Optional[str]]:
     """(alignment, refusal) of the model's own non-CP ``model(ids, labels=ids).loss``: ("shifted", None) when it is
     the token-mean cross-entropy of its logits with HF's one-token shift, ("aligned", None) when it is that without
     a shift (each position against its own label) -- the two losses ``hfpatch.model.labels`` computes under CP --, else
-    ("shifted", the reason it is neither: a model that shifts twice, adds a term, or fails with labels)."""
+    ("shifted", the reason it is neither: a model that shifts twice, adds a term, or fails with labels). The labels
+    are the probe's token ids modulo the number of classes the logits score (the vocabulary of a causal LM, the
+    labels of a token classifier). A head without per-token logits (a pooled head: ``hfpatch.model.heads``
+    computes its loss) is not checked here."""
+    if _heads.head_of(model).kind != "per-token":
+        return "shifted", None
+    if not (logits_shape is not None and len(logits_shape) == 3 and tuple(logits_shape[:2]) == tuple(ids.shape)):
+        return "shifted", None  # no per-token logits (a span head): nothing a token loss could match
+    positions = position_kwargs(model, torch.arange(ids.shape[1], device=ids.device)[None])
+    targets_of = ids % logits_shape[-1]
     try:
         with modes.switch("local"):
-            output = model(input_ids=ids, labels=ids, use_cache=False,
-                           **position_kwargs(model, torch.arange(ids.shape[1], device=ids.device)[None]))
+            output = model(input_ids=ids, labels=targets_of, use_cache=False, **positions)
     except Exception as exc:  # the model's own labels path; CP's loss path is ours
         return "shifted", f"model(labels=...) fails even without CP ({type(exc).__name__}: {exc})"
     loss = getattr(output, "loss", None) if not isinstance(output, tuple) else output[0]
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         return "shifted", None  # no loss of its own to match: hfpatch's loss is the causal-LM loss
-    logits = output.logits if hasattr(output, "logits") else output[1]
     expected = {}
-    for alignment, targets in (("shifted", _inputs.shift_labels(ids)), ("aligned", ids)):
-        loss_sum, count = _inputs.token_loss_sum(logits, targets)
-        expected[alignment] = (loss_sum / count.clamp(min=1)).item()
-        if abs(loss.item() - expected[alignment]) / max(abs(expected[alignment]), 1e-30) <= tolerance:
-            return alignment, None
+    try:
+        logits = output.logits if hasattr(output, "logits") else output[1]
+        for alignment, targets in (("shifted", _inputs.shift_labels(targets_of)), ("aligned", targets_of)):
+            loss_sum, count = _inputs.token_loss_sum(logits, targets)
+            expected[alignment] = (loss_sum / count.clamp(min=1)).item()
+            if abs(loss.item() - expected[alignment]) / max(abs(expected[alignment]), 1e-30) <= tolerance:
+                return alignment, None
+    except Exception as exc:  # logits the token loss cannot score: the model's loss is not a token loss of them
+        return "shifted", (f"{type(model).__name__}'s own loss for labels= is not a token cross-entropy hfpatch "
+                           f"can compute from its logits ({type(exc).__name__}: {exc}).")
     return "shifted", (
         f"{type(model).__name__}'s own loss for labels= ({loss.item():.6g}) is neither the token-mean causal-LM "
         f"cross-entropy of its logits with a one-token shift ({expected['shifted']:.6g}) nor without one "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,14 +39,16 @@ from hfpatch.attention.discovery import attention_modules
 from hfpatch.errors import AlreadyRemoved, UnsupportedArgument
 from hfpatch.errors import is_wrapper, mark_wrapper
 
-__all__ = ["FLASH_IMPLEMENTATION", "ModelRouting", "route_model", "modality_towers"]
+__all__ = ["FLASH_IMPLEMENTATION", "ModelRouting", "has_flash_path", "route_model", "modality_towers"]
 
 FLASH_IMPLEMENTATION = "flash_attention_2"
 _FLASH_NAME = "_flash_attention_forward"
 _UNSET = object()
+# Every ModelRouting not yet removed: module-level names two routed models share come off with the last of them.
+_live: "weakref.WeakSet[ModelRouting]" = weakref.WeakSet()
 
 
-@dataclass
+@dataclass(eq=False)  # compared (and hashed) by identity: ``_live`` holds it
 class ModelRouting:
     """What ``route_model`` changed: configs (config, previous internal value), modules whose class was
     swapped (module, previous class), attributes added to modules, names injected into modeling modules."""
@@ -67,13 +70,18 @@ class ModelRouting:
             raise AlreadyRemoved("this model's attention routing was already removed. Fix: remove it once.",
                                  what="routing.ModelRouting")
         self.removed = True
+        _live.discard(self)
+        # A module-level name another live routing also relies on (two models of one patch) stays until the last
+        # of them is removed: removing one model never changes another.
+        shared = {(id(m), name) for other in _live for m, name, _, _ in other.replaced}
+        shared |= {(id(m), _FLASH_NAME) for other in _live for m, _ in other.injected}
         for module, name, previous, replacement in reversed(self.replaced):
-            if module.__dict__.get(name) is replacement:
+            if module.__dict__.get(name) is replacement and (id(module), name) not in shared:
                 setattr(module, name, previous)
         for module, previous in reversed(self.module_impls):
             module.__dict__["_attn_implementation"] = previous
         for module, wrapper in reversed(self.injected):
-            if module.__dict__.get(_FLASH_NAME) is wrapper:
+            if module.__dict__.get(_FLASH_NAME) is wrapper and (id(module), _FLASH_NAME) not in shared:
                 delattr(module, _FLASH_NAME)
         for module, name in reversed(self.added_attrs):
             module.__dict__.pop(name, None)
@@ -150,7 +158,12 @@ def _inject_missing_bindings(model: torch.nn.Module, wrapper: Callable, record: 
     names = {type(m).__module__ for m in model.modules()}
     for name in sorted(names):
         modeling = sys.modules.get(name)
-        if modeling is None or _FLASH_NAME in modeling.__dict__:
+        if modeling is None:
+            continue
+        bound = modeling.__dict__.get(_FLASH_NAME)
+        if bound is not None:
+            if bound is wrapper and any(m is modeling for other in _live for m, _ in other.injected):
+                record.injected.append((modeling, wrapper))  # injected for another model: shared until both go
             continue
         if any(_FLASH_NAME in _code_names(obj) for obj in modeling.__dict__.values() if _defined_in(obj, name)):
             setattr(modeling, _FLASH_NAME, wrapper)
@@ -208,6 +221,9 @@ def _guard_target_dtype(model: torch.nn.Module, record: ModelRouting) -> None:
             return
     original = integration.__dict__.get("get_target_dtype")
     if original is not None and is_wrapper(original):
+        # guarded for another model already: shared, restored when the last model that needs it goes
+        if any(m is integration and name == "get_target_dtype" for other in _live for m, name, _, _ in other.replaced):
+            record.replaced.append((integration, "get_target_dtype", original.__wrapped__, original))
         return
     without_linear = [name for name, module in attention_modules(model)
                       if not any(isinstance(m, torch.nn.Linear) for m in module.modules())]
@@ -245,6 +261,21 @@ def _refuse_fp32_without_linear(model: torch.nn.Module, attention: str) -> None:
     )
 
 
+def has_flash_path(model: torch.nn.Module, *, transformers_version=None) -> bool:
+    """Whether ``route_model`` can switch ``model`` onto the flash-attention path: an attention class table that
+    lists a ``"flash_attention_2"`` class (4.43-4.47 and the models that kept that design), or a model class that
+    declares flash support and dispatches per call (4.48+). Reads the model only."""
+    version = transformers_version or version_gates.installed_transformers_version()
+    # 4.48+: models that dispatch per call through ALL_ATTENTION_FUNCTIONS need only the config switched.
+    per_call_dispatch = version is None or version >= version_gates.TRANSFORMERS_ATTENTION_FUNCTIONS
+    has_class_table = any(_flash_class_for(m) is not None for m in model.modules())
+    # 4.47: Gemma2 already dispatches per call from config._attn_implementation (its own GEMMA2_ATTENTION_FUNCTION
+    # dict, the forerunner of ALL_ATTENTION_FUNCTIONS): a flash-capable model without a class table is switched
+    # by its config on every release.
+    per_call_dispatch = per_call_dispatch or not has_class_table
+    return has_class_table or (per_call_dispatch and _supports_flash(model))
+
+
 def route_model(model: Any, wrapper: Callable, *, transformers_version=None) -> ModelRouting:
     """Switch ``model`` onto the flash-attention path (see the module docstring); returns the record to undo it.
 
@@ -257,14 +288,7 @@ def route_model(model: Any, wrapper: Callable, *, transformers_version=None) -> 
             "pass the PreTrainedModel you will train, e.g. model=AutoModelForCausalLM.from_config(...)"
         )
     version = transformers_version or version_gates.installed_transformers_version()
-    # 4.48+: models that dispatch per call through ALL_ATTENTION_FUNCTIONS need only the config switched.
-    per_call_dispatch = version is None or version >= version_gates.TRANSFORMERS_ATTENTION_FUNCTIONS
-    has_class_table = any(_flash_class_for(m) is not None for m in model.modules())
-    # 4.47: Gemma2 already dispatches per call from config._attn_implementation (its own GEMMA2_ATTENTION_FUNCTION
-    # dict, the forerunner of ALL_ATTENTION_FUNCTIONS): a flash-capable model without a class table is switched
-    # by its config on every release.
-    per_call_dispatch = per_call_dispatch or not has_class_table
-    if not has_class_table and not (per_call_dispatch and _supports_flash(model)):
+    if not has_flash_path(model, transformers_version=version):
         raise UnsupportedArgument(
             "model", type(model).__name__,
             f"{type(model).__name__} has no flash-attention path (no '{FLASH_IMPLEMENTATION}' attention class and "
@@ -273,6 +297,7 @@ def route_model(model: Any, wrapper: Callable, *, transformers_version=None) -> 
             "use a model class that supports flash attention, or train this one without context parallelism.",
         )
     record = ModelRouting()
+    _live.add(record)
     try:
         _swap_classes(model, record)
         for config in _configs(model):

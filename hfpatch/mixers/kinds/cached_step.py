@@ -17,7 +17,7 @@ __all__ = ["CachedStep"]
 
 _REASON = ("a state-space mixer's step from its cached state (generation) cannot be used with context "
            "parallelism, where every rank holds a slice of one whole sequence.")
-_FIX = "call the model with use_cache=False under CP, or generate without hfpatch (RING_ATTN_SWITCH=0)."
+_FIX = "call the model with use_cache=False under CP, or generate after patch.remove() (the model as it was)."
 
 
 class CachedStep(SequenceKernel):
