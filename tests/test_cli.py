@@ -194,17 +194,22 @@ def _catalog(*names: str) -> list[CatalogEntry]:
 
 def test_an_unknown_model_class_names_it_and_how_to_list_them(monkeypatch, no_spawn, capsys):
     monkeypatch.setattr(sweep, "flash_causal_lm_classes", lambda: _catalog("LlamaForCausalLM", "Qwen2ForCausalLM"))
+    monkeypatch.setattr(sweep, "flash_head_classes", lambda: [])
     line = _usage_error(["models", "--classes", "LlamaForCausalLM,LlamaForCausalLm"], capsys)
-    assert "'LlamaForCausalLm' is not a causal-LM class" in line and "did you mean LlamaForCausalLM" in line
+    assert "'LlamaForCausalLm' is not a class with a flash-attention path" in line
+    assert "did you mean LlamaForCausalLM" in line
     assert line.endswith("Fix: 'hfpatch models --list' prints the class names.")
 
 
 def test_models_list_prints_the_catalog(monkeypatch, no_spawn, capsys):
     monkeypatch.setattr(sweep, "flash_causal_lm_classes", lambda: _catalog("LlamaForCausalLM", "Qwen2ForCausalLM"))
+    heads = [CatalogEntry("llama", "LlamaForSequenceClassification", "LlamaConfig", head="sequence-classification")]
+    monkeypatch.setattr(sweep, "flash_head_classes", lambda: heads)
     assert main(["models", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[-1] for line in lines[:2]] == ["LlamaForCausalLM", "Qwen2ForCausalLM"]
-    assert lines[-1] == "2 classes"
+    assert [line.split()[1] for line in lines[:3]] == ["LlamaForCausalLM", "Qwen2ForCausalLM",
+                                                       "LlamaForSequenceClassification"]
+    assert lines[2].endswith("[sequence-classification]") and lines[-1] == "3 classes"
 
 
 def test_requested_classes_keeps_the_known_names():

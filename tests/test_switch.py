@@ -358,6 +358,8 @@ def test_original_without_a_flash_path_is_the_models_sdpa_on_the_local_tensors(d
     """Forward and backward equal SDPA on the same tensors (GQA, a scale, documents from position ids); the path
     is local_attention's, and the calls are counted under "original"."""
     dispatcher = _transformers_original()
+    if docs is not None and "position_ids" not in inspect.signature(dispatcher.original).parameters:
+        pytest.skip("this release's _flash_attention_forward takes no position_ids (4.43): no documents to split")
     q, k, v = _qkv()
     positions = None if docs is None else torch.cat([torch.arange(n) for n in docs])[None]
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]

@@ -2,7 +2,8 @@
 tiny models built from config with random weights.
 
 PEFT: LoRA and DoRA on a Llama, LoRA on a Mixtral's fused experts (``target_parameters``), LoRA under PEFT's
-gradient-checkpointing preparation, and the ``disable_adapter()`` reference forward, each through the step a user
+gradient-checkpointing preparation and with ``hfpatch.keep_attention``, and the ``disable_adapter()`` reference
+forward, each through the step a user
 writes (``shard_inputs`` -> ``peft_model(input_ids, position_ids, labels)`` -> ``loss.backward()`` -> gradients
 summed over ranks). Every output the user reads is compared on every rank: the loss, the logits at this rank's
 tokens, every adapter gradient, and the merged weights after one optimizer step (``merge_and_unload``).
@@ -176,6 +177,25 @@ def _gradient_checkpointing(rank, worst):
         assert recomputed >= inner_model(cp).config.num_hidden_layers, f"{label}: {recomputed} recomputed calls"
 
 
+def _kept_attention(rank, worst):
+    """LoRA with non-reentrant gradient checkpointing and ``hfpatch.keep_attention`` on the PeftModel: exact against
+    the PEFT model without CP, and every layer's recomputation replayed its kept attention output."""
+    ids = _ids()
+    ref = peft.get_peft_model(_llama(), _lora())
+    base = _llama()
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cp = peft.get_peft_model(base, _lora())
+    cp.load_state_dict(ref.state_dict())
+    kept = hfpatch.keep_attention(cp, budget="all")
+    try:
+        _peft_step(rank, "LoRA + keep_attention", ref, cp, ids, worst)
+        stats = kept.stats()
+    finally:
+        kept.remove()
+    layers = base.config.num_hidden_layers
+    assert (stats["kept"], stats["replayed"], stats["gaps"], stats["live_bytes"]) == (layers, layers, 0, 0), stats
+
+
 def _disabled_adapter_reference(rank, worst):
     """The reference policy of RLHF with LoRA: ``with peft_model.disable_adapter():`` under CP gives the base
     model's non-CP log-probs."""
@@ -323,6 +343,7 @@ def _world(rank, world, critic_directory):
     _lora_and_dora(rank, worst)
     _moe_experts(rank, worst)
     _gradient_checkpointing(rank, worst)
+    _kept_attention(rank, worst)
     _disabled_adapter_reference(rank, worst)
     _refusals(rank)
     if critic_directory is not None:

@@ -53,6 +53,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help=f"write the table (default path {_DEFAULT_TABLE})")
     p.add_argument("--check", nargs="?", const=_DEFAULT_TABLE, default=None, metavar="PATH",
                    help=f"exit 1 if the table at PATH (default {_DEFAULT_TABLE}) differs from this sweep")
+    p.add_argument("--no-heads", action="store_true",
+                   help="leave out the heads table (sequence and token classification, QA, vision-language models on "
+                        "text, PEFT): its sweep is not run and --check does not compare it")
     p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     p.set_defaults(func=run)
     return p
@@ -87,7 +90,8 @@ def requested_classes(text: str, catalog: list) -> list[str]:
             near = difflib.get_close_matches(name, known, n=3)
             hint = f" (did you mean {', '.join(near)}?)" if near else ""
             raise UsageError(
-                f"--classes: {name!r} is not a causal-LM class with a flash-attention path in the installed "
+                f"--classes: {name!r} is not a class with a flash-attention path of the sweep's catalog (causal LMs, "
+                f"sequence and token classifiers, QA heads, vision-language models) in the installed "
                 f"transformers{hint}. Fix: 'hfpatch models --list' prints the class names."
             )
     return names
@@ -96,53 +100,68 @@ def requested_classes(text: str, catalog: list) -> list[str]:
 def _print_catalog(catalog: list) -> int:
     for entry in catalog:
         note = f"   (import failed: {entry.import_error})" if entry.import_error else ""
-        print(f"{entry.model_type:28s} {entry.class_name}{note}")
+        head = "" if entry.head == "causal-lm" else f"   [{entry.head}]"
+        print(f"{entry.model_type:28s} {entry.class_name}{head}{note}")
     print(f"{len(catalog)} classes")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     _check_options(args)
-    from hfpatch.release.sweep import flash_causal_lm_classes  # deferred (torch): `--help` must not load it
+    from hfpatch.release.sweep import flash_causal_lm_classes, flash_head_classes  # deferred (torch): for --help
     from hfpatch.release.sweep.run import run_columns, run_sweep  # deferred (torch): as above
 
+    causal = flash_causal_lm_classes()
+    heads_catalog = [] if args.no_heads else flash_head_classes()
     if args.list:
-        return _print_catalog(flash_causal_lm_classes())
-    classes = requested_classes(args.classes, flash_causal_lm_classes()) if args.classes is not None else None
+        return _print_catalog(causal + heads_catalog)
+    classes = requested_classes(args.classes, causal + heads_catalog) if args.classes is not None else None
     start = time.time()
     progress = None if args.json else (lambda v: print(
         f"{v.verdict:9s}  {v.model_type:28s} {v.class_name:44s} {'' if v.kernel == 'auto' else f'({v.kernel}) '}"
-        f"{v.detail.splitlines()[0] if v.detail else ''}", flush=True))
-    verdicts = run_sweep(world_size=args.world_size, classes=classes, kernel=args.kernel, progress=progress)
+        f"{'' if v.head == 'causal-lm' else f'[{v.head}] '}{v.detail.splitlines()[0] if v.detail else ''}",
+        flush=True))
+    wanted = lambda catalog: classes is None or any(e.class_name in classes for e in catalog)  # noqa: E731
+    verdicts = run_sweep(world_size=args.world_size, classes=classes, kernel=args.kernel,
+                         progress=progress) if wanted(causal) else []
     whole = classes is None and args.kernel == "auto"
     columns = run_columns(progress=progress) if whole else []
-    return _report(args, verdicts, columns, time.time() - start)
+    heads = run_sweep(world_size=args.world_size, classes=classes, kernel=args.kernel, progress=progress,
+                      heads=True) if heads_catalog and wanted(heads_catalog) else None
+    return _report(args, verdicts, columns, time.time() - start, heads)
 
 
-def _report(args: argparse.Namespace, verdicts: list, columns: list, seconds: float) -> int:
+def _report(args: argparse.Namespace, verdicts: list, columns: list, seconds: float, heads=None) -> int:
     import torch
     import transformers
 
     from hfpatch.release.sweep import table  # deferred (torch): `--help` must not load it
 
-    defects = [v for v in verdicts + columns if v.verdict in ("silent", "unnamed")]
+    every = verdicts + columns + (heads or [])
+    defects = [v for v in every if v.verdict in ("silent", "unnamed")]
     if args.json:
-        print(json.dumps([v.to_json() for v in verdicts + columns], indent=1))
+        print(json.dumps([v.to_json() for v in every], indent=1))
     else:
         print(f"{table.counts_line(verdicts)} in {seconds:.0f} s (transformers {transformers.__version__})")
         for kernel in dict.fromkeys(v.kernel for v in columns):
             print(f"  under {kernel}: {table.counts_line(v for v in columns if v.kernel == kernel)}")
+        if heads is not None:
+            print(f"  heads: {table.counts_line(heads)}")
         for v in defects:
             print(f"DEFECT {v.verdict}: {v.class_name} (kernel {v.kernel}): {v.detail}")
     status = 1 if defects else 0
+    if args.write and heads is None:
+        print("--write with --no-heads would drop MODELS.md's heads table. Fix: drop --no-heads.")
+        return 2
     text = table.render(verdicts, transformers_version=transformers.__version__,
-                        torch_version=torch.__version__.split("+")[0], world_size=args.world_size, columns=columns)
+                        torch_version=torch.__version__.split("+")[0], world_size=args.world_size, columns=columns,
+                        heads=heads or ())
     if args.write:
         Path(args.write).write_text(text)
         print(f"wrote {args.write}")
     if args.check:
         path = Path(args.check)
-        differences = table.stale(verdicts, path.read_text(), columns)
+        differences = table.stale(verdicts, path.read_text(), columns, heads)
         for line in differences:
             print(f"STALE: {line}")
         if differences:

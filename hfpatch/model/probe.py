@@ -40,6 +40,7 @@ and output in the model's dtype (benchmarks/model_probe_cost.py measures both).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
@@ -345,6 +346,7 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
     ids = torch.randint(0, _vocab_size(model), (1, seq), generator=generator).to(device)
     labels = _heads.probe_labels(model, 1, generator)  # a pooled head's loss is compared too
     extra = {} if labels is None else {"labels": labels.to(device)}
+    no_cache = _no_cache(model)
     flags = _training_flags(model)
     probe = _Probe(model)
     probe._whole = seq
@@ -362,14 +364,14 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
         model.eval()
         with torch.no_grad():
             with modes.switch("local"), _named_failure(model, "non-CP"):
-                probe.record(model, seq, input_ids=ids, use_cache=False, **extra,
+                probe.record(model, seq, input_ids=ids, **no_cache, **extra,
                              **position_kwargs(model, torch.arange(seq, device=device)[None]))
             labels_alignment, labels_refusal = _own_loss_check(model, ids, tolerance=tolerance,
                                                                logits_shape=probe.field_shape("logits"))
             batch = _inputs.shard_inputs(ctx, ids)
             index = batch["position_ids"][0].to(device)  # the global token indices this rank holds, in its order
             with modes.switch("ring"), _named_failure(model, "CP"):
-                probe.force(model, index, input_ids=batch["input_ids"], use_cache=False, **extra,
+                probe.force(model, index, input_ids=batch["input_ids"], **no_cache, **extra,
                             **position_kwargs(model, batch["position_ids"]))
         errors = torch.tensor(probe.errors, dtype=torch.float64)
         if errors.numel():
@@ -400,6 +402,17 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
                        outputs=tuple(c.field for c in probe.checks[probe._fields:]))
 
 
+def _no_cache(model: torch.nn.Module) -> dict:
+    """``{"use_cache": False}`` for a forward that takes it (by name or through ``**kwargs``), else ``{}`` (a QA or
+    classification head of a release whose forward has no cache)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return {"use_cache": False}
+    takes = any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in parameters)
+    return {"use_cache": False} if takes else {}
+
+
 def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float, logits_shape: Optional[torch.Size]
                     ) -> tuple[str, Optional[str]]:
     """(alignment, refusal) of the model's own non-CP ``model(ids, labels=ids).loss``: ("shifted", None) when it is
@@ -417,7 +430,7 @@ def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float, logits_shape:
     targets_of = ids % logits_shape[-1]
     try:
         with modes.switch("local"):
-            output = model(input_ids=ids, labels=targets_of, use_cache=False, **positions)
+            output = model(input_ids=ids, labels=targets_of, **_no_cache(model), **positions)
     except Exception as exc:  # the model's own labels path; CP's loss path is ours
         return "shifted", f"model(labels=...) fails even without CP ({type(exc).__name__}: {exc})"
     loss = getattr(output, "loss", None) if not isinstance(output, tuple) else output[0]
@@ -441,6 +454,14 @@ def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float, logits_shape:
         "a sharded sequence.")
 
 
+def _forward_failed(which: str, message: str) -> VerificationError:
+    """The ``VerificationError`` of a probe forward that raised; ``.forward``: "non-CP" or "CP" (a model that fails
+    without CP is not a CP refusal: the model sweep reports it as not built)."""
+    error = VerificationError(message)
+    error.forward = which
+    return error
+
+
 @contextlib.contextmanager
 def _named_failure(model: torch.nn.Module, which: str):
     """An exception of the model's own code during a probe forward becomes a ``VerificationError`` that says which
@@ -450,7 +471,7 @@ def _named_failure(model: torch.nn.Module, which: str):
     except HfpatchError:
         raise
     except Exception as exc:
-        raise VerificationError(
+        raise _forward_failed(which,
             f"whole-model probe: {type(model).__name__}'s {which} forward raised {type(exc).__name__}: {exc}. "
             + ("Under CP the model's code fails where it runs fine on the whole sequence, so hfpatch cannot train "
                "it under context parallelism; nothing is left installed. Fix: train it without CP "

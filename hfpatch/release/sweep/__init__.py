@@ -7,7 +7,7 @@ class built from its own config class at a tiny size with random weights; no dow
 """
 from __future__ import annotations
 
-from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes, flash_head_classes
 from hfpatch.release.sweep.tiny import NotBuilt, build_tiny, tiny_config
 
-__all__ = ["CatalogEntry", "flash_causal_lm_classes", "NotBuilt", "build_tiny", "tiny_config"]
+__all__ = ["CatalogEntry", "flash_causal_lm_classes", "flash_head_classes", "NotBuilt", "build_tiny", "tiny_config"]

@@ -33,13 +33,15 @@ import torch.distributed as dist
 
 import hfpatch
 from hfpatch.errors import HfpatchError, ModelDivergence, UnsupportedArgument, UnsupportedModel
+from hfpatch import inputs
 from hfpatch.model.positions import position_kwargs
-from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes
+from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes, flash_head_classes
 from hfpatch.release.sweep.tiny import NotBuilt, build_tiny, training_inputs, training_labels
 from ring_kernels.tolerances import tolerance
 from ring_kernels.world import DistributedFailure, report, run_world
 
-__all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "HEAD_PARALLEL_COLUMNS", "check_class",
+__all__ = ["Verdict", "VERDICTS", "LOSS_RTOL", "GRAD_RTOL", "GRAD_FLOOR", "HEAD_PARALLEL_COLUMNS", "HEADS_CHECKED_IN_CI",
+           "check_class",
            "run_sweep", "run_columns"]
 
 # The sweep's entries of the project's tolerance table (ring_kernels.tolerances, quoted in docs/user-guide.md).
@@ -62,6 +64,14 @@ HEAD_PARALLEL_COLUMNS = {
 }
 
 
+# The heads table's model types CI checks against MODELS.md on every run (tests/test_model_sweep.py): the whole
+# heads sweep takes about as long as the causal-LM sweep and its columns together (3 minutes on 2 cores), so, as
+# for the head-parallel columns, CI runs a representative subset -- last-token pooling (llama, qwen2, gpt2), an
+# encoder's refused pooler and its per-token heads (bert, distilbert), vision-language models (qwen2_vl, llava),
+# MoE (mixtral) and the PEFT rows of those types -- and `hfpatch models --write` / `--check` the whole table.
+HEADS_CHECKED_IN_CI = ("llama", "qwen2", "gpt2", "bert", "distilbert", "qwen2_vl", "llava", "mixtral")
+
+
 @dataclass(frozen=True)
 class Verdict:
     """One class's result. ``verdict`` in ``VERDICTS``; ``detail``: the refusal's error class and first sentence,
@@ -76,6 +86,7 @@ class Verdict:
     grad_error: Optional[float] = None
     seconds: float = 0.0
     kernel: str = "auto"
+    head: str = "causal-lm"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -131,25 +142,89 @@ def _grads(model, group=None) -> dict:
     return grads
 
 
-def _non_cp_step(model, ids) -> tuple[float, dict]:
+def _row_labels(model) -> torch.Tensor:
+    """A sequence classifier's labels, one per row (a float score for a one-label regression head)."""
+    num_labels = int(getattr(model.config, "num_labels", 2))
+    generator = torch.Generator().manual_seed(99)
+    if num_labels == 1:
+        return torch.randn(BATCH, generator=generator)
+    return torch.randint(0, num_labels, (BATCH,), generator=generator)
+
+
+def _span_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed positive weights on every token's start and end logits: a QA head is trained on their weighted sum of
+    squares (its span loss is refused under CP; the logits, per token, are what CP must get right). Positive terms:
+    the sum's relative error is bounded by its terms', as a cross-entropy's is."""
+    generator = torch.Generator().manual_seed(98)
+    return (torch.rand(BATCH, SEQ_LEN, generator=generator) + 0.5,
+            torch.rand(BATCH, SEQ_LEN, generator=generator) + 0.5)
+
+
+def _step_loss(model, head: str, ids, positions, labels, index=None, ctx=None) -> torch.Tensor:
+    """The loss of one step of ``head`` on the tokens ``ids`` (this rank's under CP: ``index`` their global
+    positions, ``labels`` the shard's labels): the model's own loss, or a QA head's weighted logits summed over
+    the group (``ctx``)."""
+    common = dict(**position_kwargs(model, positions), **training_inputs(model, ids))
+    if head == "question-answering":
+        output = model(input_ids=ids, **common)
+        start, end = _span_weights()
+        if index is not None:
+            start, end = start.index_select(1, index), end.index_select(1, index)
+        local = (output.start_logits.float() ** 2 * start).sum() + (output.end_logits.float() ** 2 * end).sum()
+        return local if ctx is None else inputs.global_loss_sum(ctx, local)
+    return _loss_of(model(input_ids=ids, labels=labels, use_cache=False, **common))
+
+
+def _labels_for(model, head: str, ids) -> torch.Tensor:
+    if head == "sequence-classification":
+        return _row_labels(model)
+    if head == "token-classification":
+        return ids % int(getattr(model.config, "num_labels", 2))
+    return training_labels(model, ids)
+
+
+def _non_cp_step(model, ids, head: str = "causal-lm") -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
     with hfpatch.switch("local"):
-        loss = _loss_of(model(input_ids=ids, labels=training_labels(model, ids), use_cache=False,
-                              **position_kwargs(model, positions),
-                              **training_inputs(model, ids)))
+        loss = _step_loss(model, head, ids, positions, _labels_for(model, head, ids))
         loss.backward()
     return loss.item(), _grads(model)
 
 
-def _cp_step(patch, model, ids, group) -> tuple[float, dict]:
+def _cp_step(patch, model, ids, group, head: str = "causal-lm") -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
-    batch = patch.shard_inputs(ids, labels=ids)
-    local = batch["input_ids"]
-    loss = _loss_of(model(input_ids=local, labels=batch["labels"], use_cache=False,
-                          **position_kwargs(model, batch["position_ids"]), **training_inputs(model, local)))
+    per_token = head not in ("sequence-classification", "question-answering")
+    # a causal LM's labels are its token ids (a MusicGen decoder's own loss takes one copy per codebook, which
+    # shard_inputs refuses, and the sweep reports); a token classifier's are its tags
+    token_labels = _labels_for(model, head, ids) if head == "token-classification" else ids
+    batch = patch.shard_inputs(ids, labels=token_labels if per_token else None)
+    labels = batch["labels"] if per_token else _labels_for(model, head, ids)
+    index = batch["position_ids"][0] if head == "question-answering" else None
+    loss = _step_loss(model, head, batch["input_ids"], batch["position_ids"], labels, index=index, ctx=patch.ctx)
     loss.backward()
     return loss.item(), _grads(model, group)
+
+
+def _build(entry: CatalogEntry, build_tiny) -> torch.nn.Module:
+    """The tiny model of ``entry`` as its head trains it: without dropout (the config's are 0 already, a
+    classifier's own default is not), a sequence classifier with a pad token (transformers pools batch rows only
+    with one), a PEFT row with LoRA on every linear layer; ``NotBuilt`` as ``build_tiny``."""
+    model = build_tiny(entry)
+    for module in model.modules():  # a head's own dropout (a classifier's default 0.1): the steps compare exactly
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if entry.head == "sequence-classification":
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(text, "pad_token_id", None) is None:
+            text.pad_token_id = model.config.pad_token_id = 0
+    if entry.head == "peft-lora":
+        import peft  # deferred (peft): only the PEFT rows, only where it is installed
+
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                           target_modules="all-linear", init_lora_weights=False))
+    return model
 
 
 def _compare(loss_cp, grads_cp, loss_ref, grads_ref) -> tuple[float, float, str]:
@@ -184,27 +259,29 @@ def check_class(entry: CatalogEntry, group, *, kernel: str = "auto") -> Verdict:
 
 
 def _check_here(entry, group, kernel, hfpatch, HfpatchError, NotBuilt, build_tiny) -> Verdict:
-    same = dict(model_type=entry.model_type, class_name=entry.class_name, kernel=kernel)
+    same = dict(model_type=entry.model_type, class_name=entry.class_name, kernel=kernel, head=entry.head)
     if entry.import_error:
         return Verdict(**same, verdict="not built", detail=f"import fails: {entry.import_error}")
     try:
-        model = build_tiny(entry)
+        model = _build(entry, build_tiny)
     except NotBuilt as exc:
         return Verdict(**same, verdict="not built", detail=exc.reason)
     ids = _inputs(_vocab(model))
     try:
         patch = hfpatch.apply(group, model=model, kernel=kernel)
     except HfpatchError as exc:
+        if getattr(exc, "forward", None) == "non-CP":  # the whole-model probe: the model fails without CP
+            return Verdict(**same, verdict="not built", detail=f"the model fails without CP: {_first_sentence(exc)}")
         return Verdict(**same, verdict="refused", detail=_refusal(exc))
     except Exception as exc:  # the defect the sweep exists to find: reported, never raised
         return Verdict(**same, verdict="unnamed", detail=f"apply: {_first_sentence(exc)}\n{traceback.format_exc()}")
     try:
         try:
-            loss_ref, grads_ref = _non_cp_step(model, ids)
+            loss_ref, grads_ref = _non_cp_step(model, ids, entry.head)
         except Exception as exc:
             return Verdict(**same, verdict="not built", detail=f"non-CP step fails: {_first_sentence(exc)}")
         try:
-            loss_cp, grads_cp = _cp_step(patch, model, ids, group)
+            loss_cp, grads_cp = _cp_step(patch, model, ids, group, entry.head)
         except HfpatchError as exc:
             return Verdict(**same, verdict="refused", detail=_refusal(exc))
         except Exception as exc:
@@ -220,13 +297,15 @@ def _check_here(entry, group, kernel, hfpatch, HfpatchError, NotBuilt, build_tin
 # ------------------------------------------------------------------------------------------ the world
 
 
-def _rank_main(rank: int, world: int, names: Optional[list], kernel: str, model_types: Optional[tuple] = None) -> None:
-    """One rank of the sweep's world: check every catalog class (or those in ``names``, of ``model_types``); rank 0
-    reports each verdict as it is reached."""
+def _rank_main(rank: int, world: int, names: Optional[list], kernel: str, model_types: Optional[tuple] = None,
+               heads: bool = False) -> None:
+    """One rank of the sweep's world: check every catalog class (or those in ``names``, of ``model_types``; the
+    heads table's with ``heads``); rank 0 reports each verdict as it is reached."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # tiny configs trip many harmless warnings
-    for entry in [e for e in flash_causal_lm_classes() if (names is None or e.class_name in names)
+    catalog = flash_head_classes() if heads else flash_causal_lm_classes()
+    for entry in [e for e in catalog if (names is None or e.class_name in names)
                   and (model_types is None or e.model_type in model_types)]:
         verdict = check_class(entry, dist.group.WORLD, kernel=kernel)
         if rank == 0:
@@ -234,10 +313,11 @@ def _rank_main(rank: int, world: int, names: Optional[list], kernel: str, model_
 
 
 def run_sweep(*, world_size: int = 2, classes: Optional[list[str]] = None, kernel: str = "auto",
-              model_types: Optional[tuple] = None, progress=None) -> list[Verdict]:
+              model_types: Optional[tuple] = None, progress=None, heads: bool = False) -> list[Verdict]:
     """Spawn ``world_size`` CPU processes (gloo) and check every catalog class (or those named in ``classes``, of
-    ``model_types``) under ``apply(kernel=kernel)``; returns the verdicts in catalog order. ``progress(verdict)``
-    is called as each arrives. Raises ``RuntimeError`` with the failing rank's traceback if a rank dies (a defect
+    ``model_types``; with ``heads``, the heads table's: ``catalog.flash_head_classes``) under
+    ``apply(kernel=kernel)``; returns the verdicts in catalog order. ``progress(verdict)`` is called as each
+    arrives. Raises ``RuntimeError`` with the failing rank's traceback if a rank dies (a defect
     of the sweep itself)."""
     verdicts: list[Verdict] = []
 
@@ -247,7 +327,7 @@ def run_sweep(*, world_size: int = 2, classes: Optional[list[str]] = None, kerne
             progress(verdicts[-1])
 
     try:
-        run_world(world_size, _rank_main, classes, kernel, model_types, timeout=None, group_timeout=300.0,
+        run_world(world_size, _rank_main, classes, kernel, model_types, heads, timeout=None, group_timeout=300.0,
                   on_report=arrived)
     except DistributedFailure as exc:
         raise RuntimeError(f"the model sweep's world failed after {len(verdicts)} classes:\n{exc}") from exc

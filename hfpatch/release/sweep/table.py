@@ -15,7 +15,7 @@ from typing import Iterable
 from hfpatch.mixers import FAMILIES
 from hfpatch.release.sweep.run import GRAD_RTOL, HEAD_PARALLEL_COLUMNS, LOSS_RTOL, VERDICTS, Verdict
 
-__all__ = ["render", "parse", "parse_columns", "stale", "counts_line"]
+__all__ = ["render", "parse", "parse_columns", "parse_heads", "heads_section", "stale", "counts_line"]
 
 _RELEASE = re.compile(r"^Generated on transformers (\S+), torch (\S+)")
 _ROW = re.compile(r"^\| `([^`]+)` \| `([^`]+)` \| \*\*([a-z ]+)\*\* \|")
@@ -40,9 +40,9 @@ def counts_line(verdicts: Iterable[Verdict]) -> str:
 
 
 def render(verdicts: list[Verdict], *, transformers_version: str, torch_version: str, world_size: int,
-           columns: Iterable[Verdict] = ()) -> str:
-    """The text of MODELS.md for ``verdicts`` (sorted by model type and class) and the head-parallel ``columns``'
-    verdicts (``run.run_columns``)."""
+           columns: Iterable[Verdict] = (), heads: Iterable[Verdict] = ()) -> str:
+    """The text of MODELS.md for ``verdicts`` (sorted by model type and class), the head-parallel ``columns``'
+    verdicts (``run.run_columns``) and the heads table's (``run.run_sweep(heads=True)``; no section without)."""
     rows = sorted(verdicts, key=lambda v: (v.model_type, v.class_name))
     kernels = list(HEAD_PARALLEL_COLUMNS)
     cells = {(v.model_type, v.class_name, v.kernel): v for v in columns}
@@ -67,7 +67,43 @@ def render(verdicts: list[Verdict], *, transformers_version: str, torch_version:
         why += [f"{c.kernel}: {c.detail.splitlines()[0]}" for c in found if c is not None and c.detail]
         verdicts = "".join(f"{c.verdict if c is not None else ''} | " for c in found)
         lines.append(f"| `{v.model_type}` | `{v.class_name}` | **{v.verdict}** | {verdicts}{_cell('; '.join(why))} |")
-    return "\n".join(lines + [""] + mixer_section()) + "\n"
+    heads = list(heads)
+    return "\n".join(lines + [""] + (heads_section(heads, world_size) + [""] if heads else []) + mixer_section()) + "\n"
+
+
+_HEADS_HEADER = "| head | model type | class | verdict | why |"
+_HEAD_ROW = re.compile(r"^\| ([a-z-]+) \| `([^`]+)` \| `([^`]+)` \| \*\*([a-z ]+)\*\* \|")
+_HEAD_MEANING = {
+    "sequence-classification": "pooled scores (one per row, the last non-pad token) and the loss of row labels",
+    "token-classification": "per-token scores and the loss of `shard_inputs` labels (each token its own label)",
+    "question-answering": "start and end logits per token, through a fixed weighted sum (the span loss with "
+                          "`start_positions` is refused under CP by name)",
+    "conditional-generation": "a vision-language model on text input, trained as a causal LM",
+    "peft-lora": "the causal LM with a LoRA adapter on every linear layer, given to `apply` as the `PeftModel`",
+}
+
+
+def heads_section(heads: list[Verdict], world_size: int) -> list[str]:
+    """The lines of MODELS.md's heads table: every class of ``catalog.flash_head_classes`` with its verdict."""
+    rows = sorted(heads, key=lambda v: (list(_HEAD_MEANING).index(v.head), v.model_type, v.class_name))
+    lines = ["## Heads: sequence and token classification, QA, vision-language models on text, PEFT", "",
+             f"Every class of transformers' sequence-classification, token-classification and question-answering "
+             f"auto mappings, and every vision-language `*ForConditionalGeneration` class, that declares a "
+             f"flash-attention path, and a LoRA adapter on representative causal LMs: built tiny and trained one step "
+             f"on {world_size} CPU ranks as above, each by what its head outputs, compared on every rank (loss and "
+             f"every gradient). " + counts_line(rows) + ".", ""]
+    lines += [f"- **{head}**: {meaning}." for head, meaning in _HEAD_MEANING.items()]
+    lines += ["", _HEADS_HEADER, "|---|---|---|---|---|"]
+    for v in rows:
+        why = v.detail.splitlines()[0] if v.detail else ""
+        lines.append(f"| {v.head} | `{v.model_type}` | `{v.class_name}` | **{v.verdict}** | {_cell(why)} |")
+    return lines
+
+
+def parse_heads(text: str) -> dict:
+    """{(head, model_type, class_name): verdict} of the heads table in ``text``."""
+    return {(m.group(1), m.group(2), m.group(3)): m.group(4)
+            for m in map(_HEAD_ROW.match, text.splitlines()) if m}
 
 
 def _columns_paragraph(columns: list[Verdict]) -> str:
@@ -133,9 +169,12 @@ def parse(text: str) -> tuple[str | None, dict]:
     return release, table
 
 
-def stale(verdicts: list[Verdict], text: str, columns: Iterable[Verdict] = ()) -> list[str]:
-    """Every difference between ``verdicts`` (and the head-parallel ``columns``' verdicts) and the table in ``text``,
-    as readable lines (empty: current)."""
+def stale(verdicts: list[Verdict], text: str, columns: Iterable[Verdict] = (),
+          heads: Iterable[Verdict] | None = None, *, heads_of: tuple | None = None) -> list[str]:
+    """Every difference between ``verdicts`` (and the head-parallel ``columns``' verdicts, and the heads table's
+    ``heads`` when given: None leaves that table unchecked) and the tables in ``text``, as readable lines (empty:
+    current). ``heads_of``: the model types ``heads`` covers (a subset sweep: ``run.HEADS_CHECKED_IN_CI``); the
+    table's rows of other types are then not compared."""
     _, table = parse(text)
     fresh = {(v.model_type, v.class_name): v.verdict for v in verdicts}
     out = []
@@ -149,6 +188,15 @@ def stale(verdicts: list[Verdict], text: str, columns: Iterable[Verdict] = ()) -
         if old != new:
             out.append(f"{key[0]} / {key[1]} under {key[2]}: MODELS.md says {old or 'nothing'}, the sweep says "
                        f"{new or 'nothing'}")
+    if heads is not None:
+        rows, fresh_rows = parse_heads(text), {(v.head, v.model_type, v.class_name): v.verdict for v in heads}
+        if heads_of is not None:
+            rows = {key: verdict for key, verdict in rows.items() if key[1] in heads_of}
+        for key in sorted(set(rows) | set(fresh_rows)):
+            old, new = rows.get(key), fresh_rows.get(key)
+            if old != new:
+                out.append(f"{key[1]} / {key[2]} as {key[0]}: MODELS.md says {old or 'nothing'}, the sweep says "
+                           f"{new or 'nothing'}")
     if "\n".join(mixer_section()) not in text:
         out.append("the sequence-mixer section differs from the mixer registry's entries")
     return out
