@@ -298,6 +298,15 @@ class Patch:
             self.reach.step("shard_inputs")  # RingNotReached: the last step's forward never reached the ring
         return inputs.shard_inputs(ctx, input_ids, labels=labels, position_ids=position_ids)
 
+    def describe_split(self, *, batch_size: int, seq_len_global: int,
+                       cu_seqlens: Optional[torch.Tensor] = None) -> None:
+        """The next forward runs on inputs the caller split itself (contiguous chunks, global positions), in
+        place of the last ``shard_inputs`` step; see ``hfpatch.inputs.describe_split``. No-op when inactive."""
+        ctx = self._live_ctx()
+        if ctx is not None:
+            self.reach.step("describe_split")  # RingNotReached: the last step's forward never reached the ring
+        inputs.describe_split(ctx, batch_size=batch_size, seq_len_global=seq_len_global, cu_seqlens=cu_seqlens)
+
     def reduce_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
         """Token-weighted mean loss over the CP group (``loss_sum / num_tokens`` when inactive)."""
         ctx = self._live_ctx()

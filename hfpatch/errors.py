@@ -25,6 +25,7 @@ __all__ = [
     "InvalidReleaseSpec",
     "ScanError",
     "WheelFetchError",
+    "ModuleNameTaken",
     "Removable", "UndoStack", "WRAPPER_MARK", "mark_wrapper", "is_wrapper",
 ]
 
@@ -222,6 +223,15 @@ class WheelFetchError(HfpatchError, RuntimeError):
         super().__init__(message)
         self.version = version
         self.pip_output = pip_output
+
+
+class ModuleNameTaken(HfpatchError, ImportError):
+    """``hfpatch.dropin.provide_ring_flash_attn`` was asked to answer an import name that another module holds: one
+    already imported, or a package installed under it. Nothing was changed. Fields (``ImportError``'s own): ``name``
+    (the import name), ``path`` (where the other module is)."""
+
+    def __init__(self, message: str, *, name: str, path: str | None = None) -> None:
+        super().__init__(message, name=name, path=path)
 
 
 # ---------------------------------------------------------------------------------------------- undo

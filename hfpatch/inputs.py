@@ -27,7 +27,7 @@ from hfpatch.errors import UnsupportedArgument
 from hfpatch.attention.semantics import RingContext, StepState, packed_cu_seqlens, plan_step
 from ring_kernels.layout import local_positions
 
-__all__ = ["IGNORE_INDEX", "shard_inputs", "reduce_loss", "global_loss_sum", "shift_labels", "token_loss_sum",
+__all__ = ["IGNORE_INDEX", "shard_inputs", "describe_split", "reduce_loss", "global_loss_sum", "shift_labels", "token_loss_sum",
            "mark_shifted", "is_shifted", "aligned_labels"]
 
 IGNORE_INDEX = -100
@@ -172,6 +172,40 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
         "labels": (mark_shifted(shifted.index_select(1, index), labels.index_select(1, index))
                    if shifted is not None else None),
     }
+
+
+def describe_split(ctx: Optional[RingContext], *, batch_size: int, seq_len_global: int,
+                   cu_seqlens: Optional[torch.Tensor] = None) -> None:
+    """Declare that the next forward runs on inputs the user split: every row cut into ``world_size`` contiguous
+    chunks (rank r holds chunk r), positions GLOBAL. Replaces the step ``shard_inputs`` recorded, so that
+    own-split inputs are accepted at any point of a run, and ``hfpatch.scoring.gather_tokens`` gathers in that
+    layout.
+
+    batch_size:      B of the model input.
+    seq_len_global:  S: tokens per row of the whole sequence (a multiple of the group size).
+    cu_seqlens:      (num_docs + 1,) GLOBAL cumulative document lengths of one packed row (B = 1), or None.
+    A no-op without CP (``ctx`` None or a world of one).
+    """
+    modes.refresh_from_env()  # a step boundary: RING_ATTN_SWITCH, flipped since the last one, takes effect
+    if not _active(ctx):
+        return
+    if seq_len_global % ctx.world_size:
+        raise UnsupportedArgument(
+            "seq_len_global", seq_len_global, f"a row of {seq_len_global} tokens does not split into "
+            f"{ctx.world_size} equal contiguous chunks.", f"pad every row to a multiple of {ctx.world_size}.")
+    if cu_seqlens is not None:
+        if batch_size != 1 or int(cu_seqlens[-1]) != seq_len_global or int(cu_seqlens[0]) != 0:
+            raise UnsupportedArgument(
+                "cu_seqlens", cu_seqlens, f"describe one packed row of {seq_len_global} tokens: batch_size 1 and "
+                f"cumulative lengths from 0 to {seq_len_global}, got batch_size {batch_size} and "
+                f"{cu_seqlens.tolist()}.", "pass the GLOBAL cu_seqlens of the whole packed row.")
+        cu_seqlens = cu_seqlens.to("cpu", torch.int32)
+    packed = cu_seqlens is not None and cu_seqlens.numel() > 2
+    kernel, layout = plan_step(ctx.variant, packed=packed, source="describe_split")
+    ctx.set_step(StepState(
+        kernel=kernel, layout=layout, packed=packed, batch_size=batch_size, seq_len_global=seq_len_global,
+        seq_len_local=seq_len_global // ctx.world_size, cu_seqlens=cu_seqlens if packed else None,
+        source="describe_split"))
 
 
 def reduce_loss(ctx: Optional[RingContext], loss_sum: torch.Tensor,

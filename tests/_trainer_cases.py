@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import hfpatch.integrations
+import _preference_cases as preference
 from _dist import exit_now
 from hfpatch.cli.demo_models import build_model
 
@@ -92,14 +93,20 @@ def _arguments(kind: str, out: str, dp: int, cp: int, keep: bool = False):
         from transformers import TrainingArguments
 
         return TrainingArguments(**common)
+    if kind in preference.DPO_KINDS:
+        return preference.arguments(kind, common)
     from trl import SFTConfig
 
     return SFTConfig(**common, padding_free=kind == "sft_packed", max_length=None, dataset_num_proc=None)
 
 
 def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str, keep: bool = False):
-    model = build_model(model_name)
     args = _arguments(kind, out, dp, cp, keep)
+    if kind in preference.DPO_KINDS:
+        with hfpatch.integrations.parallelism_config_on_cpu():
+            trainer = preference.trainer(model_name, kind, args)
+        return trainer, hfpatch.integrations.enable(trainer)
+    model = build_model(model_name)
     dataset = _dataset(kind)
     with hfpatch.integrations.parallelism_config_on_cpu():
         if kind == "trainer":
@@ -121,28 +128,38 @@ def run_case(spec: str, out_dir: str) -> dict:
     model_name, kind, dp, cp, *options = spec.split(":")
     dp, cp, keep = int(dp), int(cp), options == ["keep"]
     trainer, handle = _trainer(model_name, kind, dp, cp, os.path.join(out_dir, "trainer"), keep)
+    scores_sequences = kind in preference.DPO_KINDS
     try:
         trainer.train()
         kept = handle.kept.stats() if handle.kept is not None else None
         calls = sum(handle.patch.calls.values())
         handle.patch.reset_calls()
-        final_eval = trainer.evaluate()["eval_loss"]
+        final_eval = trainer.evaluate()
         gathered_by_evaluate = handle.gathered_logits
-        predicted = trainer.predict(trainer.eval_dataset)
+        # predict() returns logits: TRL's preference trainers build none (their fused LM head scores tokens)
+        predicted = None if scores_sequences else trainer.predict(trainer.eval_dataset)
     finally:
         handle.remove()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
     result = {"case": spec, "loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
               "active": handle.active, "calls": calls, "kept": kept,
-              "eval_loss": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e] + [final_eval],
-              "predict_loss": predicted.metrics["test_loss"], "eval_calls": sum(handle.patch.calls.values()),
+              "eval_loss": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+              + [final_eval["eval_loss"]],
+              "predict_loss": predicted.metrics["test_loss"] if predicted is not None else None,
+              "eval_calls": sum(handle.patch.calls.values()),
               "gathered_by_evaluate": gathered_by_evaluate, "gathered_logits": handle.gathered_logits}
+    if scores_sequences:  # every metric TRL logs, per optimiser step and per evaluation
+        result["metrics"] = {name: [e[name] for e in logs] for name in preference.METRICS}
+        evaluations = [e for e in trainer.state.log_history if "eval_loss" in e] + [final_eval]
+        result["eval_metrics"] = {name: [e["eval_" + name] for e in evaluations]
+                                  for name in preference.METRICS if "eval_" + name in evaluations[0]}
     if PartialState().process_index == 0:
         model = trainer.accelerator.unwrap_model(trainer.model)
         stem = os.path.join(out_dir, spec.replace(":", "_"))
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, stem + ".pt")
-        torch.save({"logits": torch.as_tensor(predicted.predictions),
-                    "labels": torch.as_tensor(predicted.label_ids)}, stem + ".predict.pt")
+        if predicted is not None:
+            torch.save({"logits": torch.as_tensor(predicted.predictions),
+                        "labels": torch.as_tensor(predicted.label_ids)}, stem + ".predict.pt")
     AcceleratorState._reset_state(reset_partial_state=False)
     return result
 

@@ -23,7 +23,6 @@ import importlib.util
 import os
 import sys
 import tempfile
-import types
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 import hfpatch
 from _dist import run_world
+from _openrlhf import import_openrlhf
 from hfpatch.errors import UnsupportedModel
 from hfpatch.model.wrappers import inner_model, wrapper_refusal
 from ring_kernels.tolerances import assert_close, relative_error, tolerance
@@ -224,31 +224,10 @@ def _disabled_adapter_reference(rank, worst):
 
 # ----------------------------------------------------------------------------------------------------- OpenRLHF
 
-_CUDA_ONLY = {  # what openrlhf 0.11.2 imports at module level from packages that need CUDA to import
-    "flash_attn": {}, "flash_attn.utils": {},
-    "flash_attn.bert_padding": dict.fromkeys(["index_first_axis", "pad_input", "rearrange", "unpad_input"]),
-    "flash_attn.utils.distributed": dict.fromkeys(["all_gather"]),
-    "deepspeed": {},  # only used on ZeRO-3 paths, which the critic below never takes
-}
-
-
 def _openrlhf_model_module():
-    """``openrlhf.models.model`` imported with fakes of its CUDA-only imports that are not installed; the fakes
-    are in ``sys.modules`` for that import only (they never reach hfpatch or transformers' availability checks)."""
-    import transformers.integrations.deepspeed  # noqa: F401  (its deepspeed check runs before any fake exists)
-
-    fakes = [name for name in _CUDA_ONLY if name not in sys.modules
-             and importlib.util.find_spec(name.split(".")[0]) is None]
-    for name in fakes:
-        module = types.ModuleType(name)
-        module.__dict__.update(_CUDA_ONLY[name])
-        sys.modules[name] = module
-    try:
-        import openrlhf.models.model as module
-    finally:
-        for name in fakes:
-            sys.modules.pop(name, None)
-    return module
+    """``openrlhf.models.model``, its CUDA-only imports stood in for during the import only (tests/_openrlhf.py);
+    the critic case never runs OpenRLHF's ring path, so flash-attn's files are not fetched for it."""
+    return import_openrlhf(fetch_flash_attn=False).model
 
 
 def _critic(directory):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import hfpatch
 from hfpatch import modes
+from hfpatch.dropin import _provide
 from hfpatch.errors import PatchError
 from hfpatch.attention.semantics import StepState
 from hfpatch.model.wrappers import inner_model
@@ -54,8 +55,14 @@ def check_stride(fn: str, heads_k_stride) -> Optional[int]:
 
 
 def forget() -> None:
-    """Remove the drop-in patch if it is still installed, and forget the session: an update call then needs a
-    ``substitute_*`` / ``register_*`` call first, as in a fresh process."""
+    """Remove the drop-in patch if it is still installed, forget the session, and withdraw the name
+    ``provide_ring_flash_attn`` provided (if it did): an update call then needs a ``substitute_*`` / ``register_*``
+    call first, and ``import ring_flash_attn`` finds what is installed, as in a fresh process."""
+    _end_session()
+    _provide.withdraw()
+
+
+def _end_session() -> None:
     global _current
     if _current is not None and _current.live:
         _current.patch.remove()
@@ -76,7 +83,7 @@ def install(owner: str, group, *, kernel: str, heads_k_stride: Optional[int], mo
     if _current is not None and _current.live:
         return _join(_current, owner, group, kernel=kernel, heads_k_stride=heads_k_stride, model=model,
                      verify=verify)
-    forget()
+    _end_session()  # not forget(): the provided import name stays (this call may have come through it)
     patch = hfpatch.apply(group, kernel=kernel, model=model, verify=verify)
     if patch.active:
         patch.ctx.heads_k_stride = heads_k_stride

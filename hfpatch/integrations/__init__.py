@@ -2,7 +2,7 @@
 ``ParallelismConfig``.
 
     args = TrainingArguments(..., parallelism_config=ParallelismConfig(dp_shard_size=dp, cp_size=cp))
-    trainer = Trainer(model=model, args=args, ...)          # or trl.SFTTrainer(...)
+    trainer = Trainer(model=model, args=args, ...)          # or trl.SFTTrainer(...), trl.DPOTrainer(...)
     cp = hfpatch.integrations.enable(trainer)               # ring attention over the "cp" mesh dimension
     trainer.train()
 
@@ -13,7 +13,8 @@ On a CPU-only machine build the trainer inside ``parallelism_config_on_cpu()`` (
 Importing this package also guards against a forgotten ``enable``: ``guard_missing_enable`` (``trainer.py``).
 """
 from hfpatch.integrations.cpu import parallelism_config_on_cpu
-from hfpatch.integrations.trainer import TrainerCP, enable, guard_missing_enable
+from hfpatch.integrations.entry import enable
+from hfpatch.integrations.trainer import TrainerCP, guard_missing_enable
 
 guard_missing_enable()
 

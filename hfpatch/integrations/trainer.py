@@ -26,24 +26,24 @@ one (the CP ranks then only repeat work).
 """
 from __future__ import annotations
 
-import logging
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-import hfpatch
 from hfpatch.errors import MissingEnable, UnsupportedArgument
 from hfpatch.integrations import evaluation
 from hfpatch.integrations.batch import prepare_batch
-from hfpatch.integrations.requirements import check_releases
 from hfpatch.model.labels import averaged_over_group
 
-__all__ = ["enable", "TrainerCP", "guard_missing_enable"]
-
-logger = logging.getLogger("hfpatch")
+__all__ = ["TrainerCP", "guard_missing_enable", "summary_line", "cp_mesh", "is_trl_trainer"]
 
 _REPLACED = ("_prepare_context_parallel_inputs", "compute_loss", "prediction_step")
+
+
+def is_trl_trainer(trainer) -> bool:
+    """Whether ``trainer``'s class is one of TRL's (or derives from one)."""
+    return any(cls.__module__.split(".")[0] == "trl" for cls in type(trainer).__mro__)
 
 
 def _is_sft_trainer(trainer) -> bool:
@@ -213,7 +213,7 @@ def require_checkpointing(trainer, keep_attention) -> None:
         "training arguments, or activation_checkpointing in the FSDP config; or drop keep_attention.")
 
 
-def _cp_mesh(trainer):
+def cp_mesh(trainer):
     """(the CP mesh or None, cp_size); refuses what the integration does not combine with CP."""
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     if pc is None or not pc.cp_enabled:
@@ -244,45 +244,6 @@ def refuse_unsupported_losses(trainer) -> None:
             "router_aux_loss_coef", getattr(trainer, "router_aux_loss_coef", None),
             "the mixture-of-experts load-balancing loss would be computed from this rank's tokens only.",
             "set router_aux_loss_coef=0.0 under CP.")
-
-
-def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", verify: Any = True,
-           keep_attention: Any = None) -> TrainerCP:
-    """Give ``trainer`` (a transformers ``Trainer`` or TRL ``SFTTrainer``, built, not yet trained) context
-    parallelism over the "cp" dimension of its ``ParallelismConfig``; returns the ``TrainerCP`` handle.
-
-    Call it on every rank after building the trainer and before ``trainer.train()``. ``kernel``,
-    ``on_unsupported`` and ``verify`` are ``hfpatch.apply``'s. Without a ``ParallelismConfig`` or with
-    ``cp_size=1`` it applies nothing and the trainer trains as it would without hfpatch.
-
-    ``keep_attention``: None (default), or ``hfpatch.keep_attention``'s budget (GiB, ``"auto"``, ``"all"``): the
-    checkpointing the trainer sets up (``gradient_checkpointing=True``, or FSDP's ``activation_checkpointing``)
-    keeps each layer's attention output, so the recomputation skips the ring forward (``TrainerCP.kept``). It
-    needs one of those two on (``UnsupportedArgument`` otherwise) and CP active (ignored without CP).
-
-    Raises ``UnsupportedRelease`` for transformers / accelerate / TRL older than
-    ``hfpatch.integrations.requirements``; ``UnsupportedArgument`` for what it cannot combine with CP (tensor or
-    sequence parallelism, label smoothing, ``compute_loss_func``, a MoE auxiliary loss); ``RuntimeError`` when the
-    trainer was already prepared (``train()`` ran).
-    """
-    check_releases(trl=_is_sft_trainer(trainer))
-    if getattr(trainer.accelerator, "_models", None):
-        raise RuntimeError("hfpatch.integrations.enable(trainer) must run before trainer.train(): the accelerator "
-                           "has already prepared the model. Fix: call it right after building the trainer.")
-    mesh, cp_size = _cp_mesh(trainer)
-    if cp_size > 1:
-        refuse_unsupported_losses(trainer)
-    if keep_attention is not None and cp_size > 1:
-        require_checkpointing(trainer, keep_attention)
-    model = trainer.model
-    patch = hfpatch.apply(mesh, model=model, kernel=kernel, on_unsupported=on_unsupported, verify=verify)
-    handle = TrainerCP(trainer, patch, cp_size)
-    handle._install()
-    if keep_attention is not None and handle.active:
-        handle.kept = hfpatch.keep_attention(model, budget=keep_attention)
-    trainer.hfpatch_cp = handle
-    logger.info("%s", summary_line(handle, keep_attention))
-    return handle
 
 
 def summary_line(handle: TrainerCP, keep_attention: Any = None) -> str:

@@ -1,0 +1,75 @@
+"""``enable(trainer)``: which integration a trainer gets, and the checks every one of them runs first.
+
+- transformers' ``Trainer`` and TRL's ``SFTTrainer`` (or a subclass): ``hfpatch.integrations.trainer.TrainerCP``,
+  which splits each batch and averages the token loss over the CP group;
+- TRL's ``DPOTrainer``: ``hfpatch.integrations.preference.PreferenceCP``, which scores whole batches exactly;
+- the TRL trainers it does not make exact (GRPO, RLOO, KTO, RewardTrainer, ...): refused by name under CP
+  (``hfpatch.integrations.preference``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import hfpatch
+from hfpatch.integrations.preference import PreferenceCP, is_dpo_trainer, refuse_unsupported_trl_trainer
+from hfpatch.integrations.requirements import check_releases
+from hfpatch.integrations.trainer import (TrainerCP, cp_mesh, is_trl_trainer, refuse_unsupported_losses,
+                                          require_checkpointing, summary_line)
+
+__all__ = ["enable"]
+
+logger = logging.getLogger("hfpatch")
+
+
+def _model_prepared(trainer) -> bool:
+    """Whether the accelerator has prepared the trainer's own model (``train()`` ran); a reference model a
+    DPOTrainer prepared while it was built does not count."""
+    accelerator = trainer.accelerator
+    return any(prepared is trainer.model or accelerator.unwrap_model(prepared) is trainer.model
+               for prepared in getattr(accelerator, "_models", None) or ())
+
+
+def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", verify: Any = True,
+           keep_attention: Any = None) -> TrainerCP:
+    """Give ``trainer`` (transformers' ``Trainer``, TRL's ``SFTTrainer`` or ``DPOTrainer``, built, not yet
+    trained) context parallelism over the "cp" dimension of its ``ParallelismConfig``; returns the handle
+    (``TrainerCP``, or its ``PreferenceCP`` for a DPOTrainer).
+
+    Call it on every rank after building the trainer and before ``trainer.train()``. ``kernel``,
+    ``on_unsupported`` and ``verify`` are ``hfpatch.apply``'s. Without a ``ParallelismConfig`` or with
+    ``cp_size=1`` it applies nothing and the trainer trains as it would without hfpatch.
+
+    ``keep_attention``: None (default), or ``hfpatch.keep_attention``'s budget (GiB, ``"auto"``, ``"all"``): the
+    checkpointing the trainer sets up (``gradient_checkpointing=True``, or FSDP's ``activation_checkpointing``)
+    keeps each layer's attention output, so the recomputation skips the ring forward (``TrainerCP.kept``). It
+    needs one of those two on (``UnsupportedArgument`` otherwise) and CP active (ignored without CP).
+
+    Raises ``UnsupportedRelease`` for transformers / accelerate / TRL older than
+    ``hfpatch.integrations.requirements``; ``UnsupportedArgument`` for what it cannot combine with CP (tensor or
+    sequence parallelism, label smoothing, ``compute_loss_func``, a MoE auxiliary loss, a TRL trainer it does not
+    make exact); ``RuntimeError`` when the trainer's model was already prepared (``train()`` ran).
+    """
+    check_releases(trl=is_trl_trainer(trainer))
+    if _model_prepared(trainer):
+        raise RuntimeError("hfpatch.integrations.enable(trainer) must run before trainer.train(): the accelerator "
+                           "has already prepared the model. Fix: call it right after building the trainer.")
+    mesh, cp_size = cp_mesh(trainer)
+    refuse_unsupported_trl_trainer(trainer, cp_size)
+    if cp_size > 1:
+        refuse_unsupported_losses(trainer)
+    if keep_attention is not None and cp_size > 1:
+        require_checkpointing(trainer, keep_attention)
+    model = trainer.model
+    patch = hfpatch.apply(mesh, model=model, kernel=kernel, on_unsupported=on_unsupported, verify=verify)
+    handle = (PreferenceCP if is_dpo_trainer(trainer) else TrainerCP)(trainer, patch, cp_size)
+    try:
+        handle._install()
+        if keep_attention is not None and handle.active:
+            handle.kept = hfpatch.keep_attention(model, budget=keep_attention)
+    except BaseException:
+        handle.remove()
+        raise
+    trainer.hfpatch_cp = handle
+    logger.info("%s", summary_line(handle, keep_attention))
+    return handle

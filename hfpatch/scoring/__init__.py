@@ -1,0 +1,177 @@
+"""Scoring under context parallelism: one CP forward -> whole-sequence results on every rank.
+
+RL and preference steps read per-token log-probs of the sequence's own tokens (the policy's, the reference's under
+``no_grad``), their sums per sequence, the entropy, and a value or reward model's value per token and at each
+sequence's last token. ``score`` gives all of them for the whole batch, the same on every rank of the CP group and
+equal to the model run without CP, forward and backward::
+
+    patch = hfpatch.apply(cp_group, model=policy)
+    out = hfpatch.scoring.score(policy, input_ids, attention_mask=mask, labels=labels, entropy=True)
+    out.log_probs            # (B, S-1): log p(next token), 0 where not scored (labels -100, padding)
+    out.sequence_log_probs   # (B,): their sum over each sequence
+    values = hfpatch.scoring.score(critic.model, input_ids, attention_mask=mask, log_probs=False,
+                                   values=lambda out: critic.score(out.last_hidden_state)[..., 0])
+    values.last_values       # (B,): each sequence's value at its last real token (a reward model's reward)
+
+The batch is every rank's whole batch, as the RL framework holds it: rows padded on either side, or one packed row
+(``hfpatch.scoring.rows``). Without CP (no active patch, a group of one) the same call computes the same numbers.
+
+Gradients: every rank computes the same loss from these results; the parameter gradients summed over the CP group
+are the non-CP ones (``hfpatch.scoring.gather``). A trainer that AVERAGES gradients over the dp x cp ranks needs
+them multiplied by the CP size (``scale_gradient(loss, cp_size)``: the value is unchanged).
+
+Memory: the logits are never gathered. Each rank holds its own tokens' logits (the forward's own, (P/C, V)) and one
+fp32 copy of them while a quantity is computed; each gathered quantity is one fp32 number per token of the packed
+row (P), plus its (B, S) copy in the batch's shape.
+
+Inputs the user split (contiguous chunks of one packed row, global positions, as OpenRLHF and verl split them):
+describe the step with ``patch.describe_split(...)`` before the forward, then ``gather_tokens(patch, local)`` gives
+any per-token number of the whole row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from hfpatch.api import Patch, active_patch
+from hfpatch.attention.semantics import plan_step
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.inputs import IGNORE_INDEX, shard_inputs, shift_labels
+from hfpatch.model.heads import head_of
+from hfpatch.model.wrappers import inner_model
+from hfpatch.scoring import gather
+from hfpatch.scoring.gather import scale_gradient
+from hfpatch.scoring.quantities import token_entropy, token_log_probs
+from hfpatch.scoring.rows import PackedRows, pack_rows
+
+__all__ = ["score", "Scores", "gather_tokens", "scale_gradient", "pack_rows", "PackedRows"]
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Whole-sequence results of one forward, identical on every rank of the CP group (fp32).
+
+    log_probs:           (B, S-1) at column t, log p(the sequence's next real token after token t); 0 where not
+                         scored (label -100, padding, each sequence's last token). None with ``log_probs=False``.
+    entropy:             (B, S-1) entropy of the next-token distribution at the same positions, or None.
+    mask:                (B, S-1) bool: the scored positions.
+    values:              (B, S) the ``values`` callable's per-token values (0 at padding), or None.
+    sequence_log_probs:  (N,) sum of ``log_probs`` over each sequence (N = B rows, or the documents of a packed
+                         row), or None.
+    last_values:         (N,) each sequence's value at its last real token, or None.
+    """
+
+    log_probs: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor]
+    mask: torch.Tensor
+    values: Optional[torch.Tensor]
+    sequence_log_probs: Optional[torch.Tensor]
+    last_values: Optional[torch.Tensor]
+
+
+def gather_tokens(patch: Optional[Patch], local: torch.Tensor) -> torch.Tensor:
+    """(B, S_local, ...) per-token numbers of this rank's shard of the current step -> (B, S, ...) of the whole
+    step, in global token order, on every rank (``hfpatch.scoring.gather``). The identity without an active
+    patch."""
+    return gather.gather_tokens(patch.live_ctx_or_none() if patch is not None else None, local)
+
+
+def _layout_padding(ctx, documents: int) -> tuple:
+    """(multiple, per_document) that the step's layout needs of the packed row (``hfpatch.scoring.rows``)."""
+    if ctx is None:
+        return 1, False
+    _, layout = plan_step(ctx.variant, packed=documents > 1)
+    if layout == "zigzag":
+        return 2 * ctx.world_size, True
+    return ctx.world_size, False
+
+
+def _refuse_pooled(model: torch.nn.Module) -> None:
+    target = inner_model(model)
+    if head_of(target).kind == "last-token":
+        raise UnsupportedArgument(
+            "model", type(target).__name__,
+            "its head pools one token per row, and scoring packs every sequence into one row.",
+            "score its backbone and read the head's per-token values: score(model.model, ..., log_probs=False, "
+            "values=lambda out: model.score(out.last_hidden_state)[..., 0]).last_values")
+
+
+def score(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
+          position_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+          log_probs: bool = True, entropy: bool = False, temperature: float = 1.0,
+          values: Optional[Callable[[Any], torch.Tensor]] = None, patch: Optional[Patch] = None,
+          **model_kwargs) -> Scores:
+    """Run ``model`` once on the whole batch under CP and return its ``Scores`` on every rank (module docstring).
+
+    input_ids:       (B, S) rows padded on either side, with ``attention_mask`` (1 = real token), or (1, T) one
+                     packed row with ``position_ids`` restarting at each document. Identical on every rank.
+    labels:          (B, S) unshifted (HF convention, -100 = not scored), or None: every next real token.
+    log_probs:       read ``logits`` from the output and score the labels (a causal LM); False for a backbone.
+    entropy:         also the next-token entropy.
+    temperature:     the logits are divided by it first (GRPO's sampling temperature).
+    values:          output -> (1, P_local) per-token values (a critic or reward head on the hidden states).
+    patch:           the ``hfpatch.Patch`` the model is on (default: the active one; none: no CP).
+    model_kwargs:    passed to the model; per-token tensors cannot be split and are refused.
+
+    Raises ``UnsupportedArgument`` for inputs it cannot score exactly (naming the fix).
+    """
+    patch = patch if patch is not None else active_patch()
+    ctx = patch.live_ctx_or_none() if patch is not None else None
+    _refuse_pooled(model)
+    _refuse_per_token_kwargs(model_kwargs, input_ids)
+    documents = pack_rows(input_ids, attention_mask=attention_mask, position_ids=position_ids).lengths.numel()
+    multiple, per_document = _layout_padding(ctx, documents)
+    rows = pack_rows(input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                     multiple=multiple, per_document=per_document)
+    if patch is not None:
+        shard = patch.shard_inputs(rows.input_ids, labels=rows.labels, position_ids=rows.position_ids)
+    else:
+        shard = shard_inputs(None, rows.input_ids, labels=rows.labels, position_ids=rows.position_ids)
+    out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False, **model_kwargs)
+    next_labels = shard["labels"]
+    scored = rows.unpack(shift_labels(rows.labels) != IGNORE_INDEX)[:, :-1]
+    token_lp = ent = per_token_values = sums = last = None
+    if log_probs or entropy:
+        logits = _logits(out)
+        if log_probs:
+            packed_lp = gather.gather_tokens(ctx, token_log_probs(logits, next_labels, temperature))
+            token_lp = rows.unpack(packed_lp)[:, :-1]
+            sums = rows.per_sequence(packed_lp)
+        if entropy:
+            ent = rows.unpack(gather.gather_tokens(ctx, token_entropy(logits, next_labels, temperature)))[:, :-1]
+    if values is not None:
+        packed_values = gather.gather_tokens(ctx, _values(values, out, shard["input_ids"]).float())
+        per_token_values = rows.unpack(packed_values)
+        last = packed_values[0].index_select(0, rows.last_tokens().to(packed_values.device))
+    return Scores(log_probs=token_lp, entropy=ent, mask=scored, values=per_token_values, sequence_log_probs=sums,
+                  last_values=last)
+
+
+def _logits(out) -> torch.Tensor:
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise UnsupportedArgument(
+            "log_probs", True, f"the model's output ({type(out).__name__}) has no (batch, seq, vocab) logits to "
+            "score.", "pass log_probs=False (and values=...) for a backbone or a value model.")
+    return logits
+
+
+def _values(values: Callable, out, local_ids: torch.Tensor) -> torch.Tensor:
+    got = values(out)
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(local_ids.shape):
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise UnsupportedArgument(
+            "values", values, f"it returned {shape}; expected one value per token of this rank's inputs "
+            f"{tuple(local_ids.shape)}.", "return the head's per-token values, e.g. head(out.last_hidden_state)"
+            "[..., 0].")
+    return got
+
+
+def _refuse_per_token_kwargs(model_kwargs: dict, input_ids: torch.Tensor) -> None:
+    for key, value in model_kwargs.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(input_ids.shape):
+            raise UnsupportedArgument(
+                key, value, "a per-token input scoring does not split over the CP ranks (it splits input_ids, "
+                "labels and position_ids).", "drop it, or score without CP.")
