@@ -7,7 +7,9 @@ A case is ``model:kind:dp:cp`` or ``model:kind:dp:cp:keep``: model a tiny family
 Trainer, rows of one document, some labels -100), ``sft_plain`` (TRL SFTTrainer, right-padded rows of one
 document each, attention mask), ``sft_lora`` (the same with ``peft_config=``: a LoRA adapter that SFTTrainer puts
 on the model) or ``sft_packed`` (TRL SFTTrainer, padding-free rows of bin-packed documents: position ids and
-cu_seq_lens); the world must be dp x cp processes. cp == 1 is the non-CP run of the same script
+cu_seq_lens); TRL's DPOTrainer kinds ``dpo_*`` (``tests/_preference_cases.py``) and RewardTrainer kinds
+``reward*`` (``tests/_reward_cases.py``), which also record every metric TRL logs; the world must be dp x cp
+processes. cp == 1 is the non-CP run of the same script
 (same global batches); cp > 1 runs through ``hfpatch.integrations.enable``. ``keep``: the trainer checkpoints
 every layer (``gradient_checkpointing=True``, non-reentrant) and ``enable(trainer, keep_attention="all")`` keeps
 each layer's attention output through it; the case also reports the keeper's counters.
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 import hfpatch.integrations
 import _preference_cases as preference
+import _reward_cases as reward
 from _dist import exit_now
 from hfpatch.cli.demo_models import build_model
 
@@ -95,6 +98,8 @@ def _arguments(kind: str, out: str, dp: int, cp: int, keep: bool = False):
         return TrainingArguments(**common)
     if kind in preference.DPO_KINDS:
         return preference.arguments(kind, common)
+    if kind in reward.REWARD_KINDS:
+        return reward.arguments(kind, common)
     from trl import SFTConfig
 
     return SFTConfig(**common, padding_free=kind == "sft_packed", max_length=None, dataset_num_proc=None)
@@ -102,9 +107,10 @@ def _arguments(kind: str, out: str, dp: int, cp: int, keep: bool = False):
 
 def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str, keep: bool = False):
     args = _arguments(kind, out, dp, cp, keep)
-    if kind in preference.DPO_KINDS:
+    if kind in preference.DPO_KINDS + reward.REWARD_KINDS:
+        cases = preference if kind in preference.DPO_KINDS else reward
         with hfpatch.integrations.parallelism_config_on_cpu():
-            trainer = preference.trainer(model_name, kind, args)
+            trainer = cases.trainer(model_name, kind, args)
         return trainer, hfpatch.integrations.enable(trainer)
     model = build_model(model_name)
     dataset = _dataset(kind)
@@ -129,6 +135,7 @@ def run_case(spec: str, out_dir: str) -> dict:
     dp, cp, keep = int(dp), int(cp), options == ["keep"]
     trainer, handle = _trainer(model_name, kind, dp, cp, os.path.join(out_dir, "trainer"), keep)
     scores_sequences = kind in preference.DPO_KINDS
+    metrics = preference.METRICS if scores_sequences else reward.METRICS if kind in reward.REWARD_KINDS else None
     try:
         trainer.train()
         kept = handle.kept.stats() if handle.kept is not None else None
@@ -147,21 +154,34 @@ def run_case(spec: str, out_dir: str) -> dict:
               + [final_eval["eval_loss"]],
               "predict_loss": predicted.metrics["test_loss"] if predicted is not None else None,
               "eval_calls": sum(handle.patch.calls.values()),
-              "gathered_by_evaluate": gathered_by_evaluate, "gathered_logits": handle.gathered_logits}
-    if scores_sequences:  # every metric TRL logs, per optimiser step and per evaluation
-        result["metrics"] = {name: [e[name] for e in logs] for name in preference.METRICS}
+              "gathered_by_evaluate": gathered_by_evaluate, "gathered_logits": handle.gathered_logits,
+              "gather_for_metrics_left": "gather_for_metrics" in vars(trainer.accelerator)}
+    if metrics is not None:  # every metric TRL logs, per optimiser step and per evaluation
+        result["metrics"] = {name: [e[name] for e in logs] for name in metrics}
         evaluations = [e for e in trainer.state.log_history if "eval_loss" in e] + [final_eval]
         result["eval_metrics"] = {name: [e["eval_" + name] for e in evaluations]
-                                  for name in preference.METRICS if "eval_" + name in evaluations[0]}
+                                  for name in metrics if "eval_" + name in evaluations[0]}
+        # each rank's own log: TRL computes its metrics on every rank
+        result["metrics_by_rank"] = _every_rank({"metrics": result["metrics"], "eval_metrics": result["eval_metrics"]})
     if PartialState().process_index == 0:
         model = trainer.accelerator.unwrap_model(trainer.model)
         stem = os.path.join(out_dir, spec.replace(":", "_"))
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, stem + ".pt")
-        if predicted is not None:
+        if predicted is not None:  # a reward model's predictions are its rewards, without labels
+            labels = predicted.label_ids if kind not in reward.REWARD_KINDS else ()
             torch.save({"logits": torch.as_tensor(predicted.predictions),
-                        "labels": torch.as_tensor(predicted.label_ids)}, stem + ".predict.pt")
+                        "labels": torch.as_tensor(labels)}, stem + ".predict.pt")
     AcceleratorState._reset_state(reset_partial_state=False)
     return result
+
+
+def _every_rank(value) -> list:
+    """``value`` of every rank, in rank order (this process's alone without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def main(argv=None) -> None:

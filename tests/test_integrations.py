@@ -40,6 +40,14 @@ Measured over the six CP runs: loss 3.4e-6, grad norm 2.4e-6, log-probs 1.2e-7, 
 entropy 6.5e-8 relative; parameters 1.2e-7 absolute. One exception is named: with a precomputed reference the
 first step's policy IS the reference, every reward is rounding noise (checked: within 1e-5 of its scale), and
 ``rewards/accuracies`` of that step compares the signs of noise, so it is not compared.
+
+TRL's RewardTrainer (``tests/_reward_cases.py``; tiny Llama and Qwen3 ``*ForSequenceClassification``, one label):
+the loss with margins and ``center_rewards_coefficient``, and the plain loss with a pad token that is not id 0 on
+odd-sized datasets (accelerate cuts the last batch of an epoch and of the eval set); three at 1x2, one at 2x2.
+Every metric it logs on EVERY rank, per step and per evaluation, equals the non-CP one (``accuracy`` and
+``num_tokens`` exactly; ``margin``, a difference of rewards, within 1e-5 of the largest reward), and so do
+``predict()``'s rewards (5e-5 absolute) and the final parameters. Measured over the four CP runs: loss 8.5e-8, grad
+norm 2.0e-7, rewards 2.8e-6, margin 1.6e-7 relative; rewards 1.8e-7 and parameters 1.2e-7 absolute.
 """
 from __future__ import annotations
 
@@ -105,6 +113,11 @@ DPO_CASES_2X2 = ["llama:dpo_sigmoid", "gemma2:dpo_ipo"]
 DPO_COUNTS = ("rewards/accuracies", "mean_token_accuracy", "num_tokens")
 DPO_LOG_RATIOS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 DPO_BETA = 0.5
+# TRL's RewardTrainer (tests/_reward_cases.py): margins and center_rewards_coefficient with the pad token at id 0,
+# and the plain loss with a pad token at another id (the integration's end padding must not be pooled)
+REWARD_CASES = ["llama:reward", "qwen3:reward", "llama:reward_pad"]
+REWARD_CASES_2X2 = ["qwen3:reward_pad"]
+REWARD_COUNTS = ("accuracy", "num_tokens")
 
 
 def _launch(launcher: list, cases: list, out: Path) -> dict:
@@ -123,13 +136,14 @@ def _launch(launcher: list, cases: list, out: Path) -> dict:
 def runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("trainer_cases")
     results = {}
-    results.update(_launch([], [f"{c}:1:1" for c in CASES + DPO_CASES], base / "world1"))
+    at_1x2, at_2x2 = CASES + DPO_CASES + REWARD_CASES, CASES_2X2 + DPO_CASES_2X2 + REWARD_CASES_2X2
+    results.update(_launch([], [f"{c}:1:1" for c in at_1x2], base / "world1"))
     results.update(_launch(["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
                             "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
-                           [f"{c}:1:2" for c in CASES + DPO_CASES] + [f"{c}:2:1" for c in CASES_2X2 + DPO_CASES_2X2]
+                           [f"{c}:1:2" for c in at_1x2] + [f"{c}:2:1" for c in at_2x2]
                            + [f"{c}:1:2:keep" for c in KEEP_CASES], base / "world2"))
     results.update(_launch(["torch.distributed.run", "--nproc-per-node", "4"],
-                           [f"{c}:2:2" for c in CASES_2X2 + DPO_CASES_2X2], base / "world4"))
+                           [f"{c}:2:2" for c in at_2x2], base / "world4"))
     return results
 
 
@@ -191,35 +205,45 @@ def _compare_dpo(runs: dict, case: str, dp: int) -> None:
     rescored = (16 // 2 + EVAL_ROWS // EVAL_BATCH) if case.endswith("dpo_ipo") else 0
     assert cp_run["calls"] == LAYERS * (scored_models * (MICRO_BATCHES + evaluations * eval_batches) + rescored), \
         "the ring did not run in every layer of every scoring forward"
-    for which in ("metrics", "eval_metrics"):
-        ours, theirs = cp_run[which], reference[which]
-        assert ours.keys() == theirs.keys() and len(theirs["loss"]) == (3 if which == "metrics" else evaluations + 2)
-        # precomputed reference: the first step's policy is the reference, so its rewards are rounding noise
-        at_reference = case.endswith("dpo_ipo") and which == "metrics"
-        if at_reference:
-            noise = max(abs(theirs["rewards/chosen"][0]), abs(theirs["rewards/rejected"][0]))
-            assert noise <= LOSS_RTOL * DPO_BETA * abs(theirs["logps/chosen"][0]), (case, noise)
-        for name, expected in theirs.items():
-            _compare_metric(f"{case} dp={dp}: {which}[{name}]", name, ours[name], expected, theirs, at_reference)
+    assert len(cp_run["metrics_by_rank"]) == 2 * dp
+    for rank, logged in enumerate(cp_run["metrics_by_rank"]):
+        for which in ("metrics", "eval_metrics"):
+            ours, theirs = logged[which], reference[which]
+            assert ours.keys() == theirs.keys() and \
+                len(theirs["loss"]) == (3 if which == "metrics" else evaluations + 2)
+            # precomputed reference: the first step's policy is the reference, so its rewards are rounding noise
+            at_reference = case.endswith("dpo_ipo") and which == "metrics"
+            if at_reference:
+                noise = max(abs(theirs["rewards/chosen"][0]), abs(theirs["rewards/rejected"][0]))
+                assert noise <= LOSS_RTOL * DPO_BETA * abs(theirs["logps/chosen"][0]), (case, noise)
+            for name, expected in theirs.items():
+                _compare_metric(f"{case} dp={dp} rank {rank}: {which}[{name}]", name, ours[name], expected, theirs,
+                                at_reference)
+    _compare_parameters(cp_run, reference)
+
+
+def _compare_parameters(cp_run: dict, reference: dict) -> None:
     cp_params, ref_params = _parameters(cp_run), _parameters(reference)
     assert cp_params.keys() == ref_params.keys()
     worst = max((cp_params[n] - ref_params[n]).abs().max().item() for n in ref_params)
-    assert worst <= PARAM_ATOL, f"{case} dp={dp} cp=2: parameters differ by {worst:.3g} after 3 steps"
+    assert worst <= PARAM_ATOL, f"{cp_run['case']}: parameters differ by {worst:.3g} after 3 steps"
 
 
 def _compare_metric(what: str, name: str, ours: list, theirs: list, reference: dict,
-                    policy_is_reference_at_step_1: bool = False) -> None:
-    """Counts are equal. Every other metric is within LOSS_RTOL of the largest magnitude of its series (the
-    project's max-relative measure); a reward is beta x (summed log-probs - the reference's), a difference of two
-    nearly equal sums, so its scale is beta x the largest summed log-prob it is the difference of."""
+                    policy_is_reference_at_step_1: bool = False, counts: tuple = DPO_COUNTS,
+                    scale: float | None = None) -> None:
+    """Counts are equal. Every other metric is within LOSS_RTOL of ``scale``: by default the largest magnitude of
+    its series (the project's max-relative measure); a DPO reward is beta x (summed log-probs - the reference's), a
+    difference of two nearly equal sums, so its scale is beta x the largest summed log-prob it is the difference
+    of; the caller gives the scale of other differences (a reward model's margin: the largest reward)."""
     ours, theirs = torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64)
     if name == "rewards/accuracies" and policy_is_reference_at_step_1:
         # at step 1 every reward is rounding noise (_compare_dpo checks it): the accuracy compares noise's signs
         ours, theirs = ours[1:], theirs[1:]
-    if name in DPO_COUNTS:
+    if name in counts:
         assert torch.equal(ours.nan_to_num(-1), theirs.nan_to_num(-1)), f"{what}: {ours.tolist()} != {theirs.tolist()}"
         return
-    scale = theirs.abs().max().item()
+    scale = theirs.abs().max().item() if scale is None else scale
     if name in DPO_LOG_RATIOS:
         scale = DPO_BETA * max(max(abs(v) for v in reference["logps/chosen"]),
                                max(abs(v) for v in reference["logps/rejected"]))
@@ -235,6 +259,56 @@ def test_dpo_1x2_equals_non_cp(runs, case):
 @pytest.mark.parametrize("case", DPO_CASES_2X2)
 def test_dpo_2x2_equals_non_cp(runs, case):
     _compare_dpo(runs, case, dp=2)
+
+
+def _compare_reward(runs: dict, case: str, dp: int) -> None:
+    """Every metric RewardTrainer logs on every rank, per step and per evaluation, ``predict()``'s rewards and the
+    final parameters: the non-CP ones; the ring ran in every layer of every forward."""
+    cp_run, reference = runs[f"{case}:{dp}:2"], runs[f"{case}:{dp}:1"]
+    assert cp_run["active"] and not reference["active"]
+    eval_batches = EVAL_ROWS // (EVAL_BATCH * dp)
+    evaluations = _evaluations_in_training(reference)
+    assert cp_run["calls"] == LAYERS * (MICRO_BATCHES + evaluations * eval_batches), \
+        "the ring did not run in every layer of every micro-batch and eval batch"
+    assert cp_run["eval_calls"] == LAYERS * 2 * eval_batches, "evaluate() and predict() did not run the ring"
+    assert not cp_run["gather_for_metrics_left"], "the one-copy metrics gather outlived compute_loss"
+    # margin: a difference of two rewards, so its scale is the largest reward
+    reward_scale = {which: max(abs(v) for name in ("min_reward", "max_reward") for v in reference[which][name])
+                    for which in ("metrics", "eval_metrics")}
+    assert len(cp_run["metrics_by_rank"]) == 2 * dp
+    for rank, logged in enumerate(cp_run["metrics_by_rank"]):
+        for which in ("metrics", "eval_metrics"):
+            ours, theirs = logged[which], reference[which]
+            assert ours.keys() == theirs.keys() == set(_reward_metrics(which)), (which, sorted(ours))
+            assert len(theirs["loss"]) == (3 if which == "metrics" else evaluations + 2)
+            for name, expected in theirs.items():
+                _compare_metric(f"{case} dp={dp} rank {rank}: {which}[{name}]", name, ours[name], expected, theirs,
+                                counts=REWARD_COUNTS, scale=reward_scale[which] if name == "margin" else None)
+    torch.testing.assert_close(torch.tensor(cp_run["eval_loss"] + [cp_run["predict_loss"]]),
+                               torch.tensor(reference["eval_loss"] + [reference["predict_loss"]]),
+                               rtol=LOSS_RTOL, atol=0)
+    ours = torch.load(cp_run["out"] / (cp_run["case"].replace(":", "_") + ".predict.pt"))["logits"]
+    theirs = torch.load(reference["out"] / (reference["case"].replace(":", "_") + ".predict.pt"))["logits"]
+    assert ours.shape == theirs.shape and ours.shape[1:] == (1,), (ours.shape, theirs.shape)
+    worst = (ours - theirs).abs().max().item()
+    assert worst <= LOGITS_ATOL, f"{cp_run['case']}: predict() rewards differ by {worst:.3g}"
+    _compare_parameters(cp_run, reference)
+
+
+def _reward_metrics(which: str) -> tuple:
+    """The metrics RewardTrainer logs: in training with the grad norm, in evaluation without."""
+    names = ("loss", "grad_norm", "num_tokens", "min_reward", "mean_reward", "max_reward", "accuracy", "margin")
+    return names if which == "metrics" else tuple(n for n in names if n != "grad_norm")
+
+
+@pytest.mark.parametrize("case", REWARD_CASES)
+def test_reward_1x2_equals_non_cp(runs, case):
+    _compare_reward(runs, case, dp=1)
+
+
+@pytest.mark.parametrize("case", REWARD_CASES_2X2)
+def test_reward_2x2_equals_non_cp(runs, case):
+    _compare_reward(runs, case, dp=2)
 
 
 @pytest.mark.parametrize("case", KEEP_CASES)

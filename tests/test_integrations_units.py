@@ -14,6 +14,8 @@ from hfpatch.cli.demo_models import build_model
 from hfpatch.errors import MissingEnable, UnsupportedArgument, UnsupportedRelease
 from hfpatch.integrations import batch, parallelism_config_on_cpu, requirements
 from hfpatch.integrations.evaluation import OneCopyPerCPGroup
+from hfpatch.integrations.preference import refuse_unsupported_trl_trainer
+from hfpatch.integrations.reward import reward_batch
 from hfpatch.integrations.trainer import refuse_unsupported_losses, require_checkpointing, summary_line
 from hfpatch.model.labels import averaged_over_group, install_labels_hook
 
@@ -127,6 +129,60 @@ def test_right_padding_with_ignored_labels_is_accepted():
     inputs = {"input_ids": torch.tensor([[3, 4, 5, 0]]), "labels": torch.tensor([[3, 4, 5, IGNORE]]),
               "attention_mask": torch.tensor([[1, 1, 1, 0]])}
     assert "attention_mask" not in batch.prepare_batch(_StubPatch(), inputs)
+
+
+# ------------------------------------------------------------------------------------------ reward models
+
+
+def _reward_model(pad_token_id):
+    """A tiny LlamaForSequenceClassification with one label (a reward model)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=pad_token_id)
+    return LlamaForSequenceClassification(config)
+
+
+def test_a_pooled_head_is_padded_with_its_pad_token():
+    """A head that pools the last non-pad token never pools the integration's end padding: it is the pad token."""
+    assert batch.padding_token(build_model("llama")) == 0
+    assert batch.padding_token(_reward_model(5)) == 5
+    patch = _StubPatch(world_size=2)
+    batch.prepare_batch(patch, {"input_ids": torch.tensor([[3, 4, 5]])}, pad_token=5)
+    assert patch.seen[0].tolist() == [[3, 4, 5, 5]]
+
+
+def test_a_pooled_head_without_a_pad_token_is_refused():
+    with pytest.raises(UnsupportedArgument) as info:
+        batch.padding_token(_reward_model(None))
+    assert info.value.parameter == "pad_token_id" and "pad_token_id" in info.value.fix
+
+
+def test_a_reward_batch_keeps_its_whole_mask_for_the_token_count():
+    ids = torch.tensor([[3, 4, 5, 7, 7], [6, 0, 7, 7, 7]])     # pad 7; token 0 is a real token
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    patch = _StubPatch(world_size=2)
+    out = reward_batch(patch, {"input_ids": ids, "attention_mask": mask, "margin": torch.ones(1)}, pad_token=7)
+    assert out["attention_mask"] is mask and "margin" in out
+    assert patch.seen[0].shape == (2, 8) and bool((patch.seen[0][:, 5:] == 7).all())
+
+
+@pytest.mark.parametrize("ids, mask", [
+    ([[7, 3, 4, 5]], [[0, 1, 1, 1]]),     # left padding: the pooled token would attend to the padding
+    ([[3, 4, 5, 6]], [[1, 1, 1, 0]]),     # a masked-out token that is not the pad token: pooled without CP
+])
+def test_reward_padding_that_cannot_be_dropped_is_refused(ids, mask):
+    with pytest.raises(UnsupportedArgument) as info:
+        reward_batch(_StubPatch(), {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}, 7)
+    assert info.value.parameter == "attention_mask" and info.value.fix
+
+
+def test_the_reward_trainer_is_made_exact_and_others_are_refused_by_name():
+    trl = pytest.importorskip("trl")
+    refuse_unsupported_trl_trainer(trl.RewardTrainer.__new__(trl.RewardTrainer), cp_size=2)
+    with pytest.raises(UnsupportedArgument) as info:
+        refuse_unsupported_trl_trainer(trl.GRPOTrainer.__new__(trl.GRPOTrainer), cp_size=2)
+    assert info.value.parameter == "trainer" and "GRPOTrainer" in str(info.value)
 
 
 # ------------------------------------------------------------------------------------------------- labels

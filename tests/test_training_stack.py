@@ -17,6 +17,10 @@ around the decoder layers, and ``torch.compile``.
    layer, with loss and gradients equal to eager on a packed step. Backend ``aot_eager``: the full Dynamo +
    AOTAutograd pipeline with the operator's fake kernels and autograd, without inductor's C++ code generation,
    which takes minutes on 2 cores; ``HFPATCH_TEST_INDUCTOR=1`` runs the fullgraph check with inductor too.
+4. PEFT (where peft is installed): a LoRA model (``apply(model=peft_model)``) under FSDP2 with FSDP's activation
+   checkpointing (``checkpoint_wrapper`` on every decoder layer of the PEFT base model): two SGD steps (batch,
+   packed) give the single-process LoRA run's loss and adapter weights, and every layer's recomputation ran the
+   ring again.
 
 Tolerances (fp32; ring_kernels.tolerances' "cp" loss and "cp_training" entries). Loss: relative 1e-5. Parameters
 after step k: max |p_cp - p_ref| <= 2e-6 (weights of scale
@@ -27,6 +31,7 @@ orders of magnitude more (``_missing_cp_reduction_is_detected`` proves the check
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -47,6 +52,7 @@ LR, MOMENTUM = 0.1, 0.9
 DP, CP = 2, 2
 # Per dp rank: one packed row of SEQ tokens (uneven documents, a document crossing the cp boundary).
 PACKED_DOCS = ([5, 11, 1, 7, 8], [16, 9, 7])
+_HAS_PEFT = importlib.util.find_spec("peft") is not None   # the LoRA case needs peft (CI's venv installs it)
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -191,6 +197,66 @@ def _fsdp_cp_matches_reference(rank, world, mesh, reference):
               f"parameter abs err {worst_param:.2e}")
 
 
+def _lora(seed: int = 0):
+    """A LoRA adapter on q/v of the tiny Llama (random B: every adapter weight has a gradient), the same on every
+    rank."""
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(build_model("llama"), config)
+
+
+def _lora_reference_run(steps: int):
+    """Single process, no CP, the LoRA model: per step the dp-mean loss and the adapter weights after SGD."""
+    model = _lora()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    history = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = sum(_replica_loss(model, ids, docs) for ids, _, docs in _global_batch(step)) / DP
+        loss.backward()
+        opt.step()
+        history.append((loss.detach(), {n: p.detach().clone() for n, p in model.named_parameters()
+                                        if p.requires_grad}))
+    return history
+
+
+def _lora_fsdp_cp_matches_reference(rank, world, mesh, reference):
+    """PEFT under FSDP2 with FSDP's activation checkpointing (checkpoint_wrapper on every decoder layer): a LoRA
+    model on the ring trains as the single-process LoRA model, adapter weights after every step included, and the
+    recomputation ran the ring again in every layer."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model = _lora()
+    patch = hfpatch.apply(mesh["cp"], model=model)
+    try:
+        inner = model.get_base_model()
+        layer_cls = type(inner.model.layers[0])
+        apply_activation_checkpointing(inner, check_fn=lambda m: isinstance(m, layer_cls))
+        for layer in inner.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        hook = _sum_over_cp_hook(mesh["cp"].get_group(), True)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(hook)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        layers = inner.config.num_hidden_layers
+        for step, (ref_loss, ref_params) in enumerate(reference):
+            patch.reset_calls()
+            loss = _cp_step(model, patch, opt, mesh, step)
+            assert_close(loss, ref_loss, LOSS, f"step {step}: LoRA FSDP2+CP loss")
+            params = {_clean_name(n): p for n, p in _full_parameters(model).items() if n and "lora_" in n}
+            assert set(params) == set(ref_params), sorted(set(params) ^ set(ref_params))
+            for name, ref in ref_params.items():
+                assert_close(params[name], ref, PARAM, f"step {step}: adapter weight {name}")
+            assert dict(patch.recomputed_calls) == {i: 1 for i in range(layers)}, patch.recomputed_calls
+    finally:
+        patch.remove()
+
+
 def _compiled_fsdp_cp_matches_reference(rank, world, mesh, reference, backend: str):
     """The whole stack compiled: FSDP2 + CP + checkpointing + torch.compile (FSDP2's hooks may break the graph
     between layers: no fullgraph here) equals the single-process run (the batch step; the packed path through the
@@ -313,10 +379,12 @@ def _stack_world(rank, world, backends):
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
     # The reference is the same on every rank: rank 0 computes it, the others receive it (CPU time is scarce).
-    holder = [_reference_run(3) if rank == 0 else None]
+    holder = [(_reference_run(3), _lora_reference_run(2) if _HAS_PEFT else None) if rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
-    reference = holder[0]
+    reference, lora_reference = holder[0]
     _fsdp_cp_matches_reference(rank, world, mesh, reference)
+    if lora_reference is not None:
+        _lora_fsdp_cp_matches_reference(rank, world, mesh, lora_reference)
     _missing_cp_reduction_is_detected(rank, world, mesh, reference)
     _compiled_fsdp_cp_matches_reference(rank, world, mesh, reference, backends[0])
     # Compiling costs CPU time: one cp group (dp index 0) compiles; the other waits at the barrier.

@@ -2,7 +2,7 @@
 ``ParallelismConfig``.
 
     args = TrainingArguments(..., parallelism_config=ParallelismConfig(dp_shard_size=dp, cp_size=cp))
-    trainer = Trainer(model=model, args=args, ...)          # or trl.SFTTrainer(...), trl.DPOTrainer(...)
+    trainer = Trainer(model=model, args=args, ...)          # or trl.SFTTrainer / DPOTrainer / RewardTrainer
     cp = hfpatch.integrations.enable(trainer)               # ring attention over the "cp" mesh dimension
     trainer.train()
 

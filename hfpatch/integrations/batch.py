@@ -14,9 +14,10 @@ head). Everything the ring derives itself is dropped after it has been checked:
 - ``cu_seq_lens_q/k``: must equal the documents the position ids give (HF's rule: a document starts where the
   position is 0), else refused; ``max_length_q/k`` and ``seq_idx`` follow from them.
 
-The row is padded at its end to a multiple of 2 x the CP size (the zigzag layout's chunks) with token 0, label
--100, positions continuing the row (a new document when packed): exact for causal models, and the count of
-labelled tokens (``num_items_in_batch``) is unchanged.
+The row is padded at its end to a multiple of 2 x the CP size (the zigzag layout's chunks) with the token
+``padding_token(model)`` gives (0, or the pad token of a head that pools each row's last non-pad token, which that
+rule never pools), label -100, positions continuing the row (a new document when packed): exact for causal
+models, and the count of labelled tokens (``num_items_in_batch``) is unchanged.
 """
 from __future__ import annotations
 
@@ -27,15 +28,35 @@ import torch
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import IGNORE_INDEX
 from hfpatch.attention.semantics import packed_cu_seqlens
+from hfpatch.model.heads import head_of, pad_token_id
+from hfpatch.model.wrappers import inner_model
 
-__all__ = ["prepare_batch", "PACKING_KEYS"]
+__all__ = ["prepare_batch", "padding_token", "PACKING_KEYS"]
 
 # TRL's padding-free collator (and transformers' DataCollatorWithFlattening): derived from the position ids.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-def prepare_batch(patch, inputs: Mapping[str, Any]) -> dict:
-    """This rank's inputs for the model (see the module docstring); ``patch``: an active ``hfpatch.Patch``."""
+def padding_token(model) -> int:
+    """The token ``prepare_batch`` pads rows with for ``model`` (a transformers model, or a wrapper of one): 0; for
+    a head that pools each row's last non-pad token (``hfpatch.model.heads``), its ``pad_token_id``. Such a head
+    without a pad token pools each row's last token, which the end padding would move: ``UnsupportedArgument``."""
+    inner = inner_model(model)
+    if head_of(inner).kind != "last-token":
+        return 0
+    pad = pad_token_id(inner)
+    if pad is None:
+        raise UnsupportedArgument(
+            "pad_token_id", None,
+            f"{type(inner).__name__} pools each row's last token when its config has no pad token, and under context "
+            "parallelism the integration pads every row at its end to a multiple of 2 x the CP size, which would "
+            "move that token.", "set model.config.pad_token_id to the tokenizer's pad token id.")
+    return int(pad)
+
+
+def prepare_batch(patch, inputs: Mapping[str, Any], *, pad_token: int = 0) -> dict:
+    """This rank's inputs for the model (see the module docstring); ``patch``: an active ``hfpatch.Patch``;
+    ``pad_token``: the token of the end padding (``padding_token(model)``)."""
     rest = dict(inputs)
     input_ids = rest.pop("input_ids", None)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -52,7 +73,7 @@ def prepare_batch(patch, inputs: Mapping[str, Any]) -> dict:
     _check_attention_mask(rest.pop("attention_mask", None), labels, input_ids)
     packed = _check_packing(rest, positions, input_ids)
     _refuse_other_sequences(rest, input_ids)
-    input_ids, labels, positions = _pad(input_ids, labels, positions, packed, 2 * patch.ctx.world_size)
+    input_ids, labels, positions = _pad(input_ids, labels, positions, packed, 2 * patch.ctx.world_size, pad_token)
     shard = patch.shard_inputs(input_ids, labels=labels, position_ids=positions)
     rest.update(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
     if shard["labels"] is not None:
@@ -137,7 +158,7 @@ def _refuse_other_sequences(rest: dict, input_ids) -> None:
             )
 
 
-def _pad(input_ids, labels, positions, packed: bool, multiple: int):
+def _pad(input_ids, labels, positions, packed: bool, multiple: int, pad_token: int):
     """Pad the rows at their end to a multiple of ``multiple`` tokens (see the module docstring)."""
     batch, seq = input_ids.shape
     extra = -seq % multiple
@@ -145,7 +166,7 @@ def _pad(input_ids, labels, positions, packed: bool, multiple: int):
         positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
     if extra == 0:
         return input_ids, labels, positions
-    input_ids = torch.cat([input_ids, input_ids.new_zeros(batch, extra)], dim=1)
+    input_ids = torch.cat([input_ids, input_ids.new_full((batch, extra), pad_token)], dim=1)
     if labels is not None:
         labels = torch.cat([labels, labels.new_full((batch, extra), IGNORE_INDEX)], dim=1)
     tail = torch.arange(extra, device=positions.device).unsqueeze(0).expand(batch, extra)

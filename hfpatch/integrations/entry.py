@@ -3,7 +3,9 @@
 - transformers' ``Trainer`` and TRL's ``SFTTrainer`` (or a subclass): ``hfpatch.integrations.trainer.TrainerCP``,
   which splits each batch and averages the token loss over the CP group;
 - TRL's ``DPOTrainer``: ``hfpatch.integrations.preference.PreferenceCP``, which scores whole batches exactly;
-- the TRL trainers it does not make exact (GRPO, RLOO, KTO, RewardTrainer, ...): refused by name under CP
+- TRL's ``RewardTrainer``: ``hfpatch.integrations.reward.RewardCP``, which pools each row's reward exactly on every
+  rank and keeps TRL's loss and metrics;
+- the TRL trainers it does not make exact (GRPO, RLOO, KTO, ...): refused by name under CP
   (``hfpatch.integrations.preference``).
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import hfpatch
 from hfpatch.integrations.preference import PreferenceCP, is_dpo_trainer, refuse_unsupported_trl_trainer
 from hfpatch.integrations.requirements import check_releases
+from hfpatch.integrations.reward import RewardCP, is_reward_trainer
 from hfpatch.integrations.trainer import (TrainerCP, cp_mesh, is_trl_trainer, refuse_unsupported_losses,
                                           require_checkpointing, summary_line)
 
@@ -32,9 +35,9 @@ def _model_prepared(trainer) -> bool:
 
 def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", verify: Any = True,
            keep_attention: Any = None) -> TrainerCP:
-    """Give ``trainer`` (transformers' ``Trainer``, TRL's ``SFTTrainer`` or ``DPOTrainer``, built, not yet
-    trained) context parallelism over the "cp" dimension of its ``ParallelismConfig``; returns the handle
-    (``TrainerCP``, or its ``PreferenceCP`` for a DPOTrainer).
+    """Give ``trainer`` (transformers' ``Trainer``, TRL's ``SFTTrainer``, ``DPOTrainer`` or ``RewardTrainer``,
+    built, not yet trained) context parallelism over the "cp" dimension of its ``ParallelismConfig``; returns the
+    handle (``TrainerCP``, or its ``PreferenceCP`` for a DPOTrainer, its ``RewardCP`` for a RewardTrainer).
 
     Call it on every rank after building the trainer and before ``trainer.train()``. ``kernel``,
     ``on_unsupported`` and ``verify`` are ``hfpatch.apply``'s. Without a ``ParallelismConfig`` or with
@@ -48,7 +51,8 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     Raises ``UnsupportedRelease`` for transformers / accelerate / TRL older than
     ``hfpatch.integrations.requirements``; ``UnsupportedArgument`` for what it cannot combine with CP (tensor or
     sequence parallelism, label smoothing, ``compute_loss_func``, a MoE auxiliary loss, a TRL trainer it does not
-    make exact); ``RuntimeError`` when the trainer's model was already prepared (``train()`` ran).
+    make exact, a pooled head without a pad token); ``RuntimeError`` when the trainer's model was already prepared
+    (``train()`` ran).
     """
     check_releases(trl=is_trl_trainer(trainer))
     if _model_prepared(trainer):
@@ -62,7 +66,8 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
         require_checkpointing(trainer, keep_attention)
     model = trainer.model
     patch = hfpatch.apply(mesh, model=model, kernel=kernel, on_unsupported=on_unsupported, verify=verify)
-    handle = (PreferenceCP if is_dpo_trainer(trainer) else TrainerCP)(trainer, patch, cp_size)
+    kind = PreferenceCP if is_dpo_trainer(trainer) else RewardCP if is_reward_trainer(trainer) else TrainerCP
+    handle = kind(trainer, patch, cp_size)
     try:
         handle._install()
         if keep_attention is not None and handle.active:

@@ -25,16 +25,18 @@ divided by the CP size where the divisor above scaled it, and the same one-copy 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 
+from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import IGNORE_INDEX
 from hfpatch.integrations.batch import prepare_batch
 from hfpatch.model.labels import averaged_over_group
 from ring_kernels.layout import unshard
 
-__all__ = ["prediction_step", "OneCopyPerCPGroup"]
+__all__ = ["prediction_step", "OneCopyPerCPGroup", "metrics_gathered_once"]
 
 
 class OneCopyPerCPGroup:
@@ -64,6 +66,27 @@ class OneCopyPerCPGroup:
     def _one_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         parts = tensor.chunk(self.world_size, dim=0)
         return torch.cat([parts[rank] for rank in self.kept_ranks], dim=0)
+
+
+@contextlib.contextmanager
+def metrics_gathered_once(accelerator, gather_one_copy: OneCopyPerCPGroup) -> Iterator[None]:
+    """Inside it, ``accelerator.gather_for_metrics`` keeps one copy per CP group (``gather_one_copy``, then
+    accelerate's cut of the last batch's remainder, as without CP): TRL's trainers gather their metrics (token
+    counts, accuracies, margins) with it, one number per rank, and the CP ranks of a group hold the same batch.
+    Restored on exit (left as it is if someone else replaced it meanwhile)."""
+    def gather_for_metrics(input_data, use_gather_object: bool = False):
+        if use_gather_object:
+            raise UnsupportedArgument(
+                "use_gather_object", True, "under CP the trainer's metrics are gathered as tensors, one copy per CP "
+                "group; objects are not.", "gather tensors (TRL's trainers do).")
+        return gather_one_copy(input_data)
+
+    accelerator.gather_for_metrics = gather_for_metrics
+    try:
+        yield
+    finally:
+        if accelerator.__dict__.get("gather_for_metrics") is gather_for_metrics:
+            del accelerator.gather_for_metrics
 
 
 def _labels_of(trainer, inputs) -> Any:
@@ -112,7 +135,7 @@ def prediction_step(handle, model, inputs, prediction_loss_only: bool, ignore_ke
     num_items = _divisor(handle, inputs) if labels is not None else None
     step = None
     if handle.active:
-        inputs = prepare_batch(handle.patch, inputs)
+        inputs = prepare_batch(handle.patch, inputs, pad_token=handle.pad_token)
         step = handle.patch.ctx.step
     want_outputs = not prediction_loss_only or not handle.sft   # SFTTrainer recomputes its outputs: only if needed
     loss, outputs = None, None

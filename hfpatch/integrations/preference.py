@@ -11,8 +11,10 @@ rank. So every rank computes the non-CP loss and metrics. What it replaces, on t
 - accelerate's ``_prepare_cp`` -> nothing (attention is hfpatch's ring);
 - ``trainer.compute_loss`` -> TRL's, whose loss's gradient is multiplied by the CP size (its value unchanged):
   accelerate averages gradients over the dp x cp ranks, and each rank's gradient is its share of the non-CP one;
-- ``trainer._tp_size`` (TRL's count of ranks given the same batch, which divides its ``num_tokens`` metric) ->
-  times the CP size, since the CP ranks of a group hold the same batch.
+- ``accelerator.gather_for_metrics``, while TRL's ``compute_loss`` runs, and the evaluation loop's gather -> one
+  copy per CP group (``evaluation.metrics_gathered_once``, ``evaluation.OneCopyPerCPGroup``): TRL's metrics (token
+  counts, accuracies, logits) and the eval losses gather one number per rank, and the CP ranks of a group hold the
+  same batch.
 
 The reference model (``trainer.ref_model``) joins the patch (``Patch.add_model``). Evaluation runs TRL's own
 ``prediction_step``, through the same exact forwards. With ``precompute_ref_log_probs=True`` TRL scores the
@@ -27,6 +29,7 @@ import contextlib
 import sys
 
 from hfpatch.errors import UndoStack, UnsupportedArgument
+from hfpatch.integrations import evaluation
 from hfpatch.integrations.fused_head import install_whole_batch_scoring, model_scored_by
 from hfpatch.integrations.trainer import TrainerCP
 from hfpatch.model.labels import averaged_over_group
@@ -42,8 +45,6 @@ _REFUSED = {
                    "cp_size > 1 for it",
     "KTOTrainer": "its KL term scores mismatched prompt/completion pairs built inside the step, which the "
                   "whole-batch scoring does not cover yet",
-    "RewardTrainer": "its reward head pools one token per row from padded rows, which its batches do not give the "
-                     "integration yet",
     "GKDTrainer": "its distillation loss reads the whole logits of teacher and student",
     "OnlineDPOTrainer": "it generates completions inside the step",
     "PPOTrainer": "it generates completions inside the step",
@@ -78,26 +79,32 @@ def refuse_unsupported_trl_trainer(trainer, cp_size: int) -> None:
                 "trainer", type(trainer).__name__,
                 f"hfpatch.integrations.enable does not make TRL's {name} exact under context parallelism: {reason}.",
                 "train it without CP (cp_size=1: the same script, enable changes nothing), or use SFTTrainer / "
-                "DPOTrainer / Trainer, which enable makes exact.")
+                "DPOTrainer / RewardTrainer / Trainer, which enable makes exact.")
 
 
 class PreferenceCP(TrainerCP):
-    """``TrainerCP`` of a DPOTrainer (module docstring)."""
+    """``TrainerCP`` of a DPOTrainer (module docstring). ``verify``: ``hfpatch.apply``'s, for the reference model
+    too."""
+
+    def __init__(self, trainer, patch, cp_size: int, *, verify=True) -> None:
+        super().__init__(trainer, patch, cp_size)
+        self.verify = verify
 
     def _install(self) -> None:
         if self.cp_size == 1:
             return
         trainer = self.trainer
         self.original_compute_loss = trainer.compute_loss
+        self.original_prediction_step = trainer.prediction_step
+        self.gather_one_copy = evaluation.OneCopyPerCPGroup(trainer.accelerator)
         self._installed = {
             (trainer, "_prepare_context_parallel_inputs"): self._whole_batch,
             (trainer, "compute_loss"): self._compute_loss,
+            (trainer, "prediction_step"): self._prediction_step,
             (trainer.accelerator, "_prepare_cp"): self._without_torch_cp,
         }
         for (owner, name), replacement in self._installed.items():
             setattr(owner, name, replacement)
-        self._tp_size = trainer._tp_size
-        trainer._tp_size = self._tp_size * self.cp_size
         self.eval_step = "the trainer's own, on exact forwards"
         if self.active:
             self.scoring = self._install_scoring()
@@ -111,7 +118,7 @@ class PreferenceCP(TrainerCP):
         models = [model_scored_by(trainer.model, unwrap)]
         if trainer.ref_model is not None:
             reference = unwrap(trainer.ref_model)
-            patch.add_model(reference, verify=False)
+            patch.add_model(reference, verify=bool(self.verify))
             models.append(model_scored_by(reference, unwrap))
         for model in models:
             if model is None:
@@ -161,8 +168,7 @@ class PreferenceCP(TrainerCP):
         return rescored.add_column(columns[1], rejected, feature=Value("float32"))
 
     def remove(self) -> None:
-        if not self._removed and hasattr(self, "_tp_size"):
-            self.trainer._tp_size = self._tp_size
+        if not self._removed:
             scoring = getattr(self, "scoring", None)
             if scoring is not None:
                 scoring.remove()
@@ -171,7 +177,15 @@ class PreferenceCP(TrainerCP):
     def _whole_batch(self, model, inputs):
         return contextlib.nullcontext, inputs
 
+    def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self.trainer.gather_function = self.gather_one_copy   # the trainer resets it when its loop ends
+        return self.original_prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
     def _compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        with evaluation.metrics_gathered_once(self.trainer.accelerator, self.gather_one_copy):
+            return self._scaled_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _scaled_loss(self, model, inputs, return_outputs, num_items_in_batch):
         if not self.active:  # fallback: every rank computes the whole batch; the average over ranks is exact
             return self.original_compute_loss(model, inputs, return_outputs=return_outputs,
                                               num_items_in_batch=num_items_in_batch)

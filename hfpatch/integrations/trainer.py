@@ -33,7 +33,7 @@ import torch
 
 from hfpatch.errors import MissingEnable, UnsupportedArgument
 from hfpatch.integrations import evaluation
-from hfpatch.integrations.batch import prepare_batch
+from hfpatch.integrations.batch import padding_token, prepare_batch
 from hfpatch.model.labels import averaged_over_group
 
 __all__ = ["TrainerCP", "guard_missing_enable", "summary_line", "cp_mesh", "is_trl_trainer"]
@@ -58,7 +58,8 @@ class TrainerCP:
     ``kept``: the ``hfpatch.KeptAttention`` of ``enable(keep_attention=...)`` (None without);
     ``eval_step``: "cp" when evaluation and prediction run through ``hfpatch.integrations.evaluation``, or
     "trainer's own" (no CP, or a trainer class with its own ``prediction_step``, left as it is);
-    ``gathered_logits``: how many batches of logits were gathered over the CP group (``predict()``)."""
+    ``gathered_logits``: how many batches of logits were gathered over the CP group (``predict()``);
+    ``pad_token``: the token ``batch.prepare_batch`` pads rows with (``batch.padding_token``)."""
 
     def __init__(self, trainer, patch, cp_size: int) -> None:
         self.trainer = trainer
@@ -70,6 +71,7 @@ class TrainerCP:
         self.sft = _is_sft_trainer(trainer)
         self.eval_step = "trainer's own"
         self.gathered_logits = 0
+        self.pad_token = 0
         self._installed: dict = {}
         self._removed = False
 
@@ -82,6 +84,8 @@ class TrainerCP:
         if self.cp_size == 1:
             return
         trainer = self.trainer
+        if self.active:   # before anything is installed: it refuses a pooled head without a pad token
+            self.pad_token = padding_token(trainer.model)
         self.original_compute_loss = trainer.compute_loss
         self._installed = {
             (trainer, "_prepare_context_parallel_inputs"): self._prepare_inputs,
@@ -117,7 +121,7 @@ class TrainerCP:
 
         if not self.active:
             return contextlib.nullcontext, inputs
-        return contextlib.nullcontext, prepare_batch(self.patch, inputs)
+        return contextlib.nullcontext, prepare_batch(self.patch, inputs, pad_token=self.pad_token)
 
     def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         return evaluation.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
@@ -258,8 +262,8 @@ def summary_line(handle: TrainerCP, keep_attention: Any = None) -> str:
     ctx = handle.patch.ctx
     mixers = handle.patch.mixers.modules if handle.patch.mixers is not None else []
     exact = ["attention", "loss (averaged over the CP group)"] + ([f"{len(mixers)} sequence mixers"] if mixers else [])
-    exact.append("evaluate()/predict()" if handle.eval_step == "cp" else "training only (the trainer's own "
-                 "prediction_step is left as it is)")
+    exact.append("evaluate()/predict()" if handle.eval_step != "trainer's own" else "training only (the trainer's "
+                 "own prediction_step is left as it is)")
     kept = f"; kept attention outputs (budget {keep_attention!r})" if handle.kept is not None else ""
     return (f"hfpatch.integrations: {name} ring attention, kernel {ctx.variant}:{ctx.backend}, cp={handle.cp_size} "
             f"of {world} processes; exact: {', '.join(exact)}{kept}; refused: "

@@ -39,7 +39,8 @@ from hfpatch.errors import UndoStack, UnsupportedArgument
 from hfpatch.modes import current_mode
 from ring_kernels.layout import rank_positions
 
-__all__ = ["Head", "head_of", "head_finding_reason", "install_pooled_head", "pooled_logits", "probe_labels"]
+__all__ = ["Head", "head_of", "head_finding_reason", "install_pooled_head", "pad_token_id", "pooled_logits",
+           "probe_labels"]
 
 RIGHTMOST_NON_PAD = "rightmost-non-pad"   # 4.48+: (positions * (ids != pad)).argmax(-1)
 BEFORE_FIRST_PAD = "before-first-pad"     # earlier: (ids == pad).argmax(-1) - 1, modulo the length
@@ -97,7 +98,8 @@ def head_finding_reason(model: torch.nn.Module) -> Optional[str]:
     return head.reason if head.kind == "refused" else None
 
 
-def _pad_token_id(model: torch.nn.Module) -> Optional[int]:
+def pad_token_id(model: torch.nn.Module) -> Optional[int]:
+    """The pad token a last-token head pools around: the text config's ``pad_token_id``, else the config's."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     pad = getattr(text, "pad_token_id", None)
@@ -244,7 +246,7 @@ def install_pooled_head(model: torch.nn.Module, ctx_of: Callable[[], Any],
                    f"{step.seq_len_local} per rank."),
                 "shard the batch with patch.shard_inputs(input_ids) and pass the input_ids it returns.")
         index = _global_index(step, ctx, scores.device)
-        at = pooled_index(head.rule, entry["ids"], _pad_token_id(module), index, step.seq_len_global,
+        at = pooled_index(head.rule, entry["ids"], pad_token_id(module), index, step.seq_len_global,
                           scores.shape[0], ctx.group)
         pooled = pooled_logits(scores, index, at, ctx.group, gradient_scale=ctx.world_size if averaged() else 1)
         loss = classification_loss(pooled, entry["labels"], module.config) if entry["labels"] is not None else None

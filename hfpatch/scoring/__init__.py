@@ -14,7 +14,8 @@ equal to the model run without CP, forward and backward::
     values.last_values       # (B,): each sequence's value at its last real token (a reward model's reward)
 
 The batch is every rank's whole batch, as the RL framework holds it: rows padded on either side, or one packed row
-(``hfpatch.scoring.rows``). Without CP (no active patch, a group of one) the same call computes the same numbers.
+(``hfpatch.scoring.rows``). Without CP (no active patch, a group of one) the same call computes the same numbers,
+from every sequence run as a right-padded row with the attention mask.
 
 Gradients: every rank computes the same loss from these results; the parameter gradients summed over the CP group
 are the non-CP ones (``hfpatch.scoring.gather``). A trainer that AVERAGES gradients over the dp x cp ranks needs
@@ -38,7 +39,7 @@ import torch
 from hfpatch.api import Patch, active_patch
 from hfpatch.attention.semantics import plan_step
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.inputs import IGNORE_INDEX, shard_inputs, shift_labels
+from hfpatch.inputs import IGNORE_INDEX, shift_labels
 from hfpatch.model.heads import head_of
 from hfpatch.model.wrappers import inner_model
 from hfpatch.scoring import gather
@@ -125,28 +126,53 @@ def score(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_mask: Op
     multiple, per_document = _layout_padding(ctx, documents)
     rows = pack_rows(input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                      multiple=multiple, per_document=per_document)
-    if patch is not None:
+    if ctx is not None:
         shard = patch.shard_inputs(rows.input_ids, labels=rows.labels, position_ids=rows.position_ids)
+        local_ids, next_labels = shard["input_ids"], shard["labels"]
+        out = model(input_ids=local_ids, position_ids=shard["position_ids"], use_cache=False, **model_kwargs)
+
+        def to_packed(local):
+            return gather.gather_tokens(ctx, local)
     else:
-        shard = shard_inputs(None, rows.input_ids, labels=rows.labels, position_ids=rows.position_ids)
-    out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False, **model_kwargs)
-    next_labels = shard["labels"]
+        padded = _padded(rows)
+        local_ids, next_labels = padded["input_ids"], padded["next_labels"]
+        out = model(input_ids=local_ids, attention_mask=padded["attention_mask"],
+                    position_ids=padded["position_ids"], use_cache=False, **model_kwargs)
+
+        def to_packed(local):
+            return local.reshape(-1, *local.shape[2:]).index_select(0, padded["slots"].to(local.device))[None]
     scored = rows.unpack(shift_labels(rows.labels) != IGNORE_INDEX)[:, :-1]
     token_lp = ent = per_token_values = sums = last = None
     if log_probs or entropy:
         logits = _logits(out)
         if log_probs:
-            packed_lp = gather.gather_tokens(ctx, token_log_probs(logits, next_labels, temperature))
+            packed_lp = to_packed(token_log_probs(logits, next_labels, temperature))
             token_lp = rows.unpack(packed_lp)[:, :-1]
             sums = rows.per_sequence(packed_lp)
         if entropy:
-            ent = rows.unpack(gather.gather_tokens(ctx, token_entropy(logits, next_labels, temperature)))[:, :-1]
+            ent = rows.unpack(to_packed(token_entropy(logits, next_labels, temperature)))[:, :-1]
     if values is not None:
-        packed_values = gather.gather_tokens(ctx, _values(values, out, shard["input_ids"]).float())
+        packed_values = to_packed(_values(values, out, local_ids).float())
         per_token_values = rows.unpack(packed_values)
         last = packed_values[0].index_select(0, rows.last_tokens().to(packed_values.device))
     return Scores(log_probs=token_lp, entropy=ent, mask=scored, values=per_token_values, sequence_log_probs=sums,
                   last_values=last)
+
+
+def _padded(rows: PackedRows) -> dict:
+    """Without CP: every sequence of the (unpadded) packed row as a right-padded row of its own, run with the
+    attention mask (what every release computes alike); ``slots``: the padded batch's flat index of each token of
+    the packed row, in order."""
+    lengths = rows.lengths
+    count, longest = lengths.numel(), int(lengths.max())
+    slots = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths.tolist())])
+    device = rows.input_ids.device
+    ids = rows.input_ids.new_zeros(count * longest).index_copy(0, slots.to(device), rows.input_ids[0])
+    labels = rows.labels.new_full((count * longest,), IGNORE_INDEX).index_copy(0, slots.to(device), rows.labels[0])
+    mask = torch.zeros(count * longest, dtype=torch.long, device=device).index_fill(0, slots.to(device), 1)
+    positions = torch.arange(longest, device=device).expand(count, longest)
+    return {"input_ids": ids.view(count, longest), "attention_mask": mask.view(count, longest),
+            "position_ids": positions, "next_labels": shift_labels(labels.view(count, longest)), "slots": slots}
 
 
 def _logits(out) -> torch.Tensor:

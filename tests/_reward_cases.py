@@ -1,0 +1,101 @@
+"""TRL's RewardTrainer cases of tests/_trainer_cases.py (launched the same way): the dataset, the arguments and the
+trainer of each ``reward*`` kind.
+
+Kinds (``model:kind``; model ``llama`` or ``qwen3``: a tiny ``*ForSequenceClassification`` with one label, random
+weights, fp32):
+
+- ``reward``: the Bradley-Terry loss with a ``margin`` column and ``center_rewards_coefficient``; the pad token is
+  id 0;
+- ``reward_pad``: the plain loss with a pad token that is not id 0 (the integration's own end padding must be the
+  pad token, or the pooled head would pool it), on odd-sized datasets without ``dataloader_drop_last``: the last
+  batch of an epoch and of the eval set is cut to its remainder by accelerate, in the loss and in TRL's gathered
+  metrics.
+
+Rows: a prompt and two completions of different lengths per example (TRL pads ``[chosen; rejected]`` on the right
+with the pad token; row lengths are rarely a multiple of 2 x cp, so the integration pads most batches too). Every
+metric TRL logs is recorded.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 128
+EXAMPLES = 16
+EVAL_EXAMPLES = 8
+REWARD_KINDS = ("reward", "reward_pad")
+# metrics TRL's RewardTrainer logs per optimiser step (and "eval_" + each in evaluation)
+METRICS = ("loss", "grad_norm", "num_tokens", "min_reward", "mean_reward", "max_reward", "accuracy", "margin")
+PAD_ID = {"reward": 0, "reward_pad": 5}
+CENTER_REWARDS = 0.01
+
+
+def tokenizer(pad_id: int):
+    """A word-level tokenizer over "t3" .. "t127" (split on spaces) with <eos> at 1 and <pad> at ``pad_id`` (the
+    word it displaces takes id 0)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    displaced = next((word for word, i in words.items() if i == pad_id), None)
+    if displaced is not None:
+        words[displaced] = 0
+    backend = Tokenizer(WordLevel({**words, "<pad>": pad_id}, unk_token="<unk>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def _text(g, low, high):
+    n = int(torch.randint(low, high, (1,), generator=g))
+    return " ".join(f"t{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=g))
+
+
+def dataset(kind: str, split: str = "train"):
+    """Prompt / chosen / rejected texts: prompts of 3-9 tokens, completions of 2-12 (then <eos>); ``reward`` adds a
+    margin per example."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(20 if split == "train" else 21)
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    odd = 1 if kind == "reward_pad" else 0
+    for _ in range((EXAMPLES if split == "train" else EVAL_EXAMPLES) - odd):
+        rows["prompt"].append(_text(g, 3, 10))
+        rows["chosen"].append(" " + _text(g, 2, 13) + " <eos>")
+        rows["rejected"].append(" " + _text(g, 2, 13) + " <eos>")
+    if kind == "reward":
+        rows["margin"] = (torch.rand(len(rows["prompt"]), generator=g) * 0.5).tolist()
+    return Dataset.from_dict(rows)
+
+
+def build_model(name: str, pad_id: int):
+    """A tiny ``LlamaForSequenceClassification`` / ``Qwen3ForSequenceClassification`` (one label: the reward)."""
+    import transformers
+
+    family = {"llama": ("LlamaConfig", "LlamaForSequenceClassification"),
+              "qwen3": ("Qwen3Config", "Qwen3ForSequenceClassification")}[name]
+    config = getattr(transformers, family[0])(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_labels=1, pad_token_id=pad_id, attn_implementation="eager")
+    torch.manual_seed(0)
+    return getattr(transformers, family[1])(config)
+
+
+def arguments(kind: str, common: dict):
+    from trl import RewardConfig
+
+    common = dict(common, dataloader_drop_last=kind != "reward_pad")
+    return RewardConfig(**common, max_length=None, dataset_num_proc=None,
+                        center_rewards_coefficient=CENTER_REWARDS if kind == "reward" else None)
+
+
+def trainer(model_name: str, kind: str, args):
+    from trl import RewardTrainer
+
+    pad_id = PAD_ID[kind]
+    os.makedirs(args.output_dir, exist_ok=True)
+    return RewardTrainer(model=build_model(model_name, pad_id), args=args, train_dataset=dataset(kind),
+                         eval_dataset=dataset(kind, "eval"), processing_class=tokenizer(pad_id))
