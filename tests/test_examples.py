@@ -109,6 +109,13 @@ def test_sft_example_with_accelerate_launch_prints_the_comparison():
     _check_trainer_report(out, steps=3)
 
 
+def test_dpo_example_with_torchrun_prints_the_comparison():
+    _needs_the_trainer_stack()
+    _under_the_ci_pin()
+    out = _launch(_torchrun(2), "dpo_cp.py", "--cp", "2", "--steps", "3")
+    _check_trainer_report(out, steps=3)
+
+
 def test_train_example_on_two_processes_prints_the_comparison():
     _under_the_ci_pin()
     out = _launch(_torchrun(2), "train_cp.py", "--steps", "3", "--seq-len", "64")
@@ -122,7 +129,7 @@ def test_train_example_on_two_processes_prints_the_comparison():
                      re.M), out
 
 
-@pytest.mark.parametrize("example", ["trainer_cp.py", "sft_cp.py", "train_cp.py"])
+@pytest.mark.parametrize("example", ["trainer_cp.py", "sft_cp.py", "dpo_cp.py", "train_cp.py"])
 def test_plot_without_matplotlib_exits_2_before_any_work(example, tmp_path):
     """matplotlib hidden (``sys.modules["matplotlib"] = None``: not importable, ``find_spec`` finds nothing)."""
     argv = [f"examples/{example}", *([] if example == "train_cp.py" else ["--cp", "1"]), "--plot",
