@@ -177,12 +177,22 @@ def test_reward_padding_that_cannot_be_dropped_is_refused(ids, mask):
     assert info.value.parameter == "attention_mask" and info.value.fix
 
 
-def test_the_reward_trainer_is_made_exact_and_others_are_refused_by_name():
+@pytest.mark.parametrize("name", ["GRPOTrainer", "RLOOTrainer", "KTOTrainer"])   # TRL 1.16's other top-level ones
+def test_trl_trainers_not_made_exact_are_refused_by_name_under_cp_only(name):
     trl = pytest.importorskip("trl")
-    refuse_unsupported_trl_trainer(trl.RewardTrainer.__new__(trl.RewardTrainer), cp_size=2)
+    cls = getattr(trl, name)
+    trainer = cls.__new__(cls)
+    refuse_unsupported_trl_trainer(trainer, cp_size=1)   # without CP: the same script, nothing refused
     with pytest.raises(UnsupportedArgument) as info:
-        refuse_unsupported_trl_trainer(trl.GRPOTrainer.__new__(trl.GRPOTrainer), cp_size=2)
-    assert info.value.parameter == "trainer" and "GRPOTrainer" in str(info.value)
+        refuse_unsupported_trl_trainer(trainer, cp_size=2)
+    assert info.value.parameter == "trainer" and name in str(info.value) and info.value.fix
+
+
+def test_the_trainers_made_exact_are_not_refused():
+    trl = pytest.importorskip("trl")
+    for name in ("SFTTrainer", "DPOTrainer", "RewardTrainer"):
+        cls = getattr(trl, name)
+        refuse_unsupported_trl_trainer(cls.__new__(cls), cp_size=2)
 
 
 # ------------------------------------------------------------------------------------------------- labels
