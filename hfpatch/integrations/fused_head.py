@@ -29,8 +29,7 @@ import torch
 from hfpatch.errors import UndoStack, UnsupportedArgument
 from hfpatch.modes import current_mode
 from hfpatch.scoring import gather
-from hfpatch.scoring.rows import PackedRows, pack_rows
-from hfpatch.attention.semantics import plan_step
+from hfpatch.scoring.rows import PackedRows, pack_for_ring
 
 __all__ = ["install_whole_batch_scoring", "PER_TOKEN_FIELDS"]
 
@@ -43,11 +42,6 @@ class _Pending(threading.local):
 
     def __init__(self) -> None:
         self.rows: dict = {}
-
-
-def _layout_padding(ctx, documents: int) -> tuple:
-    _, layout = plan_step(ctx.variant, packed=documents > 1)
-    return (2 * ctx.world_size, True) if layout == "zigzag" else (ctx.world_size, False)
 
 
 def install_whole_batch_scoring(patch, model: torch.nn.Module) -> UndoStack:
@@ -67,13 +61,8 @@ def install_whole_batch_scoring(patch, model: torch.nn.Module) -> UndoStack:
         if args:
             kwargs["input_ids"], args = args[0], args[1:]
         _refuse(kwargs, module)
-        input_ids = kwargs.pop("input_ids")
-        documents = pack_rows(input_ids, attention_mask=kwargs.get("attention_mask"),
-                              position_ids=kwargs.get("position_ids")).lengths.numel()
-        multiple, per_document = _layout_padding(ctx, documents)
-        rows = pack_rows(input_ids, attention_mask=kwargs.pop("attention_mask", None),
-                         position_ids=kwargs.pop("position_ids", None), labels=kwargs.pop("labels", None),
-                         multiple=multiple, per_document=per_document)
+        rows = pack_for_ring(ctx, kwargs.pop("input_ids"), attention_mask=kwargs.pop("attention_mask", None),
+                             position_ids=kwargs.pop("position_ids", None), labels=kwargs.pop("labels", None))
         shard = patch.shard_inputs(rows.input_ids, labels=rows.labels, position_ids=rows.position_ids)
         pending.rows[id(module)] = (rows, kwargs.get("num_items_in_batch"))
         kwargs.update(input_ids=shard["input_ids"], position_ids=shard["position_ids"], shift_labels=shard["labels"])

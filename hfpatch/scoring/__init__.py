@@ -37,7 +37,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from hfpatch.api import Patch, active_patch
-from hfpatch.attention.semantics import plan_step
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import IGNORE_INDEX, shift_labels
 from hfpatch.model.heads import head_of
@@ -45,7 +44,7 @@ from hfpatch.model.wrappers import inner_model
 from hfpatch.scoring import gather
 from hfpatch.scoring.gather import scale_gradient
 from hfpatch.scoring.quantities import token_entropy, token_log_probs
-from hfpatch.scoring.rows import PackedRows, pack_rows
+from hfpatch.scoring.rows import PackedRows, pack_for_ring, pack_rows
 
 __all__ = ["score", "Scores", "gather_tokens", "scale_gradient", "pack_rows", "PackedRows"]
 
@@ -77,16 +76,6 @@ def gather_tokens(patch: Optional[Patch], local: torch.Tensor) -> torch.Tensor:
     step, in global token order, on every rank (``hfpatch.scoring.gather``). The identity without an active
     patch."""
     return gather.gather_tokens(patch.live_ctx_or_none() if patch is not None else None, local)
-
-
-def _layout_padding(ctx, documents: int) -> tuple:
-    """(multiple, per_document) that the step's layout needs of the packed row (``hfpatch.scoring.rows``)."""
-    if ctx is None:
-        return 1, False
-    _, layout = plan_step(ctx.variant, packed=documents > 1)
-    if layout == "zigzag":
-        return 2 * ctx.world_size, True
-    return ctx.world_size, False
 
 
 def _refuse_pooled(model: torch.nn.Module) -> None:
@@ -122,10 +111,7 @@ def score(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_mask: Op
     ctx = patch.live_ctx_or_none() if patch is not None else None
     _refuse_pooled(model)
     _refuse_per_token_kwargs(model_kwargs, input_ids)
-    documents = pack_rows(input_ids, attention_mask=attention_mask, position_ids=position_ids).lengths.numel()
-    multiple, per_document = _layout_padding(ctx, documents)
-    rows = pack_rows(input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
-                     multiple=multiple, per_document=per_document)
+    rows = pack_for_ring(ctx, input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels)
     if ctx is not None:
         shard = patch.shard_inputs(rows.input_ids, labels=rows.labels, position_ids=rows.position_ids)
         local_ids, next_labels = shard["input_ids"], shard["labels"]

@@ -21,11 +21,11 @@ from typing import Optional
 
 import torch
 
-from hfpatch.attention.semantics import packed_cu_seqlens
+from hfpatch.attention.semantics import packed_cu_seqlens, plan_step
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import IGNORE_INDEX
 
-__all__ = ["PackedRows", "pack_rows"]
+__all__ = ["PackedRows", "pack_rows", "pack_for_ring"]
 
 
 @dataclass(frozen=True)
@@ -165,3 +165,17 @@ def _append_padding(ids, pos, lab, lengths, pads):
         start += length
         out += length + pad
     return torch.cat(pieces_ids), torch.cat(pieces_pos), torch.cat(pieces_lab), torch.cat(slots)
+
+
+def pack_for_ring(ctx, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
+                  position_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> PackedRows:
+    """``pack_rows`` padded for the layout the ring splits the packed row in (``ctx``: the ``RingContext``, or None
+    without CP: no padding): every document to a multiple of 2 x the group size for the zigzag layout, else the
+    row to a multiple of the group size."""
+    if ctx is None:
+        return pack_rows(input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels)
+    documents = pack_rows(input_ids, attention_mask=attention_mask, position_ids=position_ids).lengths.numel()
+    _, layout = plan_step(ctx.variant, packed=documents > 1)
+    zigzag = layout == "zigzag"
+    return pack_rows(input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                     multiple=(2 if zigzag else 1) * ctx.world_size, per_document=zigzag)
