@@ -26,6 +26,8 @@ divided by the CP size where the divisor above scaled it, and the same one-copy 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from typing import Any, Iterator, Optional
 
 import torch
@@ -36,7 +38,7 @@ from hfpatch.integrations.batch import prepare_batch
 from hfpatch.model.labels import averaged_over_group
 from ring_kernels.layout import unshard
 
-__all__ = ["prediction_step", "OneCopyPerCPGroup", "metrics_gathered_once"]
+__all__ = ["prediction_step", "OneCopyPerCPGroup", "metrics_gathered_once", "prediction_step_prepares_cp"]
 
 
 class OneCopyPerCPGroup:
@@ -66,6 +68,20 @@ class OneCopyPerCPGroup:
     def _one_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         parts = tensor.chunk(self.world_size, dim=0)
         return torch.cat([parts[rank] for rank in self.kept_ranks], dim=0)
+
+
+@functools.lru_cache(maxsize=None)
+def prediction_step_prepares_cp() -> bool:
+    """Whether the installed transformers' own ``Trainer.prediction_step`` calls
+    ``_prepare_context_parallel_inputs`` on its batch (recent 5.x releases; 5.0 does not): read from its source, so
+    that a trainer keeping that prediction step has its evaluation batches split once, wherever the release splits
+    them."""
+    from transformers import Trainer
+
+    try:
+        return "_prepare_context_parallel_inputs" in inspect.getsource(Trainer.prediction_step)
+    except (OSError, TypeError):
+        return False
 
 
 @contextlib.contextmanager

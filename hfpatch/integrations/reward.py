@@ -138,4 +138,6 @@ class RewardCP(TrainerCP):
 
     def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         self.trainer.gather_function = self.gather_one_copy   # the trainer resets it when its loop ends
+        if self.active and not evaluation.prediction_step_prepares_cp():
+            _, inputs = self._reward_batch(model, inputs)     # this release's prediction_step does not split it
         return self.original_prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
