@@ -24,6 +24,7 @@ import torch.distributed as dist
 import hfpatch
 import hfpatch.scoring as scoring
 from _dist import run_world
+from _release import skip_unless_ci_pin
 from hfpatch.errors import UnsupportedArgument
 from ring_kernels.tolerances import assert_close, relative_error, tolerance
 
@@ -243,6 +244,8 @@ def test_scores_match_non_cp_on_2_ranks():
 
 
 def test_scores_match_non_cp_on_4_ranks():
+    # what 4 ranks add is the layout's (release-independent); every release's model runs the 2-rank test
+    skip_unless_ci_pin("the 4-rank scoring world")
     worst = run_world(4, _world, ("auto",))
     print("worst errors per rank:", worst)
 
