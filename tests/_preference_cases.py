@@ -46,7 +46,8 @@ def tokenizer():
                                    unk_token="<unk>")
 
 
-def _text(g, low, high):
+def random_words(g, low, high):
+    """Between ``low`` and ``high`` - 1 random words "t3" .. "t127" (``g``: the torch generator), space-separated."""
     n = int(torch.randint(low, high, (1,), generator=g))
     return " ".join(f"t{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=g))
 
@@ -71,9 +72,9 @@ def _texts(split: str):
     g = torch.Generator().manual_seed(0 if split == "train" else 1)
     rows = {"prompt": [], "chosen": [], "rejected": []}
     for _ in range(EXAMPLES if split == "train" else EVAL_EXAMPLES):
-        rows["prompt"].append(_text(g, 3, 10))
-        rows["chosen"].append(" " + _text(g, 2, 13) + " <eos>")
-        rows["rejected"].append(" " + _text(g, 2, 13) + " <eos>")
+        rows["prompt"].append(random_words(g, 3, 10))
+        rows["chosen"].append(" " + random_words(g, 2, 13) + " <eos>")
+        rows["rejected"].append(" " + random_words(g, 2, 13) + " <eos>")
     return Dataset.from_dict(rows)
 
 

@@ -21,7 +21,8 @@ import os
 
 import torch
 
-VOCAB = 128
+from _preference_cases import VOCAB, random_words
+
 EXAMPLES = 16
 EVAL_EXAMPLES = 8
 REWARD_KINDS = ("reward", "reward_pad")
@@ -49,11 +50,6 @@ def tokenizer(pad_id: int):
                                    unk_token="<unk>")
 
 
-def _text(g, low, high):
-    n = int(torch.randint(low, high, (1,), generator=g))
-    return " ".join(f"t{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=g))
-
-
 def dataset(kind: str, split: str = "train"):
     """Prompt / chosen / rejected texts: prompts of 3-9 tokens, completions of 2-12 (then <eos>); ``reward`` adds a
     margin per example."""
@@ -63,9 +59,9 @@ def dataset(kind: str, split: str = "train"):
     rows = {"prompt": [], "chosen": [], "rejected": []}
     odd = 1 if kind == "reward_pad" else 0
     for _ in range((EXAMPLES if split == "train" else EVAL_EXAMPLES) - odd):
-        rows["prompt"].append(_text(g, 3, 10))
-        rows["chosen"].append(" " + _text(g, 2, 13) + " <eos>")
-        rows["rejected"].append(" " + _text(g, 2, 13) + " <eos>")
+        rows["prompt"].append(random_words(g, 3, 10))
+        rows["chosen"].append(" " + random_words(g, 2, 13) + " <eos>")
+        rows["rejected"].append(" " + random_words(g, 2, 13) + " <eos>")
     if kind == "reward":
         rows["margin"] = (torch.rand(len(rows["prompt"]), generator=g) * 0.5).tolist()
     return Dataset.from_dict(rows)
