@@ -109,18 +109,20 @@ def _sum_over_cp_hook(cp_group, active: bool):
     return hook
 
 
-def _parallel_model(mesh, *, checkpointing: bool, cp_reduction: bool = True):
-    """The stack: build -> hfpatch.apply(mesh["cp"], model=) -> checkpoint layers -> fully_shard over dp."""
+def _parallel_model(mesh, *, checkpointing: bool, cp_reduction: bool = True, model=None):
+    """The stack: build (or ``model``: a PEFT model) -> hfpatch.apply(mesh["cp"], model=) -> checkpoint layers ->
+    fully_shard over dp."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    model = build_model("llama")
+    model = build_model("llama") if model is None else model
     patch = hfpatch.apply(mesh["cp"], model=model)
-    layers = model.model.layers
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = inner.model.layers
     if checkpointing:
         layer_cls = type(layers[0])
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_cls))
-    for layer in model.model.layers:
+    for layer in inner.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     hook = _sum_over_cp_hook(mesh["cp"].get_group(), cp_reduction)
@@ -226,24 +228,10 @@ def _lora_fsdp_cp_matches_reference(rank, world, mesh, reference):
     """PEFT under FSDP2 with FSDP's activation checkpointing (checkpoint_wrapper on every decoder layer): a LoRA
     model on the ring trains as the single-process LoRA model, adapter weights after every step included, and the
     recomputation ran the ring again in every layer."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    model = _lora()
-    patch = hfpatch.apply(mesh["cp"], model=model)
+    model, patch = _parallel_model(mesh, checkpointing=True, model=_lora())
     try:
-        inner = model.get_base_model()
-        layer_cls = type(inner.model.layers[0])
-        apply_activation_checkpointing(inner, check_fn=lambda m: isinstance(m, layer_cls))
-        for layer in inner.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        hook = _sum_over_cp_hook(mesh["cp"].get_group(), True)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_all_reduce_hook(hook)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-        layers = inner.config.num_hidden_layers
+        layers = model.get_base_model().config.num_hidden_layers
         for step, (ref_loss, ref_params) in enumerate(reference):
             patch.reset_calls()
             loss = _cp_step(model, patch, opt, mesh, step)
