@@ -103,8 +103,7 @@ class PreferenceCP(TrainerCP):
             (trainer, "prediction_step"): self._prediction_step,
             (trainer.accelerator, "_prepare_cp"): self._without_torch_cp,
         }
-        for (owner, name), replacement in self._installed.items():
-            setattr(owner, name, replacement)
+        self._install_replacements()
         self.eval_step = "the trainer's own, on exact forwards"
         if self.active:
             self.scoring = self._install_scoring()

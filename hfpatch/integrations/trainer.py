@@ -96,6 +96,10 @@ class TrainerCP:
             self.gather_one_copy = evaluation.OneCopyPerCPGroup(trainer.accelerator)
             self._installed[(trainer, "prediction_step")] = self._prediction_step
             self.eval_step = "cp"
+        self._install_replacements()
+
+    def _install_replacements(self) -> None:
+        """Set each replacement of ``self._installed`` on its owner (``remove()`` takes them off)."""
         for (owner, name), replacement in self._installed.items():
             setattr(owner, name, replacement)
 
