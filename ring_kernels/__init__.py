@@ -21,7 +21,14 @@ layouts ``ring``, ``zigzag``, ``stripe``; ``documents`` (packed-document plannin
 ``ulysses`` splits heads instead of the sequence (an all-to-all before and after attention; any layout, batch and
 varlen); ``usp`` runs a ring variant across groups of Ulysses ranks (a 2-D split of inputs sharded over the whole
 group in the ring variant's layout, ``usp_layout``).
+
+``torch_releases`` holds the supported torch range and its gates: importing ring_kernels on a torch outside the
+range raises ``UnsupportedTorch``.
 """
+
+from ring_kernels.torch_releases import UnsupportedTorch, check_supported_torch
+
+check_supported_torch()
 
 from ring_kernels.errors import RingInputError
 from ring_kernels.options import RingOptions, get_options, set_options, use_options
@@ -40,5 +47,5 @@ __all__ = [
     "ring_attn_varlen_func", "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func",
     "ulysses_attn_func", "ulysses_attn_varlen_func", "usp_attn_func", "usp_attn_varlen_func", "usp_layout",
     "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard", "rank_check_scope",
-    "RANK_CHECKED", "RingInputError", "RingOptions", "get_options", "set_options", "use_options",
+    "RANK_CHECKED", "RingInputError", "UnsupportedTorch", "RingOptions", "get_options", "set_options", "use_options",
 ]

@@ -289,6 +289,18 @@ def current_region() -> Optional[_Region]:
     return _REGION.get()
 
 
+@torch.compiler.disable
+def _refuse_compiled_region() -> None:
+    """Raise ``CompiledRegionError``. Called where Dynamo traces a kept checkpoint function, and hidden from Dynamo,
+    so the error is raised when the compiled code runs, never while it is traced: how Dynamo treats an exception
+    raised while tracing differs by torch release (propagated, an internal Dynamo error, or swallowed with an eager
+    fallback that keeps outputs nobody asked to compile)."""
+    raise CompiledRegionError(
+        "ring_kernels.checkpointing.keeping: kept ring outputs do not apply under torch.compile (the region "
+        "and its counters are Python state a compiled graph cannot carry). Fix: checkpoint with the plain "
+        "checkpoint function when compiling")
+
+
 def keeping(checkpoint_fn: Callable, keeper: OutputKeeper) -> Callable:
     """``checkpoint_fn`` with ring outputs kept by ``keeper`` (module docstring): same arguments, same result."""
     if not isinstance(keeper, OutputKeeper):
@@ -296,10 +308,7 @@ def keeping(checkpoint_fn: Callable, keeper: OutputKeeper) -> Callable:
 
     def kept_checkpoint(function, *args, **kwargs):
         if torch.compiler.is_compiling():
-            raise CompiledRegionError(
-                "ring_kernels.checkpointing.keeping: kept ring outputs do not apply under torch.compile (the region "
-                "and its counters are Python state a compiled graph cannot carry). Fix: checkpoint with the plain "
-                "checkpoint function when compiling")
+            _refuse_compiled_region()
         region = _Region(keeper)
         return checkpoint_fn(lambda *a, **kw: region.run(function, *a, **kw), *args, **kwargs)
 

@@ -33,6 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from .options import get_options
+from .torch_releases import triton_unsupported_reason
 
 __all__ = ["merge_", "add_", "safe_lse"]
 
@@ -147,6 +148,8 @@ def _build_fused_kernels():
     global _kernels
     if _kernels is not None:
         return _kernels
+    if triton_unsupported_reason() is not None:
+        raise ImportError(triton_unsupported_reason())
     import triton
     import triton.language as tl
 

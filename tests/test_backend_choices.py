@@ -28,6 +28,7 @@ from ring_kernels.backends import CAUSAL, FULL, GENERAL, BlockMask, choices, get
 from ring_kernels.backends import torch_cuda
 from ring_kernels.backends import torch_cuda_varlen as tcv
 from ring_kernels.backends.reference import ReferenceBackend
+from ring_kernels.torch_releases import triton_unsupported_reason
 
 from _dist import run_world
 from test_backends import fake_flash_attn
@@ -130,7 +131,8 @@ _TRITON_CHILD = textwrap.dedent("""
 
 def test_triton_interpreter_run_is_recorded():
     """Triton runs on CPU only under TRITON_INTERPRET=1 set before it is imported: a child process."""
-    pytest.importorskip("triton", reason="the triton package is not installed")
+    if triton_unsupported_reason() is not None:
+        pytest.skip(triton_unsupported_reason())
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
     done = subprocess.run([sys.executable, "-c", _TRITON_CHILD], env=env, capture_output=True, text=True,

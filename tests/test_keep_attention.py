@@ -188,24 +188,41 @@ def test_remove_restores_checkpoint_functions_and_is_idempotent():
     assert not model._forward_pre_hooks
 
 
-def _compiled_is_refused(rank, world):
-    model = _model("transformers")
-    kept = hfpatch.keep_attention(model, budget="all")
-    patch = hfpatch.apply(dist.group.WORLD, model=model, verify="fast")
-    compiled = torch.compile(model, backend="eager")
-    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+def _compiled_kept_forward(model, patch, ids):
+    """The message of the ``KeepAttentionError`` a compiled forward of ``model`` raised, or None."""
     batch = patch.shard_inputs(ids, labels=ids)
+    compiled = torch.compile(model, backend="eager")
     try:
         compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.sum()
     except KeepAttentionError as exc:
-        message = str(exc)
-    else:
-        message = None
-    finally:
-        patch.remove()
+        return str(exc)
+    return None
+
+
+def _compiled_is_refused(rank, world):
+    """A kept, compiled model is refused on its first forward, and again after a compiled step of the same model
+    without kept attention ran and trained in the process (Dynamo's caches and state from other compiles)."""
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    messages = []
+    model = _model("transformers")
+    patch = hfpatch.apply(dist.group.WORLD, model=model, verify="fast")
+    try:
+        kept = hfpatch.keep_attention(model, budget="all")
+        messages.append(_compiled_kept_forward(model, patch, ids))
         kept.remove()
         torch._dynamo.reset()
-    return message
+        batch = patch.shard_inputs(ids, labels=ids)
+        plain = torch.compile(model, backend="eager")
+        plain(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+              use_cache=False).loss.backward()
+        kept = hfpatch.keep_attention(model, budget="all")
+        messages.append(_compiled_kept_forward(model, patch, ids))
+        messages.append(kept.keeper.stats()["kept"])
+        kept.remove()
+    finally:
+        patch.remove()
+        torch._dynamo.reset()
+    return messages
 
 
 def test_a_compiled_model_is_refused():
@@ -213,5 +230,7 @@ def test_a_compiled_model_is_refused():
     would only cost memory, so a kept checkpoint function refuses to be compiled."""
     skip_unless_ci_pin("how torch.compile traces transformers' checkpointing differs by release; the refusal is "
                        "the same code on every release")
-    for message in run_world(2, _compiled_is_refused, timeout=300):
-        assert message is not None and "does not apply to a compiled model" in message, message
+    for first, after_a_compiled_step, kept in run_world(2, _compiled_is_refused, timeout=300):
+        for message in (first, after_a_compiled_step):
+            assert message is not None and "does not apply to a compiled model" in message, message
+        assert kept == 0

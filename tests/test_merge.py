@@ -23,6 +23,7 @@ import torch
 
 import ring_kernels as rk
 from ring_kernels import engine, merge, options
+from ring_kernels.torch_releases import triton_unsupported_reason
 from ring_kernels.backends import get_backend
 from ring_kernels.ring import ring_steps
 from ring_kernels.rounding import CLOSE, FIRST, LAST_OF_TWO, MIDDLE, OPEN
@@ -290,7 +291,7 @@ def _fused_in_place_accumulator_merge_matches_eager() -> None:
         assert_close(fused[1][finite], eager[1][finite], _LSE, "fused in-place lse")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (optional)")
+@pytest.mark.skipif(triton_unsupported_reason() is not None, reason=str(triton_unsupported_reason()))
 def test_fused_kernels_match_eager_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = "import test_merge as t; t.fused_kernels_match_eager()"

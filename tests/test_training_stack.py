@@ -42,6 +42,7 @@ from _dist import run_world
 from hfpatch.attention.discovery import attention_modules
 from hfpatch.cli.demo_models import build_model, reference_logits
 from hfpatch.inputs import shift_labels, token_loss_sum
+from hfpatch.version_gates import TRANSFORMERS_ATTENTION_FUNCTIONS, installed_transformers_version
 from ring_kernels.tolerances import assert_close, tolerance
 
 LOSS = tolerance("cp", torch.float32, "loss")
@@ -337,6 +338,8 @@ def _ignore_transformers_warning_once() -> None:
 
     from transformers.utils import logging as hf_logging  # installs Logger.warning_once
 
+    if installed_transformers_version() >= TRANSFORMERS_ATTENTION_FUNCTIONS:
+        return   # no such warning: nothing to ignore (and torch < 2.11's Dynamo has no ignore_logging_functions)
     warning_once = getattr(logging.Logger, "warning_once", None) or getattr(hf_logging, "warning_once", None)
     if warning_once is not None:
         torch._dynamo.config.ignore_logging_functions.add(warning_once)

@@ -33,9 +33,10 @@ import torch
 
 from ring_kernels.backends.base import BlockMask
 from ring_kernels.tolerances import assert_close, tolerance
+from ring_kernels.torch_releases import triton_unsupported_reason
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install hfpatch[triton])")
+# No triton, or one older than the kernels are tested with (tests/test_torch_releases.py checks that refusal).
+pytestmark = pytest.mark.skipif(triton_unsupported_reason() is not None, reason=str(triton_unsupported_reason()))
 
 # Fixed launch blocks per kernel: (BLOCK_M, BLOCK_N). "mixed" splits the causal diagonal into sub-blocks.
 _B16 = {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16), "delta": (16, 0)}
@@ -410,12 +411,26 @@ def test_bad_inputs_raise_clear_errors(triton_attn):
         be.backward(q, q, q, q, q, torch.zeros(1, 4, 8, dtype=torch.float64), scale=0.25, mask=BlockMask())
 
 
-def test_import_without_triton_is_a_clean_import_error(monkeypatch):
+@pytest.mark.parametrize("installed, expected", [
+    (None, r"triton is not installed \(pip install 'hfpatch\[triton\]'\)"),
+    ("3.3.1", r"triton 3\.3\.1 is older than 3\.6, .*TRITON_OLDEST\)\. Fix: pip install 'triton>=3\.6'")])
+def test_import_without_a_tested_triton_is_a_clean_import_error(monkeypatch, installed, expected):
+    """No triton, or one older than TRITON_OLDEST (read from the distribution's metadata): a named ImportError."""
+    from importlib import metadata
+
+    real_version = metadata.version
+
+    def version(name):
+        if name != "triton":
+            return real_version(name)
+        if installed is None:
+            raise metadata.PackageNotFoundError(name)
+        return installed
+
     name = "ring_kernels.backends.triton_attn"
     monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setitem(sys.modules, "triton", None)            # what `import triton` sees when absent
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    with pytest.raises(ImportError, match=r"pip install hfpatch\[triton\]"):
+    monkeypatch.setattr(metadata, "version", version)
+    with pytest.raises(ImportError, match=expected):
         importlib.import_module(name)
 
 

@@ -30,9 +30,12 @@ Layer accounting under compile: the calling module cannot be found on the stack 
 per module), so compiled calls are counted under ``layer_idx`` (passed by transformers >= 4.54) or
 ``"<compiled>"``; ``Patch.unpatched_layers`` matches them by the modules' ``layer_idx``. The forward pre-hook of
 a tracked model does not reset the per-forward record inside a compiled region (it would be a graph break).
-"""
-from __future__ import annotations
 
+The operators' signatures carry real annotations, not strings (no ``from __future__ import annotations`` here):
+``torch.library.custom_op`` infers the schema from them, and before torch 2.7 it cannot read string annotations.
+Nothing that Dynamo traces calls ``hash``: the Dynamo of torch 2.9 and 2.10 cannot trace ``hash`` of a tuple, so the
+constants are checked inside ``_intern``, which runs once, untraced (``assume_constant_result``).
+"""
 import itertools
 import threading
 import weakref
@@ -40,7 +43,7 @@ from typing import Any, List, Mapping, Tuple
 
 import torch
 
-from hfpatch.errors import PatchError
+from hfpatch.errors import KeepAttentionError, PatchError
 from hfpatch.modes import MODES
 from ring_kernels.checkpointing import current_region
 
@@ -81,7 +84,18 @@ def is_recomputing() -> bool:
 
 @torch.compiler.assume_constant_result
 def _intern(spec: tuple) -> int:
-    """The id of ``spec`` (a tuple of constants); evaluated once while tracing, a constant in the graph."""
+    """The id of ``spec`` (a tuple of constants); evaluated once while tracing, a constant in the graph. A constant
+    that cannot be hashed raises ``PatchError`` naming it."""
+    try:
+        hash(spec)
+    except TypeError as exc:
+        unhashable = [(name, type(value).__name__) for _, name, kind, value in spec if kind == _CONST
+                      and not _hashable(value)]
+        raise PatchError(
+            f"hfpatch cannot compile this attention call: the arguments {unhashable} are neither tensors, ints nor "
+            "hashable constants, so they cannot be baked into the compiled graph. Fix: run this model without "
+            "torch.compile, or open an issue with the transformers release and model."
+        ) from exc
     with _lock:
         found = _spec_ids.get(spec)
         if found is None:
@@ -110,16 +124,6 @@ def _split(call: Mapping[str, Any], extra: Mapping[str, Any]) -> Tuple[list, lis
 def compiled_call(dispatcher: Any, call: Mapping[str, Any], extra: Mapping[str, Any]) -> torch.Tensor:
     """What ``Dispatcher.__call__`` does while Dynamo traces it: one opaque operator. Returns (B, S_local, H, D)."""
     tensors, ints, spec = _split(call, extra or {})
-    try:
-        hash(spec)
-    except TypeError as exc:
-        unhashable = [(name, type(value).__name__) for _, name, kind, value in spec if kind == _CONST
-                      and not _hashable(value)]
-        raise PatchError(
-            f"hfpatch cannot compile this attention call: the arguments {unhashable} are neither tensors, ints nor "
-            "hashable constants, so they cannot be baked into the compiled graph. Fix: run this model without "
-            "torch.compile, or open an issue with the transformers release and model."
-        ) from exc
     out, _mode = torch.ops.hfpatch.flash_attention(tensors, ints, dispatcher.opaque_token, _intern(spec))
     return out
 
@@ -177,7 +181,7 @@ def _flash_attention(tensors: List[torch.Tensor], ints: List[int], token: int,
                      spec_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run the routed attention call; returns (out (B, S_local, H, D) in the query's dtype, mode_code int64 ())."""
     if current_region() is not None:
-        raise PatchError(
+        raise KeepAttentionError(
             "hfpatch.keep_attention does not apply to a compiled model: the compiled attention operator "
             "recomputes its forward in its own backward, so outputs kept through checkpointing would only cost "
             "memory. Fix: remove keep_attention (kept.remove()) when compiling, or train without torch.compile.")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import platform
 import sys
 import time
@@ -105,17 +106,32 @@ def _main(args: argparse.Namespace) -> int:
             f"{given}: only the installed release's dry run uses {'it' if len(dry_run_options) == 1 else 'them'}, "
             f"and --transformers gives a static verdict without one. Fix: drop {given}, or drop --transformers."
         )
-    report = run_check(
+    options = dict(
         transformers=args.transformers,
         world_size=_DEFAULT_WORLD_SIZE if args.world_size is None else args.world_size,
         kernel=_DEFAULT_KERNEL if args.kernel is None else args.kernel,
         timeout=_DRY_RUN_TIMEOUT_S if args.timeout is None else args.timeout,
     )
+    report = _json_check(options) if args.json else run_check(**options)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
         print(format_report(report))
     return report["exit_code"]
+
+
+def _json_check(options: dict) -> dict:
+    """``run_check(**options)`` with everything it and its ranks write to stdout (gloo's "[Gloo] Rank 0 is
+    connected ..." lines from torch 2.8, a model's prints) sent to stderr: ``--json``'s stdout is the JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        return run_check(**options)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def run_check(*, transformers: str | None = None, world_size: int = _DEFAULT_WORLD_SIZE,
@@ -172,6 +188,8 @@ def check_installed(*, world_size: int = _DEFAULT_WORLD_SIZE, kernel: str = _DEF
         report["torch"] = torch.__version__
     except ImportError as exc:
         return _fail(report, EXIT_USAGE, f"torch cannot be imported ({exc}). Fix: pip install torch.")
+    if not _torch_verdict(report):
+        return report
     try:
         require_cp_world(world_size)
         cpu_kernel(kernel, world_size)
@@ -188,6 +206,24 @@ def check_installed(*, world_size: int = _DEFAULT_WORLD_SIZE, kernel: str = _DEF
         return report
     _dry_run(report, world_size=world_size, kernel=kernel, timeout=timeout)
     return report
+
+
+def _torch_verdict(report: dict) -> bool:
+    """Fill torch_verdict / torch_range: ring_kernels refuses to import on a torch outside its tested range
+    (``ring_kernels.torch_releases``); False (report finished) if it does."""
+    try:
+        import ring_kernels  # deferred (torch): outside its range it raises UnsupportedTorch, reported
+    except ImportError as exc:
+        releases = sys.modules.get("ring_kernels.torch_releases")
+        if releases is None or not isinstance(exc, releases.UnsupportedTorch):
+            raise
+        report["torch_verdict"] = "unsupported-torch"
+        report["torch_range"] = releases.supported_range()
+        _fail(report, EXIT_FAILED, str(exc))
+        return False
+    report["torch_verdict"] = "supported"
+    report["torch_range"] = ring_kernels.torch_releases.supported_range()
+    return True
 
 
 def _registry_verdict(report: dict, version) -> bool:
@@ -389,7 +425,8 @@ def format_report(report: dict) -> str:
     lines = [f"hfpatch check ({report['mode']}): {status}"]
     lines.append(f"  transformers   {report.get('transformers') or '(unknown)'}")
     if report.get("torch"):
-        lines.append(f"  torch          {report['torch']}")
+        verdict = f" ({report['torch_verdict']}: {report['torch_range']})" if report.get("torch_verdict") else ""
+        lines.append(f"  torch          {report['torch']}{verdict}")
     if report.get("verdict"):
         lines.append(f"  signature      {report.get('signature_id')} ({report['verdict']})")
     if report.get("added_parameters"):

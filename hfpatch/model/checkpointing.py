@@ -46,7 +46,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from hfpatch.errors import KeepAttentionError
-from ring_kernels.checkpointing import CompiledRegionError, OutputKeeper, keeping
+from ring_kernels.checkpointing import OutputKeeper, keeping
 
 __all__ = ["keep_attention", "KeptAttention"]
 
@@ -74,18 +74,26 @@ def _inside(name: str, ancestor: str) -> bool:
     return ancestor == "" or name.startswith(ancestor + ".")
 
 
+@torch.compiler.disable
+def _refuse_compiled_model() -> None:
+    """Raise ``KeepAttentionError`` for a compiled model. Hidden from Dynamo, so the error is raised when the compiled
+    code runs, whatever the torch release does with an exception raised while tracing (see
+    ``ring_kernels.checkpointing``)."""
+    raise KeepAttentionError(
+        "keep_attention does not apply to a compiled model: the compiled attention operator recomputes its "
+        "forward in its own backward, so outputs kept through checkpointing would only cost memory. Fix: "
+        "remove keep_attention (kept.remove()) when compiling, or train without torch.compile")
+
+
 def _refusing_compile(kept_checkpoint):
-    """``kept_checkpoint`` that refuses to be traced by torch.compile (see ``_opaque``: the compiled attention
-    operator recomputes its forward in its own backward, so kept outputs would only cost memory)."""
+    """``kept_checkpoint`` that refuses to run in a model compiled by torch.compile (see ``hfpatch.attention.opaque``:
+    the compiled attention operator recomputes its forward in its own backward, so kept outputs would only cost
+    memory)."""
 
     def checkpoint_fn(function, *args, **kwargs):
-        try:
-            return kept_checkpoint(function, *args, **kwargs)
-        except CompiledRegionError as exc:
-            raise KeepAttentionError(
-                "keep_attention does not apply to a compiled model: the compiled attention operator recomputes its "
-                "forward in its own backward, so outputs kept through checkpointing would only cost memory. Fix: "
-                "remove keep_attention (kept.remove()) when compiling, or train without torch.compile") from exc
+        if torch.compiler.is_compiling():
+            _refuse_compiled_model()
+        return kept_checkpoint(function, *args, **kwargs)
 
     checkpoint_fn.keeper = kept_checkpoint.keeper
     return checkpoint_fn

@@ -31,15 +31,16 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as exc:  # the registry imports this module lazily and reports the backend as absent
-    raise ImportError(
-        "ring_kernels.backends.triton_attn needs the 'triton' package; install it with "
-        "`pip install hfpatch[triton]` (or `pip install triton`)") from exc
+from ..torch_releases import triton_unsupported_reason
 
-from .base import CAUSAL, EMPTY, FULL, BlockMask
+# The registry imports this module lazily and reports the backend as absent when it cannot be imported.
+if triton_unsupported_reason() is not None:
+    raise ImportError(f"ring_kernels.backends.triton_attn: {triton_unsupported_reason()}")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .base import CAUSAL, EMPTY, FULL, BlockMask  # noqa: E402
 
 __all__ = ["TritonBackend"]
 

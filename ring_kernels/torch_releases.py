@@ -1,0 +1,108 @@
+"""The torch releases ring_kernels (and hfpatch on top of it) supports, and every torch boundary their code branches on.
+
+The supported range is the tested range: CI runs the oldest release of it and the newest (docs/ci.md), and
+pyproject's ``torch`` requirement states the same two bounds. ``import ring_kernels`` on a torch outside it raises
+``UnsupportedTorch`` naming the installed release and the range; nothing computes.
+
+Each gate below is a ``(major, minor)`` release series: the first one where the behaviour holds, measured by
+running the project's tests under that release and the one before it. Compare with ``torch_at_least``, never
+with strings.
+"""
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = [
+    "TORCH_OLDEST", "TORCH_NEWEST", "CPU_FLASH_GQA", "GLOO_REDUCE_SCATTER", "CUDNN_OUTPUT_LIKE_QUERY", "TRITON_OLDEST",
+    "UnsupportedTorch", "installed_torch", "torch_at_least", "supported_range", "check_supported_torch",
+    "triton_unsupported_reason",
+]
+
+Release = Tuple[int, int]
+
+# The oldest series supported. 2.7: FSDP2's `FSDPModule.set_all_reduce_hook`, which the documented FSDP2 + CP step
+# sums gradients over the CP group with (examples/train_cp.py), first exists; 2.6 has no such hook.
+TORCH_OLDEST: Release = (2, 7)
+# The newest series supported (tested: 2.15.0). A newer series is refused until its tests have run.
+TORCH_NEWEST: Release = (2, 15)
+
+# 2.9: aten's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu` and its backward) computes GQA (fewer
+# K/V heads than query heads). 2.7 and 2.8 accept such K/V and return wrong numbers (errors of 2 to 1e36) and corrupt
+# the heap; before 2.9 the CPU backend repeats K/V to the query's heads.
+CPU_FLASH_GQA: Release = (2, 9)
+
+# 2.8: gloo implements `dist.reduce_scatter` (`unshard`'s backward, the drop-in's relayout); 2.7 raises "does not
+# support reduce_scatter", so CPU worlds sum with one all_reduce instead (`comm.reduce_scatter`).
+GLOO_REDUCE_SCATTER: Release = (2, 8)
+
+# 2.8: `_scaled_dot_product_cudnn_attention` returns its output strided like the query (our (B, S, H, D) rows);
+# 2.7's returns a contiguous (B, H, S, D) tensor (read from its meta kernel). The cuDNN backend is left out below
+# (auto takes the flash or efficient op).
+CUDNN_OUTPUT_LIKE_QUERY: Release = (2, 8)
+
+# Triton (the `triton` backend and the fused merge; torch's wheels pin their own: torch 2.7 -> 3.3, 2.8 -> 3.4,
+# 2.9 -> 3.5, 2.10 -> 3.6). 3.6 is the oldest the kernels are tested with (compiled on the GPU machine's 3.6; CI's
+# interpreter runs 3.8). Below, both report triton as absent, naming the release; the torch backends serve.
+TRITON_OLDEST: Release = (3, 6)
+
+
+class UnsupportedTorch(ImportError):
+    """The installed torch is outside the supported range; the message names both and how to get a supported one.
+    An ``ImportError``: ``import ring_kernels`` raises it, and so does everything of hfpatch that computes."""
+
+    def __init__(self, installed: str) -> None:
+        super().__init__(
+            f"torch {installed} is outside the torch releases ring_kernels and hfpatch support and test "
+            f"({supported_range()}). Fix: pip install 'torch>={_text(TORCH_OLDEST)},<{_text(_next(TORCH_NEWEST))}'")
+        self.installed = installed
+
+
+def _text(release: Release) -> str:
+    return f"{release[0]}.{release[1]}"
+
+
+def _next(release: Release) -> Release:
+    return release[0], release[1] + 1
+
+
+def installed_torch() -> Release:
+    """(major, minor) of the imported torch (``torch.__version__``, local and pre-release parts ignored)."""
+    found = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
+    if found is None:
+        raise UnsupportedTorch(str(torch.__version__))
+    return int(found.group(1)), int(found.group(2))
+
+
+def torch_at_least(release: Release) -> bool:
+    """Whether the imported torch is of series ``release`` or newer."""
+    return installed_torch() >= release
+
+
+def supported_range() -> str:
+    """The supported series in words, e.g. ``'2.6 to 2.15'``."""
+    return f"{_text(TORCH_OLDEST)} to {_text(TORCH_NEWEST)}"
+
+
+def triton_unsupported_reason() -> Optional[str]:
+    """Why the installed triton cannot serve ring_kernels' Triton kernels (older than ``TRITON_OLDEST``, or not
+    installed), or None. Reads the distribution's version; triton is not imported."""
+    try:
+        text = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return "triton is not installed (pip install 'hfpatch[triton]')"
+    found = re.match(r"(\d+)\.(\d+)", text)
+    if found is None or (int(found.group(1)), int(found.group(2))) < TRITON_OLDEST:
+        return (f"triton {text} is older than {_text(TRITON_OLDEST)}, the oldest release ring_kernels' Triton kernels "
+                f"are tested with (ring_kernels.torch_releases.TRITON_OLDEST). Fix: pip install 'triton>="
+                f"{_text(TRITON_OLDEST)}' where your torch allows it, or use a torch backend")
+    return None
+
+
+def check_supported_torch() -> None:
+    """Raise ``UnsupportedTorch`` unless the imported torch is within ``TORCH_OLDEST`` .. ``TORCH_NEWEST``."""
+    if not TORCH_OLDEST <= installed_torch() <= TORCH_NEWEST:
+        raise UnsupportedTorch(str(torch.__version__))

@@ -1,0 +1,119 @@
+"""ring_kernels.torch_releases: the supported torch range is enforced at import, the gates read the installed
+release, and the code behind each gate computes exactly on the release it runs on (CI runs this module under the
+oldest and the newest supported torch: docs/ci.md)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch
+
+from _dist import run_world
+from ring_kernels import merge, torch_releases
+from ring_kernels.backends import torch_cpu
+from ring_kernels.backends.base import BlockMask
+from ring_kernels.comm import reduce_scatter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _import_under(version: str) -> subprocess.CompletedProcess:
+    """``import ring_kernels`` in a fresh interpreter whose torch reports ``version``."""
+    code = f"import torch; torch.__version__ = {version!r}; import ring_kernels; print('imported')"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("version", ["2.6.0+cu124", "2.16.0", "3.0.0", "2.16.0.dev20261201"])
+def test_a_torch_outside_the_range_is_refused_at_import(version):
+    result = _import_under(version)
+    assert result.returncode != 0 and "imported" not in result.stdout
+    assert "ring_kernels.torch_releases.UnsupportedTorch" in result.stderr, result.stderr
+    assert f"torch {version} is outside" in result.stderr and torch_releases.supported_range() in result.stderr
+
+
+@pytest.mark.parametrize("version", ["2.7.1+cu126", "2.15.0", "2.13.0+cpu"])
+def test_a_torch_inside_the_range_imports(version):
+    result = _import_under(version)
+    assert result.returncode == 0 and "imported" in result.stdout, result.stderr
+
+
+def test_the_range_is_the_one_pyproject_declares():
+    """pyproject's requirement is ``torch>=OLDEST,<NEWEST+1``: the claim is the tested range."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        dependencies = tomllib.load(handle)["project"]["dependencies"]
+    (torch_requirement,) = [d for d in dependencies if d.replace(" ", "").startswith("torch>")]
+    oldest, newest = torch_releases.TORCH_OLDEST, torch_releases.TORCH_NEWEST
+    assert torch_requirement.replace(" ", "") == f"torch>={oldest[0]}.{oldest[1]},<{newest[0]}.{newest[1] + 1}"
+
+
+def test_installed_release_parses_local_and_dev_versions(monkeypatch):
+    for text, release in [("2.13.0+cpu", (2, 13)), ("2.7.1+cu126", (2, 7)), ("2.16.0a0+git1234", (2, 16))]:
+        monkeypatch.setattr(torch, "__version__", text)
+        assert torch_releases.installed_torch() == release
+    monkeypatch.setattr(torch, "__version__", "unknown")
+    with pytest.raises(torch_releases.UnsupportedTorch, match="torch unknown is outside"):
+        torch_releases.installed_torch()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads_k", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_backend_gqa_matches_repeated_heads_in_float64(dtype, heads_k, causal):
+    """The CPU backend on GQA K/V (the kernel's own GQA from CPU_FLASH_GQA, repeated heads before it) equals the
+    float64 attention of K/V repeated to the query's heads, output, LSE and every gradient."""
+    g = torch.Generator().manual_seed(heads_k)
+    b, s, h, d = 2, 24, 4, 16
+    q = torch.randn(b, s, h, d, generator=g, dtype=dtype)
+    k = torch.randn(b, s, heads_k, d, generator=g, dtype=dtype)
+    v = torch.randn(b, s, heads_k, d, generator=g, dtype=dtype)
+    dout = torch.randn(b, s, h, d, generator=g, dtype=dtype)
+    mask, scale = BlockMask(causal=causal), d ** -0.5
+    backend = torch_cpu.TorchCpuBackend()
+    out, lse = backend.forward(q, k, v, scale=scale, mask=mask)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, scale=scale, mask=mask)
+
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    groups = h // heads_k
+    scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64.repeat_interleave(groups, 2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v64.repeat_interleave(groups, 2))
+    ref.backward(dout.double())
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, got, want in [("out", out, ref), ("lse", lse, scores.logsumexp(-1)), ("dq", dq, q64.grad),
+                            ("dk", dk, k64.grad), ("dv", dv, v64.grad)]:
+        assert got.shape == want.shape, name
+        error = float((got.double() - want).abs().max() / want.abs().max())
+        assert error < bound, (name, error)
+
+
+def _reduce_scatter_sums(rank, world):
+    chunks = [torch.full((3,), float(10 * rank + target)) for target in range(world)]
+    out = torch.empty(3)
+    reduce_scatter(out, chunks, None)
+    return out.tolist()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_sums_each_ranks_chunk_on_gloo(world):
+    """``comm.reduce_scatter`` on gloo (its own reduce_scatter from GLOO_REDUCE_SCATTER, an all_reduce before):
+    rank r receives the sum over ranks of their chunk r."""
+    results = run_world(world, _reduce_scatter_sums, timeout=120)
+    for rank, got in enumerate(results):
+        assert got == [float(sum(10 * source + rank for source in range(world)))] * 3
+
+
+def test_triton_kernels_are_absent_below_the_oldest_tested_triton_and_say_why():
+    """A triton older than TRITON_OLDEST (torch 2.7 and 2.8 pin 3.3 and 3.4) makes the Triton backend absent with
+    the reason; a tested one imports it."""
+    reason = torch_releases.triton_unsupported_reason()
+    code = "import ring_kernels.backends.triton_attn; print('imported')"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if reason is None:
+        assert result.returncode == 0 and "imported" in result.stdout, result.stderr
+    else:
+        assert result.returncode != 0 and reason in result.stderr, result.stderr
+        assert not merge.use_fused()
