@@ -1,7 +1,7 @@
 """Let a tox env use the torch that is already installed in the CI venv, instead of installing it again.
 
-Why: torch 2.13.0 CPU is several hundred MB; nine tox envs reinstalling it would cost minutes each and
-disk, and an unpinned resolve could even pull a CUDA build. Each tox env only needs its own *transformers*
+Why: torch is several GB (the CUDA build PyPI serves); nine tox envs reinstalling it would cost minutes each and
+disk. Each tox env only needs its own *transformers*
 (and that release's tokenizers / huggingface_hub pins); torch is the same for all of them.
 
 How: this script runs with the tox env's interpreter as tox's ``install_command`` (so it runs before any
@@ -88,7 +88,7 @@ def link_shared_torch(envdir: Path, torch_python: str) -> Path:
     if probe.returncode != 0 or not probe.stdout.strip():
         raise SystemExit(
             f"share_torch: cannot list torch's files with {torch_python!r} (set HFPATCH_TORCH_PYTHON to an "
-            f"interpreter that has torch==2.13.0 installed):\n{probe.stderr[-2000:]}"
+            f"interpreter that has torch installed):\n{probe.stderr[-2000:]}"
         )
     closure: dict[str, list[str]] = json.loads(probe.stdout)
     if "torch" not in closure:

@@ -22,9 +22,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ring_kernels.torch_releases import GLOO_REDUCE_SCATTER, torch_at_least
-
-__all__ = ["RingExchange", "group_rank_and_size", "reduce_scatter"]
+__all__ = ["RingExchange", "group_rank_and_size"]
 
 
 def group_rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple:
@@ -32,20 +30,6 @@ def group_rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-def reduce_scatter(out: torch.Tensor, chunks: List[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
-    """``dist.reduce_scatter(out, chunks, group=group)``: ``out`` = the sum over ranks of their ``chunks[rank]``.
-
-    gloo implements reduce_scatter from torch ``GLOO_REDUCE_SCATTER``; before, on a gloo group, the same sum is one
-    all_reduce of every chunk, of which this rank keeps its own (world-size times the traffic: CPU worlds only).
-    """
-    if torch_at_least(GLOO_REDUCE_SCATTER) or dist.get_backend(group) != dist.Backend.GLOO:
-        dist.reduce_scatter(out, chunks, group=group)
-        return
-    stacked = torch.stack(chunks)
-    dist.all_reduce(stacked, group=group)
-    out.copy_(stacked[dist.get_rank(group)])
 
 
 class RingExchange:

@@ -25,8 +25,6 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ring_kernels.comm import reduce_scatter
-
 __all__ = ["LAYOUTS", "LocalVarlen", "shard", "unshard", "local_positions", "rank_positions", "local_varlen"]
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
@@ -252,7 +250,7 @@ def _reduce_scatter_along(x_full: torch.Tensor, dim: int, group, world_size: int
     """Sum over ranks of ``x_full``, then this rank's chunk along ``dim`` (rank-order chunks)."""
     chunks = [c.contiguous() for c in x_full.chunk(world_size, dim=dim)]
     out = torch.empty_like(chunks[0])
-    reduce_scatter(out, chunks, group)
+    dist.reduce_scatter(out, chunks, group=group)
     return out
 
 

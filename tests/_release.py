@@ -33,8 +33,8 @@ RELEASE_INDEPENDENT = {
     "test_ring_sinks.py": "ring_kernels' attention sinks in every variant on gloo worlds",
     "test_ring_ulysses.py": "ring_kernels' Ulysses and USP attention on gloo worlds",
     "test_ring_varlen.py": "ring_kernels' varlen ring / zigzag / llama3 engines on gloo worlds",
-    "test_torch_releases.py": "ring_kernels.torch_releases: the torch range at import and the code behind its "
-                              "gates",
+    "test_torch_releases.py": "ring_kernels.torch_releases: the torch range at import, the triton bound, the CPU "
+                              "kernel's GQA",
     "test_transport.py": "ring_kernels' transport and ring exchange",
     "test_triton_backend.py": "ring_kernels' Triton kernel under the interpreter (hfpatch never picks a backend "
                               "by release)",

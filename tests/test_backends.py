@@ -22,7 +22,6 @@ from ring_kernels.backends.base import BlockMask
 from ring_kernels.backends.flash_attn import FlashAttnBackend
 from ring_kernels.backends.reference import ReferenceBackend
 from ring_kernels.tolerances import assert_close, tolerance
-from ring_kernels.torch_releases import CUDNN_OUTPUT_LIKE_QUERY, torch_at_least
 
 CPU_BACKENDS = [n for n in available_backends("cpu") if n != "triton"]   # triton: its own tests
 
@@ -181,11 +180,6 @@ def test_cuda_backends_call_the_aten_ops_correctly_on_meta(name, heads_k, causal
     catches a torch release that changes an op's schema; numerics are checked in tests/gpu."""
     impl = {"torch_flash": torch_cuda.TorchFlashBackend, "torch_cudnn": torch_cuda.TorchCudnnBackend,
             "torch_efficient": torch_cuda.TorchEfficientBackend}[name]()
-    if name == "torch_cudnn" and not torch_at_least(CUDNN_OUTPUT_LIKE_QUERY):
-        reason = impl.unsupported_reason(device="cuda", dtype=torch.bfloat16, head_dim=64, mask_kind=CAUSAL,
-                                         softcap=0.0)
-        assert reason is not None and "CUDNN_OUTPUT_LIKE_QUERY" in reason, reason
-        return
     q = torch.empty(2, 16, 4, 64, device="meta", dtype=torch.bfloat16)
     k = torch.empty(2, 16, heads_k, 64, device="meta", dtype=torch.bfloat16)
     mask = BlockMask(causal=causal)

@@ -26,7 +26,7 @@ def _record(release, *, sig="S1-4.43.4", verdict="exact", outcome="passed", date
         "binding_sites": sites if sites is not None else ["transformers.modeling_flash_attention_utils._flash_attention_forward"],
         "check_exit_code": 0 if outcome == "passed" else 1, "pytest_outcome": outcome,
         "pytest_summary": "12 passed" if outcome == "passed" else "1 failed, 11 passed",
-        "date": date, "entry_digest": digest or cr.entry_digest(sig),
+        "date": date, "entry_digest": digest or cr.entry_digest(sig), "torch": "2.15.0",
     }
 
 
@@ -85,9 +85,9 @@ def test_render_lists_one_row_per_minor_with_matrix_winning_over_static():
     assert text.startswith(cr.GENERATED_MARK) and f"<!-- registry-digest: {cr.registry_digest()} -->" in text
     rows = [line for line in text.splitlines() if line.startswith("| 4.")]
     assert rows == [
-        "| 4.43.4 | S1-4.43.4 | exact | 41 | passed (12 passed) | 1 | matrix 2026-11-22 |",
-        "| 4.45.2 | S2-4.44.2 | exact | 50 | not run (static scan only) | — | static 2026-11-21 |",
-        "| 4.99.1 | S7-5.19.0+unsupported | unsupported | 0 | not run (static scan only) | — | static 2026-11-21 |",
+        "| 4.43.4 | S1-4.43.4 | exact | 41 | passed (12 passed) | 1 | 2.15.0 | matrix 2026-11-22 |",
+        "| 4.45.2 | S2-4.44.2 | exact | 50 | not run (static scan only) | — | — | static 2026-11-21 |",
+        "| 4.99.1 | S7-5.19.0+unsupported | unsupported | 0 | not run (static scan only) | — | — | static 2026-11-21 |",
     ]
     assert "3 releases listed" in text and "2 supported, 1 not; 1 run end to end" in text
     assert "upgrade to transformers>=4.43.0".lower() in text.lower()

@@ -75,7 +75,7 @@ def test_ci_runs_the_readme_command_then_the_compat_check_then_the_matrix():
     check of its fresh records, printing each step's time."""
     ci = (ROOT / ".ci" / "run").read_text()
     lines = [line.strip() for line in ci.splitlines() if line.strip() and not line.strip().startswith("#")]
-    assert "python -m pip install -q torch==2.13.0" in lines
+    assert "python -m pip install -q torch==2.15.0" in lines
     assert "bash scripts/setup_and_test.sh" in (ROOT / "README.md").read_text()
     assert "python -m pytest -q" in (ROOT / "scripts" / "run_tests.sh").read_text()
     raw = ci.splitlines()
@@ -90,8 +90,8 @@ def test_ci_runs_the_readme_command_then_the_compat_check_then_the_matrix():
     assert order == sorted(order)
     assert "set -euo pipefail" in lines      # a failing env fails CI
     assert [line.split()[1] for line in lines if line.startswith("begin_step ")] == [
-        "readme-suite", "py313-setup", "py313-tests", "py313-models", "compat-check", "tox-install", "matrix",
-        "matrix-check"]
+        "readme-suite", "background-setups", "py313-tests", "py313-models", "torch-oldest-tests", "compat-check",
+        "tox-install", "matrix", "matrix-check"]
     assert "trap " in ci and "ci-step total" in ci   # the last step's time and the total, also when a step fails
 
 

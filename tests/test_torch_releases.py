@@ -1,9 +1,10 @@
-"""ring_kernels.torch_releases: the supported torch range is enforced at import, the gates read the installed
-release, and the code behind each gate computes exactly on the release it runs on (CI runs this module under the
+"""ring_kernels.torch_releases: the supported torch range is enforced at import, the bounds read the installed
+release, and what the oldest bound rests on computes exactly on the release it runs on (CI runs this module under the
 oldest and the newest supported torch: docs/ci.md)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -11,11 +12,9 @@ import tomllib
 import pytest
 import torch
 
-from _dist import run_world
 from ring_kernels import merge, torch_releases
 from ring_kernels.backends import torch_cpu
 from ring_kernels.backends.base import BlockMask
-from ring_kernels.comm import reduce_scatter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +25,7 @@ def _import_under(version: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("version", ["2.6.0+cu124", "2.16.0", "3.0.0", "2.16.0.dev20261201"])
+@pytest.mark.parametrize("version", ["2.8.0+cu128", "2.6.0", "2.16.0", "3.0.0", "2.16.0.dev20261201"])
 def test_a_torch_outside_the_range_is_refused_at_import(version):
     result = _import_under(version)
     assert result.returncode != 0 and "imported" not in result.stdout
@@ -34,7 +33,7 @@ def test_a_torch_outside_the_range_is_refused_at_import(version):
     assert f"torch {version} is outside" in result.stderr and torch_releases.supported_range() in result.stderr
 
 
-@pytest.mark.parametrize("version", ["2.7.1+cu126", "2.15.0", "2.13.0+cpu"])
+@pytest.mark.parametrize("version", ["2.9.1+cu128", "2.15.0", "2.13.0+cpu"])
 def test_a_torch_inside_the_range_imports(version):
     result = _import_under(version)
     assert result.returncode == 0 and "imported" in result.stdout, result.stderr
@@ -50,7 +49,7 @@ def test_the_range_is_the_one_pyproject_declares():
 
 
 def test_installed_release_parses_local_and_dev_versions(monkeypatch):
-    for text, release in [("2.13.0+cpu", (2, 13)), ("2.7.1+cu126", (2, 7)), ("2.16.0a0+git1234", (2, 16))]:
+    for text, release in [("2.13.0+cpu", (2, 13)), ("2.9.1+cu128", (2, 9)), ("2.16.0a0+git1234", (2, 16))]:
         monkeypatch.setattr(torch, "__version__", text)
         assert torch_releases.installed_torch() == release
     monkeypatch.setattr(torch, "__version__", "unknown")
@@ -62,8 +61,9 @@ def test_installed_release_parses_local_and_dev_versions(monkeypatch):
 @pytest.mark.parametrize("heads_k", [1, 2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cpu_backend_gqa_matches_repeated_heads_in_float64(dtype, heads_k, causal):
-    """The CPU backend on GQA K/V (the kernel's own GQA from CPU_FLASH_GQA, repeated heads before it) equals the
-    float64 attention of K/V repeated to the query's heads, output, LSE and every gradient."""
+    """The CPU backend on GQA K/V (aten's CPU flash kernel computes GQA itself; before torch 2.9 it returned wrong
+    numbers, one reason 2.9 is the oldest supported) equals the float64 attention of K/V repeated to the query's
+    heads: output, LSE and every gradient."""
     g = torch.Generator().manual_seed(heads_k)
     b, s, h, d = 2, 24, 4, 16
     q = torch.randn(b, s, h, d, generator=g, dtype=dtype)
@@ -90,25 +90,9 @@ def test_cpu_backend_gqa_matches_repeated_heads_in_float64(dtype, heads_k, causa
         assert error < bound, (name, error)
 
 
-def _reduce_scatter_sums(rank, world):
-    chunks = [torch.full((3,), float(10 * rank + target)) for target in range(world)]
-    out = torch.empty(3)
-    reduce_scatter(out, chunks, None)
-    return out.tolist()
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_reduce_scatter_sums_each_ranks_chunk_on_gloo(world):
-    """``comm.reduce_scatter`` on gloo (its own reduce_scatter from GLOO_REDUCE_SCATTER, an all_reduce before):
-    rank r receives the sum over ranks of their chunk r."""
-    results = run_world(world, _reduce_scatter_sums, timeout=120)
-    for rank, got in enumerate(results):
-        assert got == [float(sum(10 * source + rank for source in range(world)))] * 3
-
-
 def test_triton_kernels_are_absent_below_the_oldest_tested_triton_and_say_why():
-    """A triton older than TRITON_OLDEST (torch 2.7 and 2.8 pin 3.3 and 3.4) makes the Triton backend absent with
-    the reason; a tested one imports it."""
+    """A triton older than TRITON_OLDEST (torch 2.9 pins 3.5) makes the Triton backend absent with the reason; a
+    tested one imports it."""
     reason = torch_releases.triton_unsupported_reason()
     code = "import ring_kernels.backends.triton_attn; print('imported')"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -117,3 +101,16 @@ def test_triton_kernels_are_absent_below_the_oldest_tested_triton_and_say_why():
     else:
         assert result.returncode != 0 and reason in result.stderr, result.stderr
         assert not merge.use_fused()
+
+
+def _pinned(path: str, pattern: str) -> tuple:
+    with open(os.path.join(ROOT, path)) as handle:
+        found = re.search(pattern, handle.read())
+    assert found is not None, (path, pattern)
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_ci_tests_the_two_ends_of_the_range():
+    """CI's venv installs the newest supported series (.ci/run) and scripts/torch_oldest.sh the oldest."""
+    assert _pinned(".ci/run", r"pip install -q torch==(\d+)\.(\d+)\.\d+") == torch_releases.TORCH_NEWEST
+    assert _pinned("scripts/torch_oldest.sh", r"\noldest=torch==(\d+)\.(\d+)\.\d+") == torch_releases.TORCH_OLDEST

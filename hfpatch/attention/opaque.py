@@ -33,7 +33,7 @@ a tracked model does not reset the per-forward record inside a compiled region (
 
 The operators' signatures carry real annotations, not strings (no ``from __future__ import annotations`` here):
 ``torch.library.custom_op`` infers the schema from them, and before torch 2.7 it cannot read string annotations.
-Nothing that Dynamo traces calls ``hash``: the Dynamo of torch 2.9 and 2.10 cannot trace ``hash`` of a tuple, so the
+Nothing that Dynamo traces calls ``hash``: the Dynamo of torch 2.7 to 2.12 cannot trace ``hash`` of a tuple, so the
 constants are checked inside ``_intern``, which runs once, untraced (``assume_constant_result``).
 """
 import itertools

@@ -13,8 +13,6 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from ring_kernels.comm import reduce_scatter
-
 __all__: list = []
 
 
@@ -53,7 +51,7 @@ class _Relayout(torch.autograd.Function):
         full.index_add_(0, ctx.rows.to(grad.device), grad)
         chunks = [c.contiguous() for c in full.chunk(ctx.world, dim=0)]
         out = torch.empty_like(chunks[0])
-        reduce_scatter(out, chunks, ctx.group)
+        dist.reduce_scatter(out, chunks, group=ctx.group)
         return out, None, None, None
 
 

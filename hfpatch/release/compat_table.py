@@ -31,6 +31,7 @@ from packaging.version import InvalidVersion, Version
 
 from hfpatch.signatures.registry import load_registry
 from hfpatch.version_gates import TRANSFORMERS_MIN_SUPPORTED
+from ring_kernels.torch_releases import supported_range
 
 __all__ = [
     "registry_digest",
@@ -140,6 +141,7 @@ class _Row:
     static_sites: str
     matrix: str
     live_sites: str
+    torch: str
     recorded: str
 
 
@@ -163,11 +165,12 @@ def _rows(results: Mapping[str, dict], static: Mapping) -> list[_Row]:
         if record:
             matrix = f"{record.get('pytest_outcome', '?')} ({record.get('pytest_summary') or 'no summary'})"
             live = str(len(record.get("binding_sites") or []))
+            torch = record.get("torch") or "?"
             recorded = f"matrix {record.get('date', '?')}"
         else:
-            matrix, live = "not run (static scan only)", "—"
+            matrix, live, torch = "not run (static scan only)", "—", "—"
             recorded = f"static {static.get('date', '?')}"
-        rows.append(_Row(release, sig, verdict, static_sites, matrix, live, recorded))
+        rows.append(_Row(release, sig, verdict, static_sites, matrix, live, torch, recorded))
     return rows
 
 
@@ -197,18 +200,23 @@ def render(results: Mapping[str, dict], static: Mapping, *, digest: str | None =
         f"Releases before {TRANSFORMERS_MIN_SUPPORTED} are not supported: every model class has its own",
         f"`_flash_attention_forward` method there. Upgrade to transformers>={TRANSFORMERS_MIN_SUPPORTED}.",
         "",
+        f"torch: {supported_range()} (`ring_kernels/torch_releases.py`; pyproject states the same range, and",
+        "`import ring_kernels`, `hfpatch.apply` and `hfpatch check` refuse a torch outside it by name). CI runs the",
+        "whole suite and this matrix under the newest (each row's *torch*), and the release-independent tests, the",
+        "torch-dependent training tests, the demo and `hfpatch check` under the oldest (`scripts/torch_oldest.sh`).",
+        "",
         "Columns: *verdict* is the registry's (exact entry / compatible: the entry plus optional parameters /",
         "unsupported); *static sites* = modules that bind `_flash_attention_forward` by from-import in the wheel;",
         "*matrix* = the full CPU test suite under that release; *live sites* = sites `hfpatch check` patched in",
-        "its dry run (only the modules imported in that environment).",
+        "its dry run (only the modules imported in that environment); *torch* = the torch the row was verified with.",
         "",
-        "| release | signature id | verdict | static sites | matrix (CPU suite) | live sites | recorded |",
-        "|---|---|---|---|---|---|---|",
+        "| release | signature id | verdict | static sites | matrix (CPU suite) | live sites | torch | recorded |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.release} | {r.signature_id} | {r.verdict} | {r.static_sites} | {r.matrix} | {r.live_sites} "
-            f"| {r.recorded} |"
+            f"| {r.torch} | {r.recorded} |"
         )
     lines += ["", "## Signature generations (the registry)", "", "| id | releases |", "|---|---|"]
     lines += [f"| {gid} | `{spec}` |" for gid, spec in _generations()]

@@ -1,9 +1,8 @@
 """Block backend on aten's fused CPU flash-attention kernel and its backward.
 
 ``aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=, scale=)`` takes
-(B, H, S, D) tensors (strided views of our (B, S, H, D) layout are fine), computes GQA (fewer K/V heads) itself
-from torch 2.9 (``torch_releases.CPU_FLASH_GQA``; before, K/V are repeated to the query's heads here and their
-gradients summed back per group), returns ``(out, lse)`` with lse (B, H, Sq) fp32, and its ``_backward`` accepts an externally merged out/lse.
+(B, H, S, D) tensors (strided views of our (B, S, H, D) layout are fine), supports GQA (fewer K/V heads) natively,
+returns ``(out, lse)`` with lse (B, H, Sq) fp32, and its ``_backward`` accepts an externally merged out/lse.
 FULL and CAUSAL blocks need no mask tensor; GENERAL blocks pass an additive mask of q's dtype (0 / -inf).
 
 Quirk handled here: for a row whose keys are all masked the kernel returns out = 0 but lse = 0 (not -inf),
@@ -17,7 +16,6 @@ from typing import Optional, Tuple
 import torch
 
 from ..merge import safe_lse
-from ..torch_releases import CPU_FLASH_GQA, torch_at_least
 from .base import CAUSAL, EMPTY, FULL, BlockMask
 
 __all__ = ["TorchCpuBackend"]
@@ -41,25 +39,6 @@ def _mask_args(mask: BlockMask, kind: str, sq: int, sk: int, dtype, device):
     return False, additive, visible.any(dim=-1)
 
 
-_KERNEL_DOES_GQA = torch_at_least(CPU_FLASH_GQA)
-
-
-def _kv_heads_for(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """``kv`` (B, S, Hk, D) with each K/V head repeated for its query heads where the kernel cannot do GQA."""
-    groups = q.shape[2] // kv.shape[2]
-    if _KERNEL_DOES_GQA or groups == 1:
-        return kv
-    return kv.repeat_interleave(groups, dim=2)
-
-
-def _summed_per_group(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """The gradient of repeated K/V heads (B, S, H, D) summed back to ``kv``'s heads (B, S, Hk, D)."""
-    if grad.shape[2] == kv.shape[2]:
-        return grad
-    b, s, _, d = grad.shape
-    return grad.reshape(b, s, kv.shape[2], -1, d).sum(dim=3)
-
-
 class TorchCpuBackend:
     """``aten._scaled_dot_product_flash_attention_for_cpu`` (+ backward): CPU, any mask kind, no softcap."""
 
@@ -81,7 +60,6 @@ class TorchCpuBackend:
         if kind == EMPTY:
             return q.new_zeros(q.shape), torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
         is_causal, attn_mask, rows = _mask_args(mask, kind, sq, sk, q.dtype, q.device)
-        k, v = _kv_heads_for(q, k), _kv_heads_for(q, v)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _bhsd(q), _bhsd(k), _bhsd(v), 0.0, is_causal, attn_mask=attn_mask, scale=scale)
         if rows is not None and not bool(rows.all()):
@@ -95,6 +73,6 @@ class TorchCpuBackend:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         is_causal, attn_mask, _ = _mask_args(mask, kind, sq, sk, q.dtype, q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhsd(dout), _bhsd(q), _bhsd(_kv_heads_for(q, k)), _bhsd(_kv_heads_for(q, v)), _bhsd(out),
-            safe_lse(lse).float(), 0.0, is_causal, attn_mask=attn_mask, scale=scale)
-        return dq.transpose(1, 2), _summed_per_group(dk.transpose(1, 2), k), _summed_per_group(dv.transpose(1, 2), v)
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), safe_lse(lse).float(), 0.0, is_causal,
+            attn_mask=attn_mask, scale=scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

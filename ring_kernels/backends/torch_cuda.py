@@ -24,7 +24,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..torch_releases import CUDNN_OUTPUT_LIKE_QUERY, installed_torch, torch_at_least
 from .base import CAUSAL, EMPTY, FULL, GENERAL, BlockMask
 from .choices import note, shape_class
 from .reference import ReferenceBackend
@@ -175,14 +174,6 @@ class TorchCudnnBackend(_TorchCudaBackend):
 
     name = "torch_cudnn"
     max_head_dim = 128
-
-    def unsupported_reason(self, *, device, dtype, head_dim, mask_kind, softcap) -> Optional[str]:
-        if not torch_at_least(CUDNN_OUTPUT_LIKE_QUERY):
-            return (f"torch {installed_torch()[0]}.{installed_torch()[1]}'s cuDNN attention op returns its output "
-                    "in another memory layout than the query's, which this backend is not tested with "
-                    f"(torch_releases.CUDNN_OUTPUT_LIKE_QUERY); 'torch_flash' and 'torch_efficient' serve it")
-        return super().unsupported_reason(device=device, dtype=dtype, head_dim=head_dim, mask_kind=mask_kind,
-                                          softcap=softcap)
 
     def _fwd(self, q, k, v, scale, kind, mask):
         out, lse, _cq, _ck, _mq, _mk, seed, offset, _dbg = aten._scaled_dot_product_cudnn_attention(
