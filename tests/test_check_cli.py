@@ -22,6 +22,7 @@ from hfpatch.cli import main
 from hfpatch.release.scan import scan_wheel
 from hfpatch.signatures.registry import entry_for_version
 from hfpatch.version_gates import installed_transformers_version
+from ring_kernels.torch_releases import supported_range
 
 
 def _run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[int, dict | str]:
@@ -45,6 +46,7 @@ def test_installed_release_is_supported_and_verified_in_a_gloo_world():
     # The live signature is read as the generation the registry records for this release.
     assert report["signature_id"] == entry_for_version(version).id
     assert report["verdict"] == "exact"
+    assert report["torch_verdict"] == "supported" and report["torch_range"] == supported_range()
     # The defining module is always a binding site; the sites are what apply patched on rank 0.
     assert "transformers.modeling_flash_attention_utils._flash_attention_forward" in report["binding_sites"]
     dry = report["dry_run"]
@@ -53,6 +55,20 @@ def test_installed_release_is_supported_and_verified_in_a_gloo_world():
         assert rank["active"] and rank["verified"] and rank["removed"] and rank["ok"], rank
         assert rank["signature_id"] == report["signature_id"]
         assert rank["sites"] == report["binding_sites"]
+
+
+def test_a_torch_outside_the_supported_range_fails_the_check_by_name():
+    """``hfpatch check --json`` on a torch outside ring_kernels' range: exit 1, the torch verdict, the named error
+    with the fix, no dry run (torch's reported version is changed in the child before anything imports it)."""
+    code = ("import sys, torch; torch.__version__ = '2.8.0+cu128'; from hfpatch.cli import main; "
+            "sys.exit(main(['check', '--json']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1 and report["exit_code"] == 1, proc.stderr
+    assert report["torch"] == "2.8.0+cu128" and report["torch_verdict"] == "unsupported-torch"
+    assert report["torch_range"] == supported_range() and "dry_run" not in report
+    (problem,) = report["problems"]
+    assert "torch 2.8.0+cu128 is outside" in problem and "Fix: pip install 'torch>=" in problem
 
 
 # ---------------------------------------------------------------------------------------- usage errors
