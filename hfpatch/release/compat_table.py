@@ -31,7 +31,6 @@ from packaging.version import InvalidVersion, Version
 
 from hfpatch.signatures.registry import load_registry
 from hfpatch.version_gates import TRANSFORMERS_MIN_SUPPORTED
-from ring_kernels.torch_releases import supported_range
 
 __all__ = [
     "registry_digest",
@@ -180,6 +179,8 @@ def _generations() -> list[tuple[str, str]]:
 
 def render(results: Mapping[str, dict], static: Mapping, *, digest: str | None = None) -> str:
     """COMPAT.md's text: deterministic in its inputs (no clock is read here)."""
+    from ring_kernels.torch_releases import supported_range  # deferred (torch): `hfpatch compat --help` must not load it
+
     digest = digest or registry_digest()
     rows = _rows(results, static)
     supported = [r for r in rows if r.verdict in ("exact", "compatible")]
