@@ -16,12 +16,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The oldest supported series' tested release (TORCH_OLDEST in ring_kernels/torch_releases.py; tests/test_torch_releases.py
-# checks that the two agree).
+# The oldest supported series' tested release (TORCH_OLDEST in ring_kernels/torch_releases.py;
+# tests/test_torch_releases.py checks that the two agree).
 oldest=torch==2.9.1
 venv=.venv-torch-oldest
 # Real-scale cases are about depth and width, not torch: they run once, in the CI venv.
-torch_modules=(tests/test_keep_attention.py tests/test_training_stack.py tests/test_e2e_models.py tests/test_check_cli.py)
+torch_modules=(tests/test_keep_attention.py tests/test_training_stack.py tests/test_e2e_models.py
+               tests/test_check_cli.py)
 
 die() { echo "scripts/torch_oldest.sh: $*" >&2; exit 1; }
 timed() { local part=$1 start=$SECONDS; shift; "$@"; echo "torch-oldest $part $((SECONDS - start))s"; }

@@ -122,7 +122,8 @@ def _main(args: argparse.Namespace) -> int:
 
 def _json_check(options: dict) -> dict:
     """``run_check(**options)`` with everything it and its ranks write to stdout (gloo's "[Gloo] Rank 0 is
-    connected ..." lines of torch 2.8 to 2.10, a model's prints) sent to stderr: ``--json``'s stdout is the JSON alone."""
+    connected ..." lines of torch 2.8 to 2.10, a model's prints) sent to stderr: ``--json``'s stdout is the JSON
+    alone."""
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)

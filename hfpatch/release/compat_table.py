@@ -179,7 +179,7 @@ def _generations() -> list[tuple[str, str]]:
 
 def render(results: Mapping[str, dict], static: Mapping, *, digest: str | None = None) -> str:
     """COMPAT.md's text: deterministic in its inputs (no clock is read here)."""
-    from ring_kernels.torch_releases import supported_range  # deferred (torch): `hfpatch compat --help` must not load it
+    from ring_kernels.torch_releases import supported_range  # deferred (torch): not for `compat --help`
 
     digest = digest or registry_digest()
     rows = _rows(results, static)
