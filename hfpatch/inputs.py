@@ -27,8 +27,8 @@ from hfpatch.errors import UnsupportedArgument
 from hfpatch.attention.semantics import RingContext, StepState, packed_cu_seqlens, plan_step
 from ring_kernels.layout import local_positions
 
-__all__ = ["IGNORE_INDEX", "shard_inputs", "describe_split", "reduce_loss", "global_loss_sum", "shift_labels", "token_loss_sum",
-           "mark_shifted", "is_shifted", "aligned_labels"]
+__all__ = ["IGNORE_INDEX", "shard_inputs", "describe_split", "reduce_loss", "global_loss_sum", "shift_labels",
+           "token_loss_sum", "mark_shifted", "is_shifted", "aligned_labels"]
 
 IGNORE_INDEX = -100
 

@@ -58,12 +58,18 @@ def _next(release: Release) -> Release:
     return release[0], release[1] + 1
 
 
+def _series(version: str) -> Optional[Release]:
+    """(major, minor) of a version string (local and pre-release parts ignored), or None if it has none."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return None if found is None else (int(found.group(1)), int(found.group(2)))
+
+
 def installed_torch() -> Release:
-    """(major, minor) of the imported torch (``torch.__version__``, local and pre-release parts ignored)."""
-    found = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
-    if found is None:
+    """(major, minor) of the imported torch (``torch.__version__``)."""
+    series = _series(str(torch.__version__))
+    if series is None:
         raise UnsupportedTorch(str(torch.__version__))
-    return int(found.group(1)), int(found.group(2))
+    return series
 
 
 def supported_range() -> str:
@@ -78,8 +84,8 @@ def triton_unsupported_reason() -> Optional[str]:
         text = metadata.version("triton")
     except metadata.PackageNotFoundError:
         return "triton is not installed (pip install 'hfpatch[triton]')"
-    found = re.match(r"(\d+)\.(\d+)", text)
-    if found is None or (int(found.group(1)), int(found.group(2))) < TRITON_OLDEST:
+    series = _series(text)
+    if series is None or series < TRITON_OLDEST:
         return (f"triton {text} is older than {_text(TRITON_OLDEST)}, the oldest release ring_kernels' Triton kernels "
                 f"are tested with (ring_kernels.torch_releases.TRITON_OLDEST). Fix: pip install 'triton>="
                 f"{_text(TRITON_OLDEST)}' where your torch allows it, or use a torch backend")

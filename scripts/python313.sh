@@ -31,13 +31,8 @@ packages=python3.13,python3.13-venv,ca-certificates,libstdc++6
 die() { echo "scripts/python313.sh: $*" >&2; exit 1; }
 timed() { local part=$1 start=$SECONDS; shift; "$@"; echo "py313 $part $((SECONDS - start))s"; }
 
-# The pins are .ci/run's (the CI venv's torch and transformers), read from it so they cannot drift apart.
-pin() {
-    local found
-    found=$(grep -oE "(^|[ '\"])$1==[0-9][0-9a-z.]*" .ci/run | head -1 | tr -d " '\"")
-    [ -n "$found" ] || die "no $1==<version> pin found in .ci/run"
-    echo "$found"
-}
+# The pins are .ci/run's (the CI venv's torch and transformers).
+. "$repo/scripts/ci_pins.sh"
 
 # --- the root ------------------------------------------------------------------------------------------------------
 
@@ -145,7 +140,7 @@ install_torch() {
 
 setup() {
     local torch transformers
-    torch=$(pin torch) transformers=$(pin transformers)
+    torch=$(ci_pin torch) transformers=$(ci_pin transformers)
     timed root build_root
     enter_root
     timed venv-torch install_torch "$torch"

@@ -25,25 +25,19 @@ torch_modules=(tests/test_keep_attention.py tests/test_training_stack.py tests/t
                tests/test_check_cli.py)
 
 die() { echo "scripts/torch_oldest.sh: $*" >&2; exit 1; }
+. scripts/ci_pins.sh
 timed() { local part=$1 start=$SECONDS; shift; "$@"; echo "torch-oldest $part $((SECONDS - start))s"; }
-
-transformers_pin() {
-    local found
-    found=$(grep -oE "(^|[ '\"])transformers==[0-9][0-9a-z.]*" .ci/run | head -1 | tr -d " '\"")
-    [ -n "$found" ] || die "no transformers==<version> pin found in .ci/run"
-    echo "$found"
-}
 
 setup() {
     local pins
-    pins="$oldest $(transformers_pin)"
+    pins="$oldest $(ci_pin transformers)"
     if [ "$(cat "$venv/.pins" 2>/dev/null)" != "$pins" ]; then
         rm -rf "$venv"
         python3 -m venv "$venv"
         "$venv/bin/python" -m pip install -q --upgrade pip
         "$venv/bin/python" -m pip install -q "$oldest"
         # torch pinned again: the project's requirement must not move it.
-        "$venv/bin/python" -m pip install -q -e '.[test]' "$(transformers_pin)" "$oldest"
+        "$venv/bin/python" -m pip install -q -e '.[test]' "$(ci_pin transformers)" "$oldest"
         echo "$pins" >"$venv/.pins"
     fi
     "$venv/bin/python" -c 'import torch, transformers; print("torch-oldest torch", torch.__version__,

@@ -84,18 +84,21 @@ def _replica_loss(model, ids, docs):
     return loss_sum / count
 
 
-def _reference_run(steps: int):
-    """Single process, no CP: per step the mean over dp replicas of their token-mean losses; SGD steps.
-    Returns [(loss, {name: parameter after the step})]."""
-    model = build_model("llama")
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+def _reference_run(steps: int, model=None, momentum: float = MOMENTUM):
+    """Single process, no CP, ``model`` (default: the tiny Llama): per step the mean over dp replicas of their
+    token-mean losses; SGD steps on the trainable parameters. Returns [(loss, {name: trainable parameter after
+    the step})]."""
+    model = build_model("llama") if model is None else model
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=LR, momentum=momentum)
     history = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = sum(_replica_loss(model, ids, docs) for ids, _, docs in _global_batch(step)) / DP
         loss.backward()
         opt.step()
-        history.append((loss.detach(), {n: p.detach().clone() for n, p in model.named_parameters()}))
+        history.append((loss.detach(), {n: p.detach().clone() for n, p in model.named_parameters()
+                                        if p.requires_grad}))
     return history
 
 
@@ -208,21 +211,6 @@ def _lora(seed: int = 0):
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     return peft.get_peft_model(build_model("llama"), config)
-
-
-def _lora_reference_run(steps: int):
-    """Single process, no CP, the LoRA model: per step the dp-mean loss and the adapter weights after SGD."""
-    model = _lora()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    history = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        loss = sum(_replica_loss(model, ids, docs) for ids, _, docs in _global_batch(step)) / DP
-        loss.backward()
-        opt.step()
-        history.append((loss.detach(), {n: p.detach().clone() for n, p in model.named_parameters()
-                                        if p.requires_grad}))
-    return history
 
 
 def _lora_fsdp_cp_matches_reference(rank, world, mesh, reference):
@@ -370,7 +358,9 @@ def _stack_world(rank, world, backends):
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
     # The reference is the same on every rank: rank 0 computes it, the others receive it (CPU time is scarce).
-    holder = [(_reference_run(3), _lora_reference_run(2) if _HAS_PEFT else None) if rank == 0 else None]
+    holder = [None]
+    if rank == 0:
+        holder = [(_reference_run(3), _reference_run(2, _lora(), momentum=0.0) if _HAS_PEFT else None)]
     dist.broadcast_object_list(holder, src=0)
     reference, lora_reference = holder[0]
     _fsdp_cp_matches_reference(rank, world, mesh, reference)

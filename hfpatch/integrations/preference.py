@@ -94,16 +94,7 @@ class PreferenceCP(TrainerCP):
         if self.cp_size == 1:
             return
         trainer = self.trainer
-        self.original_compute_loss = trainer.compute_loss
-        self.original_prediction_step = trainer.prediction_step
-        self.gather_one_copy = evaluation.OneCopyPerCPGroup(trainer.accelerator)
-        self._installed = {
-            (trainer, "_prepare_context_parallel_inputs"): self._whole_batch,
-            (trainer, "compute_loss"): self._compute_loss,
-            (trainer, "prediction_step"): self._prediction_step,
-            (trainer.accelerator, "_prepare_cp"): self._without_torch_cp,
-        }
-        self._install_replacements()
+        self._install_replacements(self._whole_batch, self._prediction_step)
         self.eval_step = "the trainer's own, on exact forwards"
         if self.active:
             self.scoring = self._install_scoring()

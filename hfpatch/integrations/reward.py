@@ -110,16 +110,7 @@ class RewardCP(TrainerCP):
         trainer = self.trainer
         if self.active:   # before anything is installed: it refuses a pooled head without a pad token
             self.pad_token = padding_token(trainer.model)
-        self.original_compute_loss = trainer.compute_loss
-        self.original_prediction_step = trainer.prediction_step
-        self.gather_one_copy = evaluation.OneCopyPerCPGroup(trainer.accelerator)
-        self._installed = {
-            (trainer, "_prepare_context_parallel_inputs"): self._reward_batch,
-            (trainer, "compute_loss"): self._compute_loss,
-            (trainer, "prediction_step"): self._prediction_step,
-            (trainer.accelerator, "_prepare_cp"): self._without_torch_cp,
-        }
-        self._install_replacements()
+        self._install_replacements(self._reward_batch, self._prediction_step)
         self.eval_step = "the trainer's own, on exact rewards"
 
     def _reward_batch(self, model, inputs):

@@ -86,20 +86,27 @@ class TrainerCP:
         trainer = self.trainer
         if self.active:   # before anything is installed: it refuses a pooled head without a pad token
             self.pad_token = padding_token(trainer.model)
+        known = _has_known_prediction_step(trainer)
+        self._install_replacements(self._prepare_inputs, self._prediction_step if known else None)
+        if known:
+            self.eval_step = "cp"
+
+    def _install_replacements(self, prepare_inputs, prediction_step) -> None:
+        """Replace the trainer's ``_prepare_context_parallel_inputs`` with ``prepare_inputs``, its ``compute_loss``
+        with ``self._compute_loss``, its ``prediction_step`` with ``prediction_step`` (None: kept) and the
+        accelerator's ``_prepare_cp`` with a no-op, keeping the trainer's own methods as ``original_*`` and a
+        one-copy-per-CP-group gatherer for evaluation (``remove()`` takes every replacement off)."""
+        trainer = self.trainer
         self.original_compute_loss = trainer.compute_loss
         self._installed = {
-            (trainer, "_prepare_context_parallel_inputs"): self._prepare_inputs,
+            (trainer, "_prepare_context_parallel_inputs"): prepare_inputs,
             (trainer, "compute_loss"): self._compute_loss,
             (trainer.accelerator, "_prepare_cp"): self._without_torch_cp,
         }
-        if _has_known_prediction_step(trainer):
+        if prediction_step is not None:
+            self.original_prediction_step = trainer.prediction_step
             self.gather_one_copy = evaluation.OneCopyPerCPGroup(trainer.accelerator)
-            self._installed[(trainer, "prediction_step")] = self._prediction_step
-            self.eval_step = "cp"
-        self._install_replacements()
-
-    def _install_replacements(self) -> None:
-        """Set each replacement of ``self._installed`` on its owner (``remove()`` takes them off)."""
+            self._installed[(trainer, "prediction_step")] = prediction_step
         for (owner, name), replacement in self._installed.items():
             setattr(owner, name, replacement)
 
