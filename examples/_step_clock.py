@@ -3,7 +3,9 @@ the examples' throughput line.
 
 ``StepClock.attach(trainer)`` after building the trainer, before ``train()``: it times every optimizer step
 (``on_step_begin`` to ``on_step_end``, CUDA synchronized) and counts the tokens of every batch the trainer's data
-collator builds (padding excluded where the batch has an attention mask), in the order it builds them. The trainer
+collator builds (padding excluded where the batch has an attention mask), in the order it builds them; for TRL's
+RL trainers, whose collator passes the prompts through and whose tokens are generated inside the step, the tokens
+the trainer logs itself (``num_tokens``). The trainer
 builds the batches in step order, so optimizer step s (1-based) used batches (s-1)G to sG-1, G being the gradient
 accumulation steps. Every rank of a CP group builds the same batches; ``run`` reduces the counts to the global
 batch's (a collective: call it on every rank). On CUDA it also resets the peak-memory counters when training begins
@@ -32,6 +34,9 @@ class _CountingCollator:
 
     def __call__(self, features):
         batch = self.collator(features)
+        if isinstance(batch, list):   # TRL's RL trainers: the prompts; the tokens are generated in the step
+            self.counts.append(None)
+            return batch
         mask = batch.get("attention_mask")
         self.counts.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
         return batch
@@ -72,16 +77,26 @@ class StepClock(TrainerCallback):
         timed, name = timed_steps(len(self.seconds))
         counts = self.collator.counts[timed.start * self.accumulation:timed.stop * self.accumulation]
         device = trainer.accelerator.device
-        tokens = torch.tensor([float(sum(counts))], dtype=torch.float64, device=device)
+        logged = None in counts   # prompts only: the global tokens from the trainer's own cumulative num_tokens
+        tokens = torch.tensor([_logged_tokens(trainer, timed) if logged else float(sum(counts))],
+                              dtype=torch.float64, device=device)
         peaks = _peak_memory_gib(device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(tokens)
+            if not logged:
+                torch.distributed.all_reduce(tokens)
             if peaks is not None:
                 torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
         allocated, reserved = (None, None) if peaks is None else peaks.tolist()
-        return Run(label=label, losses=tuple(losses), tokens=tokens.item() / cp_size,
+        return Run(label=label, losses=tuple(losses), tokens=tokens.item() / (1 if logged else cp_size),
                    seconds=sum(self.seconds[timed]), timed=name, processes=trainer.accelerator.num_processes,
                    peak_allocated_gib=allocated, peak_reserved_gib=reserved)
+
+
+def _logged_tokens(trainer, timed: slice) -> float:
+    """The tokens of the optimizer steps ``timed`` (0-based), from the ``num_tokens`` the trainer logs per step
+    (cumulative over the whole run, every process's)."""
+    totals = [e["num_tokens"] for e in trainer.state.log_history if "loss" in e and "num_tokens" in e]
+    return float(totals[timed.stop - 1] - (totals[timed.start - 1] if timed.start > 0 else 0))
 
 
 def _on_cuda() -> bool:

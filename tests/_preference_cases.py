@@ -8,7 +8,10 @@ Kinds (``model:kind``; model ``llama``, ``qwen3`` or ``gemma2``, tiny, random we
 - ``dpo_ipo``: the IPO loss (length-normalised) with ``precompute_ref_log_probs=True``: TRL scores the reference
   while the trainer is built, without CP;
 - ``dpo_lora``: the sigmoid loss on a LoRA adapter (``peft_config=``); the reference is the policy with the adapter
-  disabled.
+  disabled;
+- ``kto``: TRL's KTOTrainer on the same examples unpaired (each prompt with its chosen completion, labelled
+  desirable, and with its rejected one, undesirable), against a given ``ref_model``; its KL term scores each
+  batch's completions against the batch's other prompts.
 
 Rows: a prompt and two completions of different lengths per example (TRL pads ``[chosen; rejected]`` on the right,
 so every batch has padding). Every metric TRL logs is recorded.
@@ -26,6 +29,7 @@ VOCAB = 128
 EXAMPLES = 16
 EVAL_EXAMPLES = 8
 DPO_KINDS = ("dpo_sigmoid", "dpo_ipo", "dpo_lora")
+KTO_KINDS = ("kto",)
 # metrics TRL's DPOTrainer logs per optimiser step (and "eval_" + each in evaluation)
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy",
@@ -52,18 +56,31 @@ def random_words(g, low, high):
     return " ".join(f"t{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=g))
 
 
-def dataset(directory: str, split: str = "train"):
-    """Prompt / chosen / rejected texts: prompts of 3-9 tokens, completions of 2-12 (then <eos>). Saved under
-    ``directory`` by the main process and loaded from there by every rank: TRL caches precomputed reference
-    log-probs next to the dataset's files, which every rank must share."""
+def dataset(directory: str, split: str = "train", unpaired: bool = False):
+    """Prompt / chosen / rejected texts: prompts of 3-9 tokens, completions of 2-12 (then <eos>); ``unpaired``:
+    KTO's prompt / completion / label rows of the same texts. Saved under ``directory`` by the main process and
+    loaded from there by every rank: TRL caches precomputed reference log-probs next to the dataset's files, which
+    every rank must share."""
     from accelerate import PartialState
     from datasets import load_from_disk
 
-    path = os.path.join(directory, f"preference_{split}")
+    path = os.path.join(directory, f"{'unpaired' if unpaired else 'preference'}_{split}")
     with PartialState().main_process_first():
         if PartialState().is_main_process and not os.path.exists(path):
-            _texts(split).save_to_disk(path)
+            (_unpaired(_texts(split)) if unpaired else _texts(split)).save_to_disk(path)
     return load_from_disk(path)
+
+
+def _unpaired(paired):
+    from datasets import Dataset
+
+    rows = {"prompt": [], "completion": [], "label": []}
+    for example in paired:
+        for completion, label in ((example["chosen"], True), (example["rejected"], False)):
+            rows["prompt"].append(example["prompt"])
+            rows["completion"].append(completion)
+            rows["label"].append(label)
+    return Dataset.from_dict(rows)
 
 
 def _texts(split: str):
@@ -91,16 +108,23 @@ def build_model(name: str):
 
 
 def arguments(kind: str, common: dict):
-    from trl import DPOConfig
+    from trl import DPOConfig, KTOConfig
 
+    if kind == "kto":
+        return KTOConfig(**common, beta=0.5, max_length=None, dataset_num_proc=None)
     return DPOConfig(**common, loss_type=["ipo" if kind == "dpo_ipo" else "sigmoid"], beta=0.5,
                      precompute_ref_log_probs=kind == "dpo_ipo", max_length=None, dataset_num_proc=None)
 
 
 def trainer(model_name: str, kind: str, args):
-    from trl import DPOTrainer
+    from trl import DPOTrainer, KTOTrainer
 
     model = build_model(model_name)
+    data = os.path.dirname(args.output_dir)
+    if kind == "kto":
+        return KTOTrainer(model=model, ref_model=copy.deepcopy(model), args=args,
+                          train_dataset=dataset(data, unpaired=True), eval_dataset=dataset(data, "eval", unpaired=True),
+                          processing_class=tokenizer())
     peft_config = None
     if kind == "dpo_lora":
         from peft import LoraConfig
@@ -108,6 +132,5 @@ def trainer(model_name: str, kind: str, args):
         peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                                  task_type="CAUSAL_LM")
     reference = copy.deepcopy(model) if kind == "dpo_sigmoid" else None
-    data = os.path.dirname(args.output_dir)
     return DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=dataset(data),
                       eval_dataset=dataset(data, "eval"), processing_class=tokenizer(), peft_config=peft_config)

@@ -7,8 +7,9 @@ A case is ``model:kind:dp:cp`` or ``model:kind:dp:cp:keep``: model a tiny family
 Trainer, rows of one document, some labels -100), ``sft_plain`` (TRL SFTTrainer, right-padded rows of one
 document each, attention mask), ``sft_lora`` (the same with ``peft_config=``: a LoRA adapter that SFTTrainer puts
 on the model) or ``sft_packed`` (TRL SFTTrainer, padding-free rows of bin-packed documents: position ids and
-cu_seq_lens); TRL's DPOTrainer kinds ``dpo_*`` (``tests/_preference_cases.py``) and RewardTrainer kinds
-``reward*`` (``tests/_reward_cases.py``), which also record every metric TRL logs; the world must be dp x cp
+cu_seq_lens); TRL's DPOTrainer kinds ``dpo_*`` (``tests/_preference_cases.py``), RewardTrainer kinds
+``reward*`` (``tests/_reward_cases.py``) and GRPOTrainer / RLOOTrainer kinds ``grpo*``, ``rloo``
+(``tests/_policy_cases.py``), which also record every metric TRL logs; the world must be dp x cp
 processes. cp == 1 is the non-CP run of the same script
 (same global batches); cp > 1 runs through ``hfpatch.integrations.enable``. ``keep``: the trainer checkpoints
 every layer (``gradient_checkpointing=True``, non-reentrant) and ``enable(trainer, keep_attention="all")`` keeps
@@ -25,10 +26,13 @@ import torch
 import torch.distributed as dist
 
 import hfpatch.integrations
+import _policy_cases as policy
 import _preference_cases as preference
 import _reward_cases as reward
 from _dist import exit_now
 from hfpatch.cli.demo_models import build_model
+from hfpatch.integrations.fused_head import model_scored_by
+from hfpatch.modes import current_mode
 
 STEPS = 3
 BATCH = 2          # per device (per CP group)
@@ -96,10 +100,12 @@ def _arguments(kind: str, out: str, dp: int, cp: int, keep: bool = False):
         from transformers import TrainingArguments
 
         return TrainingArguments(**common)
-    if kind in preference.DPO_KINDS:
+    if kind in preference.DPO_KINDS + preference.KTO_KINDS:
         return preference.arguments(kind, common)
     if kind in reward.REWARD_KINDS:
         return reward.arguments(kind, common)
+    if kind in policy.POLICY_KINDS:
+        return policy.arguments(kind, common)
     from trl import SFTConfig
 
     return SFTConfig(**common, padding_free=kind == "sft_packed", max_length=None, dataset_num_proc=None)
@@ -107,8 +113,8 @@ def _arguments(kind: str, out: str, dp: int, cp: int, keep: bool = False):
 
 def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str, keep: bool = False):
     args = _arguments(kind, out, dp, cp, keep)
-    if kind in preference.DPO_KINDS + reward.REWARD_KINDS:
-        cases = preference if kind in preference.DPO_KINDS else reward
+    if kind in preference.DPO_KINDS + preference.KTO_KINDS + reward.REWARD_KINDS + policy.POLICY_KINDS:
+        cases = reward if kind in reward.REWARD_KINDS else policy if kind in policy.POLICY_KINDS else preference
         with hfpatch.integrations.parallelism_config_on_cpu():
             trainer = cases.trainer(model_name, kind, args)
         return trainer, hfpatch.integrations.enable(trainer)
@@ -134,10 +140,13 @@ def run_case(spec: str, out_dir: str) -> dict:
     model_name, kind, dp, cp, *options = spec.split(":")
     dp, cp, keep = int(dp), int(cp), options == ["keep"]
     trainer, handle = _trainer(model_name, kind, dp, cp, os.path.join(out_dir, "trainer"), keep)
-    scores_sequences = kind in preference.DPO_KINDS
-    metrics = preference.METRICS if scores_sequences else reward.METRICS if kind in reward.REWARD_KINDS else None
+    scores_sequences = kind in preference.DPO_KINDS + preference.KTO_KINDS + policy.POLICY_KINDS
+    metrics = preference.METRICS if kind in preference.DPO_KINDS else reward.METRICS \
+        if kind in reward.REWARD_KINDS else None
+    scoring = _ScoringForwards(trainer) if kind in policy.POLICY_KINDS + preference.KTO_KINDS else None
     try:
         trainer.train()
+        forwards = scoring.remove() if scoring is not None else None
         kept = handle.kept.stats() if handle.kept is not None else None
         calls = sum(handle.patch.calls.values())
         handle.patch.reset_calls()
@@ -149,17 +158,20 @@ def run_case(spec: str, out_dir: str) -> dict:
         handle.remove()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
     result = {"case": spec, "loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
-              "active": handle.active, "calls": calls, "kept": kept,
+              "active": handle.active, "calls": calls, "kept": kept, "scoring_forwards": forwards,
               "eval_loss": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
               + [final_eval["eval_loss"]],
               "predict_loss": predicted.metrics["test_loss"] if predicted is not None else None,
               "eval_calls": sum(handle.patch.calls.values()),
               "gathered_by_evaluate": gathered_by_evaluate, "gathered_logits": handle.gathered_logits,
               "gather_for_metrics_left": "gather_for_metrics" in vars(trainer.accelerator)}
+    if kind in policy.POLICY_KINDS + preference.KTO_KINDS:  # every metric TRL logs but its timings
+        metrics = sorted({name for e in logs for name in e if not any(t in name for t in ("time", "per_second"))})
     if metrics is not None:  # every metric TRL logs, per optimiser step and per evaluation
-        result["metrics"] = {name: [e[name] for e in logs] for name in metrics}
+        # None where a step logged no such metric (a GRPO step that reuses a generation logs no completions)
+        result["metrics"] = {name: [e.get(name) for e in logs] for name in metrics}
         evaluations = [e for e in trainer.state.log_history if "eval_loss" in e] + [final_eval]
-        result["eval_metrics"] = {name: [e["eval_" + name] for e in evaluations]
+        result["eval_metrics"] = {name: [e.get("eval_" + name) for e in evaluations]
                                   for name in metrics if "eval_" + name in evaluations[0]}
         # each rank's own log: TRL computes its metrics on every rank
         result["metrics_by_rank"] = _every_rank({"metrics": result["metrics"], "eval_metrics": result["eval_metrics"]})
@@ -173,6 +185,27 @@ def run_case(spec: str, out_dir: str) -> dict:
                         "labels": torch.as_tensor(labels)}, stem + ".predict.pt")
     AcceleratorState._reset_state(reset_partial_state=False)
     return result
+
+
+class _ScoringForwards:
+    """Counts the scoring forwards (``fused_lm_head=True``) of the trainer's policy and reference model, outside
+    generation (which runs without the ring)."""
+
+    def __init__(self, trainer) -> None:
+        self.count = 0
+
+        def count(module, args, kwargs):
+            if kwargs.get("fused_lm_head") and current_mode() != "local":
+                self.count += 1
+
+        unwrap = trainer.accelerator.unwrap_model
+        models = [trainer.model] + ([trainer.ref_model] if trainer.ref_model is not None else [])
+        self.hooks = [model_scored_by(m, unwrap).register_forward_pre_hook(count, with_kwargs=True) for m in models]
+
+    def remove(self) -> int:
+        for hook in self.hooks:
+            hook.remove()
+        return self.count
 
 
 def _every_rank(value) -> list:

@@ -18,8 +18,10 @@ import torch
 import hfpatch
 from _dist import run_world
 from hfpatch import active_patch, version_gates
+from hfpatch.cli import demo_models
 from hfpatch.attention import patcher, semantics
-from hfpatch.errors import PatchError, SignatureMismatch, UnsupportedArgument, UnsupportedRelease, VerificationError
+from hfpatch.errors import (AlreadyRemoved, PatchError, SignatureMismatch, UnsupportedArgument, UnsupportedRelease,
+                            VerificationError)
 from hfpatch.model.routing import route_model
 from hfpatch.signatures import registry
 from ring_kernels.tolerances import assert_close, tolerance
@@ -446,6 +448,32 @@ def test_model_without_a_flash_path_is_refused_unchanged():
     assert model.config._attn_implementation_internal == "eager"
     with pytest.raises(TypeError, match="model=Linear"):
         route_model(torch.nn.Linear(2, 2), lambda *a, **k: None)
+
+
+def test_a_suspended_routing_runs_the_models_own_attention_then_routes_again():
+    """``ModelRouting.suspended()`` (generation with a padding mask under CP): inside, the model's own attention
+    (the flash path's function is never called) with the padding mask honoured, the same numbers as the model that
+    was never routed; outside, routed again; removed, it refuses."""
+    calls = []
+    model, unrouted = (demo_models.build_model("llama", attn_implementation="sdpa") for _ in range(2))
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    routing = route_model(model, lambda *a, **k: calls.append(1))
+    try:
+        assert model.config._attn_implementation == "flash_attention_2"
+        with torch.no_grad(), routing.suspended():
+            assert model.config._attn_implementation == "sdpa"
+            ours = model(input_ids=ids, attention_mask=mask).logits
+        assert model.config._attn_implementation == "flash_attention_2" and not calls
+        with torch.no_grad():
+            theirs = unrouted(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(ours[mask.bool()], theirs[mask.bool()])
+    finally:
+        routing.remove()
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(AlreadyRemoved):
+        with routing.suspended():
+            pass
 
 
 # ------------------------------------------------------------------------------- GPU: NCCL, bf16 probe

@@ -78,14 +78,16 @@ def _accelerate_launch(processes: int) -> list:
 
 
 def _check_trainer_report(out: str, steps: int) -> None:
-    """What examples/trainer_cp.py and examples/sft_cp.py print with CP, then without, then side by side."""
+    """What the Trainer examples (trainer_cp, sft_cp, dpo_cp, grpo_cp) print with CP, then without, then side by
+    side (an RL loss measured at its terms' scale)."""
     assert re.search(r"^<hfpatch\.integrations\.TrainerCP \w+ cp=2 ring>$", out, re.M), out
     assert len(re.findall(r"^step \d+  loss \S+  grad_norm \S+$", out, re.M)) == steps, out
     assert len(re.findall(r"^\[no CP\] step \d+  loss \S+  grad_norm \S+$", out, re.M)) == steps, out
     assert re.search(r"^throughput, cp=2: [\d,]+ tokens/s on 2 processes", out, re.M), out
     assert re.search(r"^\[no CP\] throughput, no CP: [\d,]+ tokens/s on 1 process ", out, re.M), out
-    assert len(re.findall(r"^ +\d+ +\d+\.\d{8} +\d+\.\d{8}  \S+$", out, re.M)) == steps, out   # the table
-    assert re.search(r"^largest relative difference \S+, bound 1e-05 \(float32 loss, ring_kernels.tolerances\): "
+    assert len(re.findall(r"^ +\d+ +-?\d+\.\d{8} +-?\d+\.\d{8}  \S+$", out, re.M)) == steps, out   # the table
+    assert re.search(r"^largest relative difference( \(to the loss's terms' scale, \S+\))? \S+, bound 1e-05 "
+                     r"\(float32 loss, ring_kernels.tolerances\): "
                      r"CP matches no CP$", out, re.M), out
     assert re.search(r"^throughput: cp=2 [\d,]+ tokens/s on 2 processes, no CP [\d,]+ tokens/s on 1: \S+x", out,
                      re.M), out
@@ -116,6 +118,16 @@ def test_dpo_example_with_torchrun_prints_the_comparison():
     _check_trainer_report(out, steps=3)
 
 
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_grpo_example_with_torchrun_prints_the_comparison(trainer):
+    """Completions sampled by the model itself, with CP and without: the same steps."""
+    _needs_the_trainer_stack()
+    _under_the_ci_pin()
+    out = _launch(_torchrun(2), "grpo_cp.py", "--cp", "2", "--steps", "3", "--trainer", trainer)
+    _check_trainer_report(out, steps=3)
+    assert f"<hfpatch.integrations.TrainerCP {trainer.upper()}Trainer cp=2 ring>" in out, out
+
+
 def test_train_example_on_two_processes_prints_the_comparison():
     _under_the_ci_pin()
     out = _launch(_torchrun(2), "train_cp.py", "--steps", "3", "--seq-len", "64")
@@ -129,7 +141,7 @@ def test_train_example_on_two_processes_prints_the_comparison():
                      re.M), out
 
 
-@pytest.mark.parametrize("example", ["trainer_cp.py", "sft_cp.py", "dpo_cp.py", "train_cp.py"])
+@pytest.mark.parametrize("example", ["trainer_cp.py", "sft_cp.py", "dpo_cp.py", "grpo_cp.py", "train_cp.py"])
 def test_plot_without_matplotlib_exits_2_before_any_work(example, tmp_path):
     """matplotlib hidden (``sys.modules["matplotlib"] = None``: not importable, ``find_spec`` finds nothing)."""
     argv = [f"examples/{example}", *([] if example == "train_cp.py" else ["--cp", "1"]), "--plot",
@@ -215,3 +227,23 @@ def test_the_comparison_names_a_difference_beyond_the_tolerance():
     assert lines[-2].endswith("CP DIFFERS from no CP"), lines
     lines, agree = compare(Run(**{**far.to_dict(), "losses": (4.0,)}), without_cp, "float32")
     assert not agree and lines[-1] == "the runs logged 1 and 2 steps: nothing to compare", lines
+
+
+def test_a_loss_that_cancels_is_compared_at_its_terms_scale():
+    """An RL loss near zero (advantages summing to zero): measured against ``loss_scale``, not against itself, and
+    a difference beyond the bound at that scale still fails."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from _report import Run, compare
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    without_cp = Run(label="no CP", losses=(-3e-8, 2e-8), tokens=100.0, seconds=1.0, timed="2", processes=1,
+                     loss_scale=0.3)
+    noise = Run(label="cp=2", losses=(-4.6e-7, 2e-8), tokens=100.0, seconds=2.0, timed="2", processes=2)
+    lines, agree = compare(noise, without_cp, "float32")
+    assert agree and lines[-2].startswith(
+        "largest relative difference (to the loss's terms' scale, 0.3) 1.4e-06"), lines
+    assert not compare(noise, Run(**{**without_cp.to_dict(), "loss_scale": None}), "float32")[1]   # against itself
+    far = Run(label="cp=2", losses=(-3e-8 + 1e-5, 2e-8), tokens=100.0, seconds=2.0, timed="2", processes=2)
+    lines, agree = compare(far, without_cp, "float32")
+    assert not agree and lines[-2].endswith("CP DIFFERS from no CP"), lines

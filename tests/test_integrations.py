@@ -118,6 +118,16 @@ DPO_BETA = 0.5
 REWARD_CASES = ["llama:reward", "qwen3:reward", "llama:reward_pad"]
 REWARD_CASES_2X2 = ["qwen3:reward_pad"]
 REWARD_COUNTS = ("accuracy", "num_tokens")
+# TRL's KTOTrainer (tests/_preference_cases.py): unpaired completions against a given ref_model, its KL term on
+KTO_CASES = ["llama:kto", "gemma2:kto"]
+KTO_CASES_2X2 = ["qwen3:kto"]
+KTO_COUNTS = ("num_tokens", "learning_rate", "epoch", "step")
+# TRL's GRPOTrainer and RLOOTrainer (tests/_policy_cases.py), completions from a test double
+POLICY_CASES = ["llama:grpo", "qwen3:grpo_bnpo", "gemma2:rloo"]
+POLICY_CASES_2X2 = ["llama:grpo", "gemma2:rloo"]
+# what TRL logs that the model does not compute: the completions, the rewards and the schedule (equal, not close)
+POLICY_MODEL_FREE = ("completions/", "rewards/", "reward", "reward_std", "frac_reward_zero_std", "num_tokens",
+                     "learning_rate", "epoch", "step")
 
 
 def _launch(launcher: list, cases: list, out: Path) -> dict:
@@ -136,7 +146,8 @@ def _launch(launcher: list, cases: list, out: Path) -> dict:
 def runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("trainer_cases")
     results = {}
-    at_1x2, at_2x2 = CASES + DPO_CASES + REWARD_CASES, CASES_2X2 + DPO_CASES_2X2 + REWARD_CASES_2X2
+    at_1x2 = CASES + DPO_CASES + REWARD_CASES + KTO_CASES + POLICY_CASES
+    at_2x2 = CASES_2X2 + DPO_CASES_2X2 + REWARD_CASES_2X2 + KTO_CASES_2X2 + POLICY_CASES_2X2
     results.update(_launch([], [f"{c}:1:1" for c in at_1x2], base / "world1"))
     results.update(_launch(["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
                             "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
@@ -309,6 +320,91 @@ def test_reward_1x2_equals_non_cp(runs, case):
 @pytest.mark.parametrize("case", REWARD_CASES_2X2)
 def test_reward_2x2_equals_non_cp(runs, case):
     _compare_reward(runs, case, dp=2)
+
+
+def _compare_kto(runs: dict, case: str, dp: int) -> None:
+    """Every metric KTOTrainer logs on every rank, per step and per evaluation, and the final parameters: the
+    non-CP ones; the ring ran in every layer of every scoring forward (its KL forwards included). A reward is beta
+    x a difference of summed log-probs (as DPO's) and ``kl`` a difference of summed log-probs: their scale is that
+    of the summed log-probs."""
+    cp_run, reference = runs[f"{case}:{dp}:2"], runs[f"{case}:{dp}:1"]
+    _assert_every_scoring_forward_ran_the_ring(cp_run, reference)
+    assert len(cp_run["metrics_by_rank"]) == 2 * dp
+    for rank, logged in enumerate(cp_run["metrics_by_rank"]):
+        for which in ("metrics", "eval_metrics"):
+            ours, theirs = logged[which], reference[which]
+            assert ours.keys() == theirs.keys() and {"loss", "kl", "rewards/margins"} <= theirs.keys()
+            assert len(theirs["loss"]) == (3 if which == "metrics" else _evaluations_in_training(reference) + 2)
+            log_probs = max(abs(v) for name in ("logps/chosen", "logps/rejected") for v in theirs[name])
+            for name, expected in theirs.items():
+                scale = log_probs if name == "kl" else DPO_BETA * log_probs if name in DPO_LOG_RATIOS else None
+                _compare_metric(f"{case} dp={dp} rank {rank}: {which}[{name}]", name, ours[name], expected, theirs,
+                                counts=KTO_COUNTS, scale=scale)
+    _compare_parameters(cp_run, reference)
+
+
+@pytest.mark.parametrize("case", KTO_CASES)
+def test_kto_1x2_equals_non_cp(runs, case):
+    _compare_kto(runs, case, dp=1)
+
+
+@pytest.mark.parametrize("case", KTO_CASES_2X2)
+def test_kto_2x2_equals_non_cp(runs, case):
+    _compare_kto(runs, case, dp=2)
+
+
+def _assert_every_scoring_forward_ran_the_ring(cp_run: dict, reference: dict) -> None:
+    assert cp_run["active"] and not reference["active"]
+    assert cp_run["scoring_forwards"] > 0 and cp_run["calls"] == LAYERS * cp_run["scoring_forwards"], \
+        "the ring did not run in every layer of every scoring forward"
+    assert cp_run["scoring_forwards"] == reference["scoring_forwards"]
+
+
+def _compare_policy(runs: dict, case: str, dp: int) -> None:
+    """Every metric GRPOTrainer / RLOOTrainer logs on every rank, per step and per evaluation, and the final
+    parameters: the non-CP ones; the ring ran in every layer of every scoring forward."""
+    cp_run, reference = runs[f"{case}:{dp}:2"], runs[f"{case}:{dp}:1"]
+    _assert_every_scoring_forward_ran_the_ring(cp_run, reference)
+    assert len(cp_run["metrics_by_rank"]) == 2 * dp
+    for rank, logged in enumerate(cp_run["metrics_by_rank"]):
+        for which in ("metrics", "eval_metrics"):
+            ours, theirs = logged[which], reference[which]
+            assert ours.keys() == theirs.keys() and {"loss", "kl", "entropy", "reward"} <= theirs.keys()
+            assert len(theirs["loss"]) == (3 if which == "metrics" else _evaluations_in_training(reference) + 2)
+            for name, expected in theirs.items():
+                what = f"{case} dp={dp} rank {rank}: {which}[{name}]"
+                assert [v is None for v in ours[name]] == [v is None for v in expected], what
+                ours_, theirs_ = ([v for v in values if v is not None] for values in (ours[name], expected))
+                _compare_metric(what, name, ours_, theirs_, theirs, counts=(name,) if _model_free(name) else (),
+                                scale=_policy_scale(name, theirs))
+    _compare_parameters(cp_run, reference)
+
+
+def _model_free(name: str) -> bool:
+    return any(name == m or (m.endswith("/") and name.startswith(m)) for m in POLICY_MODEL_FREE)
+
+
+def _policy_scale(name: str, logged: dict) -> float | None:
+    """The scale a policy metric's difference is measured against (None: the largest magnitude of its series).
+    ``kl`` is a difference of the policy's and the reference's log-probs of the same tokens, so its error scales
+    with those log-probs, whose size the ``entropy`` metric gives (about log(vocab) for these random models). The
+    loss is a mean of advantage-weighted probability ratios, and the advantages of a group sum to zero (RLOO), so
+    its value is a cancellation: its terms have the scale of the advantages, at least the rewards' spread."""
+    if name == "kl":
+        return max(abs(v) for v in logged["entropy"] if v is not None)
+    if name == "loss":
+        return max(abs(v) for key in ("loss", "reward_std") for v in logged[key] if v is not None)
+    return None
+
+
+@pytest.mark.parametrize("case", POLICY_CASES)
+def test_grpo_rloo_1x2_equals_non_cp(runs, case):
+    _compare_policy(runs, case, dp=1)
+
+
+@pytest.mark.parametrize("case", POLICY_CASES_2X2)
+def test_grpo_rloo_2x2_equals_non_cp(runs, case):
+    _compare_policy(runs, case, dp=2)
 
 
 @pytest.mark.parametrize("case", KEEP_CASES)

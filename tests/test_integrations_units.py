@@ -177,22 +177,35 @@ def test_reward_padding_that_cannot_be_dropped_is_refused(ids, mask):
     assert info.value.parameter == "attention_mask" and info.value.fix
 
 
-@pytest.mark.parametrize("name", ["GRPOTrainer", "RLOOTrainer", "KTOTrainer"])   # TRL 1.16's other top-level ones
-def test_trl_trainers_not_made_exact_are_refused_by_name_under_cp_only(name):
-    trl = pytest.importorskip("trl")
-    cls = getattr(trl, name)
+@pytest.mark.parametrize("module, name", [
+    ("trl", "DistillationTrainer"),                  # TRL 1.16's top-level trainer that enable does not make exact
+    ("trl.experimental.orpo", "ORPOTrainer"),        # named in the refusal table
+    ("trl.experimental.gkd", "GKDTrainer"),
+    ("trl.experimental.kto", "KTOTrainer"),          # the experimental KTO: not TRL's trl.KTOTrainer
+    ("trl.experimental.tpo", "TPOTrainer"),          # named nowhere: refused as not verified
+])
+def test_trl_trainers_not_made_exact_are_refused_by_name_under_cp_only(module, name):
+    pytest.importorskip("trl")
+    cls = getattr(pytest.importorskip(module), name, None)
+    if cls is None:
+        pytest.skip(f"{module} has no {name} in this TRL")
     trainer = cls.__new__(cls)
     refuse_unsupported_trl_trainer(trainer, cp_size=1)   # without CP: the same script, nothing refused
     with pytest.raises(UnsupportedArgument) as info:
         refuse_unsupported_trl_trainer(trainer, cp_size=2)
     assert info.value.parameter == "trainer" and name in str(info.value) and info.value.fix
+    subclass = type("MyTrainer", (cls,), {})         # a user's subclass: refused as its TRL base
+    with pytest.raises(UnsupportedArgument, match=name):
+        refuse_unsupported_trl_trainer(subclass.__new__(subclass), cp_size=2)
 
 
 def test_the_trainers_made_exact_are_not_refused():
     trl = pytest.importorskip("trl")
-    for name in ("SFTTrainer", "DPOTrainer", "RewardTrainer"):
+    for name in ("SFTTrainer", "DPOTrainer", "KTOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer"):
         cls = getattr(trl, name)
         refuse_unsupported_trl_trainer(cls.__new__(cls), cp_size=2)
+        subclass = type("MyTrainer", (cls,), {})
+        refuse_unsupported_trl_trainer(subclass.__new__(subclass), cp_size=2)
 
 
 # ------------------------------------------------------------------------------------------------- labels

@@ -2,10 +2,13 @@
 
 - transformers' ``Trainer`` and TRL's ``SFTTrainer`` (or a subclass): ``hfpatch.integrations.trainer.TrainerCP``,
   which splits each batch and averages the token loss over the CP group;
-- TRL's ``DPOTrainer``: ``hfpatch.integrations.preference.PreferenceCP``, which scores whole batches exactly;
+- TRL's ``DPOTrainer`` and ``KTOTrainer``: ``hfpatch.integrations.preference.PreferenceCP``, which scores whole
+  batches exactly;
 - TRL's ``RewardTrainer``: ``hfpatch.integrations.reward.RewardCP``, which pools each row's reward exactly on every
   rank and keeps TRL's loss and metrics;
-- the TRL trainers it does not make exact (GRPO, RLOO, KTO, ...): refused by name under CP
+- TRL's ``GRPOTrainer`` and ``RLOOTrainer``: ``hfpatch.integrations.policy_gradient.PolicyGradientCP``, which
+  scores whole batches exactly and lets the CP ranks of a group act as one process in TRL's step;
+- the TRL trainers it does not make exact (GKD, online DPO, CPO, ORPO, ...): refused by name under CP
   (``hfpatch.integrations.preference``).
 """
 from __future__ import annotations
@@ -14,7 +17,8 @@ import logging
 from typing import Any
 
 import hfpatch
-from hfpatch.integrations.preference import PreferenceCP, is_dpo_trainer, refuse_unsupported_trl_trainer
+from hfpatch.integrations.policy_gradient import PolicyGradientCP, is_policy_gradient_trainer
+from hfpatch.integrations.preference import PreferenceCP, is_preference_trainer, refuse_unsupported_trl_trainer
 from hfpatch.integrations.requirements import check_releases
 from hfpatch.integrations.reward import RewardCP, is_reward_trainer
 from hfpatch.integrations.trainer import (TrainerCP, cp_mesh, is_trl_trainer, refuse_unsupported_losses,
@@ -35,9 +39,11 @@ def _model_prepared(trainer) -> bool:
 
 def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", verify: Any = True,
            keep_attention: Any = None) -> TrainerCP:
-    """Give ``trainer`` (transformers' ``Trainer``, TRL's ``SFTTrainer``, ``DPOTrainer`` or ``RewardTrainer``,
-    built, not yet trained) context parallelism over the "cp" dimension of its ``ParallelismConfig``; returns the
-    handle (``TrainerCP``, or its ``PreferenceCP`` for a DPOTrainer, its ``RewardCP`` for a RewardTrainer).
+    """Give ``trainer`` (transformers' ``Trainer``, TRL's ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``,
+    ``RewardTrainer``, ``GRPOTrainer`` or ``RLOOTrainer``, built, not yet trained) context parallelism over the
+    "cp" dimension of its ``ParallelismConfig``; returns the handle (``TrainerCP``, or its ``PreferenceCP`` for a
+    DPOTrainer or KTOTrainer, ``RewardCP`` for a RewardTrainer, ``PolicyGradientCP`` for a GRPOTrainer or
+    RLOOTrainer).
 
     Call it on every rank after building the trainer and before ``trainer.train()``. ``kernel``,
     ``on_unsupported`` and ``verify`` are ``hfpatch.apply``'s. Without a ``ParallelismConfig`` or with
@@ -66,7 +72,8 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
         require_checkpointing(trainer, keep_attention)
     model = trainer.model
     patch = hfpatch.apply(mesh, model=model, kernel=kernel, on_unsupported=on_unsupported, verify=verify)
-    kind = PreferenceCP if is_dpo_trainer(trainer) else RewardCP if is_reward_trainer(trainer) else TrainerCP
+    kind = (PreferenceCP if is_preference_trainer(trainer) else PolicyGradientCP if is_policy_gradient_trainer(trainer)
+            else RewardCP if is_reward_trainer(trainer) else TrainerCP)
     handle = kind(trainer, patch, cp_size)
     try:
         handle._install()

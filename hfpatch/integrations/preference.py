@@ -1,6 +1,7 @@
-"""``enable(trainer)`` for TRL's DPOTrainer: preference training under context parallelism, exact.
+"""``enable(trainer)`` for TRL's DPOTrainer and KTOTrainer: preference training under context parallelism, exact.
 
-A DPO step scores whole sequences: the policy's and the reference's summed log-probs of each completion (the
+A DPO step (KTO's alike, on unpaired completions and, for its KL term, each batch's completions against the batch's
+other prompts) scores whole sequences: the policy's and the reference's summed log-probs of each completion (the
 reference under ``no_grad``: a ``ref_model``, the policy with its PEFT adapter disabled, or precomputed), then a
 loss over those sums and metrics over per-token fields. ``PreferenceCP`` keeps TRL's step as it is and makes each
 scoring forward exact (``hfpatch.integrations.fused_head``): every model call of the trainer takes the whole
@@ -35,56 +36,76 @@ from hfpatch.integrations.trainer import TrainerCP
 from hfpatch.model.labels import averaged_over_group
 from hfpatch.scoring.gather import scale_gradient
 
-__all__ = ["PreferenceCP", "is_dpo_trainer", "refuse_unsupported_trl_trainer"]
+__all__ = ["PreferenceCP", "is_preference_trainer", "refuse_unsupported_trl_trainer", "trl_classes"]
 
-# TRL trainers enable() does not make exact under CP, with the reason (checked before anything is installed).
+# The TRL trainers enable() makes exact under CP: TRL's own classes of these names (trl.<name>), or subclasses.
+MADE_EXACT = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer")
+# Why the others are refused (a TRL trainer named here or not: refused under CP, before anything is installed).
 _REFUSED = {
-    "GRPOTrainer": "it generates completions and scores them with per-token importance ratios over left-padded "
-                   "prompts; TRL itself refuses cp_size > 1 for it",
-    "RLOOTrainer": "it generates completions and scores them over left-padded prompts; TRL itself refuses "
-                   "cp_size > 1 for it",
-    "KTOTrainer": "its KL term scores mismatched prompt/completion pairs built inside the step, which the "
-                  "whole-batch scoring does not cover yet",
+    "DistillationTrainer": "its distillation loss reads the whole logits of teacher and student",
     "GKDTrainer": "its distillation loss reads the whole logits of teacher and student",
-    "OnlineDPOTrainer": "it generates completions inside the step",
-    "PPOTrainer": "it generates completions inside the step",
-    "NashMDTrainer": "it generates completions inside the step",
-    "XPOTrainer": "it generates completions inside the step",
+    "OnlineDPOTrainer": "it generates completions inside the step and scores them with its own forwards",
+    "NashMDTrainer": "it generates completions inside the step and scores them with its own forwards",
+    "XPOTrainer": "it generates completions inside the step and scores them with its own forwards",
+    "PPOTrainer": "it generates completions inside the step and scores them with its own forwards",
     "BCOTrainer": "its batches pair prompts and completions inside the step",
     "CPOTrainer": "its loss reads the logits of the policy's own forward",
     "ORPOTrainer": "its loss reads the logits of the policy's own forward",
     "PRMTrainer": "its token-classification labels mark step separators the integration does not split yet",
 }
+_NOT_VERIFIED = "hfpatch has not verified its step under context parallelism"
 
 
-def _trl_classes(*names):
+def trl_classes(*names) -> tuple:
+    """TRL's classes of these names that the imported TRL has (none when TRL is not imported)."""
     trl = sys.modules.get("trl")
     return tuple(getattr(trl, name) for name in names if trl is not None and hasattr(trl, name))
 
 
-def is_dpo_trainer(trainer) -> bool:
-    classes = _trl_classes("DPOTrainer")
+# the preference trainers PreferenceCP makes exact, and the dataset columns of their precomputed reference log-probs
+# (TRL's names; the second column is absent where the trainer computes no second score)
+PRECOMPUTED_COLUMNS = {"DPOTrainer": ("ref_chosen_logps", "ref_rejected_logps"),
+                       "KTOTrainer": ("ref_logps", "ref_KL_logps")}
+
+
+def is_preference_trainer(trainer) -> bool:
+    """Whether ``trainer`` is TRL's DPOTrainer or KTOTrainer (or a subclass)."""
+    classes = trl_classes(*PRECOMPUTED_COLUMNS)
     return bool(classes) and isinstance(trainer, classes)
 
 
 def refuse_unsupported_trl_trainer(trainer, cp_size: int) -> None:
-    """``UnsupportedArgument`` naming the trainer and the reason for a TRL trainer ``enable`` cannot make exact
-    under CP (``cp_size`` > 1)."""
+    """``UnsupportedArgument`` naming the trainer and the reason, under CP (``cp_size`` > 1), for a TRL trainer
+    that is not one of ``MADE_EXACT`` (TRL's own class, ``trl.<name>``, or a subclass of it): every other TRL
+    trainer, ``trl.experimental``'s included, whether ``_REFUSED`` names it or not."""
     if cp_size == 1:
         return
-    for name, reason in _REFUSED.items():
-        classes = _trl_classes(name)
-        if classes and isinstance(trainer, classes):
-            raise UnsupportedArgument(
-                "trainer", type(trainer).__name__,
-                f"hfpatch.integrations.enable does not make TRL's {name} exact under context parallelism: {reason}.",
-                "train it without CP (cp_size=1: the same script, enable changes nothing), or use SFTTrainer / "
-                "DPOTrainer / RewardTrainer / Trainer, which enable makes exact.")
+    trl_trainer = _most_derived_trl_trainer(type(trainer))
+    if trl_trainer is None:
+        return
+    name = trl_trainer.__name__
+    if name in MADE_EXACT and trl_classes(name) == (trl_trainer,):
+        return
+    raise UnsupportedArgument(
+        "trainer", type(trainer).__name__,
+        f"hfpatch.integrations.enable does not make TRL's {name} ({trl_trainer.__module__}) exact under context "
+        f"parallelism: {_REFUSED.get(name, _NOT_VERIFIED)}.",
+        "train it without CP (cp_size=1: the same script, enable changes nothing), or use one of TRL's "
+        f"{', '.join(MADE_EXACT)} or transformers' Trainer, which enable makes exact.")
+
+
+def _most_derived_trl_trainer(cls):
+    """The first class of ``cls``'s MRO that TRL defines and names ``*Trainer`` (TRL's base classes after it)."""
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] == "trl" and klass.__name__.endswith("Trainer") \
+                and klass.__name__ != "BaseTrainer":
+            return klass
+    return None
 
 
 class PreferenceCP(TrainerCP):
-    """``TrainerCP`` of a DPOTrainer (module docstring). ``verify``: ``hfpatch.apply``'s, for the reference model
-    too."""
+    """``TrainerCP`` of a DPOTrainer or KTOTrainer (module docstring). ``verify``: ``hfpatch.apply``'s, for the
+    reference model too."""
 
     def __init__(self, trainer, patch, cp_size: int, *, verify=True) -> None:
         super().__init__(trainer, patch, cp_size)
@@ -140,22 +161,24 @@ class PreferenceCP(TrainerCP):
         from datasets import Value
         from torch.utils.data import DataLoader
 
-        columns = ("ref_chosen_logps", "ref_rejected_logps")
-        if not all(column in dataset.column_names for column in columns):
-            return dataset
         trainer = self.trainer
-        base = dataset.remove_columns(list(columns))
+        names = next(columns for name, columns in PRECOMPUTED_COLUMNS.items() if isinstance(trainer, trl_classes(name)))
+        columns = [column for column in names if column in dataset.column_names]
+        if names[0] not in columns:
+            return dataset
+        base = dataset.remove_columns(columns)
         model = trainer.ref_model if trainer.ref_model is not None else trainer.model
-        chosen, rejected = [], []
+        scores: list = [[] for _ in columns]
         loader = DataLoader(base, batch_size=batch_size, collate_fn=trainer.data_collator, shuffle=False)
         for batch in loader:
             batch = {k: v.to(trainer.accelerator.device) if hasattr(v, "to") else v for k, v in batch.items()}
             with averaged_over_group():  # as in _compute_loss
-                c, r = trainer.compute_ref_log_probs(model, batch)
-            chosen += c.float().cpu().tolist()
-            rejected += r.float().cpu().tolist()
-        rescored = base.add_column(columns[0], chosen, feature=Value("float32"))
-        return rescored.add_column(columns[1], rejected, feature=Value("float32"))
+                scored = trainer.compute_ref_log_probs(model, batch)
+            for column, score in zip(scores, scored):
+                column += score.float().cpu().tolist()
+        for name, values in zip(columns, scores):
+            base = base.add_column(name, values, feature=Value("float32"))
+        return base
 
     def remove(self) -> None:
         if not self._removed:

@@ -26,11 +26,12 @@ that never see the token sequence, which the audit's rules and the position hook
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -63,6 +64,23 @@ class ModelRouting:
     # (module, name, previous, replacement): module-level functions of transformers replaced while switched.
     replaced: list[tuple[types.ModuleType, str, Any, Any]] = field(default_factory=list)
     removed: bool = field(default=False, init=False)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Inside it the model runs its own attention (the implementation and the attention classes it had before
+        ``route_model``), off the flash path: what generation with a padding mask and a KV cache needs; routed
+        again on exit."""
+        if self.removed:
+            raise AlreadyRemoved("this model's attention routing was already removed. Fix: suspend it while it is "
+                                 "installed.", what="routing.ModelRouting")
+        routed = [(config, config.__dict__.get("_attn_implementation_internal", _UNSET)) for config, _ in self.configs]
+        swapped = [(module, module.__class__) for module, _ in self.classes]
+        copies = [(module, module.__dict__.get("_attn_implementation")) for module, _ in self.module_impls]
+        _put_back(self.configs, [(m, cls) for m, cls in self.classes], self.module_impls)
+        try:
+            yield
+        finally:
+            _put_back(routed, swapped, copies)
 
     def remove(self) -> None:
         """Undo every change, newest first; a second call raises ``AlreadyRemoved``."""
@@ -274,6 +292,19 @@ def has_flash_path(model: torch.nn.Module, *, transformers_version=None) -> bool
     # by its config on every release.
     per_call_dispatch = per_call_dispatch or not has_class_table
     return has_class_table or (per_call_dispatch and _supports_flash(model))
+
+
+def _put_back(configs, classes, module_impls) -> None:
+    """Set each config's implementation, each module's class and attribute copy to the values given."""
+    for module, cls in reversed(classes):
+        module.__class__ = cls
+    for module, value in reversed(module_impls):
+        module.__dict__["_attn_implementation"] = value
+    for config, value in reversed(configs):
+        if value is _UNSET:
+            config.__dict__.pop("_attn_implementation_internal", None)
+        else:
+            config.__dict__["_attn_implementation_internal"] = value
 
 
 def route_model(model: Any, wrapper: Callable, *, transformers_version=None) -> ModelRouting:
