@@ -48,6 +48,23 @@ Every metric it logs on EVERY rank, per step and per evaluation, equals the non-
 ``num_tokens`` exactly; ``margin``, a difference of rewards, within 1e-5 of the largest reward), and so do
 ``predict()``'s rewards (5e-5 absolute) and the final parameters. Measured over the four CP runs: loss 8.5e-8, grad
 norm 2.0e-7, rewards 2.8e-6, margin 1.6e-7 relative; rewards 1.8e-7 and parameters 1.2e-7 absolute.
+
+TRL's KTOTrainer (``tests/_preference_cases.py``; llama and gemma2 at 1x2, qwen3 at 2x2): unpaired completions
+against a given ``ref_model``, its KL term included. Every metric on every rank: counts equal, rewards within 1e-5
+of beta x the largest summed log-prob, ``kl`` (a difference of summed log-probs) within 1e-5 of the largest summed
+log-prob, the rest within 1e-5 of their series; parameters within 2e-6. Measured over the three CP runs, each
+against its own series: loss 9.4e-7, grad norm 8.7e-8, log-probs 9.5e-8, rewards 2e-4 (1.2e-7 of beta x the summed
+log-probs), kl 7.7e-5; parameters 1.2e-7 absolute.
+
+TRL's GRPOTrainer and RLOOTrainer (``tests/_policy_cases.py``; llama GRPO with the dapo loss and a reference model,
+qwen3 GRPO with bnpo, batch-scaled rewards and two iterations per generation, gemma2 RLOO; llama GRPO and gemma2 RLOO
+at 2x2), completions from a test double: every metric on every rank, per step and per evaluation. What the model
+does not compute (completions, rewards, their spread, the token counts, the schedule) is equal; the rest within
+1e-5 of its scale: ``kl`` of the per-token log-probs' (the ``entropy`` metric), the loss of the advantages' (a
+mean of advantage-weighted ratios whose advantages sum to zero per group: RLOO's loss is rounding noise), the others
+of their series. The ring ran in every layer of every scoring forward (policy, reference, old policy). Measured over
+the five CP runs: grad norm 3.7e-6, entropy 1.3e-7 relative, kl 6.3e-5 of its own series (4e-7 absolute), the loss
+2e-7 relative (GRPO) and 1.8e-6 of the rewards' spread (RLOO); parameters 1.2e-7 absolute.
 """
 from __future__ import annotations
 
