@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -39,43 +38,18 @@ for path in (ROOT, os.path.join(ROOT, "examples")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from dpo_cp import build_pairs, build_tokenizer  # noqa: E402
+from _step_clock import StepClock  # noqa: E402
+from dpo_cp import build_pairs, word_tokenizer_for  # noqa: E402
 from ring_kernels.tolerances import tolerance  # noqa: E402
 from trainer_cp import SIZES, build_model  # noqa: E402
 
 __all__ = ["run", "main"]
 
 
-class _StepTimes:
-    """A TrainerCallback timing every optimizer step (CUDA synchronized)."""
-
-    def __init__(self) -> None:
-        from transformers import TrainerCallback
-
-        times: list = []
-        self.seconds = times
-
-        class Callback(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                _synchronize()
-                self.start = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                _synchronize()
-                times.append(time.perf_counter() - self.start)
-
-        self.callback = Callback()
-
-
 def _built(options) -> torch.nn.Module:
     """examples/trainer_cp.py's model, built on the run's device (a 1B model is built in seconds on a GPU)."""
     with torch.device(options.device):
         return build_model(options.model, getattr(torch, options.dtype))
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def run(options, initial: dict, with_enable: bool) -> dict:
@@ -86,9 +60,7 @@ def run(options, initial: dict, with_enable: bool) -> dict:
 
     model = _built(options)
     model.load_state_dict(initial)
-    tokenizer = build_tokenizer(model.config.vocab_size)
-    for config in (model.config, model.generation_config):
-        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    tokenizer = word_tokenizer_for(model)
     pairs = build_pairs(options.steps * options.batch, options.prompt_len, options.completion_len,
                         model.config.vocab_size)
     args = DPOConfig(output_dir=os.path.join(tempfile.gettempdir(), "hfpatch-dpo-cp-off"), max_steps=options.steps,
@@ -101,8 +73,7 @@ def run(options, initial: dict, with_enable: bool) -> dict:
                          processing_class=tokenizer)
     trainer.remove_callback(PrinterCallback)
     handle = hfpatch.integrations.enable(trainer) if with_enable else None
-    clock = _StepTimes()
-    trainer.add_callback(clock.callback)
+    clock = StepClock.attach(trainer)   # examples/_step_clock.py: every optimizer step timed, CUDA synchronized
     try:
         trainer.train()
     finally:

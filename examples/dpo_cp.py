@@ -46,6 +46,14 @@ def build_tokenizer(vocab: int):
                                    unk_token="<unk>")
 
 
+def word_tokenizer_for(model):
+    """``build_tokenizer`` over ``model``'s vocabulary, its pad and eos ids set on the model's configs."""
+    tokenizer = build_tokenizer(model.config.vocab_size)
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    return tokenizer
+
+
 def build_pairs(count: int, prompt_len: int, completion_len: int, vocab: int):
     """``count`` preference pairs of random words, the same on every rank: prompts of about ``prompt_len`` words,
     completions of about ``completion_len`` (each ends with <eos>)."""
@@ -93,9 +101,7 @@ def train(options) -> dict:
 
     datasets.disable_progress_bars()
     model = build_model(options.model, getattr(torch, options.dtype))
-    tokenizer = build_tokenizer(model.config.vocab_size)
-    for config in (model.config, model.generation_config):
-        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    tokenizer = word_tokenizer_for(model)
     pairs = build_pairs(options.steps * options.batch * options.dp, options.prompt_len, options.completion_len,
                         model.config.vocab_size)
     settings = dict(output_dir=os.path.join(tempfile.gettempdir(), "hfpatch-dpo-cp"), max_steps=options.steps,

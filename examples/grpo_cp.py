@@ -33,7 +33,7 @@ import tempfile
 import torch
 
 from _report import check_plot_argument
-from dpo_cp import build_tokenizer
+from dpo_cp import word_tokenizer_for
 from trainer_cp import SIZES, add_report_arguments, build_model, check_world, end_run, on_cpu
 
 
@@ -84,9 +84,7 @@ def train(options) -> dict:
 
     datasets.disable_progress_bars()
     model = build_model(options.model, getattr(torch, options.dtype))
-    tokenizer = build_tokenizer(model.config.vocab_size)
-    for config in (model.config, model.generation_config):
-        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    tokenizer = word_tokenizer_for(model)
     # TRL builds the reference model from the policy's path: the model, saved (each process its own copy)
     path = os.path.join(tempfile.gettempdir(), f"hfpatch-grpo-cp-model-{os.environ.get('RANK', '0')}")
     model.save_pretrained(path)

@@ -59,13 +59,14 @@ class OneCopyPerCPGroup:
 
         self.calls += 1
         gathered = self.accelerator.gather(data)
-        data = recursively_apply(self._one_copy, gathered)
+        data = recursively_apply(self.one_copy, gathered)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             data = recursively_apply(lambda t: t[: state.remainder], data)
         return data
 
-    def _one_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+    def one_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Of a tensor gathered over every process (dim 0, rank order): the parts of CP rank 0's processes."""
         parts = tensor.chunk(self.world_size, dim=0)
         return torch.cat([parts[rank] for rank in self.kept_ranks], dim=0)
 

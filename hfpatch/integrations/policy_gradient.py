@@ -83,7 +83,7 @@ class OneProcessPerCPGroup:
     def gather(self, tensor):
         from accelerate.utils import recursively_apply
 
-        return recursively_apply(self._one_copy._one_copy, self._accelerator.gather(tensor))
+        return recursively_apply(self._one_copy.one_copy, self._accelerator.gather(tensor))
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
         if use_gather_object:
@@ -102,21 +102,18 @@ class PolicyGradientCP(PreferenceCP):
     """``TrainerCP`` of a GRPOTrainer or RLOOTrainer (module docstring)."""
 
     def _install(self) -> None:
+        super()._install()
         if self.cp_size == 1:
             return
-        trainer = self.trainer
-        self._install_replacements(self._whole_batch, self._prediction_step)
-        self.eval_step = "the trainer's own, on exact forwards"
-        self.view = OneProcessPerCPGroup(trainer.accelerator, self.gather_one_copy)
-        self._trl_module = _trl_module(trainer)
+        self.view = OneProcessPerCPGroup(self.trainer.accelerator, self.gather_one_copy)
+        self._trl_module = _trl_module(self.trainer)
         self._fit_generation_batch()
         self._seed_per_group()
-        self._installed[(trainer, "_prepare_inputs")] = self._prepare_generation_batch
-        self._installed[(trainer, "_generate")] = self._generate
+
+    def _step_replacements(self) -> dict:
+        trainer = self.trainer
         self.original_prepare_inputs, self.original_generate = trainer._prepare_inputs, trainer._generate
-        trainer._prepare_inputs, trainer._generate = self._prepare_generation_batch, self._generate
-        if self.active:
-            self.scoring = self._install_scoring()
+        return {(trainer, "_prepare_inputs"): self._prepare_generation_batch, (trainer, "_generate"): self._generate}
 
     def _fit_generation_batch(self) -> None:
         args = self.trainer.args

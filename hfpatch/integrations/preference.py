@@ -114,13 +114,16 @@ class PreferenceCP(TrainerCP):
     def _install(self) -> None:
         if self.cp_size == 1:
             return
-        trainer = self.trainer
-        self._install_replacements(self._whole_batch, self._prediction_step)
+        self._install_replacements(self._whole_batch, self._prediction_step, self._step_replacements())
         self.eval_step = "the trainer's own, on exact forwards"
         if self.active:
             self.scoring = self._install_scoring()
-            if trainer.precompute_ref_logps:
+            if getattr(self.trainer, "precompute_ref_logps", False):
                 self._rescore_precomputed_reference()
+
+    def _step_replacements(self) -> dict:
+        """The trainer methods a trainer kind replaces besides ``TrainerCP``'s (none for DPO and KTO)."""
+        return {}
 
     def _install_scoring(self) -> UndoStack:
         trainer, patch = self.trainer, self.patch

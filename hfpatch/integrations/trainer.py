@@ -91,11 +91,12 @@ class TrainerCP:
         if known:
             self.eval_step = "cp"
 
-    def _install_replacements(self, prepare_inputs, prediction_step) -> None:
+    def _install_replacements(self, prepare_inputs, prediction_step, more: dict | None = None) -> None:
         """Replace the trainer's ``_prepare_context_parallel_inputs`` with ``prepare_inputs``, its ``compute_loss``
         with ``self._compute_loss``, its ``prediction_step`` with ``prediction_step`` (None: kept) and the
         accelerator's ``_prepare_cp`` with a no-op, keeping the trainer's own methods as ``original_*`` and a
-        one-copy-per-CP-group gatherer for evaluation (``remove()`` takes every replacement off)."""
+        one-copy-per-CP-group gatherer for evaluation; ``more``: further ``{(owner, name): replacement}`` of a
+        trainer kind (``remove()`` takes every replacement off)."""
         trainer = self.trainer
         self.original_compute_loss = trainer.compute_loss
         self._installed = {
@@ -107,6 +108,7 @@ class TrainerCP:
             self.original_prediction_step = trainer.prediction_step
             self.gather_one_copy = evaluation.OneCopyPerCPGroup(trainer.accelerator)
             self._installed[(trainer, "prediction_step")] = prediction_step
+        self._installed.update(more or {})
         for (owner, name), replacement in self._installed.items():
             setattr(owner, name, replacement)
 
