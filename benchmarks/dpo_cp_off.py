@@ -8,8 +8,9 @@
     python benchmarks/dpo_cp_off.py --steps 3
 
 After a warm-up run (not reported), four runs of the same steps from the same initial weights and pairs
-(examples/dpo_cp.py's model, tokenizer and pairs), alternating: plain TRL, TRL with ``enable(trainer)`` (no ``ParallelismConfig``: the integration's promise is
-that it then changes nothing), and both again, so the two plain runs show the machine's own run-to-run spread.
+(examples/dpo_cp.py's model, tokenizer and pairs), alternating: plain TRL, TRL with ``enable(trainer)`` (no
+``ParallelismConfig``: the integration's promise is that it then changes nothing), and both again, so the two plain
+runs show the machine's own run-to-run spread.
 Printed: each run's per-step loss, grad norm and reward margin, their largest difference against the first plain
 run, and the median step time of the steps after the first (which pays one-time costs); then the ratio of the
 enabled runs' mean to the plain runs'. Exit status 0 when every run's losses equal the first plain run's within the
