@@ -2,7 +2,7 @@
 arguments and the trainer of each kind, with completions from a test double in place of generation.
 
 Kinds (``model:kind``; model ``llama``, ``qwen3`` or ``gemma2``, tiny, random weights, fp32, saved to disk and
-passed by path, as TRL then builds the reference model from the same path):
+passed by path, as TRL then builds the reference model from the same path; eager attention, see ``arguments``):
 
 - ``grpo``: GRPOTrainer, its default loss (``dapo``), ``beta=0.1`` (a reference model, so the ``kl`` metric), two
   reward functions;
@@ -89,8 +89,11 @@ def arguments(kind: str, common: dict):
 
     common = dict(common)
     parallelism = common.pop("parallelism_config", None)
+    # The non-CP reference attention is the model's eager path, on every release: from a path, transformers 5.0
+    # builds Gemma-2 with SDPA, which drops its attention softcapping (later releases refuse SDPA for it).
     options = dict(num_generations=NUM_GENERATIONS, max_completion_length=12,
-                   per_device_eval_batch_size=NUM_GENERATIONS, num_generations_eval=NUM_GENERATIONS)
+                   per_device_eval_batch_size=NUM_GENERATIONS, num_generations_eval=NUM_GENERATIONS,
+                   model_init_kwargs={"attn_implementation": "eager"})
     common.pop("per_device_eval_batch_size", None)
     if kind == "rloo":
         args = RLOOConfig(**common, **options, beta=0.05)

@@ -269,6 +269,9 @@ def test_losses_that_see_a_shard_are_refused():
     base = dict(label_smoother=None, compute_loss_func=None, aux_loss_enabled=False,
                 args=types.SimpleNamespace(label_smoothing_factor=0.1))
     refuse_unsupported_losses(types.SimpleNamespace(**base))
+    # TRL's marker on transformers < 5.19 (GRPOTrainer: its compute_loss scales for accumulation), never called
+    marker = "non-None value to disable scaling"
+    refuse_unsupported_losses(types.SimpleNamespace(**{**base, "compute_loss_func": marker}))
     for field, value, parameter in (("label_smoother", object(), "label_smoothing_factor"),
                                     ("compute_loss_func", len, "compute_loss_func"),
                                     ("aux_loss_enabled", True, "router_aux_loss_coef")):

@@ -250,7 +250,9 @@ def refuse_unsupported_losses(trainer) -> None:
         raise UnsupportedArgument(
             "label_smoothing_factor", trainer.args.label_smoothing_factor,
             "the label smoother shifts this rank's shard of the labels itself under CP.", "set it to 0.")
-    if getattr(trainer, "compute_loss_func", None) is not None:
+    # TRL (transformers < 5.19) stores a string there, never called, to mark that its compute_loss scales the loss
+    # for gradient accumulation itself: only a callable is a loss function that would see a shard.
+    if callable(getattr(trainer, "compute_loss_func", None)):
         raise UnsupportedArgument(
             "compute_loss_func", trainer.compute_loss_func,
             "it receives this rank's logits and the unshifted labels of a shard.",
