@@ -14,6 +14,7 @@ tests/test_example.py and the trainer integration's own tests.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -141,21 +142,49 @@ def test_train_example_on_two_processes_prints_the_comparison():
                      re.M), out
 
 
-@pytest.mark.parametrize("example", ["trainer_cp.py", "sft_cp.py", "dpo_cp.py", "grpo_cp.py", "train_cp.py"])
-def test_plot_without_matplotlib_exits_2_before_any_work(example, tmp_path):
-    """matplotlib hidden (``sys.modules["matplotlib"] = None``: not importable, ``find_spec`` finds nothing)."""
-    argv = [f"examples/{example}", *([] if example == "train_cp.py" else ["--cp", "1"]), "--plot",
-            str(tmp_path / "loss.png")]
-    code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.path.insert(0, 'examples'); "
-            f"sys.argv = {argv!r}; runpy.run_path('examples/{example}', run_name='__main__')")
+PLOTTING_EXAMPLES = ["trainer_cp.py", "sft_cp.py", "dpo_cp.py", "grpo_cp.py", "train_cp.py"]
+
+# One interpreter with matplotlib hidden (``sys.modules["matplotlib"] = None``: not importable, ``find_spec`` finds
+# nothing) runs each example as ``__main__`` with ``--plot``, its stdout and stderr captured apart, and prints one
+# JSON line per example: [example, exit code, stdout, stderr].
+_PLOT_RUNS = """
+import contextlib, io, json, runpy, sys
+sys.modules["matplotlib"] = None
+sys.path.insert(0, "examples")
+for example, argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = argv
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path("examples/" + example, run_name="__main__")
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else 1
+    print(json.dumps([example, code, out.getvalue(), err.getvalue()]))
+"""
+
+
+@pytest.fixture(scope="module")
+def plot_runs(tmp_path_factory) -> dict:
+    """example -> (exit code, stdout, stderr) of its ``--plot`` run without matplotlib (``_PLOT_RUNS``)."""
+    plot = str(tmp_path_factory.mktemp("plot") / "loss.png")
+    runs = [(e, [f"examples/{e}", *([] if e == "train_cp.py" else ["--cp", "1"]), "--plot", plot])
+            for e in PLOTTING_EXAMPLES]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=env)
-    assert done.returncode == 2, done.stdout + done.stderr[-3000:]
-    lines = done.stderr.strip().splitlines()
+    done = subprocess.run([sys.executable, "-c", _PLOT_RUNS, json.dumps(runs)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {example: (code, out, err) for example, code, out, err in map(json.loads, done.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("example", PLOTTING_EXAMPLES)
+def test_plot_without_matplotlib_exits_2_before_any_work(example, plot_runs):
+    code, out, err = plot_runs[example]
+    assert code == 2, out + err[-3000:]
+    lines = err.strip().splitlines()
     assert lines == [f"examples/{example}: --plot needs matplotlib, which is not installed. Fix: pip install "
-                     "matplotlib"], done.stderr
-    assert not done.stdout
+                     "matplotlib"], err
+    assert not out
 
 
 def _readme_snippets() -> list:
