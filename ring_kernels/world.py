@@ -127,6 +127,11 @@ def _child(environ, rank, world_size, port, backend, group_timeout, fn, args, kw
         else:
             torch.set_num_threads(1)   # many ranks on few cores: one thread each
             dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
+            # gloo connects every pair inside init; a rank that returned from it may still be connecting its
+            # peers. Without this barrier a rank whose ``fn`` fails at once exits while a peer is mid-connect,
+            # and that peer's init fails too ("Connection closed by peer"): the world would report two failures
+            # for one.
+            dist.barrier()
         initialised = True
         value = fn(rank, world_size, *args, **kwargs)
         results.put(("ok", rank, value))
