@@ -15,7 +15,7 @@ import torch.distributed as dist
 import hfpatch
 from _dist import run_world
 from hfpatch.cli.demo_models import build_model
-from hfpatch.errors import ModelDivergence, UnsupportedArgument, UnsupportedModel, is_wrapper
+from hfpatch.errors import ModelDivergence, UnsupportedArgument, UnsupportedModel, VerificationError, is_wrapper
 from hfpatch.inputs import IGNORE_INDEX, shift_labels
 from hfpatch.model import probe as model_probe
 from hfpatch.model.audit import audit
@@ -189,6 +189,26 @@ def _refusals(rank, world):
     patch = hfpatch.apply(group, model=model, on_unsupported="fallback")
     assert not patch.active and "model.layers.0.mlp" in patch.reason
     patch.remove()
+    _nothing_installed()
+
+    # an error of the probe's own code (seeded: reading the vocabulary size) is a named refusal, never a raw
+    # AttributeError, and on_unsupported='fallback' honours it
+    vocab_size = model_probe._vocab_size
+
+    def broken(model):
+        raise AttributeError("seeded error in the probe's own code")
+
+    model_probe._vocab_size = broken
+    try:
+        with pytest.raises(VerificationError, match=r"whole-model probe: checking LlamaForCausalLM failed "
+                                                    r"\(AttributeError: seeded error in the probe's own code\)"):
+            hfpatch.apply(group, model=build_model("llama"))
+        _nothing_installed()
+        patch = hfpatch.apply(group, model=build_model("llama"), on_unsupported="fallback")
+        assert not patch.active and "seeded error in the probe's own code" in patch.reason
+        patch.remove()
+    finally:
+        model_probe._vocab_size = vocab_size
     _nothing_installed()
 
 

@@ -62,10 +62,20 @@ class Head:
 
 
 def _forward_source(model: torch.nn.Module) -> str:
-    try:
-        return inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return ""
+    """The source of the model's forward, followed through ``super().forward(...)`` delegations (transformers 5
+    writes a model's head as a forward that only hands its arguments to ``GenericForSequenceClassification``'s)."""
+    sources = []
+    for cls in type(model).__mro__:
+        if "forward" not in vars(cls):
+            continue
+        try:
+            source = inspect.getsource(vars(cls)["forward"])
+        except (OSError, TypeError):
+            break
+        sources.append(source)
+        if "super().forward(" not in source:
+            break
+    return "\n".join(sources)
 
 
 def head_of(model: torch.nn.Module) -> Head:

@@ -491,6 +491,17 @@ def _derived(attrs: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _tiny_mrope(config_cls, attrs: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal rotary sections for the tiny head_dim. A vision-language text config that leaves
+    ``mrope_section`` out of its rope parameters (which its validation then ignores) gets its model's default, a
+    split of a released head_dim's frequencies ([16, 24, 24] of 64); the tiny head_dim has 8: [4, 2, 2]."""
+    rope = attrs.get("rope_parameters")
+    if ("mrope_section" not in getattr(config_cls, "ignore_keys_at_rope_validation", ()) or not isinstance(rope, dict)
+            or "mrope_section" in rope):
+        return {}
+    return {"rope_parameters": {**rope, "mrope_section": [4, 2, 2]}}
+
+
 def _token_ids(attrs: dict[str, Any], vocab: int | None) -> dict[str, Any]:
     """Special ids inside the vocabulary (text ids) or just past it (multimodal placeholders)."""
     out, spare, past = {}, iter(range(3, vocab or 3)), vocab or 0
@@ -540,6 +551,7 @@ def _shrunk_kwargs(config_cls, model_type: str) -> dict[str, Any]:
             kwargs[name] = _tiny_sub_config(value)
     kwargs.update(_compress_layers(attrs, kwargs))
     kwargs.update(_derived(attrs, kwargs))
+    kwargs.update(_tiny_mrope(config_cls, attrs))
     recipe = {k: (v.pick(config_cls, default) if isinstance(v, _PerRelease) else v)
               for k, v in recipe.items() if k != "__init__"}
     recipe = {k: v for k, v in recipe.items() if v is not _NO_OVERRIDE}
