@@ -1,8 +1,8 @@
 """Let a tox env use the torch that is already installed in the CI venv, instead of installing it again.
 
 Why: torch is several GB (the CUDA build PyPI serves); nine tox envs reinstalling it would cost minutes each and
-disk. Each tox env only needs its own *transformers*
-(and that release's tokenizers / huggingface_hub pins); torch is the same for all of them.
+disk. Each tox env only needs its own *transformers* (and that release's tokenizers / huggingface_hub pins); its
+torch is one of the venvs CI already made for the torch axis (tox.ini names which, docs/ci.md says why).
 
 How: this script runs with the tox env's interpreter as tox's ``install_command`` (so it runs before any
 dependency is installed, and again before each later install; it is idempotent). It asks the interpreter
@@ -12,7 +12,7 @@ into the env's site-packages naming that folder. ``site`` appends ``.pth`` folde
 site-packages, so everything the env installs itself (transformers, tokenizers, huggingface_hub, ...)
 wins over anything shared, and only torch's closure is shared -- never the parent's transformers.
 pip, run afterwards in the env, sees torch's ``.dist-info`` through the same folder and therefore treats
-``torch>=2.4`` (hfpatch's requirement) as satisfied: it installs nothing torch-related.
+hfpatch's ``torch`` requirement as satisfied: it installs nothing torch-related.
 Distributions the env already has (pip, setuptools, ...) are never shadowed.
 
 Usage (tox.ini): ``install_command = python {toxinidir}/.ci/share_torch.py {envdir} -- {opts} {packages}``;
@@ -96,12 +96,17 @@ def link_shared_torch(envdir: Path, torch_python: str) -> Path:
     own = _env_distributions(site_packages)
     shared = envdir / "shared-torch"
     shared.mkdir(parents=True, exist_ok=True)
+    # Made anew on every call: a reused env whose torch interpreter changed (another release of the range) must not
+    # keep the old closure's links (two torch .dist-info folders, another CUDA runtime).
+    for old in shared.iterdir():
+        if old.is_symlink():
+            old.unlink()
     for dist_name, paths in closure.items():
         if dist_name in own:  # the env's own copy wins; do not shadow pip/setuptools/...
             continue
         for src in paths:
             link = shared / Path(src).name
-            if not link.is_symlink() and not link.exists():
+            if not link.exists():
                 link.symlink_to(src)
     (site_packages / _PTH_NAME).write_text(str(shared) + "\n")
     return shared

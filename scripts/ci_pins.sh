@@ -1,4 +1,4 @@
-# Sourced by scripts/python313.sh and scripts/torch_oldest.sh: the pins of .ci/run (the CI venv's torch and
+# Sourced by scripts/python313.sh and scripts/torch_release.sh: the pins of .ci/run (the CI venv's torch and
 # transformers), read from it so that the other venvs cannot drift from it. Run from the repository root.
 
 # `ci_pin NAME` prints .ci/run's first NAME==<version> (e.g. `transformers==5.24.0`); none: an error, exit 1.

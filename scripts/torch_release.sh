@@ -40,7 +40,8 @@ setup() {
         rm -rf "$venv"
         python3 -m venv "$venv"
         "$venv/bin/python" -m pip install -q --upgrade pip
-        "$venv/bin/python" -m pip install -q "$torch_pin"
+        # No cache: each CUDA build is 3-7 GB of wheels that no later install reads again (disk: docs/ci.md).
+        "$venv/bin/python" -m pip install -q --no-cache-dir "$torch_pin"
         # torch pinned again: the project's requirement must not move it.
         "$venv/bin/python" -m pip install -q -e '.[test]' "$(ci_pin transformers)" "$torch_pin"
         # The Triton interpreter of triton < 3.7 (the triton that torch 2.10 and 2.11 pin) fails under numpy >= 2.4

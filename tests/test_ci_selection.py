@@ -27,11 +27,11 @@ _LOCAL_DIRS = (TESTS, ROOT / "benchmarks")
 _FORBIDDEN = ("hfpatch", "transformers")
 _IMPORT_IN_STRING = re.compile(r"(?:^|[\s;])(?:import|from)\s+([A-Za-z_][\w.]*)")
 _IMPORT_CALLS = {"import_module", "__import__", "find_spec", "importorskip"}
-# Left out of the broken copy of the tree: environments, caches, build outputs (the copy imports from PYTHONPATH).
-# What the copy leaves out: caches, builds and environments -- the CI venv, the tox envs, and the Python 3.13 root of
-# scripts/python313.sh (5 GB, built in the background while the README suite runs).
-_NOT_COPIED = (".git", ".venv", ".tox", ".py313", "__pycache__", "*.pyc", "*.egg-info", "build", "dist", ".whl",
-               ".gpu-wheels", ".cache", ".pytest_cache")
+# Left out of the broken copy of the tree (the copy imports from PYTHONPATH): caches, builds and environments -- the
+# CI venv, the torch venvs of scripts/torch_release.sh (3-7 GB each), the tox envs, and the Python 3.13 root of
+# scripts/python313.sh (5 GB), all built in the background while the README suite runs.
+_NOT_COPIED = (".git", ".venv", ".venv-*", ".tox", ".py313", "__pycache__", "*.pyc", "*.egg-info", "build", "dist",
+               ".whl", ".gpu-wheels", ".cache", ".pytest_cache")
 
 
 def _imported_names(path: Path) -> set[str]:
@@ -123,6 +123,10 @@ def broken_copy(tmp_path: Path) -> tuple[Path, str, str]:
     assert entry is not None, "the installed transformers release has no registry entry"
     copy = tmp_path / "tree"
     shutil.copytree(ROOT, copy, symlinks=True, ignore=shutil.ignore_patterns(*_NOT_COPIED))
+    # The source tree is a few MB; an environment that _NOT_COPIED misses (GBs, in every env of the matrix) is not.
+    size = sum(f.stat().st_size for f in copy.rglob("*") if f.is_file() and not f.is_symlink())
+    assert size < 100 * 2**20, (f"the copy of the tree holds {size / 2**20:.0f} MB: an environment or cache is not "
+                                f"left out ({sorted(p.name for p in copy.iterdir())}); add it to _NOT_COPIED")
     target = copy / "hfpatch" / "signatures" / f"{entry.id}.json"
     text = target.read_text(encoding="utf-8")
     first = entry.params[0].name

@@ -91,7 +91,7 @@ def test_ci_runs_the_readme_command_then_the_compat_check_then_the_matrix():
     assert "set -euo pipefail" in lines      # a failing env fails CI
     assert [line.split()[1] for line in lines if line.startswith("begin_step ")] == [
         "readme-suite", "background-setups", "py313-tests", "py313-models", "torch-oldest-tests", "compat-check",
-        "tox-install", "matrix", "matrix-check"]
+        "tox-install", "matrix-torch-setups", "matrix", "matrix-check"]
     assert "trap " in ci and "ci-step total" in ci   # the last step's time and the total, also when a step fails
 
 

@@ -136,6 +136,56 @@ def _pinned(path: str, pattern: str) -> tuple:
 
 
 def test_ci_tests_the_two_ends_of_the_range():
-    """CI's venv installs the newest supported series (.ci/run) and scripts/torch_oldest.sh the oldest."""
+    """CI's venv installs the newest supported series (.ci/run) and scripts/torch_release.sh the oldest."""
     assert _pinned(".ci/run", r"pip install -q torch==(\d+)\.(\d+)\.\d+") == torch_releases.TORCH_NEWEST
-    assert _pinned("scripts/torch_oldest.sh", r"\noldest=torch==(\d+)\.(\d+)\.\d+") == torch_releases.TORCH_OLDEST
+    assert _pinned("scripts/torch_release.sh", r"\noldest=torch==(\d+)\.(\d+)\.\d+") == torch_releases.TORCH_OLDEST
+
+
+def _matrix_torch_venvs() -> dict:
+    """tox env -> the torch venv its HFPATCH_TORCH_PYTHON names (absent: the CI venv), read from tox.ini."""
+    import configparser
+
+    config = configparser.ConfigParser(interpolation=None)
+    config.read(os.path.join(ROOT, "tox.ini"))
+    envs = [e.strip() for e in config["tox"]["env_list"].split(",")]
+    venvs = {}
+    for env in envs:
+        section = config[f"testenv:{env}"] if f"testenv:{env}" in config else {}
+        found = re.search(r"HFPATCH_TORCH_PYTHON\s*=\s*\{toxinidir\}/(\.venv[\w.-]*)/bin/python",
+                          section.get("set_env", ""))
+        venvs[env] = found.group(1) if found else ".venv"
+    return venvs
+
+
+def test_every_series_of_the_range_runs_in_ci():
+    """The claim is the test: each series from the oldest to the newest supported one is the torch of some part of
+    CI -- the CI venv (newest: the whole suite), .venv-torch-oldest (the release-independent tests and the demo),
+    or the torch venv a tox env of the matrix shares (the release-dependent tests, the demo among them) -- and CI
+    sets up every venv the matrix names."""
+    newest = _pinned(".ci/run", r"pip install -q torch==(\d+)\.(\d+)\.\d+")
+    oldest = _pinned("scripts/torch_release.sh", r"\noldest=torch==(\d+)\.(\d+)\.\d+")
+    tested = {newest, oldest}
+    for env, venv in _matrix_torch_venvs().items():
+        if venv == ".venv-torch-oldest":
+            tested.add(oldest)
+        elif venv == ".venv":
+            tested.add(newest)
+        else:
+            found = re.fullmatch(r"\.venv-torch-(\d+)\.(\d+)\.\d+", venv)
+            assert found is not None, f"tox env {env} takes its torch from {venv}, not a .venv-torch-X.Y.Z venv"
+            tested.add((int(found.group(1)), int(found.group(2))))
+    major = torch_releases.TORCH_OLDEST[0]
+    assert torch_releases.TORCH_NEWEST[0] == major, "the range spans a major release: list its series here"
+    declared = {(major, minor) for minor in range(torch_releases.TORCH_OLDEST[1], torch_releases.TORCH_NEWEST[1] + 1)}
+    assert tested == declared, (f"series outside CI: {sorted(declared - tested)}; "
+                                f"tested but not declared: {sorted(tested - declared)}")
+    with open(os.path.join(ROOT, ".ci", "run")) as handle:
+        ci = handle.read()
+    assert "scripts/torch_release.sh --matrix setup" in ci and "scripts/torch_release.sh setup" in ci
+    # --matrix sets up exactly the .venv-torch-X.Y.Z venvs tox.ini names: its own list, run here.
+    listed = subprocess.run(
+        ["bash", "-c", 'eval "$(sed -n "/^matrix_releases()/,/^}/p" scripts/torch_release.sh)"; matrix_releases'],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    named = {venv.removeprefix(".venv-torch-") for venv in _matrix_torch_venvs().values()
+             if re.fullmatch(r"\.venv-torch-\d+\.\d+\.\d+", venv)}
+    assert sorted(listed) == sorted(named) and len(named) > 0, (listed, named)

@@ -327,10 +327,14 @@ def _ignore_transformers_warning_once() -> None:
     from transformers.utils import logging as hf_logging  # installs Logger.warning_once
 
     if installed_transformers_version() >= TRANSFORMERS_ATTENTION_FUNCTIONS:
-        return   # no such warning: nothing to ignore (and torch < 2.11's Dynamo has no ignore_logging_functions)
+        return   # no such warning: nothing to ignore
     warning_once = getattr(logging.Logger, "warning_once", None) or getattr(hf_logging, "warning_once", None)
     if warning_once is not None:
-        torch._dynamo.config.ignore_logging_functions.add(warning_once)
+        # torch 2.11 renamed Dynamo's ignore_logger_methods (2.9, 2.10) to ignore_logging_functions.
+        config = torch._dynamo.config
+        ignored = config.ignore_logging_functions if hasattr(config, "ignore_logging_functions") \
+            else config.ignore_logger_methods
+        ignored.add(warning_once)
 
 
 def _recording(backend: str, graphs: list):

@@ -125,8 +125,13 @@ def load_static(path: Path) -> dict:
 
 
 def record_facts(record: Mapping) -> dict:
-    """The facts of a matrix record that a re-run of the same release must reproduce."""
-    return {key: record.get(key) for key in _STABLE_RESULT_FIELDS}
+    """The facts of a matrix record that a re-run of the same release must reproduce: the stable fields, and the
+    torch release the row was verified with (COMPAT.md's *torch* column; its local build tag, ``+cpu`` or ``+cu130``,
+    is left out: one release's builds run the same tests)."""
+    facts = {key: record.get(key) for key in _STABLE_RESULT_FIELDS}
+    torch = record.get("torch")
+    facts["torch"] = torch.split("+", 1)[0] if isinstance(torch, str) else torch
+    return facts
 
 
 # ---------------------------------------------------------------------------------------------- render
@@ -202,9 +207,10 @@ def render(results: Mapping[str, dict], static: Mapping, *, digest: str | None =
         f"`_flash_attention_forward` method there. Upgrade to transformers>={TRANSFORMERS_MIN_SUPPORTED}.",
         "",
         f"torch: {supported_range()} (`ring_kernels/torch_releases.py`; pyproject states the same range, and",
-        "`import ring_kernels`, `hfpatch.apply` and `hfpatch check` refuse a torch outside it by name). CI runs the",
-        "whole suite and this matrix under the newest (each row's *torch*), and the release-independent tests, the",
-        "torch-dependent training tests, the demo and `hfpatch check` under the oldest (`scripts/torch_oldest.sh`).",
+        "`import ring_kernels`, `hfpatch.apply` and `hfpatch check` refuse a torch outside it by name). CI runs",
+        "every series of it: the whole suite under the newest; the release-independent tests, the torch-dependent",
+        "training tests, the demo and `hfpatch check` under the oldest (`scripts/torch_release.sh`); and each row",
+        "of this matrix under the torch its *torch* column names (tox.ini pairs older releases with older torch).",
         "",
         "Columns: *verdict* is the registry's (exact entry / compatible: the entry plus optional parameters /",
         "unsupported); *static sites* = modules that bind `_flash_attention_forward` by from-import in the wheel;",
