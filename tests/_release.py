@@ -45,6 +45,20 @@ RELEASE_INDEPENDENT = {
     "gpu/test_ulysses_gpu.py": "ring_kernels' Ulysses and USP on CUDA (skipped on CPU)",
 }
 
+# Release-independent modules whose subject is torch itself -- its private attention ops, checkpoint internals, the
+# triton it pins, the torch range -- rather than ring_kernels' own logic: the matrix's envs on the torch series
+# between the two ends (tox.ini's torch column) run them too (`-m torch_ops`), so that every series of the range
+# runs them in CI. Every module here is in RELEASE_INDEPENDENT (tests/test_ci_selection.py checks).
+TORCH_MARKER = "torch_ops"
+TORCH_OPS = {
+    "test_backends.py": "aten's private attention ops (flash, efficient, cuDNN, the CPU flash kernel) behind the "
+                        "block backends, against a plain reference",
+    "test_merge.py": "the LSE merge, eager and the fused Triton kernels under the interpreter of the triton the "
+                     "torch pins",
+    "test_ring_checkpointing.py": "torch's checkpoint internals, through which the kept ring outputs pass",
+    "test_torch_releases.py": "the torch range at import, the CPU flash kernel's GQA gate, the triton bound",
+}
+
 # Modules that must run on the same pytest-xdist worker (tests/conftest.py's scheduler, `--dist loadscope`): they
 # share one gloo world per session (tests/_dropin_world.py), which each worker would otherwise start again, or
 # must not run at the same time (memory).

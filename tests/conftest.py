@@ -7,7 +7,7 @@ import pytest
 # The ranks unpickle test functions by module name: make tests/ importable for them.
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _release import MARKER, RELEASE_INDEPENDENT, SAME_WORKER  # noqa: E402
+from _release import MARKER, RELEASE_INDEPENDENT, SAME_WORKER, TORCH_MARKER, TORCH_OPS  # noqa: E402
 from ring_kernels.world import preload_in_ranks  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -28,11 +28,14 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 def pytest_collection_modifyitems(config, items):
     """Mark every test of a module not in _release.RELEASE_INDEPENDENT ``release_dependent`` (CI's older tox envs
-    run only those; docs/ci.md)."""
+    run only those; docs/ci.md), and every test of a module in _release.TORCH_OPS ``torch_ops`` (the envs on the
+    torch series between the two ends run those too)."""
     for item in items:
         module = os.path.relpath(str(item.path), _TESTS).replace(os.sep, "/")
         if module not in RELEASE_INDEPENDENT:
             item.add_marker(getattr(pytest.mark, MARKER))
+        if module in TORCH_OPS:
+            item.add_marker(getattr(pytest.mark, TORCH_MARKER))
 
 
 @pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook: absent without the plugin (-p no:xdist)
