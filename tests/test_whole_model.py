@@ -17,6 +17,7 @@ from _dist import run_world
 from hfpatch.cli.demo_models import build_model
 from hfpatch.errors import ModelDivergence, UnsupportedArgument, UnsupportedModel, VerificationError, is_wrapper
 from hfpatch.inputs import IGNORE_INDEX, shift_labels
+from hfpatch.model import heads as model_heads
 from hfpatch.model import probe as model_probe
 from hfpatch.model.audit import audit
 from hfpatch.release.sweep.catalog import flash_causal_lm_classes
@@ -191,14 +192,14 @@ def _refusals(rank, world):
     patch.remove()
     _nothing_installed()
 
-    # an error of the probe's own code (seeded: reading the vocabulary size) is a named refusal, never a raw
+    # an error of the probe's own code (seeded: drawing the probe's labels) is a named refusal, never a raw
     # AttributeError, and on_unsupported='fallback' honours it
-    vocab_size = model_probe._vocab_size
+    probe_labels = model_heads.probe_labels
 
-    def broken(model):
+    def broken(model, rows, generator):
         raise AttributeError("seeded error in the probe's own code")
 
-    model_probe._vocab_size = broken
+    model_heads.probe_labels = broken
     try:
         with pytest.raises(VerificationError, match=r"whole-model probe: checking LlamaForCausalLM failed "
                                                     r"\(AttributeError: seeded error in the probe's own code\)"):
@@ -208,7 +209,7 @@ def _refusals(rank, world):
         assert not patch.active and "seeded error in the probe's own code" in patch.reason
         patch.remove()
     finally:
-        model_probe._vocab_size = vocab_size
+        model_heads.probe_labels = probe_labels
     _nothing_installed()
 
 

@@ -230,9 +230,10 @@ def _openrlhf_model_module():
     return import_openrlhf(fetch_flash_attn=False).model
 
 
-def _critic(directory):
-    """OpenRLHF's critic of a tiny Llama saved to ``directory``: the loading path a user runs. In a world, rank 0
-    saves (transformers writes checkpoints on rank 0 only) and every rank loads."""
+def _critic(directory, kind="critic"):
+    """OpenRLHF's critic (or, ``kind="reward"``, its reward model) of a tiny Llama saved to ``directory``: the loading
+    path a user runs. In a world, rank 0 saves (transformers writes checkpoints on rank 0 only) and every rank
+    loads."""
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
@@ -242,15 +243,17 @@ def _critic(directory):
         dist.barrier()
     torch.manual_seed(1)  # the value head is not in the checkpoint: the same random head on every rank
     critic = _openrlhf_model_module().get_llm_for_sequence_regression(
-        directory, "critic", param_dtype="bf16", attn_implementation="eager", init_value_head=True)
+        directory, kind, param_dtype="bf16", attn_implementation="eager", init_value_head=True)
     return critic.float().train()
 
 
-def _critic_values(rank, worst, directory):
-    """apply(model=critic) routes the critic's inner transformer; the per-token values (batch rows, and one
-    packed row as OpenRLHF's ring path calls it) and the value-loss gradients equal non-CP on every rank."""
-    critic = _critic(directory)
-    assert type(critic).__name__ == "CriticModel" and inner_model(critic) is critic.model
+def _critic_values(rank, worst, directory, kind="critic"):
+    """apply(model=critic) -- or OpenRLHF's reward model, ``kind="reward"`` -- routes the wrapper's inner
+    transformer; the per-token values (batch rows, and one packed row as OpenRLHF's ring path calls it; a reward
+    model's reward is its last token's value) and the value-loss gradients equal non-CP on every rank."""
+    critic = _critic(directory, kind)
+    assert type(critic).__name__ == {"critic": "CriticModel", "reward": "RewardModel"}[kind]
+    assert inner_model(critic) is critic.model
     reference = copy.deepcopy(critic)
     ids = _ids()
     action_mask = torch.ones(ids.shape[0], ids.shape[1] - 1)
@@ -262,8 +265,12 @@ def _critic_values(rank, worst, directory):
         return model.score(hidden).squeeze(-1)
 
     full = values(reference, ids, torch.arange(SEQ).expand_as(ids))
-    own = reference(ids, action_mask=action_mask, attention_mask=torch.ones_like(ids))  # the critic's own forward
-    assert_close(own, full[:, :-1], OUT, "the critic's forward computes what values() computes")
+    if kind == "critic":  # the wrapper's own forward computes what values() computes
+        own = reference(ids, action_mask=action_mask, attention_mask=torch.ones_like(ids))
+        assert_close(own, full[:, :-1], OUT, "the critic's forward computes what values() computes")
+    else:
+        own = reference(ids, attention_mask=torch.ones_like(ids))
+        assert_close(own, full[:, -1], OUT, "the reward model's forward is its last token's value")
     starts = [0] + list(torch.tensor(DOCS).cumsum(0)[:-1])
     packed_full = torch.cat([values(reference, packed_ids[:, s:s + n], torch.arange(n)[None])
                              for s, n in zip(starts, DOCS)], dim=1)
@@ -327,6 +334,7 @@ def _world(rank, world, critic_directory):
     _refusals(rank)
     if critic_directory is not None:
         _critic_values(rank, worst, critic_directory)
+        _critic_values(rank, worst, os.path.join(critic_directory, "reward"), kind="reward")
     return worst
 
 
