@@ -1,4 +1,5 @@
-"""Let a tox env use the torch that is already installed in the CI venv, instead of installing it again.
+"""Let a tox env use a torch CI has already installed in a venv (the CI venv's, or a torch venv of the torch axis),
+instead of installing it again.
 
 Why: torch is several GB (the CUDA build PyPI serves); nine tox envs reinstalling it would cost minutes each and
 disk. Each tox env only needs its own *transformers* (and that release's tokenizers / huggingface_hub pins); its
