@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from _release import MARKER, RELEASE_INDEPENDENT, TORCH_MARKER, TORCH_OPS
+from _tox import matrix_torch_venvs, read_tox
 from hfpatch.signatures.registry import entry_for_version
 from hfpatch.version_gates import installed_transformers_version
 
@@ -121,15 +122,12 @@ def test_the_torch_ops_modules_are_release_independent_and_run_by_the_middle_env
     """A module whose subject is torch is one the older envs leave out (else `-m torch_ops` would run it twice), and
     every env whose torch is neither end of the range runs `-m torch_ops` (tox.ini)."""
     assert TORCH_OPS and set(TORCH_OPS) <= set(RELEASE_INDEPENDENT), sorted(set(TORCH_OPS) - set(RELEASE_INDEPENDENT))
-    import configparser
-
-    tox = configparser.ConfigParser(interpolation=None)
-    tox.read(os.path.join(os.path.dirname(TESTS), "tox.ini"))
+    tox = read_tox()
     assert f"-m {TORCH_MARKER}" in tox["testenv"]["torch_ops"]
-    for section in tox.sections():
-        venv = re.search(r"\.venv-torch-\d+\.\d+\.\d+/", tox[section].get("set_env", ""))
-        runs = "{[testenv]torch_ops}" in tox[section].get("commands", "")
-        assert runs == (venv is not None), (section, "runs -m torch_ops" if runs else "does not run -m torch_ops")
+    for env, venv in matrix_torch_venvs().items():
+        middle = re.fullmatch(r"\.venv-torch-\d+\.\d+\.\d+", venv) is not None
+        runs = "{[testenv]torch_ops}" in tox[f"testenv:{env}"].get("commands", "")
+        assert runs == middle, (env, venv, "runs -m torch_ops" if runs else "does not run -m torch_ops")
 
 
 def broken_copy(tmp_path: Path) -> tuple[Path, str, str]:

@@ -13,6 +13,7 @@ import tomllib
 import pytest
 import torch
 
+from _tox import matrix_torch_venvs
 from ring_kernels import merge, torch_releases
 from ring_kernels.backends import torch_cpu
 from ring_kernels.backends.base import BlockMask
@@ -141,22 +142,6 @@ def test_ci_tests_the_two_ends_of_the_range():
     assert _pinned("scripts/torch_release.sh", r"\noldest=torch==(\d+)\.(\d+)\.\d+") == torch_releases.TORCH_OLDEST
 
 
-def _matrix_torch_venvs() -> dict:
-    """tox env -> the torch venv its HFPATCH_TORCH_PYTHON names (absent: the CI venv), read from tox.ini."""
-    import configparser
-
-    config = configparser.ConfigParser(interpolation=None)
-    config.read(os.path.join(ROOT, "tox.ini"))
-    envs = [e.strip() for e in config["tox"]["env_list"].split(",")]
-    venvs = {}
-    for env in envs:
-        section = config[f"testenv:{env}"] if f"testenv:{env}" in config else {}
-        found = re.search(r"HFPATCH_TORCH_PYTHON\s*=\s*\{toxinidir\}/(\.venv[\w.-]*)/bin/python",
-                          section.get("set_env", ""))
-        venvs[env] = found.group(1) if found else ".venv"
-    return venvs
-
-
 def test_every_series_of_the_range_runs_in_ci():
     """The claim is the test: each series from the oldest to the newest supported one is the torch of some part of
     CI -- the CI venv (newest: the whole suite), .venv-torch-oldest (the release-independent tests and the demo),
@@ -165,7 +150,7 @@ def test_every_series_of_the_range_runs_in_ci():
     newest = _pinned(".ci/run", r"pip install -q torch==(\d+)\.(\d+)\.\d+")
     oldest = _pinned("scripts/torch_release.sh", r"\noldest=torch==(\d+)\.(\d+)\.\d+")
     tested = {newest, oldest}
-    for env, venv in _matrix_torch_venvs().items():
+    for env, venv in matrix_torch_venvs().items():
         if venv == ".venv-torch-oldest":
             tested.add(oldest)
         elif venv == ".venv":
@@ -186,6 +171,6 @@ def test_every_series_of_the_range_runs_in_ci():
     listed = subprocess.run(
         ["bash", "-c", 'eval "$(sed -n "/^matrix_releases()/,/^}/p" scripts/torch_release.sh)"; matrix_releases'],
         cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    named = {venv.removeprefix(".venv-torch-") for venv in _matrix_torch_venvs().values()
+    named = {venv.removeprefix(".venv-torch-") for venv in matrix_torch_venvs().values()
              if re.fullmatch(r"\.venv-torch-\d+\.\d+\.\d+", venv)}
     assert sorted(listed) == sorted(named) and len(named) > 0, (listed, named)
