@@ -134,8 +134,7 @@ install_torch() {
     [ "$(cat "$root/venv/.pins" 2>/dev/null)" = "$torch" ] && return 0
     rm -rf "$root/venv"
     in_root python3.13 -m venv /venv
-    # the CUDA build: PyPI has no CPU build for cp313; it runs on CPU. No bytecode at install (scripts/torch_release.sh)
-    in_root python -m pip install -q --no-compile "$torch"
+    in_root python -m pip install -q "$torch"   # the CUDA build: PyPI has no CPU build for cp313; it runs on CPU
     echo "$torch" >"$root/venv/.pins"
 }
 

@@ -40,12 +40,10 @@ setup() {
         rm -rf "$venv"
         python3 -m venv "$venv"
         "$venv/bin/python" -m pip install -q --upgrade pip
-        # No cache: each CUDA build is 3-7 GB of wheels that no later install reads again (disk: docs/ci.md). No
-        # bytecode at install (--no-compile, as the tox envs): Python compiles the modules a test imports, when it
-        # first does, not the thousands of torch's that none imports (CPU the README suite beside it would lose).
-        "$venv/bin/python" -m pip install -q --no-cache-dir --no-compile "$torch_pin"
+        # No cache: each CUDA build is 3-7 GB of wheels that no later install reads again (disk: docs/ci.md).
+        "$venv/bin/python" -m pip install -q --no-cache-dir "$torch_pin"
         # torch pinned again: the project's requirement must not move it.
-        "$venv/bin/python" -m pip install -q --no-compile -e '.[test]' "$(ci_pin transformers)" "$torch_pin"
+        "$venv/bin/python" -m pip install -q -e '.[test]' "$(ci_pin transformers)" "$torch_pin"
         # The Triton interpreter of triton < 3.7 (the triton that torch 2.10 and 2.11 pin) fails under numpy >= 2.4
         # ("only 0-dimensional arrays can be converted to Python scalars"): the interpreter tests need an older
         # numpy beside it. A GPU run of the kernels does not use numpy.
