@@ -136,10 +136,20 @@ def _pinned(path: str, pattern: str) -> tuple:
     return int(found.group(1)), int(found.group(2))
 
 
+def _ci_newest() -> tuple:
+    """The series of the CI venv's torch (.ci/run)."""
+    return _pinned(".ci/run", r"pip install -q torch==(\d+)\.(\d+)\.\d+")
+
+
+def _ci_oldest() -> tuple:
+    """The series of the oldest torch's venv (scripts/torch_release.sh)."""
+    return _pinned("scripts/torch_release.sh", r"\noldest=torch==(\d+)\.(\d+)\.\d+")
+
+
 def test_ci_tests_the_two_ends_of_the_range():
     """CI's venv installs the newest supported series (.ci/run) and scripts/torch_release.sh the oldest."""
-    assert _pinned(".ci/run", r"pip install -q torch==(\d+)\.(\d+)\.\d+") == torch_releases.TORCH_NEWEST
-    assert _pinned("scripts/torch_release.sh", r"\noldest=torch==(\d+)\.(\d+)\.\d+") == torch_releases.TORCH_OLDEST
+    assert _ci_newest() == torch_releases.TORCH_NEWEST
+    assert _ci_oldest() == torch_releases.TORCH_OLDEST
 
 
 def test_every_series_of_the_range_runs_in_ci():
@@ -147,8 +157,7 @@ def test_every_series_of_the_range_runs_in_ci():
     CI -- the CI venv (newest: the whole suite), .venv-torch-oldest (the release-independent tests and the demo),
     or the torch venv a tox env of the matrix shares (the release-dependent tests, the demo among them) -- and CI
     sets up every venv the matrix names."""
-    newest = _pinned(".ci/run", r"pip install -q torch==(\d+)\.(\d+)\.\d+")
-    oldest = _pinned("scripts/torch_release.sh", r"\noldest=torch==(\d+)\.(\d+)\.\d+")
+    newest, oldest = _ci_newest(), _ci_oldest()
     tested = {newest, oldest}
     for env, venv in matrix_torch_venvs().items():
         if venv == ".venv-torch-oldest":
