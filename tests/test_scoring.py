@@ -8,6 +8,7 @@ against the same loss computed without CP. Inputs: right-padded rows, left-padde
 padded on both sides, and one packed row; completion-only labels; a sampling temperature; under ``no_grad``; the
 kernels that lay a packed row out contiguously (auto -> llama3) and per document (zigzag). Inputs the user split
 contiguously are gathered after ``patch.describe_split``, also after a ``shard_inputs`` step. Refusals are named.
+No logits are gathered: every collective ``score`` issues outside attention moves one fp32 number per token.
 
 Tolerances: ``ring_kernels.tolerances`` "cp" fp32 entries ("out" for per-token numbers, "loss" for sums, "grad").
 """
@@ -228,6 +229,64 @@ def _refusals(rank):
             patch.describe_split(batch_size=1, seq_len_global=25)
 
 
+# what score() may move between ranks, per token: one fp32 number per quantity; a vocabulary this large makes one
+# rank's logits (tokens x VOCAB_LARGE) hundreds of times larger than anything else the step moves
+VOCAB_LARGE = 4096
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce_scatter_tensor",
+                "all_to_all", "all_to_all_single", "broadcast", "send", "recv", "isend", "irecv",
+                "batch_isend_irecv")
+
+
+def _tensors(values):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
+        elif isinstance(getattr(value, "tensor", None), torch.Tensor):   # a P2POp
+            yield value.tensor
+
+
+def _moves_no_logits(rank):
+    """``score`` never gathers logits: every collective it issues outside the attention layers moves, per rank, at
+    most one fp32 number per token of the batch, and nothing the step moves (the attention's own exchanges and the
+    backward included) comes near the size of one rank's logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(**dict(_TINY, vocab_size=VOCAB_LARGE), attn_implementation="sdpa"))
+    ids, mask, _, labels = _batches()["left-padded rows, completion labels"]
+    moved = []            # (phase, inside attention, dtype, numel) of every tensor of every collective
+    state = {"phase": "forward", "attention": 0}
+
+    def recording(name, original):
+        def collective(*args, **kwargs):
+            for t in _tensors(list(args) + list(kwargs.values())):
+                moved.append((state["phase"], state["attention"] > 0, t.dtype, t.numel(), name))
+            return original(*args, **kwargs)
+        return collective
+
+    for module in policy.modules():
+        if type(module).__name__.endswith("Attention"):
+            module.register_forward_pre_hook(lambda *_: state.update(attention=state["attention"] + 1))
+            module.register_forward_hook(lambda *_: state.update(attention=state["attention"] - 1))
+    with hfpatch.apply(dist.group.WORLD, model=policy) as patch, pytest.MonkeyPatch.context() as mp:
+        for name in _COLLECTIVES:
+            if hasattr(dist, name):
+                mp.setattr(dist, name, recording(name, getattr(dist, name)))
+        scores = scoring.score(policy, ids, attention_mask=mask, labels=labels, entropy=True, patch=patch)
+        state["phase"] = "backward"
+        (scores.sequence_log_probs.sum() + scores.entropy.sum()).backward()
+    local_logits = ids.numel() // dist.get_world_size() * VOCAB_LARGE
+    scoring_moves = [m for m in moved if m[0] == "forward" and not m[1]]
+    assert len(scoring_moves) >= 2, f"rank {rank}: log-probs and entropy were not gathered: {moved}"
+    for phase, _, dtype, numel, name in scoring_moves:
+        assert dtype == torch.float32 and numel <= ids.numel(), \
+            f"rank {rank}: score() moved {numel} {dtype} numbers by {name} (at most one fp32 per token: {ids.numel()})"
+    largest = max(m[3] for m in moved)
+    assert largest * 16 < local_logits, f"rank {rank}: a collective moved {largest} numbers (logits: {local_logits})"
+
+
 def _world(rank, world, kernels):
     worst = {"out": 0.0, "sum": 0.0, "grad": 0.0}
     for kernel in kernels:
@@ -235,6 +294,7 @@ def _world(rank, world, kernels):
     _own_split(rank, world, worst)
     if world == 2:
         _refusals(rank)
+        _moves_no_logits(rank)
     return worst
 
 
