@@ -47,13 +47,20 @@ SIZES = {  # hidden, layers, heads, kv heads, intermediate
 }
 
 
-def build_model(size: str, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_config(size: str):
+    """The ``LlamaConfig`` of ``size`` (``SIZES``)."""
+    from transformers import LlamaConfig
 
     hidden, layers, heads, kv_heads, inter = SIZES[size]
-    config = LlamaConfig(vocab_size=32000 if size != "tiny" else 128, hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
-                         max_position_embeddings=131072, tie_word_embeddings=False)
+    return LlamaConfig(vocab_size=32000 if size != "tiny" else 128, hidden_size=hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
+                       max_position_embeddings=131072, tie_word_embeddings=False)
+
+
+def build_model(size: str, dtype: torch.dtype):
+    from transformers import LlamaForCausalLM
+
+    config = build_config(size)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(dtype)
 

@@ -79,7 +79,7 @@ def _accelerate_launch(processes: int) -> list:
 
 
 def _check_trainer_report(out: str, steps: int) -> None:
-    """What the Trainer examples (trainer_cp, sft_cp, dpo_cp, grpo_cp) print with CP, then without, then side by
+    """What the Trainer examples (trainer_cp, sft_cp, dpo_cp, reward_cp, kto_cp, grpo_cp) print with CP, then without, then side by
     side (an RL loss measured at its terms' scale)."""
     assert re.search(r"^<hfpatch\.integrations\.TrainerCP \w+ cp=2 ring>$", out, re.M), out
     assert len(re.findall(r"^step \d+  loss \S+  grad_norm \S+$", out, re.M)) == steps, out
@@ -119,6 +119,15 @@ def test_dpo_example_with_torchrun_prints_the_comparison():
     _check_trainer_report(out, steps=3)
 
 
+@pytest.mark.parametrize("example, trainer", [("reward_cp.py", "RewardTrainer"), ("kto_cp.py", "KTOTrainer")])
+def test_reward_and_kto_examples_with_torchrun_print_the_comparison(example, trainer):
+    _needs_the_trainer_stack()
+    _under_the_ci_pin()
+    out = _launch(_torchrun(2), example, "--cp", "2", "--steps", "3")
+    _check_trainer_report(out, steps=3)
+    assert f"<hfpatch.integrations.TrainerCP {trainer} cp=2 ring>" in out, out
+
+
 @pytest.mark.parametrize("trainer", ["grpo", "rloo"])
 def test_grpo_example_with_torchrun_prints_the_comparison(trainer):
     """Completions sampled by the model itself, with CP and without: the same steps."""
@@ -142,7 +151,8 @@ def test_train_example_on_two_processes_prints_the_comparison():
                      re.M), out
 
 
-PLOTTING_EXAMPLES = ["trainer_cp.py", "sft_cp.py", "dpo_cp.py", "grpo_cp.py", "train_cp.py"]
+PLOTTING_EXAMPLES = ["trainer_cp.py", "sft_cp.py", "dpo_cp.py", "reward_cp.py", "kto_cp.py", "grpo_cp.py",
+                     "train_cp.py"]
 
 # One interpreter with matplotlib hidden (``sys.modules["matplotlib"] = None``: not importable, ``find_spec`` finds
 # nothing) runs each example as ``__main__`` with ``--plot``, its stdout and stderr captured apart, and prints one
