@@ -1,8 +1,8 @@
 """TRL's RewardTrainer cases of tests/_trainer_cases.py (launched the same way): the dataset, the arguments and the
 trainer of each ``reward*`` kind.
 
-Kinds (``model:kind``; model ``llama`` or ``qwen3``: a tiny ``*ForSequenceClassification`` with one label, random
-weights, fp32):
+Kinds (``model:kind``; model ``llama``, ``qwen3`` or ``gemma2`` (sliding window, softcapping): a tiny
+``*ForSequenceClassification`` with one label, random weights, fp32):
 
 - ``reward``: the Bradley-Terry loss with a ``margin`` column and ``center_rewards_coefficient``; the pad token is
   id 0;
@@ -68,14 +68,20 @@ def dataset(kind: str, split: str = "train"):
 
 
 def build_model(name: str, pad_id: int):
-    """A tiny ``LlamaForSequenceClassification`` / ``Qwen3ForSequenceClassification`` (one label: the reward)."""
+    """A tiny ``*ForSequenceClassification`` of family ``name`` (one label: the reward): Llama, Qwen3, or Gemma-2
+    with a sliding window on every other layer and attention logit softcapping (its final-logit softcapping
+    applies to the LM head only)."""
     import transformers
 
-    family = {"llama": ("LlamaConfig", "LlamaForSequenceClassification"),
-              "qwen3": ("Qwen3Config", "Qwen3ForSequenceClassification")}[name]
+    family = {"llama": ("LlamaConfig", "LlamaForSequenceClassification", {}),
+              "qwen3": ("Qwen3Config", "Qwen3ForSequenceClassification", {}),
+              "gemma2": ("Gemma2Config", "Gemma2ForSequenceClassification", dict(
+                  sliding_window=8, attn_logit_softcapping=2.0, query_pre_attn_scalar=8,
+                  hidden_activation="gelu_pytorch_tanh"))}[name]
     config = getattr(transformers, family[0])(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_labels=1, pad_token_id=pad_id, attn_implementation="eager")
+        num_key_value_heads=2, head_dim=8, num_labels=1, pad_token_id=pad_id, attn_implementation="eager",
+        **family[2])
     torch.manual_seed(0)
     return getattr(transformers, family[1])(config)
 

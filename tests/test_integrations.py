@@ -41,9 +41,9 @@ entropy 6.5e-8 relative; parameters 1.2e-7 absolute. One exception is named: wit
 first step's policy IS the reference, every reward is rounding noise (checked: within 1e-5 of its scale), and
 ``rewards/accuracies`` of that step compares the signs of noise, so it is not compared.
 
-TRL's RewardTrainer (``tests/_reward_cases.py``; tiny Llama and Qwen3 ``*ForSequenceClassification``, one label):
-the loss with margins and ``center_rewards_coefficient``, and the plain loss with a pad token that is not id 0 on
-odd-sized datasets (accelerate cuts the last batch of an epoch and of the eval set); three at 1x2, one at 2x2.
+TRL's RewardTrainer (``tests/_reward_cases.py``; tiny Llama, Qwen3 and Gemma-2 ``*ForSequenceClassification``, one
+label): the loss with margins and ``center_rewards_coefficient``, and the plain loss with a pad token that is not
+id 0 on odd-sized datasets (accelerate cuts the last batch of an epoch and of the eval set); four at 1x2, one at 2x2.
 Every metric it logs on EVERY rank, per step and per evaluation, equals the non-CP one (``accuracy`` and
 ``num_tokens`` exactly; ``margin``, a difference of rewards, within 1e-5 of the largest reward), and so do
 ``predict()``'s rewards (5e-5 absolute) and the final parameters. Measured over the four CP runs: loss 8.5e-8, grad
@@ -57,8 +57,8 @@ against its own series: loss 9.4e-7, grad norm 8.7e-8, log-probs 9.5e-8, rewards
 log-probs), kl 7.7e-5; parameters 1.2e-7 absolute.
 
 TRL's GRPOTrainer and RLOOTrainer (``tests/_policy_cases.py``; llama GRPO with the dapo loss and a reference model,
-qwen3 GRPO with bnpo, batch-scaled rewards and two iterations per generation, gemma2 RLOO; llama GRPO and gemma2 RLOO
-at 2x2), completions from a test double: every metric on every rank, per step and per evaluation. What the model
+qwen3 GRPO with bnpo, batch-scaled rewards and two iterations per generation, gemma2 GRPO and RLOO; llama GRPO and
+gemma2 RLOO at 2x2), completions from a test double: every metric on every rank, per step and per evaluation. What the model
 does not compute (completions, rewards, their spread, the token counts, the schedule) is equal; the rest within
 1e-5 of its scale: ``kl`` of the per-token log-probs' (the ``entropy`` metric), the loss of the advantages' (a
 mean of advantage-weighted ratios whose advantages sum to zero per group: RLOO's loss is rounding noise), the others
@@ -132,7 +132,7 @@ DPO_LOG_RATIOS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 DPO_BETA = 0.5
 # TRL's RewardTrainer (tests/_reward_cases.py): margins and center_rewards_coefficient with the pad token at id 0,
 # and the plain loss with a pad token at another id (the integration's end padding must not be pooled)
-REWARD_CASES = ["llama:reward", "qwen3:reward", "llama:reward_pad"]
+REWARD_CASES = ["llama:reward", "qwen3:reward", "gemma2:reward", "llama:reward_pad"]
 REWARD_CASES_2X2 = ["qwen3:reward_pad"]
 REWARD_COUNTS = ("accuracy", "num_tokens")
 # TRL's KTOTrainer (tests/_preference_cases.py): unpaired completions against a given ref_model, its KL term on
@@ -140,7 +140,7 @@ KTO_CASES = ["llama:kto", "gemma2:kto"]
 KTO_CASES_2X2 = ["qwen3:kto"]
 KTO_COUNTS = ("num_tokens", "learning_rate", "epoch", "step")
 # TRL's GRPOTrainer and RLOOTrainer (tests/_policy_cases.py), completions from a test double
-POLICY_CASES = ["llama:grpo", "qwen3:grpo_bnpo", "gemma2:rloo"]
+POLICY_CASES = ["llama:grpo", "qwen3:grpo_bnpo", "gemma2:grpo", "gemma2:rloo"]
 POLICY_CASES_2X2 = ["llama:grpo", "gemma2:rloo"]
 # what TRL logs that the model does not compute: the completions, the rewards and the schedule (equal, not close)
 POLICY_MODEL_FREE = ("completions/", "rewards/", "reward", "reward_std", "frac_reward_zero_std", "num_tokens",
