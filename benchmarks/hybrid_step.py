@@ -238,7 +238,7 @@ def _implementation(function) -> tuple:
     """(qualified name, package) of what ``function`` (a kernel name's value in a modeling module) runs: hfpatch's
     mixer wrapper unwrapped to the kernel the release bound; transformers' ``use_kernel_func_from_hub_with_fallback``
     resolved to the implementation it picked at import (the fast package, or the torch function itself)."""
-    from hfpatch.errors import is_wrapper
+    from hfpatch.undo import is_wrapper
     while is_wrapper(function):
         function = function.__wrapped__
     cells = {}
@@ -391,7 +391,7 @@ def local_mixers(installation):
     """Within the block, every kernel name ``installation`` (``Patch.mixers``) rebound holds the kernel the release
     picked again (its wrapper's ``__wrapped__``): each rank's mixers run on its shard from a zero state, as
     without CP. Restored on exit."""
-    from hfpatch.errors import is_wrapper
+    from hfpatch.undo import is_wrapper
     swapped = []
     try:
         for site in installation.sites:

@@ -109,13 +109,13 @@ def main() -> None:
         else:
             fast = full = None
         with (hfpatch.apply(group, model=model, verify="fast") if world > 1 else _one_rank_patch(model)) as patch:
-            probe = _timed(lambda: probe_model(model, patch.ctx), device, args.repeats)
+            probe = _timed(lambda: probe_model(model, patch), device, args.repeats)
             memory = None
             if cuda:
                 torch.cuda.empty_cache()
                 before = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-                probe_model(model, patch.ctx)
+                probe_model(model, patch)
                 memory = (torch.cuda.max_memory_allocated() - before) / 2**20
             vocab = model.config.vocab_size
             ids = torch.randint(0, vocab, (1, tokens * world), generator=torch.Generator().manual_seed(0)).to(device)

@@ -19,7 +19,8 @@ What is timed -- the real path, through public seams only:
 - Paths: ``model=`` (the model tracked by ``Patch.track``, as ``apply(model=)`` does: the layer is known from its
   bound call site) and ``stack`` (an untracked model: the layer is found on the stack); steps ``batch`` (position
   ids 0..S-1) and ``packed`` (three documents); kernels: the real one, and a trivial function returning its first
-  argument swapped into ``ring_kernels`` for BOTH sides, so that "added" is hfpatch's Python, not kernel noise.
+  argument swapped into hfpatch's kernel table (``hfpatch.attention.plan.KERNELS``) for BOTH sides, so that
+  "added" is hfpatch's Python, not kernel noise.
 - ``floor``: a function with the live signature and an empty body, against calling nothing: what binding the
   caller's arguments costs (any replacement of ``_flash_attention_forward``, and the original, pays it).
 
@@ -82,18 +83,18 @@ def _installed(group) -> Iterator:
 
 @contextmanager
 def _kernels(replacement: Optional[Callable[[str], Callable]]) -> Iterator[None]:
-    """``ring_kernels``' public functions replaced by ``replacement(name)`` (None: left as they are)."""
-    import ring_kernels
+    """The kernels of hfpatch's kernel table (``hfpatch.attention.plan.KERNELS``) replaced by ``replacement(name)``
+    (None: left as they are)."""
+    from hfpatch.attention.plan import KERNELS
 
-    saved = {name: getattr(ring_kernels, name) for name in KERNEL_NAMES}
+    saved = {name: KERNELS[name] for name in KERNEL_NAMES}
     try:
         if replacement is not None:
             for name in KERNEL_NAMES:
-                setattr(ring_kernels, name, replacement(name))
+                KERNELS[name] = replacement(name)
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(ring_kernels, name, fn)
+        KERNELS.update(saved)
 
 
 def _trivial(q, *args, **kwargs):

@@ -231,7 +231,7 @@ def probe_case(model, after_apply, group):
     with hfpatch.apply(group, model=model, verify="fast") as patch:
         after_apply(patch)
         start = time.perf_counter()
-        result = probe_model(model, patch.ctx, tolerance=math.inf)
+        result = probe_model(model, patch, tolerance=math.inf)
         return result.worst, result.worst_at, time.perf_counter() - start
 
 

@@ -50,7 +50,7 @@ from _runners import (Inputs, input_bytes, make_backend_step, make_inputs,  # no
 from _stamp import backend_choices, stamp  # noqa: E402
 from _timing import peak_memory_bytes, time_callable  # noqa: E402
 import native_cp  # noqa: E402
-from ring_kernels.layout_costs import usp_grid  # noqa: E402
+from ring_kernels.layout_costs import squarest_usp_grid  # noqa: E402
 import report  # noqa: E402
 from _summary import summarize  # noqa: E402
 
@@ -201,7 +201,7 @@ class Bench:
     def _usp_grid(self):
         """((U, R), None) after making usp's groups -- Ulysses groups of U consecutive ranks (one node's
         all-to-all), rings of R ranks across them -- or (None, why not)."""
-        split = usp_grid(self.world)
+        split = squarest_usp_grid(self.world)
         if split is None:
             return None, f"usp needs a grid of at least 2 x 2 ranks; {self.world} ranks make none"
         u, r = split

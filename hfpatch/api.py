@@ -5,12 +5,13 @@ The flow of one apply: resolve the group -> read ``RING_ATTN_SWITCH`` -> match t
 all-or-nothing -> switch the model (``model=``) -> verify identity -> numeric probe -> ``Patch``. Any failure
 after the install removes everything again before the error propagates.
 
-A ``Patch`` holds every part it installed in one ``hfpatch.errors.UndoStack`` (the attention patch, the model's
+A ``Patch`` holds every part it installed in one ``hfpatch.undo.UndoStack`` (the attention patch, the model's
 routing, its position, mixer, tracking, labels and inputs hooks, the switch default), in install order;
 ``remove()`` takes them out newest first, each even if another fails. The parts it reads keep typed fields.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
@@ -22,10 +23,11 @@ import torch.distributed as dist
 
 from hfpatch import inputs, modes, verify as verify_module, version_gates
 from hfpatch.attention import codegen, patcher
-from hfpatch.model import audit as model_audit
-from hfpatch.attention.dispatch import Dispatcher
-from hfpatch.errors import (AlreadyRemoved, HfpatchError, PatchError, SignatureMismatch, UndoStack, UnsupportedArgument,
-                            UnsupportedModel, UnsupportedRelease, VerificationError, is_wrapper, mark_wrapper)
+from hfpatch.model import audit
+from hfpatch.attention.dispatch import Dispatcher, original_caller
+from hfpatch.errors import (AlreadyRemoved, HfpatchError, PatchError, SignatureMismatch, UnsupportedArgument,
+                            UnsupportedModel, UnsupportedRelease, VerificationError)
+from hfpatch.undo import AllOrNothing, UndoStack, is_wrapper, mark_wrapper
 from hfpatch.model.attach import AttachedModel, attach
 from hfpatch.model.heads import head_of
 from hfpatch.model.labels import install_labels_hook
@@ -34,7 +36,7 @@ from hfpatch.mixers import MixerInstallation
 from hfpatch.model.probe import ProbeResult, probe_model
 from hfpatch.attention.discovery import attention_modules
 from hfpatch.model.wrappers import inner_model
-from hfpatch.attention.semantics import RingContext, check_grid, parse_kernel
+from hfpatch.attention.context import RingContext, check_grid, parse_kernel
 from hfpatch.signatures import registry
 from hfpatch.verify import group_max
 from ring_kernels.backends import choices
@@ -67,7 +69,7 @@ class Patch:
     after apply included). ``calls``: Counter layer -> calls that ran the ring. ``switch``: the switch,
     ``hfpatch.modes.switch`` (``patch.switch.current_mode()``, ``patch.switch.set_switch(mode)``,
     ``with patch.switch(mode):``).
-    ``ctx``: the ``semantics.RingContext`` (None when inactive). ``removed``: whether ``remove()`` ran.
+    ``ctx``: the ``hfpatch.attention.context.RingContext`` (None when inactive). ``removed``: whether ``remove()`` ran.
     """
 
     def __init__(self, *, active: bool, reason: Optional[str], signature_id: Optional[str] = None,
@@ -75,7 +77,7 @@ class Patch:
         self.active = active
         self.reason = reason
         self.signature_id = signature_id
-        self.ctx = ctx
+        self._ctx = ctx  # the context of an inactive patch; an active one's is its dispatcher's (``ctx``)
         self.switch = modes.switch
         self._match = match
         # Every part this patch installed, in install order; remove() takes them out newest first.
@@ -90,6 +92,24 @@ class Patch:
         self.reach: Optional[ReachWatch] = None
 
     # ------------------------------------------------------------------------------------ inspection
+    @property
+    def ctx(self) -> Optional[RingContext]:
+        """The ``RingContext`` the patch's calls run on (None when inactive)."""
+        return self._dispatcher.ctx if self._dispatcher is not None else self._ctx
+
+    def reconfigure(self, **changes: Any) -> RingContext:
+        """Run the following calls on a context with ``changes`` (``RingContext`` fields, e.g.
+        ``heads_k_stride=1``; ``dataclasses.replace``); returns it. An active patch only."""
+        if self._dispatcher is None:
+            raise PatchError("reconfigure: this patch is inactive (no ring to configure).")
+        self._dispatcher.ctx = dataclasses.replace(self._dispatcher.ctx, **changes)
+        return self._dispatcher.ctx
+
+    def running_on(self, ctx: RingContext):
+        """A context manager: every attention call made inside runs on ``ctx`` (a ``dataclasses.replace`` of this
+        patch's context: the whole-model probe's, on its own group), this patch's context back afterwards."""
+        return self._dispatcher.using(ctx)
+
     @property
     def removed(self) -> bool:
         return self._undo.removed
@@ -151,7 +171,7 @@ class Patch:
 
     @property
     def layout_choices(self) -> list:
-        """kernel="auto"'s decisions (``hfpatch.attention.layout_choice.AutoChoice``): the kernel that computed which
+        """kernel="auto"'s decisions (``hfpatch.attention.kernel_choice.AutoChoice``): the kernel that computed which
         calls (form, tokens per rank, heads), why -- the cost model's prediction for every candidate and what it
         left out and why, or why the cost model did not choose -- and how many (step, call shape) pairs decided
         it; the latest 64 (kernel, shape) pairs. Empty for a pinned kernel or an inactive patch."""
@@ -242,34 +262,31 @@ class Patch:
             return self._attach_inactive(model)
         group = self.ctx.group
         failure: Optional[BaseException] = None
-        attached = None
-        try:
-            findings = model_audit.audit(model)
-            if findings:
-                raise UnsupportedModel(model_audit.describe(findings, model), findings=findings)
-            attached = self._attach(model)
-        except BaseException as exc:  # re-raised below, after the other ranks have been told
-            failure = exc
-        if group_max(_FAILED if failure is not None else _OK, group) != _OK:
-            if attached is not None:
-                attached.remove()
-            if failure is not None:
-                raise failure
-            raise PatchError(f"add_model({type(model).__name__}) failed on another rank of the CP group (see that "
-                             "rank's error); nothing was added on this rank either.")
-        if verify:
+        # Leaving this block before pop_all() takes the model off the ring again, before the error propagates.
+        with AllOrNothing(f"the model {type(model).__name__}") as undo:
             try:
-                probed = _probe_named(model, self.ctx)
-            except BaseException:
-                attached.remove()
-                raise
-            attached.labels_refusal, attached.labels_alignment = probed.labels_refusal, probed.labels_alignment
-            attached.probe = probed
-            self._dispatcher.reset()  # the probe's calls are not the user's
+                findings = audit.audit(model)
+                if findings:
+                    raise UnsupportedModel(audit.describe(findings, model), findings=findings)
+                attached = undo.push(self._attach(model), "the model")
+            except BaseException as exc:  # re-raised below, after the other ranks have been told
+                failure = exc
+            if group_max(_FAILED if failure is not None else _OK, group) != _OK:
+                if failure is not None:
+                    raise failure
+                raise PatchError(f"add_model({type(model).__name__}) failed on another rank of the CP group (see "
+                                 "that rank's error); nothing was added on this rank either.")
+            if verify:
+                probed = _probe_named(model, self)
+                attached.labels_refusal, attached.labels_alignment = probed.labels_refusal, probed.labels_alignment
+                attached.probe = probed
+                self._dispatcher.reset()  # the probe's calls are not the user's
+            undo.pop_all()  # on the ring: patch.remove() (or the model's own remove()) takes it off from now on
         return attached
 
     def _attach(self, model: torch.nn.Module) -> AttachedModel:
-        attached = attach(model, wrapper=self._installation.wrapper, ctx=self.ctx, track=self._dispatcher.track,
+        attached = attach(model, wrapper=self._installation.wrapper, context=lambda: self.ctx,
+                          track=self._dispatcher.track,
                           ctx_of=self.live_ctx_or_none, transformers_version=self._version)
         self._models.append(attached)
         return attached
@@ -424,7 +441,7 @@ def apply(cp_group=None, *, kernel: str = "auto", on_unsupported: str = "raise",
                      "ulysses" | "usp:UxR" (head-parallel: Ulysses groups of U consecutive ranks split the query
                      heads, a ring of R = world / U across them; U must divide the query heads), optionally
                      ":backend" ("zigzag:reference", "usp:2x2:torch_cudnn"). "auto": each call's kernel chosen by
-                     the cost model calibrated on this GPU (``hfpatch.attention.layout_choice``: the zigzag ring,
+                     the cost model calibrated on this GPU (``hfpatch.attention.kernel_choice``: the zigzag ring,
                      Ulysses or USP for batch rows; llama3, the ring, Ulysses or USP for packed rows), else zigzag
                      for batch rows and llama3 for packed rows; ``layout_choices`` says which and why. "usp:UxR"
                      makes the Ulysses and ring groups of ``cp_group`` (kept on ``patch.ctx.heads``; U x R must
@@ -522,10 +539,10 @@ def _match_live_signature(on_unsupported: str):
 
 def _audit_model(model: torch.nn.Module, on_unsupported: str) -> Optional[str]:
     """None when ``model_audit`` finds nothing; the reason to fall back, or ``UnsupportedModel`` raised."""
-    findings = model_audit.audit(model)
+    findings = audit.audit(model)
     if not findings:
         return None
-    message = model_audit.describe(findings, model)
+    message = audit.describe(findings, model)
     if on_unsupported == "fallback":
         return message
     raise UnsupportedModel(message, findings=findings)
@@ -533,39 +550,41 @@ def _audit_model(model: torch.nn.Module, on_unsupported: str) -> Optional[str]:
 
 def _install(group, kernel, verify, model, match, version, env_mode, on_unsupported="raise") -> Patch:
     global _active
-    patch: Optional[Patch] = None
     failure: Optional[BaseException] = None
-    try:
-        patch = _install_here(group, kernel, model, match, version, fallback=on_unsupported == "fallback")
-        # the default, and the reading step boundaries compare RING_ATTN_SWITCH with (modes.refresh_from_env)
-        patch._undo.callback(modes.follow_env(env_mode), "the switch default")
-    except BaseException as exc:  # re-raised below, after the other ranks have been told
-        failure = exc
-    # Agree before the probe: its ring exchanges blocks between ranks, so a rank that failed and skipped it would
-    # leave the others waiting forever. Every rank that installed removes again if any rank failed.
-    if verify_module.group_max(_FAILED if failure is not None else _OK, group) != _OK:
-        _remove_quietly(patch)
-        if failure is not None:
-            raise failure
-        raise VerificationError("hfpatch.apply failed on another rank of the CP group (see that rank's error); "
-                                "what was installed here was removed again.")
-    try:
-        if verify:
-            verify_module.numeric(patch._installation.wrapper, match, patch.ctx)
-        if verify is True and model is not None:
-            probed = _probe_named(model, patch.ctx)
-            attached = patch._models[0]
-            attached.labels_refusal, attached.labels_alignment = probed.labels_refusal, probed.labels_alignment
-            attached.probe = probed
-        patch._dispatcher.reset()  # the probes' calls are not the user's
-    except (VerificationError, UnsupportedArgument, UnsupportedModel) as exc:  # a named refusal of the model
-        _remove_quietly(patch)
-        if on_unsupported != "fallback":
-            raise
-        return _inactive(str(exc), level=logging.WARNING, model=model)
-    except BaseException:
-        _remove_quietly(patch)
-        raise
+    refusal: Optional[Exception] = None
+    # Leaving this block before pop_all() removes the patch again (an error, or a refusal under "fallback").
+    with AllOrNothing("the patch") as undo:
+        try:
+            patch = undo.push(_install_here(group, kernel, model, match, version,
+                                            fallback=on_unsupported == "fallback"), "the patch")
+            # the default, and the reading step boundaries compare RING_ATTN_SWITCH with (modes.refresh_from_env)
+            patch._undo.callback(modes.follow_env(env_mode), "the switch default")
+        except BaseException as exc:  # re-raised below, after the other ranks have been told
+            failure = exc
+        # Agree before the probe: its ring exchanges blocks between ranks, so a rank that failed and skipped it
+        # would leave the others waiting forever. Every rank that installed removes again if any rank failed.
+        if verify_module.group_max(_FAILED if failure is not None else _OK, group) != _OK:
+            if failure is not None:
+                raise failure
+            raise VerificationError("hfpatch.apply failed on another rank of the CP group (see that rank's error); "
+                                    "what was installed here was removed again.")
+        try:
+            if verify:
+                verify_module.numeric(patch._installation.wrapper, match, patch.ctx)
+            if verify is True and model is not None:
+                probed = _probe_named(model, patch)
+                attached = patch._models[0]
+                attached.labels_refusal, attached.labels_alignment = probed.labels_refusal, probed.labels_alignment
+                attached.probe = probed
+            patch._dispatcher.reset()  # the probes' calls are not the user's
+        except (VerificationError, UnsupportedArgument, UnsupportedModel) as exc:  # a named refusal of the model
+            if on_unsupported != "fallback":
+                raise
+            refusal = exc
+        else:
+            undo.pop_all()  # applied: from now on the patch's own remove() takes it out
+    if refusal is not None:
+        return _inactive(str(refusal), level=logging.WARNING, model=model)
     with _active_lock:
         if _active is not None:  # another thread applied meanwhile: keep theirs, undo ours
             patch.remove()
@@ -580,11 +599,11 @@ def _install(group, kernel, verify, model, match, version, env_mode, on_unsuppor
     return patch
 
 
-def _probe_named(model: torch.nn.Module, ctx: RingContext) -> ProbeResult:
+def _probe_named(model: torch.nn.Module, patch: Patch) -> ProbeResult:
     """``probe_model``, where an error of the probe's own code (not the model's: ``probe_model`` names those)
     becomes a ``VerificationError`` naming the probe, so that ``on_unsupported="fallback"`` honours it."""
     try:
-        return probe_model(model, ctx)
+        return probe_model(model, patch)
     except (HfpatchError, KeyboardInterrupt):
         raise
     except Exception as exc:
@@ -603,18 +622,16 @@ def _install_here(group, kernel, model, match, version, *, fallback: bool = Fals
     if is_wrapper(original):
         raise PatchError("transformers' _flash_attention_forward is already an hfpatch wrapper from a patch that was "
                          "not removed cleanly. Fix: restart the process.")
-    ctx = RingContext.for_group(group, kernel=kernel)
+    ctx = RingContext.for_group(group, kernel=kernel, call_original=original_caller(original, match))
     dispatcher = Dispatcher(original=original, match=match, ctx=ctx)
-    ctx.call_original = dispatcher.call_original
     wrapper = mark_wrapper(codegen.render(match, dispatcher.entry, original=original))  # a later apply sees it
     patch = Patch(active=True, reason=None, signature_id=match.id, ctx=ctx, dispatcher=dispatcher, match=match)
 
     def retire_dispatcher() -> None:
         dispatcher.removed = True  # a stale wrapper reference now calls the original
 
-    undo = patch._undo
-    undo.callback(retire_dispatcher, "the dispatcher")
-    try:
+    with AllOrNothing("hfpatch") as undo:  # a failure undoes every step below, newest first, before it propagates
+        undo.callback(retire_dispatcher, "the dispatcher")
         installation = patcher.install(patcher.binding_sites(original), wrapper)  # all-or-nothing by itself
         patch._installation = undo.push(installation, "the attention patch")
         patch._version = version
@@ -624,18 +641,6 @@ def _install_here(group, kernel, model, match, version, *, fallback: bool = Fals
         if model is not None:
             patch._attach(model)
         verify_module.identity(installation)
-    except BaseException:
-        _remove_quietly(patch)
-        raise
+        patch._undo = undo.pop_all()  # installed: the patch holds every step from now on
     return patch
 
-
-def _remove_quietly(patch: Optional[Patch]) -> None:
-    """Undo a half-finished apply while another error propagates: a failure to restore is logged, not raised,
-    so that the error the user sees is the one that caused the rollback."""
-    if patch is None or patch.removed:
-        return
-    try:
-        patch.remove()
-    except Exception:  # reported in the log; the original error propagates
-        logger.exception("hfpatch: restoring after a failed apply also failed")

@@ -1,13 +1,14 @@
-"""Every error hfpatch raises, in one module, and the undo protocol whose failures they report.
+"""Every error hfpatch raises, in one module.
 
 Each class subclasses the builtin a caller already catches (``TypeError`` for a signature that does not fit,
 ``ValueError`` for an argument ring attention cannot honour, ``RuntimeError`` for a failed patch), and carries
 the facts as fields so that code can act on them without parsing the message. Messages say where, what was
-expected, what was found, and the fix.
+expected, what was found, and the fix. ``AlreadyRemoved`` and ``RemovalFailed`` are the failures of the undo
+protocol (``hfpatch.undo``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, TypeVar, runtime_checkable
+from typing import Any
 
 __all__ = [
     "HfpatchError",
@@ -26,7 +27,6 @@ __all__ = [
     "ScanError",
     "WheelFetchError",
     "ModuleNameTaken",
-    "Removable", "UndoStack", "WRAPPER_MARK", "mark_wrapper", "is_wrapper",
 ]
 
 
@@ -232,131 +232,3 @@ class ModuleNameTaken(HfpatchError, ImportError):
 
     def __init__(self, message: str, *, name: str, path: str | None = None) -> None:
         super().__init__(message, name=name, path=path)
-
-
-# ---------------------------------------------------------------------------------------------- undo
-# How everything hfpatch installs is taken out again: one protocol, one undo stack, one wrapper marker.
-#
-# Every installer returns one object with ``remove()`` (a ``Removable``):
-#
-# =============================================  ============================================================
-# ``attention.patcher.install``                  ``patcher.Installation`` (every binding site, the import hook)
-# ``model.routing.route_model``                  ``routing.ModelRouting`` (configs, classes, injected names)
-# ``model.positions.install``                    ``UndoStack`` of the position modules' hooks
-# ``mixers.install_mixers``                      ``mixers.MixerInstallation`` (rebound kernels, replaced methods)
-# ``attention.dispatch.Dispatcher.track``        ``UndoStack`` of the model's forward hooks
-# ``model.labels.install_labels_hook``           ``UndoStack`` of the model's forward hooks
-# ``model.inputs_guard.install_inputs_guard``    ``UndoStack`` of the model's forward pre-hook
-# =============================================  ============================================================
-#
-# ``UndoStack`` is ``contextlib.ExitStack``'s idea for installations: ``push`` records what was installed (and
-# returns it, typed, for the caller to keep), ``callback`` records a function that undoes something, and ``remove()``
-# undoes them newest first. Removal is all-or-nothing in the one way it can be: every part is removed even when
-# another part's ``remove()`` raises; then ``RemovalFailed`` names each failure (its cause is the one exception, or
-# an ``ExceptionGroup`` of them). Removing restores exactly what was there; a second ``remove()`` raises
-# ``AlreadyRemoved`` (a no-op would hide a double-remove bug). ``Patch`` holds its parts in one ``UndoStack``.
-#
-# Functions hfpatch installs in place of someone else's (the attention wrapper, the mixer kernels' wrappers and
-# method replacements, routing's ``get_target_dtype`` guard) carry one marker, ``mark_wrapper``; ``is_wrapper``
-# lets an install recognise a wrapper left behind by a patch that was not removed cleanly.
-
-@runtime_checkable
-class Removable(Protocol):
-    """What an installer returns: ``remove()`` restores exactly what was there; a second call raises."""
-
-    def remove(self) -> None: ...
-
-
-R = TypeVar("R", bound=Removable)
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class _Callback:
-    """A function that undoes one change, as a ``Removable``."""
-
-    def __init__(self, function: Callable[[], Any]) -> None:
-        self.function = function
-
-    def remove(self) -> None:
-        self.function()
-
-
-class UndoStack:
-    """Installed parts, in the order they were installed; ``remove()`` undoes them newest first (module
-    docstring). ``what`` names the whole in error messages ("hfpatch", "the labels hook of LlamaForCausalLM")."""
-
-    def __init__(self, what: str, *parts: Removable) -> None:
-        self.what = what
-        self.removed = False
-        self._parts: list[tuple[str, Removable]] = []
-        for part in parts:
-            self.push(part)
-
-    def __repr__(self) -> str:
-        state = "removed" if self.removed else f"{len(self._parts)} parts"
-        return f"<hfpatch.UndoStack {self.what}: {state}>"
-
-    def __len__(self) -> int:
-        return len(self._parts)
-
-    def push(self, part: R, label: Optional[str] = None) -> R:
-        """Record ``part`` (removed before everything pushed earlier); returns it. ``label`` names it in errors."""
-        if self.removed:
-            raise AlreadyRemoved(f"{self.what} was already removed; {label or _label(part)} was installed after that "
-                                 "and would never be removed. Fix: install it before removing, or apply again.",
-                                 what=self.what)
-        self._parts.append((label or _label(part), part))
-        return part
-
-    def callback(self, function: Callable[[], Any], label: Optional[str] = None) -> None:
-        """Record ``function()`` as the undo of a change made just before."""
-        self.push(_Callback(function), label or getattr(function, "__qualname__", repr(function)))
-
-    def remove(self) -> None:
-        """Remove every part, newest first, each even if another raised; then raise ``RemovalFailed`` naming every
-        failure. A second call raises ``AlreadyRemoved``."""
-        if self.removed:
-            raise AlreadyRemoved(f"{self.what} was already removed; remove() is not idempotent (a second call would "
-                                 "hide a double-remove bug). Fix: remove it once.", what=self.what)
-        self.removed = True
-        failures: list[tuple[str, BaseException]] = []
-        while self._parts:
-            label, part = self._parts.pop()
-            try:
-                part.remove()
-            except BaseException as exc:  # every part is removed; the failures are raised together below
-                failures.append((label, exc))
-        if failures:
-            _raise_failures(self.what, failures)
-
-
-def _label(part: Any) -> str:
-    return type(part).__name__
-
-
-def _raise_failures(what: str, failures: list[tuple[str, BaseException]]) -> None:
-    interrupt = next((exc for _, exc in failures if not isinstance(exc, Exception)), None)
-    if interrupt is not None:  # KeyboardInterrupt, SystemExit: still what the caller must see, once all ran
-        raise interrupt
-    listed = "; ".join(f"{label}: {type(exc).__name__}: {exc}" for label, exc in failures)
-    error = RemovalFailed(f"{what} was removed, but not cleanly (every other part was removed): {listed}",
-                          what=what, failures=failures)
-    if len(failures) == 1:
-        raise error from failures[0][1]
-    raise error from ExceptionGroup(f"{len(failures)} parts of {what} failed to remove", [exc for _, exc in failures])
-
-
-# --------------------------------------------------------------------------------------------- the marker
-
-WRAPPER_MARK = "__hfpatch_wrapper__"
-
-
-def mark_wrapper(function: F) -> F:
-    """Mark ``function`` as installed by hfpatch in place of another; returns it."""
-    setattr(function, WRAPPER_MARK, True)
-    return function
-
-
-def is_wrapper(value: Any) -> bool:
-    """Whether ``value`` (a function, or a method bound from one) was marked by ``mark_wrapper``."""
-    return getattr(value, WRAPPER_MARK, False) is True

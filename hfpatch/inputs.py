@@ -24,7 +24,9 @@ import torch.distributed as dist
 
 from hfpatch import modes
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.attention.semantics import RingContext, StepState, packed_cu_seqlens, plan_step
+from hfpatch.attention.context import RingContext, StepState
+from hfpatch.attention.kernel_choice import plan_step
+from hfpatch.attention.step import packed_cu_seqlens
 from ring_kernels.layout import local_positions
 
 __all__ = ["IGNORE_INDEX", "shard_inputs", "describe_split", "reduce_loss", "global_loss_sum", "shift_labels",

@@ -20,7 +20,8 @@ layouts ``ring``, ``zigzag``, ``stripe``; ``documents`` (packed-document plannin
 ``checkpointing`` keeps each ring call's output through activation checkpointing (the recomputation skips the ring).
 ``ulysses`` splits heads instead of the sequence (an all-to-all before and after attention; any layout, batch and
 varlen); ``usp`` runs a ring variant across groups of Ulysses ranks (a 2-D split of inputs sharded over the whole
-group in the ring variant's layout, ``usp_layout``).
+group in the ring variant's layout, ``usp_layout``; ``build_usp_groups`` makes the grid's process groups).
+``entry`` is every kernel's prologue (arguments, group, the ranks' agreement).
 
 ``torch_releases`` holds the supported torch range and its gates: importing ring_kernels on a torch outside the
 range raises ``UnsupportedTorch``.
@@ -40,12 +41,13 @@ from ring_kernels.zigzag import zigzag_ring_attn_func
 from ring_kernels.varlen import ring_attn_varlen_func, zigzag_ring_attn_varlen_func
 from ring_kernels.llama3 import llama3_attn_varlen_func
 from ring_kernels.ulysses import ulysses_attn_func, ulysses_attn_varlen_func
-from ring_kernels.usp import usp_attn_func, usp_attn_varlen_func, usp_layout
+from ring_kernels.usp import UspGroups, build_usp_groups, usp_attn_func, usp_attn_varlen_func, usp_layout
 
 __all__ = [
     "ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func",
     "ring_attn_varlen_func", "zigzag_ring_attn_varlen_func", "llama3_attn_varlen_func",
     "ulysses_attn_func", "ulysses_attn_varlen_func", "usp_attn_func", "usp_attn_varlen_func", "usp_layout",
+    "build_usp_groups", "UspGroups",
     "LAYOUTS", "LocalVarlen", "local_positions", "local_varlen", "shard", "unshard", "rank_check_scope",
     "RANK_CHECKED", "RingInputError", "UnsupportedTorch", "RingOptions", "get_options", "set_options", "use_options",
 ]

@@ -8,17 +8,18 @@
 and again to recompute it in backward (torch's ``checkpoint`` in both modes, HF's ``gradient_checkpointing_func``,
 the ``checkpoint_fn`` of torch's ``checkpoint_wrapper``). Each call opens a *region* around ``function``:
 
-- the first run (the forward): every ring call inside (each layout's autograd function: ring, zigzag, stripe,
-  their varlen forms, llama3) computes as usual and offers its merged ``out`` and ``lse`` (after a sink is
-  folded in) to the region; the keeper keeps them while the kept bytes alive in all regions stay within its
-  budget, and records a gap otherwise;
+- the first run (the forward): every ring call inside (each kernel's autograd function: ring, zigzag, stripe,
+  their varlen forms, llama3, Ulysses and USP's head split) computes as usual and offers its merged ``out`` and
+  ``lse`` (after a sink is folded in) to the region; the keeper keeps them while the kept bytes alive in all
+  regions stay within its budget, and records a gap otherwise;
 - every later run (a recomputation): the i-th ring call takes the i-th kept pair instead of running the ring
   forward and its communication; a gap runs the forward again, as under plain checkpointing.
 
-A ring call that took a kept pair builds the same autograd node as one that computed it, from the same tensors,
-so its gradients are bitwise those of plain checkpointing. Only the K/V block the forward ended on is not kept:
-that call's backward fetches it again, one K/V hop (r -> r-1) before its first step, instead of holding it (the
-size of the local k + v) from forward to backward.
+Every kernel makes this handshake through ``kept_forward``. A ring call that took a kept pair builds the same
+autograd node as one that computed it, from the same tensors, so its gradients are bitwise those of plain
+checkpointing. Only the K/V block the forward ended on is not kept: that call's backward fetches it again, one
+K/V hop (r -> r-1) before its first step, instead of holding it (the size of the local k + v) from forward to
+backward.
 
 Cost: ``out`` (the query's shape and dtype) and ``lse`` (fp32, batch x heads x local tokens) per kept call. A
 pair is released when the recomputation takes it, or when its region is freed (the autograd graph holding the
@@ -43,13 +44,15 @@ import contextvars
 import logging
 import os
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from .errors import RingInputError
+from .merge import fold_sink
 
-__all__ = ["OutputKeeper", "keeping", "checkpoint", "current_region", "KeptOutputMismatch", "CompiledRegionError"]
+__all__ = ["OutputKeeper", "keeping", "checkpoint", "current_region", "kept_forward", "KeptForward",
+           "KeptOutputMismatch", "CompiledRegionError"]
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +290,37 @@ class _Region:
 def current_region() -> Optional[_Region]:
     """The innermost kept checkpoint region running on this thread, or None."""
     return _REGION.get()
+
+
+class KeptForward(NamedTuple):
+    """One attention forward as ``kept_forward`` ran it: ``out`` (q's shape and dtype) and ``lse`` (fp32), a sink
+    folded in; ``extra``: what ``compute`` returned after them (empty on a replay); ``replayed``: the pair was the
+    forward's, taken from the region (nothing computed); ``kept``: the region keeps this pair for the recomputation."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    extra: tuple
+    replayed: bool
+    kept: bool
+
+
+def kept_forward(q: torch.Tensor, what: str, sink: Optional[torch.Tensor],
+                 compute: Callable[[], tuple]) -> KeptForward:
+    """The forward of one kernel call under the innermost kept region, the handshake every kernel makes.
+
+    In a recomputation of a region that kept this call's pair: that pair, and ``compute`` is not called.
+    Otherwise ``compute()`` -> (out, lse, *extra) runs the forward, ``sink`` (H,) is folded into the finished
+    pair (``merge.fold_sink``) and the pair is offered to the region (kept if its budget allows). No region: the
+    forward alone. ``what`` names the call in a ``KeptOutputMismatch``."""
+    region = current_region()
+    taken = region.take(q, what) if region is not None else None
+    if taken is not None:
+        return KeptForward(taken[0], taken[1], (), True, False)
+    out, lse, *extra = compute()
+    if sink is not None:
+        lse = fold_sink(out, lse, sink)
+    kept = region is not None and region.offer(out, lse)
+    return KeptForward(out, lse, tuple(extra), False, kept)
 
 
 @torch.compiler.disable

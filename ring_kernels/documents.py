@@ -30,6 +30,7 @@ from .backends import CAUSAL, EMPTY, FULL, GENERAL
 from .backends.base import BlockMask
 from .comm import group_rank_and_size
 from .engine import Block
+from .entry import KernelCall
 
 __all__ = ["FULL_MASK", "classify", "StepBuilder", "documents_overlapping", "CuEntry", "cu_entry", "VarlenCall",
            "clear_cu_cache"]
@@ -211,32 +212,22 @@ def clear_cu_cache() -> None:
         CU_CACHE_STATS.update(hits=0, misses=0)
 
 
-class VarlenCall:
-    """Validated arguments of one varlen call: rank, world, cu (CPU int64) and its cache ``entry``, local
-    tokens, scale, window. No device sync when cu_seqlens is cached (``cu_entry``) and the ranks' check is
-    skipped (a world of one, or ``rank_check_scope``)."""
+class VarlenCall(KernelCall):
+    """Validated arguments of one varlen call (``entry.KernelCall``'s prologue, cu_seqlens in its second step):
+    rank, world, cu (CPU int64) and its cache ``entry``, local tokens, scale, window. No device sync when
+    cu_seqlens is cached (``cu_entry``) and the ranks' check is skipped (a world of one, or ``rank_check_scope``)."""
 
     def __init__(self, fn: str, q, k, v, cu_seqlens, *, group, causal, softmax_scale, window_size, softcap,
                  dropout_p, sink, layout_code: int, extra_fields: Sequence[Tuple[str, float]] = ()):
-        validation.check_qkv(fn, q, k, v, varlen=True)
-        validation.check_sink(fn, sink, q.shape[-2], q.device)
-        self.window = validation.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
-        self.scale = validation.resolve_scale(fn, softmax_scale, q.shape[-1])
-        self.softcap = float(softcap)
-        self.causal = bool(causal)
+        super().__init__(fn, q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                         softcap=softcap, dropout_p=dropout_p, sink=sink, varlen=True)
         self.entry = cu_entry(fn, cu_seqlens)
         self.cu = self.entry.cu
         self.rank, self.world = group_rank_and_size(group)
-        t, h, d = q.shape[-3:]                        # (T, H, D) or HF's packed row (1, T, H, D)
-        self.local = t
-        fields = [("layout", layout_code), ("local_tokens", t), ("nheads", h), ("nheads_k", k.shape[-2]),
-                  ("headdim", d), ("dtype", validation.dtype_code(q.dtype)), ("causal", int(self.causal)),
-                  ("softmax_scale", self.scale), ("softcap", self.softcap), ("window_left", self.window[0]),
-                  ("window_right", self.window[1]), ("cu_seqlens length", self.cu.numel()),
-                  ("cu_seqlens[-1]", self.entry.total), ("cu_seqlens fingerprint", self.entry.fingerprint),
-                  ("sink", int(sink is not None)), *extra_fields]
-        if self.world > 1:
-            validation.check_ranks_agree(fn, group, fields, q.device)
+        self.local = q.shape[-3]                      # (T, H, D) or HF's packed row (1, T, H, D)
+        tail = [("cu_seqlens length", self.cu.numel()), ("cu_seqlens[-1]", self.entry.total),
+                ("cu_seqlens fingerprint", self.entry.fingerprint), ("sink", int(self.has_sink)), *extra_fields]
+        self.agree(group, self.fields(layout_code, q, k, [("local_tokens", self.local)], tail), q.device)
         # Checked after the ranks agreed on the shapes, so that every rank raises (none waits in a collective).
         if self.local == 0:
             raise validation.RingInputError(
@@ -248,5 +239,3 @@ class VarlenCall:
                 f"{fn}: cu_seqlens[-1]={self.entry.total} but the group holds {self.world} ranks x {self.local} "
                 f"local tokens = {total}; cu_seqlens must be the cumulative lengths of the whole (global) packed "
                 f"sequence, identical on every rank, and every rank must hold the same number of tokens")
-
-

@@ -9,8 +9,8 @@ exchanges. ``run_batch`` is the batch front end (validate, build the steps, pick
 builds its steps from documents and calls ``RingAttention`` itself.
 
 Attention sinks: an optional per-head logit joins every query's softmax as an extra key of value 0. The ring
-computes the attention without it; ``fold_sink`` folds it into the final (out, lse) once, and the backward
-runs unchanged on the folded (out, lse) -- which are the probabilities with the sink -- plus ``sink_grad``.
+computes the attention without it; ``merge.fold_sink`` folds it into the final (out, lse) once, and the backward
+runs unchanged on the folded (out, lse) -- which are the probabilities with the sink -- plus ``merge.sink_grad``.
 
 Forward: step s computes our queries against the K/V block of rank (r - s) mod N while the next block is
 already in flight (``transport.make_exchange``: NCCL/gloo P2P by default, r -> r+1) and merges each block's
@@ -51,14 +51,15 @@ import torch
 from . import validation
 from .backends import CAUSAL, FULL, GENERAL, get_backend
 from .backends.base import BlockBackend, BlockMask
-from .checkpointing import current_region
-from .comm import group_rank_and_size
+from .checkpointing import kept_forward
+from .entry import KernelCall
+from .merge import sink_grad
 from .options import get_options
 from .rounding import Part, RowPlan, accumulator, adoptable, fold_grads, fold_outputs, plan_rows, row_bounds
 from .transport import make_exchange
 
 __all__ = ["ALL", "Block", "RingConfig", "Plan", "plan_steps", "backward_order", "RingAttention", "run_batch",
-           "positional_steps", "yield_to_transfer", "fold_sink", "sink_grad"]
+           "positional_steps", "yield_to_transfer"]
 
 ALL = slice(None)     # every row of a block
 
@@ -346,52 +347,25 @@ def _refetch_last(k: torch.Tensor, v: torch.Tensor, cfg: RingConfig) -> Tuple[to
     return again
 
 
-# ------------------------------------------------------------------------------------------------ sinks
-
-def fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """Fold an attention sink into a finished result: ``out`` (B, S, H, D) is rescaled in place and the new
-    lse (B, H, S) fp32 returned; ``sink`` (H,) is one logit per query head, an extra key of value 0 in every
-    query's softmax: lse' = logaddexp(lse, sink), out' = out * exp(lse - lse') (fp32 math; in half precision
-    this is out's second rounding). A row that saw no key (lse = -inf) keeps out = 0 and gets lse' = sink."""
-    s = sink.detach().to(torch.float32).view(1, -1, 1)
-    folded = torch.logaddexp(lse, s)
-    weight = torch.exp(lse - folded).transpose(1, 2).unsqueeze(-1)
-    if out.dtype == torch.float32:
-        out.mul_(weight)
-    else:
-        out.copy_(out.float() * weight)
-    return folded
-
-
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """d loss / d sink (H,) in sink's dtype, summed over this rank's queries, from the *folded* out (B, S, H, D)
-    and lse (B, H, S): -sum over (b, s) of exp(sink - lse') * rowsum(dout * out'). (The q/k/v gradients need
-    nothing else: the usual backward with the folded out and lse' is the backward with the sink.)"""
-    s = sink.detach().to(torch.float32).view(1, -1, 1)
-    delta = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
-    return (-(torch.exp(s - lse) * delta).sum(dim=(0, 2))).to(sink.dtype)
-
-
 class RingAttention(torch.autograd.Function):
     """q (B, S, H, D), k, v (B, S, Hk, D), sink (H,) or None -> out (B, S, H, D): the ring of ``cfg.steps``."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, cfg: RingConfig):
-        region = current_region()                    # a kept checkpoint region (ring_kernels.checkpointing)
-        kept = region.take(q, "ring attention") if region is not None else None
-        if kept is not None:                         # a recomputation: the forward's own out and lse, no ring
-            out, lse = kept
+        # out in q's dtype, each row rounded once; a recomputation of a kept checkpoint region takes the
+        # forward's own out and lse and runs no ring (ring_kernels.checkpointing).
+        forward = kept_forward(q, "ring attention", sink, lambda: forward_pass(q, k, v, cfg))
+        out, lse = forward.out, forward.lse
+        if forward.replayed:
             # k and v stand in the last K/V block's saved slots (shapes, dtypes and count as the forward saved
             # them: non-reentrant checkpointing compares the two); the backward fetches the block again.
             last = (k, v) if cfg.world > 1 else None
         else:
-            out, lse, last = forward_pass(q, k, v, cfg)  # out already in q's dtype, each row rounded once
-            if sink is not None:
-                lse = fold_sink(out, lse, sink)
+            (last,) = forward.extra
         # Whether the saved "last" slots will hold k, v: a kept output's recomputation saves those. The flag must
         # be set in the forward too: non-reentrant checkpointing runs the backward on the forward's ctx with the
         # tensors the recomputation saved (reentrant checkpointing, on the recomputation's own ctx).
-        stand_in = kept is not None or (region is not None and region.offer(out, lse))
+        stand_in = forward.replayed or forward.kept
         ctx.cfg = cfg
         # The last K/V block (one extra K/V block, freed after backward) saves the backward's first hop. It is a
         # saved tensor (not a ctx attribute) so that activation checkpointing drops and recomputes it.
@@ -464,24 +438,13 @@ def _positions_to(steps: List[List[Block]], device: torch.device) -> List[List[B
 def run_batch(fn: str, q, k, v, *, group, causal, softmax_scale, backend, window_size, softcap, dropout_p, sink,
               layout_code: validation.LayoutCode,
               make_steps: Callable[[int, int, int, bool, Tuple[int, int]], List[List[Block]]]):
-    """Validate, build the per-step blocks for this rank, pick the backend, and run the autograd ring."""
-    validation.check_qkv(fn, q, k, v)
-    window = validation.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
-    scale = validation.resolve_scale(fn, softmax_scale, q.shape[-1])
-    b, s, h, d = q.shape
-    validation.check_sink(fn, sink, h, q.device)
-    rank, world = group_rank_and_size(group)
-    if s == 0 or b == 0:
-        raise validation.RingInputError(
-            f"{fn}: q has shape {tuple(q.shape)}; batch and seqlen_local must be >= 1 on every rank")
-    fields = [("layout", layout_code), ("batch", b), ("seqlen_local", s), ("nheads", h), ("nheads_k", k.shape[2]),
-              ("headdim", d), ("dtype", validation.dtype_code(q.dtype)), ("causal", int(bool(causal))),
-              ("softmax_scale", scale), ("softcap", float(softcap)), ("window_left", window[0]),
-              ("window_right", window[1]), ("sink", int(sink is not None))]
-    if world > 1:
-        validation.check_ranks_agree(fn, group, fields, q.device)
-    chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=d,
-                         mask_kind=_mask_kind(causal, window), softcap=float(softcap))
-    steps = _positions_to(make_steps(rank, world, s, bool(causal), window), q.device)
-    cfg = RingConfig(steps, chosen, scale, float(softcap), group, rank, world)
+    """Validate (``entry.KernelCall``), build the per-step blocks for this rank, pick the backend, and run the
+    autograd ring."""
+    call = KernelCall(fn, q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                      softcap=softcap, dropout_p=dropout_p, sink=sink)
+    call.agree_batch(group, q, k, layout_code)
+    chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                         mask_kind=_mask_kind(causal, call.window), softcap=call.softcap)
+    steps = _positions_to(make_steps(call.rank, call.world, q.shape[1], call.causal, call.window), q.device)
+    cfg = RingConfig(steps, chosen, call.scale, call.softcap, group, call.rank, call.world)
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sink, cfg)

@@ -25,7 +25,10 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["LAYOUTS", "LocalVarlen", "shard", "unshard", "local_positions", "rank_positions", "local_varlen"]
+from .errors import RingInputError
+
+__all__ = ["LAYOUTS", "LocalVarlen", "shard", "unshard", "local_positions", "rank_positions", "local_varlen",
+           "check_zigzag_documents"]
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 _VARLEN_LAYOUTS = ("contiguous", "zigzag")
@@ -84,17 +87,22 @@ def _check_divisible(total: int, parts: int, *, layout: str, what: str) -> None:
         )
 
 
-def _check_zigzag_documents(cu: torch.Tensor, world_size: int) -> None:
+def check_zigzag_documents(cu: torch.Tensor, world_size: int, *, instead: str, fn: str = "") -> None:
+    """The zigzag rule for packed documents, for every caller (``shard``, the zigzag varlen kernels, Ulysses and
+    USP): every document of ``cu`` (CPU int64 cumulative lengths) splits into 2 x ``world_size`` equal chunks.
+    ``RingInputError`` (a ``ValueError``; argument ``cu_seqlens``, value the first bad length) otherwise, naming
+    ``fn`` (the function called, when there is one) and, as the other fix than padding, ``instead``."""
     lengths = cu[1:] - cu[:-1]
-    bad = torch.nonzero(lengths % (2 * world_size) != 0).flatten()
+    parts = 2 * world_size
+    bad = torch.nonzero(lengths % parts != 0).flatten()
     if bad.numel():
         doc = int(bad[0])
-        raise ValueError(
-            f"cu_seqlens: document {doc} (tokens {int(cu[doc])}..{int(cu[doc + 1])}) has length "
-            f"{int(lengths[doc])}, which layout='zigzag' cannot split into 2 x world_size = {2 * world_size} "
-            f"equal chunks ({bad.numel()} document(s) affected); pad every document to a multiple of "
-            f"{2 * world_size}, or use the 'contiguous' layout (ring_attn_varlen_func / llama3_attn_varlen_func)"
-        )
+        where = f"{fn}: " if fn else ""
+        raise RingInputError(
+            f"{where}document {doc} of cu_seqlens (tokens {int(cu[doc])}..{int(cu[doc + 1])}) has length "
+            f"{int(lengths[doc])}, not divisible by 2 x world_size = {parts} ({bad.numel()} document(s) affected); "
+            f"layout='zigzag' cuts every document into {parts} equal chunks: pad each document to a multiple of "
+            f"{parts}, or {instead}", argument="cu_seqlens", value=int(lengths[doc]))
 
 
 # ----------------------------------------------------------------------------------------- positions
@@ -131,7 +139,8 @@ def _positions(total: int, rank: int, world_size: int, layout: str, cu: Optional
     if cu is None:
         _check_divisible(total, 2 * world_size, layout=layout, what="the global sequence length")
         return _zigzag_positions(total, rank, world_size)
-    _check_zigzag_documents(cu, world_size)
+    check_zigzag_documents(cu, world_size, instead="shard with layout='contiguous' (ring_attn_varlen_func, "
+                                                    "llama3_attn_varlen_func)")
     pieces = [
         _zigzag_positions(int(cu[d + 1] - cu[d]), rank, world_size, offset=int(cu[d])) for d in range(cu.numel() - 1)
     ]

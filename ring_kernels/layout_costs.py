@@ -9,9 +9,9 @@ A layout's time for one call, forward + backward, in milliseconds, is modelled a
 - ``G``: the GB each rank sends (bf16), forward + backward: the ring variants pass the other ranks' K/V and, in the
   backward, K/V and their gradients again; Ulysses sends q, k, v and the output gradient out and the output and
   q/k/v gradients back over all-to-alls; USP does both, Ulysses within its groups and the ring across them. llama3
-  is charged the ring's bytes, what its all-gather moved; it now moves only the rows of documents that cross a rank
-  boundary (at most that), and its fitted ``a, c, f`` carry what it costs where it was measured so (a calibration
-  older than that, e.g. the H100s' at 4 GPUs, over-predicts it);
+  is charged the ring's bytes, an upper bound (it moves only the K/V rows of documents that cross a rank
+  boundary): its fitted ``a, c, f`` carry the difference on the points it was fitted on (which calibrations
+  measured the exchange: docs/performance.md#llama3-exchanges-only-the-rows-other-ranks-read);
 - ``c``: what a call costs whatever its size (launches, synchronisation);
 - ``f``: the floor, in ms: what a call costs while the GPU finishes its work before the host has issued it (packed
   rows launch kernels per document, so their small calls take the same time whatever their size; 0 where no
@@ -22,12 +22,13 @@ The coefficients ``a, b, c, f`` are per (GPU model, world size, layout), fitted 
 rest) on the layout grid that ``benchmarks/layout_grid.sh`` measures, into ``layout_costs.json`` beside this
 module, which records the measured points and how close the fit came.
 
-Layouts are ring_kernels' functions on the inputs' layout: batch rows ``"zigzag"``, ``"ring"`` (contiguous),
-``"ulysses"``, ``"usp"`` (the zigzag ring across Ulysses groups); packed rows ``"llama3"``, ``"ring_varlen"``,
-``"zigzag_varlen"``, ``"ulysses_varlen"``, ``"usp_varlen"`` (the llama3 ring across Ulysses groups). USP runs on
-the squarest grid of the world (``usp_grid``). ``choose`` returns the cheapest feasible layout with every
-prediction and every exclusion, as a ``LayoutChoice``. ``ONE_SPLIT`` lists the layouts that compute on one split
-of the inputs: what a caller that has already sharded the sequence can choose among.
+Layouts are ring_kernels' functions on the inputs' layout (``COSTED_KERNELS``): batch rows ``"zigzag"``,
+``"ring"`` (contiguous), ``"ulysses"``, ``"usp"`` (the zigzag ring across Ulysses groups); packed rows
+(``PACKED_KERNELS``) ``"llama3"``, ``"ring_varlen"``, ``"zigzag_varlen"``, ``"ulysses_varlen"``, ``"usp_varlen"``
+(the llama3 ring across Ulysses groups). USP runs on the squarest grid of the world (``squarest_usp_grid``).
+``choose`` returns the cheapest feasible layout with every prediction and every exclusion, as a ``LayoutChoice``.
+``ONE_SPLIT`` lists the layouts that compute on one split of the inputs: what a caller that has already sharded
+the sequence can choose among.
 """
 from __future__ import annotations
 
@@ -41,12 +42,13 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from .ulysses import kv_replication
 
-__all__ = ["CallShape", "LayoutChoice", "LayoutCosts", "LAYOUTS", "PACKED_LAYOUTS", "ONE_SPLIT", "TABLE_PATH",
-           "usp_grid", "features", "load", "machine_of", "gpu_model"]
+__all__ = ["CallShape", "LayoutChoice", "LayoutCosts", "COSTED_KERNELS", "PACKED_KERNELS", "ONE_SPLIT",
+           "TABLE_PATH", "squarest_usp_grid", "features", "load", "machine_of", "gpu_model"]
 
 TABLE_PATH = Path(__file__).with_name("layout_costs.json")
-PACKED_LAYOUTS = ("llama3", "ring_varlen", "zigzag_varlen", "ulysses_varlen", "usp_varlen")
-LAYOUTS = ("zigzag", "ring", "ulysses", "usp") + PACKED_LAYOUTS
+# The kernels the model prices (its "layouts"; not ``ring_kernels.layout.LAYOUTS``, the token splits).
+PACKED_KERNELS = ("llama3", "ring_varlen", "zigzag_varlen", "ulysses_varlen", "usp_varlen")
+COSTED_KERNELS = ("zigzag", "ring", "ulysses", "usp") + PACKED_KERNELS
 # packed -> the layouts that compute on one split of the inputs (batch rows: zigzag; packed rows: contiguous), the
 # plain ring and zigzag varlen left out (each needs its own split, and neither is the fastest causal layout there).
 ONE_SPLIT: Dict[bool, Tuple[str, ...]] = {False: ("zigzag", "ulysses", "usp"),
@@ -93,10 +95,15 @@ class CallShape:
                 f"D={self.head_dim}")
 
 
-def usp_grid(world: int) -> Optional[Tuple[int, int]]:
-    """(U, R): the squarest grid of ``world`` ranks with U >= R >= 2 (4: 2 x 2, 8: 4 x 2), or None."""
+def squarest_usp_grid(world: int) -> Optional[Tuple[int, int]]:
+    """(U, R): the squarest grid of ``world`` ranks with U >= R >= 2 (4: 2 x 2, 8: 4 x 2), or None. (Not
+    ``ring_kernels.usp.usp_grid``, which checks a grid of process groups.)"""
     splits = [(world // r, r) for r in range(2, math.isqrt(world) + 1) if world % r == 0]
     return splits[-1] if splits else None
+
+
+# The old name, while hfpatch.attention.context imports it.
+
 
 
 def features(layout: str, shape: CallShape) -> Tuple[float, float, float]:
@@ -107,7 +114,7 @@ def features(layout: str, shape: CallShape) -> Tuple[float, float, float]:
         hk = shape.kv_heads * kv_replication(h, shape.kv_heads, n)   # K/V heads sent, replicated as Ulysses does
         sent = t * d * _BYTES * (n - 1) / n * (4 * h + 4 * hk)
     elif layout in _USP:
-        u, r = usp_grid(n) or (n, 1)
+        u, r = squarest_usp_grid(n) or (n, 1)
         hk = shape.kv_heads * kv_replication(h, shape.kv_heads, u)
         sent = t * d * _BYTES * ((u - 1) / u * (4 * h + 4 * hk) + 6 * (r - 1) * hk)
     else:

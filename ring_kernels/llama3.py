@@ -64,9 +64,9 @@ from . import validation
 from .backends import EMPTY, FULL, get_backend
 from .backends.base import CAUSAL, BlockBackend, BlockMask
 from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_rows, varlen_kernel_for
-from .checkpointing import current_region
+from .checkpointing import kept_forward
 from .documents import StepBuilder, VarlenCall, classify, documents_overlapping
-from .engine import fold_sink, sink_grad
+from .merge import sink_grad
 from .rounding import RowPlan, fold_grads, fold_outputs, plan_rows
 
 __all__ = ["llama3_attn_varlen_func"]
@@ -641,23 +641,16 @@ def _backward(dout4, q4, k4, v4, out4, lse, cfg: _Llama3Config):
 
 class _Llama3Attention(torch.autograd.Function):
     """q (1, L, H, D), k, v (1, L, Hk, D), sink (H,) or None -> out (1, L, H, D); the entry point adds/drops the
-    batch dim. A sink is folded into the finished (out, lse) as the ring engine does (``engine.fold_sink``)."""
+    batch dim. A sink is folded into the finished (out, lse) as the ring engine does (``merge.fold_sink``); a
+    recomputation of a kept checkpoint region takes the forward's out and lse, no exchange."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, cfg: _Llama3Config):
-        region = current_region()                     # a kept checkpoint region (ring_kernels.checkpointing)
-        kept = region.take(q, "llama3_attn_varlen_func") if region is not None else None
-        if kept is not None:                          # a recomputation: the forward's own out and lse, no exchange
-            out, lse = kept
-        else:
-            out, lse = forward_pass(q, k, v, cfg)     # in q's dtype, each row rounded once
-            if sink is not None:
-                lse = fold_sink(out, lse, sink)
-            if region is not None:
-                region.offer(out, lse)
+        # out in q's dtype, each row rounded once
+        forward = kept_forward(q, "llama3_attn_varlen_func", sink, lambda: forward_pass(q, k, v, cfg))
         ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse, *((sink,) if sink is not None else ()))
-        return out
+        ctx.save_for_backward(q, k, v, forward.out, forward.lse, *((sink,) if sink is not None else ()))
+        return forward.out
 
     @staticmethod
     def backward(ctx, dout):

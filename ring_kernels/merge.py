@@ -20,6 +20,10 @@ bf16 first when ``dst`` is fp32).
 A row that has seen no key yet has ``lse = -inf`` and ``out = 0``; merging two such rows keeps them so,
 without NaN (``exp(-inf - -inf)`` is what a naive merge would compute).
 
+Attention sinks: a per-head logit that joins every query's softmax as an extra key of value 0 is one more merge,
+of a block whose output is 0: ``fold_sink`` folds it into a finished (out, lse), and ``sink_grad`` is its
+gradient; every kernel's backward then runs unchanged on the folded (out, lse).
+
 On CUDA with triton installed, ``merge_`` (and ``add_`` when it widens) runs one fused kernel: read a and b,
 write dst, each crossing memory once (eager PyTorch crosses them about four times). Elsewhere, when the
 option ``fused_merge`` is off (``ring_kernels.options``), or when the kernel fails to compile (a warning says
@@ -35,7 +39,7 @@ import torch
 from .options import get_options
 from .torch_releases import triton_unsupported_reason
 
-__all__ = ["merge_", "add_", "safe_lse"]
+__all__ = ["merge_", "add_", "safe_lse", "fold_sink", "sink_grad"]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -75,6 +79,32 @@ def safe_lse(lse: torch.Tensor) -> torch.Tensor:
     (-inf), so ``exp(-inf - 0) = 0`` is the right probability, whereas ``-inf - -inf`` would be NaN.
     """
     return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+# ------------------------------------------------------------------------------------------------ sinks
+
+def fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Fold an attention sink into a finished result: ``out`` (B, S, H, D) is rescaled in place and the new
+    lse (B, H, S) fp32 returned; ``sink`` (H,) is one logit per query head, an extra key of value 0 in every
+    query's softmax: lse' = logaddexp(lse, sink), out' = out * exp(lse - lse') (fp32 math; in half precision
+    this is out's second rounding). A row that saw no key (lse = -inf) keeps out = 0 and gets lse' = sink."""
+    s = sink.detach().to(torch.float32).view(1, -1, 1)
+    folded = torch.logaddexp(lse, s)
+    weight = torch.exp(lse - folded).transpose(1, 2).unsqueeze(-1)
+    if out.dtype == torch.float32:
+        out.mul_(weight)
+    else:
+        out.copy_(out.float() * weight)
+    return folded
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink (H,) in sink's dtype, summed over this rank's queries, from the *folded* out (B, S, H, D)
+    and lse (B, H, S): -sum over (b, s) of exp(sink - lse') * rowsum(dout * out'). (The q/k/v gradients need
+    nothing else: the usual backward with the folded out and lse' is the backward with the sink.)"""
+    s = sink.detach().to(torch.float32).view(1, -1, 1)
+    delta = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
+    return (-(torch.exp(s - lse) * delta).sum(dim=(0, 2))).to(sink.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ eager

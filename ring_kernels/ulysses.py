@@ -45,20 +45,21 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import validation
 from .backends import CAUSAL, EMPTY, FULL, get_backend
 from .backends.base import BlockBackend
 from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_lengths, varlen_kernel_for
-from .checkpointing import current_region
+from .checkpointing import kept_forward
 from .comm import group_rank_and_size
 from .documents import StepBuilder, VarlenCall, classify
-from .engine import ALL, Block, fold_sink, sink_grad
-from .layout import LAYOUTS, rank_positions
+from .engine import ALL, Block
+from .entry import KernelCall
+from .layout import LAYOUTS, check_zigzag_documents, rank_positions
+from .merge import sink_grad
 from .validation import LayoutCode, RingInputError
 
 __all__ = ["ulysses_attn_func", "ulysses_attn_varlen_func", "kv_replication", "check_heads", "check_zigzag_length",
-           "check_zigzag_documents", "HeadExchange", "ExchangeIndices", "exchange_indices", "head_exchange",
-           "head_parallel", "all_to_all_single", "cached_indices"]
+           "HeadExchange", "ExchangeIndices", "exchange_indices", "head_exchange", "head_parallel",
+           "all_to_all_single", "cached_indices"]
 
 # The one collective, looked up at every call: replaceable (tests count the calls through it, and
 # benchmarks/_nocomm.py times Ulysses without communication by putting a local copy in its place).
@@ -113,19 +114,6 @@ def check_zigzag_length(fn: str, seqlen: int) -> None:
         raise RingInputError(
             f"{fn}: q has seqlen_local={seqlen}; layout='zigzag' holds two chunks per rank, so seqlen_local must be "
             f"even: make the global length a multiple of 2 * world_size (pad it)", argument="q", value=seqlen)
-
-
-def check_zigzag_documents(fn: str, cu: torch.Tensor, world: int) -> None:
-    """Every document of ``cu`` (CPU int64 cumulative lengths) splits into 2 x ``world`` equal zigzag chunks."""
-    lengths = cu[1:] - cu[:-1]
-    bad = torch.nonzero(lengths % (2 * world) != 0).flatten()
-    if bad.numel():
-        d = int(bad[0])
-        raise RingInputError(
-            f"{fn}: document {d} of cu_seqlens (tokens {int(cu[d])}..{int(cu[d + 1])}) has length "
-            f"{int(lengths[d])}, not divisible by 2 x world_size = {2 * world}; layout='zigzag' cuts every "
-            f"document into {2 * world} chunks: pad each document to a multiple of {2 * world}, or shard "
-            f"with layout='contiguous'", argument="cu_seqlens", value=int(lengths[d]))
 
 
 # ------------------------------------------------------------------------------------------ exchange
@@ -382,24 +370,15 @@ def _attend_backward(dout, q, k, v, out, lse, cfg: _Attention):
 
 class _HeadAttention(torch.autograd.Function):
     """qh (B, T, h, D), kh, vh (B, T, hk, D), sink (h,) or None -> out (B, T, h, D): ``_Attention`` on the head
-    split. A sink is folded into the finished (out, lse) as the ring engine does (``engine.fold_sink``); in a
+    split. A sink is folded into the finished (out, lse) as the ring engine does (``merge.fold_sink``); in a
     kept checkpoint region (``ring_kernels.checkpointing``) the recomputation takes the forward's out and lse."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, cfg: _Attention):
-        region = current_region()
-        kept = region.take(q, "ulysses attention") if region is not None else None
-        if kept is not None:
-            out, lse = kept
-        else:
-            out, lse = _attend(q, k, v, cfg)
-            if sink is not None:
-                lse = fold_sink(out, lse, sink)
-            if region is not None:
-                region.offer(out, lse)
+        forward = kept_forward(q, "ulysses attention", sink, lambda: _attend(q, k, v, cfg))
         ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse, *((sink,) if sink is not None else ()))
-        return out
+        ctx.save_for_backward(q, k, v, forward.out, forward.lse, *((sink,) if sink is not None else ()))
+        return forward.out
 
     @staticmethod
     def backward(ctx, dout):
@@ -435,28 +414,18 @@ def ulysses_attn_func(q, k, v, *, group=None, causal=False, softmax_scale=None, 
     gradient (what the usual gradient all-reduce computes). Every rank passes a sink or none does.
     """
     fn = "ulysses_attn_func"
-    validation.check_qkv(fn, q, k, v)
-    window = validation.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
-    scale = validation.resolve_scale(fn, softmax_scale, q.shape[-1])
-    b, s, h, d = q.shape
-    validation.check_sink(fn, sink, h, q.device)
+    call = KernelCall(fn, q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                      softcap=softcap, dropout_p=dropout_p, sink=sink)
     code = _layout_code(fn, layout, varlen=False)
-    rank, world = group_rank_and_size(group)
-    if s == 0 or b == 0:
-        raise RingInputError(f"{fn}: q has shape {tuple(q.shape)}; batch and seqlen_local must be >= 1 on every rank",
-                             argument="q", value=tuple(q.shape))
-    fields = [("layout", code), ("batch", b), ("seqlen_local", s), ("nheads", h), ("nheads_k", k.shape[2]),
-              ("headdim", d), ("dtype", validation.dtype_code(q.dtype)), ("causal", int(bool(causal))),
-              ("softmax_scale", scale), ("softcap", float(softcap)), ("window_left", window[0]),
-              ("window_right", window[1]), ("sink", int(sink is not None))]
-    if world > 1:
-        validation.check_ranks_agree(fn, group, fields, q.device)
+    call.agree_batch(group, q, k, code)
+    b, s, h, d = q.shape
+    world = call.world
     check_heads(fn, h, world)
     if layout == "zigzag" and world > 1:
         check_zigzag_length(fn, s)
-    kind, mask = classify(0, world * s, 0, world * s, bool(causal), window)
-    chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=d, mask_kind=kind, softcap=float(softcap))
-    cfg = _Attention([Block(ALL, ALL, mask)], chosen, scale, float(softcap))
+    kind, mask = classify(0, world * s, 0, world * s, call.causal, call.window)
+    chosen = get_backend(backend, device=q.device, dtype=q.dtype, head_dim=d, mask_kind=kind, softcap=call.softcap)
+    cfg = _Attention([Block(ALL, ALL, mask)], chosen, call.scale, call.softcap)
     return head_parallel(q, k, v, sink, head_exchange(group, layout, b, s, q.device), _run(cfg))
 
 
@@ -514,8 +483,8 @@ def ulysses_attn_varlen_func(q, k, v, cu_seqlens, *, group=None, causal=False, s
     check_heads(fn, q.shape[-2], call.world)
     if layout == "zigzag" and call.world > 1:
         # Cached only once it passed (a failing check raises again on every call).
-        call.entry.get(("ulysses zigzag documents", call.world),
-                       lambda: check_zigzag_documents(fn, call.cu, call.world))
+        call.entry.get(("ulysses zigzag documents", call.world), lambda: check_zigzag_documents(
+            call.cu, call.world, fn=fn, instead="shard with layout='contiguous'"))
     plan = call.entry.get(("ulysses", layout, call.world, call.local, call.causal, call.window),
                           lambda: _VarlenPlan(call.cu, layout, call.world, call.local, call.causal, call.window))
     head_dim = q.shape[-1]

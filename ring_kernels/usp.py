@@ -3,8 +3,11 @@
 The N = U x R ranks of ``group`` form a grid: rank g of ``group`` is rank g % U of the ``ulysses_group`` of
 ranks [g - g % U, g - g % U + U) (U consecutive ranks) and rank g // U of the ``ring_group`` of ranks g % U,
 U + g % U, ..., (R-1)U + g % U. With 4 ranks and U = R = 2: the Ulysses groups {0, 1}, {2, 3}, the rings {0, 2},
-{1, 3}; consecutive ranks share a node, where an all-to-all is cheap, and the rings go across. The caller makes
-the two subgroups (``dist.new_group``); every call checks that they are this grid of ``group`` (host metadata).
+{1, 3}; consecutive ranks share a node, where an all-to-all is cheap, and the rings go across.
+``build_usp_groups(group, U, R)`` makes the two subgroups (``UspGroups``: the groups and this rank's grid; the
+caller keeps them as long as ``group``); a call given them (``groups=``) uses that grid as built. Subgroups the
+caller made itself (``ulysses_group=``, ``ring_group=``) are checked to be this grid of ``group`` (host metadata,
+once per three groups).
 
 Sharding: the inputs are sharded over the whole ``group`` in the ring variant's layout (``usp_layout``), exactly
 as for a ring variant over N ranks -- ``ring_kernels.shard(x, group, layout=usp_layout(ring_variant))`` -- so
@@ -42,17 +45,18 @@ import torch.distributed as dist
 
 from . import validation
 from .documents import VarlenCall
-from .layout import rank_positions
+from .entry import KernelCall
+from .layout import check_zigzag_documents, rank_positions
 from .llama3 import llama3_attn_varlen_func
 from .ring import ring_attn_func
-from .ulysses import (ExchangeIndices, HeadExchange, cached_indices, check_heads, check_zigzag_documents,
-                      check_zigzag_length, exchange_indices, head_parallel)
+from .ulysses import (ExchangeIndices, HeadExchange, cached_indices, check_heads, check_zigzag_length,
+                      exchange_indices, head_parallel)
 from .validation import LayoutCode, RingInputError
 from .varlen import ring_attn_varlen_func, zigzag_ring_attn_varlen_func
 from .zigzag import zigzag_ring_attn_func
 
-__all__ = ["usp_attn_func", "usp_attn_varlen_func", "usp_layout", "UspGrid", "usp_grid", "RING_VARIANTS",
-           "VARLEN_RING_VARIANTS"]
+__all__ = ["usp_attn_func", "usp_attn_varlen_func", "usp_layout", "build_usp_groups", "UspGroups", "UspGrid",
+           "usp_grid", "RING_VARIANTS", "VARLEN_RING_VARIANTS"]
 
 # ring_variant -> (the ring function, the layout of the inputs over the whole group and of the ring shards over
 # the ring group, the layout field of the ranks' agreement check)
@@ -166,6 +170,70 @@ def usp_grid(fn: str, group, ulysses_group, ring_group) -> UspGrid:
     return found
 
 
+@dataclass(frozen=True)
+class UspGroups:
+    """A USP grid of process groups: ``group`` (the parent, N = U x R ranks), this rank's ``ulysses_group`` (U
+    consecutive ranks of it) and ``ring_group`` (one rank of each Ulysses group), and this rank's place in them,
+    ``grid``. Made by ``build_usp_groups``, so the grid is right by construction: a USP call given one
+    (``groups=``) uses it without checking the groups again."""
+
+    group: object
+    ulysses_group: object
+    ring_group: object
+    grid: UspGrid
+
+    @property
+    def ulysses(self) -> int:
+        """U, the ranks of each Ulysses group."""
+        return self.grid.ulysses
+
+    @property
+    def ring(self) -> int:
+        """R, the ranks of each ring group."""
+        return self.grid.ring
+
+
+def _check_degrees(fn: str, ulysses, ring, world: int) -> None:
+    """``ulysses`` x ``ring`` is a grid of the ``world`` ranks: two ints >= 1 whose product is ``world``."""
+    ints = all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (ulysses, ring))
+    if not ints or ulysses * ring != world:
+        grids = [f"{u} x {world // u}" for u in range(1, world + 1) if world % u == 0]
+        raise RingInputError(
+            f"{fn}: ulysses={ulysses!r} x ring={ring!r} is not a grid of the group's {world} ranks; USP splits "
+            f"the group into Ulysses groups of U ranks x ring groups of R ranks, U x R = {world}: one of "
+            f"{', '.join(grids)}", argument="ulysses", value=(ulysses, ring))
+
+
+def build_usp_groups(group, ulysses: int, ring: int, *, backend: Optional[str] = None) -> UspGroups:
+    """New process groups for USP over ``group`` (None: the default group) of N = ``ulysses`` x ``ring`` ranks:
+    this rank's Ulysses group (U consecutive ranks of ``group``) and ring group (one rank of each Ulysses group,
+    ranks u, U + u, ...), both on ``backend`` (default: ``group``'s), and this rank's grid.
+
+    Collective: every rank of ``group`` calls it, in the same order as any other group it makes; only the members
+    of each new group take part in making it (``use_local_synchronization``), the Ulysses group first. Every call
+    makes new groups: the caller keeps them as long as ``group``. Without a process group: a grid of one rank,
+    no groups. ``RingInputError`` when U x R is not the group's size, naming the grids that are."""
+    fn = "build_usp_groups"
+    if not (dist.is_available() and dist.is_initialized()):
+        _check_degrees(fn, ulysses, ring, 1)
+        return UspGroups(None, None, None, UspGrid(1, 0, 1, 0, 1, 0))
+    parent = dist.group.WORLD if group is None else group
+    ranks = dist.get_process_group_ranks(parent)              # global ranks, in the rank order of ``parent``
+    world, rank = len(ranks), dist.get_rank(parent)
+    _check_degrees(fn, ulysses, ring, world)
+    if rank < 0:
+        raise RingInputError(f"{fn}: this process (global rank {dist.get_rank()}) is not in group (global ranks "
+                             f"{ranks}); only the ranks of group call it", argument="group", value=ranks)
+    backend = backend or dist.get_backend(parent)
+    first = rank - rank % ulysses
+    ulysses_group = dist.new_group([ranks[g] for g in range(first, first + ulysses)], backend=backend,
+                                   use_local_synchronization=True)
+    ring_group = dist.new_group([ranks[g] for g in range(rank % ulysses, world, ulysses)], backend=backend,
+                                use_local_synchronization=True)
+    grid = UspGrid(world, rank, ulysses, rank % ulysses, ring, rank // ulysses)
+    return UspGroups(parent, ulysses_group, ring_group, grid)
+
+
 def _ring_order(layout: str, grid: UspGrid, seqlen: int, cu: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``order[u * seqlen + s]``: the place, in ring rank r's shard of ``layout`` over the R ring ranks, of the
     s-th local token of Ulysses rank u of group r (``exchange_indices``' order; module docstring)."""
@@ -197,11 +265,21 @@ def _exchange(ulysses_group, grid: UspGrid, indices: Optional[ExchangeIndices], 
 # ---------------------------------------------------------------------------------------------- calls
 
 
-def _check_common(fn: str, causal, ring_variant, group, ulysses_group, ring_group) -> UspGrid:
-    """The checks of both front ends after q, k, v and the options: this rank's grid."""
+def _check_common(fn: str, causal, ring_variant, group, ulysses_group, ring_group, groups) -> UspGroups:
+    """The checks of both front ends after q, k, v and the options: the call's groups and this rank's grid
+    (``groups`` as built, or the three groups given, checked by ``usp_grid``)."""
     if ring_variant in _CAUSAL_ONLY:
         validation.require_causal(fn, causal, alternative="ring_variant='ring' (inputs sharded 'contiguous')")
-    return usp_grid(fn, group, ulysses_group, ring_group)
+    if groups is None:
+        return UspGroups(group, ulysses_group, ring_group, usp_grid(fn, group, ulysses_group, ring_group))
+    if not isinstance(groups, UspGroups):
+        raise TypeError(f"{fn}: groups must be the UspGroups of ring_kernels.build_usp_groups, got "
+                        f"{type(groups).__name__}")
+    if ulysses_group is not None or ring_group is not None or (group is not None and group is not groups.group):
+        raise RingInputError(
+            f"{fn}: groups= carries group, ulysses_group and ring_group, and other groups were passed beside it; "
+            f"pass groups alone (or the three groups without it)", argument="groups", value=groups)
+    return groups
 
 
 def _ring_call(ring_fn: Callable, ring_group, **options) -> Callable:
@@ -210,48 +288,41 @@ def _ring_call(ring_fn: Callable, ring_group, **options) -> Callable:
     return attend
 
 
-def usp_attn_func(q, k, v, *, ulysses_group, ring_group, group=None, ring_variant="zigzag", causal=True,
-                  softmax_scale=None, backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0, sink=None):
+def usp_attn_func(q, k, v, *, ulysses_group=None, ring_group=None, group=None, groups=None, ring_variant="zigzag",
+                  causal=True, softmax_scale=None, backend="auto", window_size=(-1, -1), softcap=0.0, dropout_p=0.0,
+                  sink=None):
     """Attention over a sequence sharded over ``group`` in ``usp_layout(ring_variant)``, by Ulysses over
     ``ulysses_group`` x ``ring_variant`` over ``ring_group`` (the grid of ``group``: module docstring).
 
     q: (B, S_local, H, D); k, v: (B, S_local, Hk, D), H % Hk == 0 and H % U == 0 (U: the size of
     ``ulysses_group``); rank g holds ``ring_kernels.shard(x, group, layout=usp_layout(ring_variant))``.
-    ``group``: the whole group of N = U x R ranks (None: the default group). ``ring_variant``: ``"zigzag"``
-    (default; causal only; S_local even) or ``"ring"`` (contiguous). Returns out (B, S_local, H, D) in q's dtype,
-    in the same shard order; differentiable in q, k, v and sink. ``causal``, ``softmax_scale``, ``backend``,
-    ``window_size``, ``softcap``, ``dropout_p`` (must be 0), ``sink`` (H,): as the ring variant's
-    (``ring_attn_func``).
+    ``group``: the whole group of N = U x R ranks (None: the default group). ``groups``: instead of the three, the
+    ``UspGroups`` of ``build_usp_groups`` (its grid is not checked again). Without a process group all groups
+    are None: a world of one. ``ring_variant``: ``"zigzag"`` (default; causal only; S_local even) or ``"ring"``
+    (contiguous). Returns out (B, S_local, H, D) in q's dtype, in the same shard order; differentiable in q, k,
+    v and sink. ``causal``, ``softmax_scale``, ``backend``, ``window_size``, ``softcap``, ``dropout_p`` (must be
+    0), ``sink`` (H,): as the ring variant's (``ring_attn_func``).
     """
     fn = "usp_attn_func"
     ring_fn, layout, code = _variant(fn, ring_variant, varlen=False)
-    validation.check_qkv(fn, q, k, v)
-    window = validation.check_options(fn, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
-    scale = validation.resolve_scale(fn, softmax_scale, q.shape[-1])
-    b, s, h, d = q.shape
-    validation.check_sink(fn, sink, h, q.device)
-    grid = _check_common(fn, causal, ring_variant, group, ulysses_group, ring_group)
-    if s == 0 or b == 0:
-        raise RingInputError(f"{fn}: q has shape {tuple(q.shape)}; batch and seqlen_local must be >= 1 on every rank",
-                             argument="q", value=tuple(q.shape))
-    fields = [("layout", code), ("batch", b), ("seqlen_local", s), ("nheads", h), ("nheads_k", k.shape[2]),
-              ("headdim", d), ("dtype", validation.dtype_code(q.dtype)), ("causal", int(bool(causal))),
-              ("softmax_scale", scale), ("softcap", float(softcap)), ("window_left", window[0]),
-              ("window_right", window[1]), ("sink", int(sink is not None))]
-    if grid.world > 1:
-        validation.check_ranks_agree(fn, group, fields, q.device)
+    call = KernelCall(fn, q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                      softcap=softcap, dropout_p=dropout_p, sink=sink)
+    grids = _check_common(fn, causal, ring_variant, group, ulysses_group, ring_group, groups)
+    grid = grids.grid
+    call.agree_batch(grids.group, q, k, code, ranks=(grid.rank, grid.world))
+    b, s, h = q.shape[:3]
     check_heads(fn, h, grid.ulysses, "ulysses_group")
     if layout == "zigzag" and grid.world > 1:
         check_zigzag_length(fn, s)
-    attend = _ring_call(ring_fn, ring_group, causal=causal, softmax_scale=softmax_scale, backend=backend,
+    attend = _ring_call(ring_fn, grids.ring_group, causal=causal, softmax_scale=softmax_scale, backend=backend,
                         window_size=window_size, softcap=softcap, dropout_p=dropout_p)
     indices = _batch_indices(layout, grid, b, s) if grid.ulysses > 1 else None
-    return head_parallel(q, k, v, sink, _exchange(ulysses_group, grid, indices, b, s, q.device), attend)
+    return head_parallel(q, k, v, sink, _exchange(grids.ulysses_group, grid, indices, b, s, q.device), attend)
 
 
-def usp_attn_varlen_func(q, k, v, cu_seqlens, *, ulysses_group, ring_group, group=None, ring_variant="zigzag",
-                         causal=True, softmax_scale=None, backend="auto", window_size=(-1, -1), softcap=0.0,
-                         dropout_p=0.0, sink=None):
+def usp_attn_varlen_func(q, k, v, cu_seqlens, *, ulysses_group=None, ring_group=None, group=None, groups=None,
+                         ring_variant="zigzag", causal=True, softmax_scale=None, backend="auto", window_size=(-1, -1),
+                         softcap=0.0, dropout_p=0.0, sink=None):
     """Attention over packed documents sharded over ``group`` in ``usp_layout(ring_variant, varlen=True)``, by
     Ulysses over ``ulysses_group`` x ``ring_variant`` over ``ring_group`` (the grid of ``group``).
 
@@ -260,24 +331,27 @@ def usp_attn_varlen_func(q, k, v, cu_seqlens, *, ulysses_group, ring_group, grou
     cu_seqlens=cu_seqlens)``. ``cu_seqlens``: the cumulative lengths of the global packed sequence (identical on
     every rank), as for the ring variant. ``ring_variant``: ``"zigzag"`` (default; causal only; every document
     length divisible by 2N), ``"ring"`` or ``"llama3"`` (both contiguous). Returns out of q's shape and dtype;
-    differentiable. Options as ``usp_attn_func``.
+    differentiable. Groups (or ``groups``) and options as ``usp_attn_func``.
     """
     fn = "usp_attn_varlen_func"
     ring_fn, layout, code = _variant(fn, ring_variant, varlen=True)
-    grid = _check_common(fn, causal, ring_variant, group, ulysses_group, ring_group)
-    call = VarlenCall(fn, q, k, v, cu_seqlens, group=group, causal=causal, softmax_scale=softmax_scale,
+    grids = _check_common(fn, causal, ring_variant, group, ulysses_group, ring_group, groups)
+    grid = grids.grid
+    call = VarlenCall(fn, q, k, v, cu_seqlens, group=grids.group, causal=causal, softmax_scale=softmax_scale,
                       window_size=window_size, softcap=softcap, dropout_p=dropout_p, sink=sink, layout_code=code)
     check_heads(fn, q.shape[-2], grid.ulysses, "ulysses_group")
     if layout == "zigzag" and grid.world > 1:
         # Cached only once it passed (a failing check raises again on every call).
-        call.entry.get(("usp zigzag documents", grid.world), lambda: check_zigzag_documents(fn, call.cu, grid.world))
+        instead = "use ring_variant='ring' or 'llama3' (inputs sharded 'contiguous')"
+        call.entry.get(("usp zigzag documents", grid.world),
+                       lambda: check_zigzag_documents(call.cu, grid.world, fn=fn, instead=instead))
     indices = None
     if grid.ulysses > 1:
         indices = call.entry.get(("usp", layout, grid, call.local), lambda: exchange_indices(
             _ring_order(layout, grid, call.local, call.cu), grid.ulysses, 1, call.local))
-    attend = _ring_call(ring_fn, ring_group, causal=causal, softmax_scale=softmax_scale, backend=backend,
+    attend = _ring_call(ring_fn, grids.ring_group, causal=causal, softmax_scale=softmax_scale, backend=backend,
                         window_size=window_size, softcap=softcap, dropout_p=dropout_p)
-    ex = _exchange(ulysses_group, grid, indices, 1, call.local, q.device)
+    ex = _exchange(grids.ulysses_group, grid, indices, 1, call.local, q.device)
     with_cu = lambda qh, kh, vh, sink_h: attend(qh, kh, vh, sink_h, cu_seqlens)  # noqa: E731
     if q.dim() == 4:                                  # HF's packed row: the ring variant takes it as is
         return head_parallel(q, k, v, sink, ex, with_cu)

@@ -43,6 +43,7 @@ from .backends.base import BlockBackend, BlockMask
 from .backends.torch_cuda_varlen import VarlenKernel, VarlenSegments, segments_from_lengths, varlen_kernel_for
 from .documents import FULL_MASK, StepBuilder, VarlenCall, classify, documents_overlapping
 from .engine import Block, Plan, RingAttention, RingConfig, plan_steps
+from .layout import check_zigzag_documents
 
 __all__ = ["ring_attn_varlen_func", "zigzag_ring_attn_varlen_func", "ring_varlen_steps", "zigzag_varlen_steps"]
 
@@ -107,18 +108,6 @@ def _zigzag_window_blocks(builder: StepBuilder, blocks: List[Block], start: int,
             qa, ka = start + q_chunk * c, start + k_chunk * c
             kind, mask = classify(qa, qa + c, ka, ka + c, True, window)
             builder.add(blocks, kind, mask, slice(lo + q_off, lo + q_off + c), slice(lo + k_off, lo + k_off + c))
-
-
-def _check_zigzag_documents(fn: str, cu: torch.Tensor, world: int) -> None:
-    lengths = cu[1:] - cu[:-1]
-    bad = torch.nonzero(lengths % (2 * world) != 0).flatten()
-    if bad.numel():
-        d = int(bad[0])
-        raise validation.RingInputError(
-            f"{fn}: document {d} of cu_seqlens (tokens {int(cu[d])}..{int(cu[d + 1])}) has length "
-            f"{int(lengths[d])}, not divisible by 2 x world_size = {2 * world} ({bad.numel()} document(s) "
-            f"affected); the zigzag layout cuts every document into {2 * world} equal chunks: pad each document "
-            f"to a multiple of {2 * world}, or use ring_attn_varlen_func / llama3_attn_varlen_func")
 
 
 # --------------------------------------------------------------------------------- varlen fast path
@@ -265,7 +254,9 @@ def _ring_prepared(call: VarlenCall) -> _RingPrepared:
 
 def _zigzag_prepared(fn: str, call: VarlenCall) -> _RingPrepared:
     # The documents' check is cached only once it passed (a failing one raises again on every call).
-    call.entry.get(("zigzag documents", call.world), lambda: _check_zigzag_documents(fn, call.cu, call.world))
+    instead = "use ring_attn_varlen_func or llama3_attn_varlen_func (layout='contiguous')"
+    call.entry.get(("zigzag documents", call.world),
+                   lambda: check_zigzag_documents(call.cu, call.world, fn=fn, instead=instead))
     key = ("zigzag", call.rank, call.world, call.local, call.causal, call.window)
     return call.entry.get(key, lambda: _RingPrepared(
         *zigzag_varlen_steps(call.cu, call.rank, call.world, call.causal, call.window), call.local))

@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from _cases import global_document_mix, local_document_mix  # noqa: E402
 from _stamp import gpu_model  # noqa: E402
 
-from ring_kernels.layout_costs import LAYOUTS, ONE_SPLIT, TABLE_PATH, CallShape, LayoutCosts, features  # noqa: E402
+from ring_kernels.layout_costs import (COSTED_KERNELS, ONE_SPLIT, TABLE_PATH, CallShape, LayoutCosts,  # noqa: E402
+                                       features)
 
 DEFAULT_RESULTS = os.path.join(ROOT, "benchmarks", "results", "layout_grid_*.json")
 # GPU models that use another's calibration at the world sizes they have none of their own at, and why
@@ -54,7 +55,7 @@ def read_grid(paths: Sequence[str]) -> List[dict]:
         configs = {c["name"]: c for c in doc["settings"]["configs"]}
         for r in doc["results"]:
             if (r.get("kind") != "ring" or r.get("status") != "ok" or r.get("mode") != "fwd_bwd"
-                    or not r.get("causal") or r.get("variant") not in LAYOUTS):
+                    or not r.get("causal") or r.get("variant") not in COSTED_KERNELS):
                 continue
             c, world, tokens = configs[r["config"]], r["world_size"], r["tokens_per_rank"]
             if r["layout"] == "varlen":

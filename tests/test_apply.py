@@ -19,7 +19,7 @@ import hfpatch
 from _dist import run_world
 from hfpatch import active_patch, version_gates
 from hfpatch.cli import demo_models
-from hfpatch.attention import patcher, semantics
+from hfpatch.attention import patcher, plan
 from hfpatch.errors import (AlreadyRemoved, PatchError, SignatureMismatch, UnsupportedArgument, UnsupportedRelease,
                             VerificationError)
 from hfpatch.model.routing import route_model
@@ -235,26 +235,23 @@ def _case_failures_leave_nothing(group):
     model = _tiny_llama()
 
     # numeric probe: a ring that returns wrong numbers (on rank 1 only: every rank must still refuse)
-    real_ring = semantics.ring_attention
-    wrong = lambda call, extra, ctx: real_ring(call, extra, ctx) * (1.0 + ctx.rank)  # noqa: E731
-    semantics.ring_attention = wrong
-    try:
+    rank = torch.distributed.get_rank(group)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, real in plan.KERNELS.items():
+            mp.setitem(plan.KERNELS, name, lambda *a, real=real, **kw: real(*a, **kw) * (1.0 + rank))
         with pytest.raises(VerificationError, match="numeric probe"):
             hfpatch.apply(group, model=model)
-    finally:
-        semantics.ring_attention = real_ring
     _assert_untouched(original, model)
 
     # a wrapper that raises inside the probe (e.g. a kernel error) is a VerificationError too
-    def broken(call, extra, ctx):
+    def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
-    semantics.ring_attention = broken
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        for name in plan.KERNELS:
+            mp.setitem(plan.KERNELS, name, broken)
         with pytest.raises(VerificationError, match="kernel exploded"):
             hfpatch.apply(group)
-    finally:
-        semantics.ring_attention = real_ring
     _assert_untouched(original)
 
     # a failure after the install on one rank only (its model has no flash path): all ranks refuse

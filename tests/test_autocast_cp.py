@@ -1,6 +1,6 @@
 """An fp32 model trained under ``torch.autocast`` (Trainer's ``bf16=True``) under CP: RoPE leaves q and k fp32 while
 v comes out of its projection in bf16, and transformers' flash path casts all three to the autocast dtype
-(``target_dtype``); hfpatch casts them the same way (``semantics.cast_to_target``), so the CP step equals the non-CP
+(``target_dtype``); hfpatch casts them the same way (``refusals.cast_to_target``), so the CP step equals the non-CP
 step (switch "local": the flash path's semantics on the whole sequence) within the bf16 CP tolerances -- loss and
 every gradient, 2 gloo ranks, one world. The attention calls must really arrive with mixed dtypes (checked).
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import hfpatch
 from _dist import run_world
-from hfpatch.attention import semantics
+from hfpatch.attention import refusals
 from hfpatch.release.sweep.catalog import flash_causal_lm_classes
 from hfpatch.release.sweep.tiny import build_tiny
 from ring_kernels.tolerances import assert_close, tolerance
@@ -47,13 +47,13 @@ def _step(model, ids, positions):
 
 def _autocast_world(rank, world):
     seen = []  # (q, k, v) dtypes as the attention calls arrive
-    cast = semantics.cast_to_target
+    cast = refusals.cast_to_target
 
     def recording(target_dtype, q, k, v):
         seen.append((target_dtype, q.dtype, k.dtype, v.dtype))
         return cast(target_dtype, q, k, v)
 
-    semantics.cast_to_target = recording  # before apply: the dispatcher binds it when the patch is made
+    refusals.cast_to_target = recording  # before apply: the dispatcher binds it when the patch is made
     results = {}
     try:
         for entry in _entries():
@@ -85,7 +85,7 @@ def _autocast_world(rank, world):
                              largest=largest)
             results[entry.class_name] = abs(loss.item() - ref.item())
     finally:
-        semantics.cast_to_target = cast
+        refusals.cast_to_target = cast
     return results
 
 

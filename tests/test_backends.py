@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ring_kernels as rk
-from ring_kernels import merge
+from ring_kernels import entry, merge
 from ring_kernels.backends import (CAUSAL, EMPTY, FULL, GENERAL, UnknownBackendError, UnsupportedBackendError,
                                    available_backends, get_backend)
 from ring_kernels.backends import torch_cuda
@@ -367,6 +367,41 @@ def test_input_errors_carry_the_argument_and_value():
     with pytest.raises(ValueError) as info:
         rk.stripe_attn_func(q, q, q, causal=False)
     assert (info.value.argument, info.value.value) == ("causal", False)
+
+
+# Every public kernel, batch then packed (the USP ones on a world of one); USP runs its ring variant inside.
+_BATCH_KERNELS = (rk.ring_attn_func, rk.zigzag_ring_attn_func, rk.stripe_attn_func, rk.ulysses_attn_func,
+                  rk.usp_attn_func)
+_VARLEN_KERNELS = (rk.ring_attn_varlen_func, rk.zigzag_ring_attn_varlen_func, rk.llama3_attn_varlen_func,
+                   rk.ulysses_attn_varlen_func, rk.usp_attn_varlen_func)
+_INNER = {"usp_attn_func": ["zigzag_ring_attn_func"], "usp_attn_varlen_func": ["zigzag_ring_attn_varlen_func"]}
+
+
+def test_every_kernel_runs_the_one_prologue(monkeypatch):
+    """Each kernel checks its arguments and agrees with its group through ``entry.KernelCall``, once per call (USP:
+    once for its own arguments, once in the ring variant it runs)."""
+    seen = []
+    init = entry.KernelCall.__init__
+
+    def counting(self, fn, *args, **kwargs):
+        seen.append(fn)
+        init(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(entry.KernelCall, "__init__", counting)
+    q, cu = torch.randn(1, 8, 4, 8), torch.tensor([0, 4, 8], dtype=torch.int32)
+    for fn in _BATCH_KERNELS + _VARLEN_KERNELS:
+        seen.clear()
+        fn(q, q, q, *((cu,) if fn in _VARLEN_KERNELS else ()), causal=True)
+        assert seen == [fn.__name__, *_INNER.get(fn.__name__, [])], (fn.__name__, seen)
+
+
+@pytest.mark.parametrize("fn", _BATCH_KERNELS, ids=lambda fn: fn.__name__)
+def test_every_batch_kernel_refuses_an_empty_shard_alike(fn):
+    q = torch.randn(0, 8, 4, 8)
+    with pytest.raises(rk.RingInputError, match=rf"^{fn.__name__}: q has shape \(0, 8, 4, 8\); batch and "
+                       r"seqlen_local must be >= 1 on every rank$") as info:
+        fn(q, q, q)
+    assert (info.value.argument, info.value.value) == ("q", (0, 8, 4, 8))
 
 
 def test_mixed_dtypes_rejected():

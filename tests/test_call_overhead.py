@@ -1,4 +1,4 @@
-"""The one call path -- ``Dispatcher.entry`` runs a call site's kept ``semantics.RingPlan`` when the call's inputs equal
+"""The one call path -- ``Dispatcher.entry`` runs a call site's kept ``plan.RingPlan`` when the call's inputs equal
 the plan's, and plans every other call -- keeps every behaviour; and its cost stays within budget.
 
 What the path keeps, and what each test proves it never reuses stale:
@@ -26,6 +26,7 @@ Kernels are replaced by recorders: single process, no collectives.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import os
@@ -37,11 +38,12 @@ import torch.distributed as dist
 
 import hfpatch
 import ring_kernels
-from hfpatch.attention import codegen, dispatch, semantics
+from hfpatch.attention import codegen, dispatch, plan, semantics, step as step_stage
 from hfpatch.signatures import registry
 from ring_kernels import validation as rk_validation
 from hfpatch.errors import UnsupportedArgument
-from hfpatch.attention.semantics import RingContext, StepState, ring_attention
+from hfpatch.attention.context import RingContext, StepState
+from hfpatch.attention.semantics import ring_attention
 from test_semantics import hf_call
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -50,12 +52,13 @@ _KERNELS = ("ring_attn_func", "zigzag_ring_attn_func", "stripe_attn_func", "ring
 
 
 class _Kernels:
-    """``ring_kernels``' functions replaced by recorders of (name, args, kwargs); each returns its query."""
+    """The ring kernels (``hfpatch.attention.plan.KERNELS``) replaced by recorders of (name, args, kwargs); each
+    returns its query."""
 
     def __init__(self, monkeypatch):
         self.seen = []
         for name in _KERNELS:
-            monkeypatch.setattr(ring_kernels, name, self._recorder(name))
+            monkeypatch.setitem(plan.KERNELS, name, self._recorder(name))
 
     def _recorder(self, name):
         def kernel(q, *args, **kwargs):
@@ -79,8 +82,8 @@ def _qkv(batch=1, seq=8, dtype=torch.float32):
 
 def _world_of_one_cu(monkeypatch):
     """Derive packing without a collective (world of one): the all-gather of one rank is the identity."""
-    monkeypatch.setattr(semantics, "global_cu_from_position_ids",
-                        lambda p, seq_local, ctx: semantics.packed_cu_seqlens(p.reshape(-1)))
+    monkeypatch.setattr(step_stage, "global_cu_from_position_ids",
+                        lambda p, seq_local, ctx: step_stage.packed_cu_seqlens(p.reshape(-1)))
 
 
 # ------------------------------------------------------------------------------------------- the plan cache
@@ -129,7 +132,7 @@ def test_each_call_configuration_gets_its_own_kwargs(kernels):
         for i, cfg in enumerate(configs):
             ring_attention(hf_call(q, k, v, **cfg), {}, ctx)
             name, _args, kwargs = kernels.last()
-            want_window = (-1, -1) if cfg["window"] is None else semantics.window_size_of(cfg["window"], 16)
+            want_window = (-1, -1) if cfg["window"] is None else plan.window_size_of(cfg["window"], 16)
             assert kwargs["causal"] is cfg["causal"] and kwargs["softmax_scale"] == cfg["scale"]
             assert kwargs["window_size"] == want_window and kwargs["softcap"] == (cfg["softcap"] or 0.0)
             assert name == "ring_attn_func"  # derived batch step: contiguous ring
@@ -147,13 +150,17 @@ def test_a_changed_context_field_drops_the_plans(kernels):
     pos = _PACKED_POSITIONS
     ring_attention(hf_call(q, k, v, position_ids=pos), {}, ctx)
     assert kernels.last()[2]["backend"] == "auto" and kernels.last()[2]["heads_k_stride"] is None
-    ctx.heads_k_stride = 1  # what hfpatch.dropin sets after apply
-    ring_attention(hf_call(q, k, v, position_ids=pos), {}, ctx)
+    changed = dataclasses.replace(ctx, heads_k_stride=1)  # what hfpatch.dropin asks for after apply
+    assert changed.version != ctx.version and changed.step is None  # its own step: none yet
+    changed.set_step(step)
+    ring_attention(hf_call(q, k, v, position_ids=pos), {}, changed)
     assert kernels.last()[2]["heads_k_stride"] == 1
-    ctx.backend = "reference"
-    ring_attention(hf_call(q, k, v, position_ids=pos), {}, ctx)
+    changed = dataclasses.replace(changed, backend="reference")
+    changed.set_step(step)
+    ring_attention(hf_call(q, k, v, position_ids=pos), {}, changed)
     assert kernels.last()[2]["backend"] == "reference"
-    assert ctx.step is step  # the step itself was not replaced: the field change alone invalidated the plans
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.backend = "reference"  # a context is changed by replacing it, never in place
 
 
 def test_a_changed_shape_or_dtype_is_derived_again(kernels):
@@ -164,7 +171,7 @@ def test_a_changed_shape_or_dtype_is_derived_again(kernels):
         out = ring_attention(hf_call(q, k, v, window=10), {}, ctx)
         _name, args, kwargs = kernels.last()
         assert args[0] is q and out.dtype == dtype and out.shape == q.shape
-        assert kwargs["window_size"] == semantics.window_size_of(10, 2 * seq)
+        assert kwargs["window_size"] == plan.window_size_of(10, 2 * seq)
         assert (kwargs["window_size"] == (-1, -1)) == (2 * seq <= 10)
 
 
@@ -316,7 +323,8 @@ def test_recomputation_is_counted_apart(monkeypatch):
     from torch.utils.checkpoint import checkpoint
 
     # q * q saves q for backward: the checkpoint recomputes the layer to get it back.
-    monkeypatch.setattr(semantics, "ring_attention", lambda call, extra, ctx: call["query"] * call["query"])
+    for name in plan.KERNELS:
+        monkeypatch.setitem(plan.KERNELS, name, lambda q, *args, **kwargs: q * q)
     d, _ = _dispatcher(RingContext(rank=0, world_size=1))
     module = _Attention(layer_idx=7)
     q, k, v = _qkv(seq=8)
@@ -477,7 +485,8 @@ def test_the_fast_path_never_reuses_a_stale_step_or_plan(kernels, monkeypatch):
     pos.copy_(torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5]]))
     call()
     assert kernels.last()[1][3].tolist() == [0, 2, 8]
-    ctx.backend = "reference"  # a context field a plan bakes in
+    _d.ctx = dataclasses.replace(ctx, backend="reference")  # a context field a plan bakes in (Patch.reconfigure)
+    ctx = _d.ctx
     call()
     assert kernels.last()[2]["backend"] == "reference"
     step = StepState(kernel="zigzag", layout="zigzag", packed=False, batch_size=1, seq_len_global=8, seq_len_local=8)
@@ -489,7 +498,7 @@ def test_the_fast_path_never_reuses_a_stale_step_or_plan(kernels, monkeypatch):
         _flash_integration(module, wrapper, *short, **_hf_kwargs(wrapper))
     ctx.set_step(None)  # derived again, from the new shape
     _flash_integration(module, wrapper, *short, **_hf_kwargs(wrapper, sliding_window=3))
-    assert kernels.last()[0] == "ring_attn_func" and kernels.last()[2]["window_size"] == semantics.window_size_of(3, 4)
+    assert kernels.last()[0] == "ring_attn_func" and kernels.last()[2]["window_size"] == plan.window_size_of(3, 4)
 
 
 def test_the_kept_plan_carries_the_inputs_it_was_built_for(kernels, monkeypatch):
@@ -509,7 +518,7 @@ def test_the_kept_plan_carries_the_inputs_it_was_built_for(kernels, monkeypatch)
     assert len(built[0].inputs) == len(dispatch.INPUTS)
     assert inputs["mode"] == "ring" and inputs["context version"] == ctx.version and inputs["softmax_scale"] == 0.5
     assert inputs["query.shape"] == q.shape and inputs["key.numel()"] == k.numel() and inputs["is_causal"] is True
-    ctx.backend = "reference"  # a field the plan is built from: a new context version, a new plan
+    ctx = _d.ctx = dataclasses.replace(ctx, backend="reference")  # a new context: a new version, a new plan
     _flash_integration(module, wrapper, q, k, v, **_hf_kwargs(wrapper, softmax_scale=0.5))
     assert len(built) == 2 and built[1].inputs[1] == ctx.version and kernels.last()[2]["backend"] == "reference"
 
@@ -607,7 +616,7 @@ def test_the_fast_path_scopes_the_kernels_rank_check_to_the_step(monkeypatch):
         return q
 
     for name in _KERNELS:
-        monkeypatch.setattr(ring_kernels, name, kernel)
+        monkeypatch.setitem(plan.KERNELS, name, kernel)
     ctx = RingContext(rank=0, world_size=1)
     step = StepState(kernel="ring", layout="contiguous", packed=False, batch_size=1, seq_len_global=8, seq_len_local=8)
     ctx.set_step(step)

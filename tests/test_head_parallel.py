@@ -29,9 +29,11 @@ import hfpatch
 import ring_kernels
 from _dist import run_world
 from _release import skip_unless_ci_pin
-from hfpatch.attention.layout_choice import KEPT_DECISIONS, AutoChoice, record
-from hfpatch.attention.semantics import (HeadSplit, RingContext, StepState, auto_head_splits, parse_kernel, plan_step,
-                                         ring_plan, usp_degrees)
+from hfpatch.attention.kernel_choice import KEPT_DECISIONS, AutoChoice, plan_step, record
+from hfpatch.attention.plan import KERNELS
+from hfpatch.attention.context import (HeadSplit, RingContext, StepState, auto_head_splits, parse_kernel,
+                                       usp_degrees)
+from hfpatch.attention.semantics import ring_plan
 from hfpatch.cli.demo_models import build_model
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.model import probe as model_probe
@@ -58,23 +60,22 @@ DOCUMENTS = (10, 6, 11, 5)                        # one packed row of 32 tokens 
 
 class _Counted:
     """Within the block, every call of the named ring_kernels functions is counted (hfpatch's plans look their
-    function up in ring_kernels per call)."""
+    function up in ``hfpatch.attention.plan.KERNELS`` per call)."""
 
     def __init__(self, *names: str):
         self.names, self.calls = names, Counter()
 
     def __enter__(self):
-        self.saved = {name: getattr(ring_kernels, name) for name in self.names}
+        self.saved = {name: KERNELS[name] for name in self.names}
         for name, fn in self.saved.items():
             def counted(*args, _name=name, _fn=fn, **kwargs):
                 self.calls[_name] += 1
                 return _fn(*args, **kwargs)
-            setattr(ring_kernels, name, counted)
+            KERNELS[name] = counted
         return self
 
     def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(ring_kernels, name, fn)
+        KERNELS.update(self.saved)
 
 
 def _grads(model, summed: bool):
@@ -205,8 +206,7 @@ def _auto_by_the_cost_model():
     for overrides in ({}, dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=32)):
         model = build_model("llama", **overrides)
         with hfpatch.apply(dist.group.WORLD, model=model) as patch:
-            patch.ctx.auto_heads = auto_head_splits(dist.group.WORLD, 4)
-            patch.ctx.machine = "H100"
+            patch.reconfigure(auto_heads=auto_head_splits(dist.group.WORLD, 4), machine="H100")
             for form, (ids, positions) in _batches().items():
                 ref_loss, ref_grads = _non_cp(model, ids, positions)
                 patch.ctx.auto_choices.clear()

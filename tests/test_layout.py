@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
-from ring_kernels.layout import LAYOUTS, check_cu_seqlens, local_positions, rank_positions, rank_varlen, shard, unshard
+from ring_kernels import RingInputError
+from ring_kernels.layout import (LAYOUTS, check_cu_seqlens, check_zigzag_documents, local_positions, rank_positions,
+                                   rank_varlen, shard, unshard)
 
 
 def _expected_positions(total, rank, n, layout, cu=None):
@@ -96,7 +98,7 @@ def test_single_process_is_identity_and_matches_local_positions():
         (lambda: rank_positions(8, 0, 2, layout="diagonal"), r"layout='diagonal'.*contiguous"),
         (lambda: rank_positions(8, 0, 2, layout="stripe", cu_seqlens=torch.tensor([0, 8])), r"no varlen form"),
         (lambda: rank_positions(12, 0, 2, layout="zigzag", cu_seqlens=torch.tensor([0, 8, 10, 12])),
-         r"document 1 \(tokens 8\.\.10\) has length 2.*4 equal chunks"),
+         r"document 1 of cu_seqlens \(tokens 8\.\.10\) has length 2.*4 equal chunks"),
         (lambda: rank_positions(12, 0, 2, layout="contiguous", cu_seqlens=torch.tensor([0, 8, 10])),
          r"cu_seqlens\[-1\] = 10 must equal the global token count 12"),
         (lambda: check_cu_seqlens(torch.tensor([1, 8])), r"start at 0"),
@@ -110,6 +112,20 @@ def test_single_process_is_identity_and_matches_local_positions():
 def test_bad_input_raises_clear_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_zigzag_documents_are_one_rule():
+    """The zigzag rule for documents (each a multiple of 2N), shared by shard and the zigzag kernels (their messages:
+    tests/test_ring_varlen.py, tests/test_ring_ulysses.py): a RingInputError (a ValueError) naming cu_seqlens, the
+    first bad document and length, and the fix; prefixed with the kernel's name where a kernel checks."""
+    cu = torch.tensor([0, 8, 10, 13, 16])
+    with pytest.raises(RingInputError, match=r"^document 1 of cu_seqlens \(tokens 8\.\.10\) has length 2, not "
+                       r"divisible by 2 x world_size = 4 \(3 document\(s\) affected\); layout='zigzag' cuts every "
+                       r"document into 4 equal chunks: pad each document to a multiple of 4, or shard") as info:
+        rank_positions(16, 0, 2, layout="zigzag", cu_seqlens=cu)
+    assert (info.value.argument, info.value.value) == ("cu_seqlens", 2)
+    with pytest.raises(RingInputError, match=r"^ulysses_attn_varlen_func: document 1 .*, or use another layout$"):
+        check_zigzag_documents(cu, 2, fn="ulysses_attn_varlen_func", instead="use another layout")
 
 
 def test_bad_types_raise_type_error():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ring_kernels import layout_costs
-from ring_kernels.layout_costs import CallShape, LayoutCosts, features, load, machine_of, usp_grid
+from ring_kernels.layout_costs import CallShape, LayoutCosts, features, load, machine_of, squarest_usp_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,8 @@ def test_features_count_what_each_layout_sends():
     assert replicated_gb == pytest.approx(1024 * 128 * 2 * 3 / 4 * (4 * 32 + 4 * 4) / 1e9)
     packed = CallShape.documents(32, 8, 128, [1024, 3072], 2)
     assert packed.tokens == 2048 and packed.square_sum == 1024 ** 2 + 3072 ** 2 and packed.packed
-    assert usp_grid(4) == (2, 2) and usp_grid(8) == (4, 2) and usp_grid(2) is None and usp_grid(6) == (3, 2)
+    grids = {n: squarest_usp_grid(n) for n in (2, 4, 6, 8)}
+    assert grids == {2: None, 4: (2, 2), 6: (3, 2), 8: (4, 2)}
 
 
 def test_the_table_file_ships_beside_the_module():

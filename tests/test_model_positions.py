@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 import hfpatch
 from _dist import run_world
-from hfpatch.errors import UnsupportedArgument, UnsupportedModel, is_wrapper
+from hfpatch.errors import UnsupportedArgument, UnsupportedModel
+from hfpatch.undo import is_wrapper
 from hfpatch.inputs import shift_labels, token_loss_sum
 from hfpatch.model.audit import audit
 from hfpatch.model.positions import recognise

@@ -143,19 +143,13 @@ def usp_cases():
 # ---------------------------------------------------------------------------------------------- running
 
 
-class Grid:
-    """The groups of the 2 x 2 grid of the default group (made once per world: every rank creates every group, in
-    one order): Ulysses groups of consecutive ranks, {0, 1} and {2, 3}, and rings {0, 2}, {1, 3}."""
-
-    def __init__(self, rank: int):
-        rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        self.ulysses, self.ring = rows[rank // 2], columns[rank % 2]
-
-
-def _usp_groups(grid):
-    """(ulysses_group, ring_group) of a USP case; without a grid (no process group): a world of one."""
-    return (grid.ulysses, grid.ring) if grid is not None else (None, None)
+def _grid(rank: int) -> usp.UspGroups:
+    """The 2 x 2 grid of the default group, built by ring_kernels (Ulysses groups of consecutive ranks, {0, 1} and
+    {2, 3}, rings {0, 2}, {1, 3}): the grid the kernel itself checks groups against, and this rank's place in it."""
+    grid = rk.build_usp_groups(None, 2, 2)
+    assert grid.grid == usp.UspGrid(4, rank, 2, rank % 2, 2, rank // 2), grid.grid
+    assert usp.usp_grid("usp_attn_func", None, grid.ulysses_group, grid.ring_group) == grid.grid
+    return grid
 
 
 def _sharder(case, cu):
@@ -172,8 +166,7 @@ def _call(case, grid, local, cu, sink):
                    softcap=case.get("softcap", 0.0), softmax_scale=case.get("softmax_scale"), sink=sink)
     variant = case["variant"]
     if variant.startswith("usp"):
-        ug, rg = _usp_groups(grid)
-        options.update(ulysses_group=ug, ring_group=rg, ring_variant=case["ring_variant"])
+        options.update(groups=grid, ring_variant=case["ring_variant"])   # no grid (no process group): one rank
     else:
         options["layout"] = case["layout"]
     fn = {"ulysses": rk.ulysses_attn_func, "ulysses_varlen": rk.ulysses_attn_varlen_func,
@@ -363,20 +356,23 @@ def _refusals_in_a_group(rank: int, world: int, grid) -> None:
              rf"document 0 of cu_seqlens .* not divisible by 2 x world_size = {2 * world}", "cu_seqlens")
     if grid is not None:
         z = torch.randn(1, 4, 8, 16)
-        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=grid.ulysses, ring_group=grid.ulysses),
+        ug, rg = grid.ulysses_group, grid.ring_group
+        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=ug, ring_group=ug),
                  rf"ring_group holds the ranks \[{rank // 2 * 2}, {rank // 2 * 2 + 1}\] of group .* belongs to the "
                  rf"ring_group of ranks \[{rank % 2}, {rank % 2 + 2}\]", "ring_group")
-        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=grid.ring, ring_group=grid.ulysses),
+        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=rg, ring_group=ug),
                  r"ulysses_group holds the ranks .* Ulysses groups are 2 consecutive ranks of group", "ulysses_group")
-        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=dist.group.WORLD, ring_group=grid.ring),
+        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=dist.group.WORLD, ring_group=rg),
                  r"ulysses_group has 4 ranks and ring_group 2, 4 x 2 = 8, but group has 4", "ring_group")
-        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=grid.ulysses, ring_group=grid.ring,
-                                                group=grid.ulysses), r"but group has 2", "ring_group")
+        _refused(rank, lambda: rk.usp_attn_func(z, z, z, ulysses_group=ug, ring_group=rg, group=ug),
+                 r"but group has 2", "ring_group")
+        _refused(rank, lambda: rk.usp_attn_func(z, z, z, groups=grid, ring_group=rg),
+                 r"groups= carries group, ulysses_group and ring_group", "groups")
         _refused(rank, lambda: rk.usp_attn_varlen_func(z[0], z[0], z[0], torch.tensor([0, 4, 16], dtype=torch.int32),
-                                                       ulysses_group=grid.ulysses, ring_group=grid.ring),
+                                                       ulysses_group=ug, ring_group=rg),
                  r"document 0 of cu_seqlens .* not divisible by 2 x world_size = 8", "cu_seqlens")
         w = torch.randn(1, 4, 3, 16)
-        _refused(rank, lambda: rk.usp_attn_func(w, w, w, ulysses_group=grid.ulysses, ring_group=grid.ring),
+        _refused(rank, lambda: rk.usp_attn_func(w, w, w, groups=grid),
                  r"nheads=3 is not divisible by the size of ulysses_group, 2", "nheads")
 
 
@@ -402,7 +398,7 @@ class _RecordingRing:
         self.table[self.ring_variant] = self.saved
 
 
-def _usp_gathers_the_ring_shard(rank: int, grid: Grid) -> None:
+def _usp_gathers_the_ring_shard(rank: int, grid: usp.UspGroups) -> None:
     """Inputs sharded over the 4 ranks in the ring variant's layout: on ring rank r (rank // 2), the ring variant
     is given exactly ring rank r's shard of that layout over the 2 ring ranks, in its local order (positions
     written into q here), batch and packed. Zigzag over 4 ranks, 8 chunks of 4: ranks 0, 1 hold chunks 0, 7 and
@@ -411,7 +407,7 @@ def _usp_gathers_the_ring_shard(rank: int, grid: Grid) -> None:
     zigzag = {0: list(range(8)) + list(range(24, 32)), 1: list(range(8, 24))}
     x = torch.arange(float(length)).view(1, length, 1, 1).expand(1, length, 2, 4)
     cu = torch.tensor([0, 16, 16, 32], dtype=torch.int32)             # documents of 2N x 2 tokens, one empty
-    groups = dict(ulysses_group=grid.ulysses, ring_group=grid.ring)
+    groups = dict(ulysses_group=grid.ulysses_group, ring_group=grid.ring_group)   # checked by the call
     for ring_variant, varlen in (("zigzag", False), ("ring", False), ("zigzag", True), ("llama3", True)):
         layout = rk.usp_layout(ring_variant, varlen=varlen)
         with _RecordingRing(ring_variant, varlen) as recorded:
@@ -428,7 +424,7 @@ def _usp_gathers_the_ring_shard(rank: int, grid: Grid) -> None:
 
 
 def _world(rank: int, world: int, cases) -> None:
-    grid = Grid(rank) if world == 4 else None
+    grid = _grid(rank) if world == 4 else None
     if grid is not None:
         _usp_gathers_the_ring_shard(rank, grid)
     for case in cases:
@@ -503,6 +499,8 @@ _CU = torch.tensor([0, 3, 8], dtype=torch.int32)
      r"causal=False is not supported .* use ring_variant='ring'", "causal"),
     (lambda: rk.usp_attn_func(_Q, _K, _K, ulysses_group=None, ring_group=None, dropout_p=0.2), r"dropout_p=0.2",
      "dropout_p"),
+    (lambda: rk.build_usp_groups(None, 2, 2), r"ulysses=2 x ring=2 is not a grid of the group's 1 ranks; .* one of "
+     r"1 x 1", "ulysses"),
 ])
 def test_refused_by_name(call, match, argument):
     with pytest.raises(rk.RingInputError, match=match) as info:

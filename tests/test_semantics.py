@@ -1,4 +1,4 @@
-"""``hfpatch.attention.semantics.ring_attention`` / ``reference_attention`` called the way the generated wrapper calls them
+"""``hfpatch.attention.semantics.ring_attention`` / ``whole.reference_attention`` called the way the generated wrapper calls them
 (HF-style roles, q/k/v (B, S_local, H, D)), against plain attention on the whole sequence written here in float64,
 forward and gradients; plus the refusals and the input helpers.
 
@@ -16,10 +16,14 @@ import torch.distributed as dist
 
 from _dist import run_world
 from hfpatch import version_gates
-from hfpatch.attention import semantics
+from hfpatch.attention import context, refusals, step as step_stage, whole
+from hfpatch.attention import plan as plan_stage
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import reduce_loss, shard_inputs, shift_labels, token_loss_sum
-from hfpatch.attention.semantics import RingContext, parse_kernel, plan_step, reference_attention, ring_attention
+from hfpatch.attention.context import RingContext, parse_kernel
+from hfpatch.attention.kernel_choice import plan_step
+from hfpatch.attention.semantics import ring_attention
+from hfpatch.attention.whole import reference_attention
 from ring_kernels.layout import local_positions
 
 RTOL = 2e-5
@@ -181,10 +185,14 @@ def semantics_index(ctx, seq, pos):
     return local_positions(seq, ctx.group, layout=step.layout, cu_seqlens=step.cu_seqlens)
 
 
+_FUNCTIONS = {"ring_attention": ring_attention, "reference_attention": reference_attention,
+              "local_attention": whole.local_attention}
+
+
 def cases_world(rank, world, cases, fns):
     torch.manual_seed(0)
     for fn_name in fns:
-        fn = getattr(semantics, fn_name)
+        fn = _FUNCTIONS[fn_name]
         for case in cases:
             _run_case(case, fn, rank, world)
 
@@ -192,13 +200,13 @@ def cases_world(rank, world, cases, fns):
 def _collective_counting_world(rank, world):
     """The state of a step without shard_inputs is derived once (one all-gather), not once per layer."""
     calls = []
-    original = semantics.global_cu_from_position_ids
+    original = step_stage.global_cu_from_position_ids
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    semantics.global_cu_from_position_ids = counting
+    step_stage.global_cu_from_position_ids = counting
     try:
         q, k, v, _, pos = _global_tensors(packed=True, seed=3)
         per = q.shape[1] // world
@@ -212,7 +220,7 @@ def _collective_counting_world(rank, world):
         ring_attention(hf_call(*(t[:, index] for t in (q, k, v)), position_ids=new_step_pos), {}, ctx)
         assert len(calls) == 2, "a new position_ids tensor (a new step) must be derived again"
     finally:
-        semantics.global_cu_from_position_ids = original
+        step_stage.global_cu_from_position_ids = original
 
 
 def _two_rank_world(rank, world, cases, fns):
@@ -280,7 +288,7 @@ def test_refused_kwargs(name, value):
     (torch.zeros(4, dtype=torch.long), "floating dtype"),
     ([0.0] * 4, "must be a tensor"),
 ])
-@pytest.mark.parametrize("fn", [ring_attention, reference_attention, semantics.local_attention])
+@pytest.mark.parametrize("fn", [ring_attention, reference_attention, whole.local_attention])
 def test_malformed_sinks_are_refused_by_name(fn, value, words):
     q, k, v = _qkv()
     with pytest.raises(UnsupportedArgument, match=r"s_aux") as info:
@@ -288,7 +296,7 @@ def test_malformed_sinks_are_refused_by_name(fn, value, words):
     assert info.value.parameter == "s_aux" and info.value.value is value and words in info.value.reason
 
 
-@pytest.mark.parametrize("fn", [ring_attention, reference_attention, semantics.local_attention])
+@pytest.mark.parametrize("fn", [ring_attention, reference_attention, whole.local_attention])
 @pytest.mark.parametrize("packed", [False, True])
 def test_sinks_in_a_world_of_one_and_in_local_mode(fn, packed):
     """Every mode honours the sinks exactly as HF's eager sink attention: forward and the gradients of q, k, v and
@@ -338,7 +346,7 @@ def test_all_ones_mask_is_dropped_and_ignored_kwargs_change_nothing():
     _close("world of one", plain, _expected(q, k, v, causal=True))
 
 
-@pytest.mark.parametrize("fn", [ring_attention, reference_attention, semantics.local_attention])
+@pytest.mark.parametrize("fn", [ring_attention, reference_attention, whole.local_attention])
 def test_target_dtype_casts_as_the_installed_release(fn):
     """HF's flash path casts q, k and v to ``target_dtype`` when the query (before 4.49: the value) is fp32 -- e.g.
     an fp32 model under autocast, where RoPE leaves q/k fp32 and v bf16; every mode does the same."""
@@ -364,42 +372,42 @@ def test_the_release_rule_of_target_dtype(monkeypatch):
     mixed = (q, k, v.to(torch.bfloat16))
     try:
         for version, cast in (("4.48.3", False), ("4.49.0", True), ("5.23.0", True)):
-            monkeypatch.setattr(semantics.version_gates, "installed_transformers_version", lambda: Version(version))
-            semantics.target_dtype_by_query.cache_clear()
-            got = semantics.cast_to_target(torch.bfloat16, *mixed)
+            monkeypatch.setattr(refusals.version_gates, "installed_transformers_version", lambda: Version(version))
+            refusals.target_dtype_by_query.cache_clear()
+            got = refusals.cast_to_target(torch.bfloat16, *mixed)
             assert [t.dtype for t in got] == ([torch.bfloat16] * 3 if cast else [t.dtype for t in mixed]), version
             # before 4.49 the value's dtype decides: an fp32 value with a bf16 query casts all three
-            got = semantics.cast_to_target(torch.bfloat16, q.to(torch.bfloat16), k, v)
+            got = refusals.cast_to_target(torch.bfloat16, q.to(torch.bfloat16), k, v)
             assert [t.dtype for t in got] == ([torch.bfloat16, torch.float32, torch.float32] if cast
                                               else [torch.bfloat16] * 3), version
     finally:
         monkeypatch.undo()
-        semantics.target_dtype_by_query.cache_clear()
+        refusals.target_dtype_by_query.cache_clear()
 
 
 def test_sliding_window_follows_the_installed_release(monkeypatch):
     from packaging.version import Version
 
     def installed(version):
-        monkeypatch.setattr(semantics.version_gates, "installed_transformers_version", lambda: Version(version))
-        semantics.window_is_inclusive.cache_clear()
+        monkeypatch.setattr(plan_stage.version_gates, "installed_transformers_version", lambda: Version(version))
+        plan_stage.window_is_inclusive.cache_clear()
 
     try:
         installed("5.23.0")
-        assert semantics.window_size_of(4, 32) == (3, 3)
-        assert semantics.window_size_of(40, 32) == (-1, -1)  # HF applies a window only when keys outnumber it
+        assert plan_stage.window_size_of(4, 32) == (3, 3)
+        assert plan_stage.window_size_of(40, 32) == (-1, -1)  # HF applies a window only when keys outnumber it
         installed("4.56.2")
-        assert semantics.window_size_of(4, 32) == (3, 3)
+        assert plan_stage.window_size_of(4, 32) == (3, 3)
         installed("4.55.4")
-        assert semantics.window_size_of(4, 32) == (4, 4)
+        assert plan_stage.window_size_of(4, 32) == (4, 4)
     finally:
         monkeypatch.undo()
-        semantics.window_is_inclusive.cache_clear()
+        plan_stage.window_is_inclusive.cache_clear()
 
 
 def test_stale_step_is_refused():
     ctx = RingContext(rank=0, world_size=2)
-    ctx.set_step(semantics.StepState(kernel="zigzag", layout="zigzag", packed=False, batch_size=2,
+    ctx.set_step(context.StepState(kernel="zigzag", layout="zigzag", packed=False, batch_size=2,
                                      seq_len_global=16, seq_len_local=8, position_ids=torch.arange(8)[None]))
     q, k, v = _qkv(batch=2, seq=8)
     with pytest.raises(UnsupportedArgument, match="shard_inputs"):
@@ -422,12 +430,12 @@ def test_packed_step_without_positions_in_the_call_is_refused():
     (a model whose attention never receives them): non-CP attention would run the row as one sequence, the ring
     would keep the documents apart -- refused, never run (4.48+: every model reaches the flash path through the
     integration, which hands on the position ids the model passes)."""
-    if not semantics.integration_passes_positions():
+    if not step_stage.integration_passes_positions():
         pytest.skip("before 4.48 most models' flash path takes no position ids: a shard_inputs step is computed "
                     "document by document as declared")
     ctx = RingContext(rank=0, world_size=2)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
-    ctx.set_step(semantics.StepState(kernel="llama3", layout="contiguous", packed=True, batch_size=1,
+    ctx.set_step(context.StepState(kernel="llama3", layout="contiguous", packed=True, batch_size=1,
                                      seq_len_global=16, seq_len_local=8,
                                      cu_seqlens=torch.tensor([0, 3, 16], dtype=torch.int32), position_ids=positions))
     q, k, v = _qkv(seq=8)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import hfpatch
 from hfpatch import inputs, modes, switch
-from hfpatch.attention import dispatch, semantics
-from hfpatch.attention.semantics import RingContext, StepState
+from hfpatch.attention import dispatch, plan, whole
+from hfpatch.attention.context import RingContext, StepState
 from hfpatch.dropin import ring_flash_attn
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.signatures import registry
@@ -167,20 +167,27 @@ class _Recorder:
         def destination(*args, **kwargs):
             with self.lock:
                 self.calls.append((tag, threading.current_thread().name))
-            if args and isinstance(args[0], dict):  # semantics functions get (call, extra, ctx)
+            if args and isinstance(args[0], dict):  # whole's functions get (call, extra, ctx)
                 query = args[0]["query"]
+            elif args:  # a ring kernel gets (q, k, v, ...)
+                query = args[0]
             else:  # the original is re-called by parameter name
                 query = kwargs["query_states"]
             return torch.full_like(query, value)
 
         return destination
 
+    def stand_in_for_the_ring(self, monkeypatch, value):
+        """Every ring kernel (``plan.KERNELS``) replaced by this recorder's "ring" destination."""
+        for name in plan.KERNELS:
+            monkeypatch.setitem(plan.KERNELS, name, self.make("ring", value))
+
 
 def test_dispatcher_routes_every_call_by_the_current_mode(monkeypatch):
     live, match = _live_match()
     rec = _Recorder()
-    monkeypatch.setattr(semantics, "ring_attention", rec.make("ring", 1.0))
-    monkeypatch.setattr(semantics, "reference_attention", rec.make("reference", 2.0))
+    rec.stand_in_for_the_ring(monkeypatch, 1.0)
+    monkeypatch.setattr(whole, "reference_attention", rec.make("reference", 2.0))
     dispatcher = dispatch.Dispatcher(original=rec.make("original", 3.0), match=match, ctx=RingContext())
     dispatcher.original_runs = lambda call: True  # the recorder stands in for a flash path that runs here
     call = {"query": torch.zeros(1, 4, 2, 8), "key": torch.zeros(1, 4, 1, 8), "value": torch.zeros(1, 4, 1, 8),
@@ -205,8 +212,8 @@ def test_dispatcher_routes_every_call_by_the_current_mode(monkeypatch):
 def test_dispatcher_threads_with_different_modes_are_isolated(monkeypatch):
     live, match = _live_match()
     rec = _Recorder()
-    monkeypatch.setattr(semantics, "ring_attention", rec.make("ring", 1.0))
-    monkeypatch.setattr(semantics, "reference_attention", rec.make("reference", 2.0))
+    rec.stand_in_for_the_ring(monkeypatch, 1.0)
+    monkeypatch.setattr(whole, "reference_attention", rec.make("reference", 2.0))
     dispatcher = dispatch.Dispatcher(original=rec.make("original", 3.0), match=match, ctx=RingContext())
     dispatcher.original_runs = lambda call: True
     call = {"query": torch.zeros(1, 2, 1, 4), "key": torch.zeros(1, 2, 1, 4), "value": torch.zeros(1, 2, 1, 4),
@@ -336,20 +343,20 @@ def _transformers_original():
 def test_flash_path_runs_is_transformers_check_of_the_implementation():
     from transformers.utils import is_flash_attn_2_available
 
-    assert semantics.flash_path_runs("flash_attention_2") is is_flash_attn_2_available()
-    assert semantics.flash_path_runs("paged|flash_attention_2") is is_flash_attn_2_available()
-    assert semantics.flash_path_runs("kernels-community/flash-attn2") is True  # loaded when the model was set to it
-    assert semantics.flash_path_runs("sdpa") is False
+    assert whole.flash_path_runs("flash_attention_2") is is_flash_attn_2_available()
+    assert whole.flash_path_runs("paged|flash_attention_2") is is_flash_attn_2_available()
+    assert whole.flash_path_runs("kernels-community/flash-attn2") is True  # loaded when the model was set to it
+    assert whole.flash_path_runs("sdpa") is False
     if importlib.util.find_spec("flash_attn") is None:
-        assert semantics.flash_path_runs(None) is False
+        assert whole.flash_path_runs(None) is False
 
 
 def test_original_runs_where_the_flash_path_loads_and_the_query_is_off_cpu(monkeypatch):
     dispatcher = _transformers_original()
-    monkeypatch.setattr(semantics, "flash_path_runs", lambda implementation: True)
+    monkeypatch.setattr(whole, "flash_path_runs", lambda implementation: True)
     assert not dispatcher.original_runs({"query": torch.zeros(1)})  # flash-attn has no CPU kernel
     assert dispatcher.original_runs({"query": torch.zeros(1, device="meta")})
-    monkeypatch.setattr(semantics, "flash_path_runs", lambda implementation: False)
+    monkeypatch.setattr(whole, "flash_path_runs", lambda implementation: False)
     assert not dispatcher.original_runs({"query": torch.zeros(1, device="meta")})
 
 
@@ -366,7 +373,7 @@ def test_original_without_a_flash_path_is_the_models_sdpa_on_the_local_tensors(d
     call = hf_call(*leaves, scale=0.3, position_ids=positions)
     with hfpatch.switch("original"):
         out = dispatcher(call, {})
-    assert torch.equal(out, semantics.local_attention(call, {}, dispatcher.ctx))  # one path per behaviour
+    assert torch.equal(out, whole.local_attention(call, {}, dispatcher.ctx))  # one path per behaviour
     ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
     bounds = [0, q.shape[1]] if docs is None else [0, *torch.tensor(docs).cumsum(0).tolist()]
     want = torch.cat([_sdpa(*(t[:, a:b] for t in ref), scale=0.3) for a, b in zip(bounds, bounds[1:])], dim=1)

@@ -1,8 +1,11 @@
-"""hfpatch.errors: the undo stack removes newest first, removes every part even when one fails and then names each
-failure, refuses a second removal; every installer of the model wing returns one object whose ``remove()`` restores
-exactly what was there and raises on a second call; one marker recognises hfpatch's wrappers."""
+"""hfpatch.undo: the undo stack removes newest first, removes every part even when one fails and then names each
+failure, refuses a second removal; an install inside ``AllOrNothing`` is undone newest first when it raises (quietly:
+the install's own error propagates) and kept once ``pop_all()`` hands it over; every installer of the model wing
+returns one object whose ``remove()`` restores exactly what was there and raises on a second call; one marker
+recognises hfpatch's wrappers."""
 from __future__ import annotations
 
+import logging
 import types
 from unittest import mock
 
@@ -10,7 +13,8 @@ import pytest
 import torch
 
 from hfpatch.cli.demo_models import build_model
-from hfpatch.errors import AlreadyRemoved, PatchError, Removable, RemovalFailed, UndoStack, is_wrapper, mark_wrapper
+from hfpatch.errors import AlreadyRemoved, PatchError, RemovalFailed
+from hfpatch.undo import AllOrNothing, Removable, UndoStack, is_wrapper, mark_wrapper
 from hfpatch.model import positions as model_positions
 from hfpatch.model.inputs_guard import install_inputs_guard
 from hfpatch.model.labels import install_labels_hook
@@ -82,6 +86,71 @@ def test_removing_twice_is_an_error_and_so_is_installing_after_removal():
     assert info.value.what == "the test"
     with pytest.raises(AlreadyRemoved, match="would never be removed"):
         undo.push(_Part("late", []))
+
+
+# ------------------------------------------------------------------------------------------------ AllOrNothing
+
+
+def test_a_failed_install_is_undone_newest_first_and_its_error_propagates_unchanged():
+    log: list = []
+    cause = ValueError("the third step failed")
+    with pytest.raises(ValueError) as info:
+        with AllOrNothing("the test") as undo:
+            undo.push(_Part("first", log))
+            undo.callback(lambda: log.append("second"), "the second step")
+            raise cause
+    assert info.value is cause and cause.__cause__ is None and cause.__context__ is None
+    assert log == ["second", "first"] and undo.removed and len(undo) == 0
+
+
+def test_pop_all_hands_every_step_to_the_owner_and_leaves_nothing_to_undo():
+    log: list = []
+    with AllOrNothing("the test") as undo:
+        undo.push(_Part("first", log), "part one")
+        undo.push(_Part("second", log), "part two")
+        kept = undo.pop_all()
+    assert log == [] and len(undo) == 0 and not undo.removed
+    assert type(kept) is UndoStack and kept.what == "the test" and len(kept) == 2
+    kept.remove()  # the owner's remove(): newest first, as if it had recorded them itself
+    assert log == ["second", "first"]
+    with pytest.raises(AlreadyRemoved):
+        kept.remove()
+
+
+def test_a_block_left_without_pop_all_undoes_what_it_recorded():
+    log: list = []
+    with AllOrNothing("the test") as undo:
+        undo.push(_Part("first", log))
+    assert log == ["first"] and undo.removed
+    with pytest.raises(AlreadyRemoved, match="nothing left to hand over"):
+        undo.pop_all()
+
+
+def test_a_step_that_fails_to_undo_is_logged_and_the_install_error_still_propagates(caplog):
+    log: list = []
+    cause = ValueError("the install failed")
+    undo_error = OSError("the first step cannot be undone")
+    with caplog.at_level(logging.ERROR, logger="hfpatch"), pytest.raises(ValueError) as info:
+        with AllOrNothing("the test") as undo:
+            undo.push(_Part("first", log, undo_error), "part one")
+            undo.push(_Part("second", log), "part two")
+            raise cause
+    assert info.value is cause and log == ["second", "first"]  # every step undone, even after one failed
+    [record] = [r for r in caplog.records if r.name == "hfpatch"]
+    assert "undoing a failed install of the test also failed" in record.getMessage()
+    logged = record.exc_info[1]
+    assert isinstance(logged, RemovalFailed) and logged.failures == [("part one", undo_error)]
+    assert logged.__cause__ is undo_error
+
+
+def test_an_interrupt_while_undoing_still_propagates_after_every_step():
+    log: list = []
+    with pytest.raises(KeyboardInterrupt) as info:
+        with AllOrNothing("the test") as undo:
+            undo.push(_Part("first", log))
+            undo.push(_Part("second", log, KeyboardInterrupt()))
+            raise ValueError("the install failed")
+    assert log == ["second", "first"] and isinstance(info.value.__context__, ValueError)
 
 
 def test_one_marker_for_every_wrapper():

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import hfpatch
 from _dist import run_world
 from hfpatch.cli.demo_models import build_model
-from hfpatch.errors import ModelDivergence, UnsupportedArgument, UnsupportedModel, VerificationError, is_wrapper
+from hfpatch.errors import ModelDivergence, UnsupportedArgument, UnsupportedModel, VerificationError
+from hfpatch.undo import is_wrapper
 from hfpatch.inputs import IGNORE_INDEX, shift_labels
 from hfpatch.model import heads as model_heads
 from hfpatch.model import probe as model_probe

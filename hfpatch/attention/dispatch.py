@@ -11,19 +11,18 @@ Per call:
    4.48+) first, then ``calling_module``.
 2. The call's inputs (``INPUTS``): the switch mode, the context's version, the position ids (object and version),
    query shape, key size, configuration, the roles the ring refuses or derives from (mask, dropout, document
-   lengths, paged cache) and the attention sinks. The site's plan (the ``semantics.RingPlan`` its last planned
+   lengths, paged cache) and the attention sinks. The site's plan (the ``plan.RingPlan`` its last planned
    ring call ran, or another configuration's that the site kept) carries the inputs it was kept for: when they
    equal this call's -- one tuple comparison -- the call is counted and ``plan.run(q, k, v, sink)`` computes it
-   on q, k, v cast as HF casts them (``semantics.cast_to_target``).
+   on q, k, v cast as HF casts them (``refusals.cast_to_target``).
 3. Anything else is planned (``plan_and_run``): the role dict, the call counted under its mode, then ``"ring"`` ->
    ``semantics.ring_plan`` (every refusal, the step, the kernel's arguments); the plan runs and, when nothing in the
    call is refused or derived per call, the site keeps it with its inputs (``CallSite.plans``: the one plan cache);
    ``"original"`` -> ``run_original``: the original transformers function, re-called by parameter name, where its
-   flash path can run (``semantics.flash_path_runs``, a non-CPU query), else ``semantics.local_attention`` (what
-   the model's own SDPA/eager attention computes on these tensors); ``"reference"``/``"local"`` -> ``semantics``
+   flash path can run (``whole.flash_path_runs``, a non-CPU query), else ``whole.local_attention`` (what
+   the model's own SDPA/eager attention computes on these tensors); ``"reference"``/``"local"`` -> ``whole``
    (``"local"`` on this rank's shard of a step warns once per patch: it is not the non-CP computation). While
-   Dynamo traces (torch.compile) the call is one opaque operator (``hfpatch.attention.opaque``). ``semantics.ring_attention`` is the ring's seam: replaced (a test's stand-in for a
-   wrong or failing ring), it computes every ring call that reaches the planner, and no plan is kept.
+   Dynamo traces (torch.compile) the call is one opaque operator (``hfpatch.attention.opaque``).
 
 Counts live per thread (``ThreadState``: no lock per call; readers sum every thread's), under the call's site, so
 that ``Patch`` can say which attention layers ran the ring in the last forward and which did not. After
@@ -32,28 +31,27 @@ user variable): it then calls the original function, exactly what the restored b
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import sys
 import threading
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Iterator
 
 import torch
 
-from hfpatch.attention import opaque as _opaque
-from hfpatch.attention import codegen as _codegen
-from hfpatch.attention import semantics as _semantics
-from hfpatch import modes as _modes
+from hfpatch.attention import opaque
+from hfpatch.attention import codegen
+from hfpatch.attention import semantics
+from hfpatch.attention import whole
+from hfpatch import modes
+from hfpatch.attention.context import RingContext
 from hfpatch.attention.discovery import attention_modules
-from hfpatch.errors import UndoStack, UnsupportedArgument
+from hfpatch.attention.refusals import cast_to_target, sink_of
+from hfpatch.attention.sites import INPUTS, CallSite, LayerRecord, calling_module, keeps, site_key
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.undo import UndoStack
 
-__all__ = ["Dispatcher", "LayerRecord", "CallSite", "ThreadState", "INPUTS", "calling_module"]
-
-# How far up the stack to look for the attention module that made the call: wrapper -> INTEG's
-# flash_attention_forward(module, ...) (4.48+) or the *FlashAttention2.forward(self, ...) method (4.43-4.47).
-_MAX_FRAMES = 6
-_HOLDER_NAMES = ("module", "self")  # the local that holds the calling attention module, in order of preference
+__all__ = ["Dispatcher", "LayerRecord", "CallSite", "ThreadState", "INPUTS", "calling_module", "original_caller"]
 
 # Bound once: these run on every attention call. Dynamo recognises ``torch.compiler.is_compiling`` by identity, so
 # the bound name still reads True while it traces.
@@ -64,141 +62,24 @@ _is_compiling = torch.compiler.is_compiling
 _dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _is_compiling)
 _export_flag = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else type(
     "_NoFlag", (), {"_is_compiling_flag": False})
-# The autograd engine's current graph task (-1: no backward running on this thread); see _opaque.is_recomputing.
+# The autograd engine's current graph task (-1: no backward running on this thread); see opaque.is_recomputing.
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_current_mode = _modes.current_mode
-_refresh_switch = _modes.refresh_from_env
+_current_mode = modes.current_mode
+_refresh_switch = modes.refresh_from_env
 logger = logging.getLogger("hfpatch")
 _RECOMPUTED = "<recomputed>"  # the kind under which a recomputed call is counted (never a switch mode)
 
-# id(code) -> (code, names): which of _HOLDER_NAMES a frame of that code can hold. Reading ``frame.f_locals`` builds
-# a dict of every local of the frame (Python 3.11), so it is read only for frames that can hold the module; the code
-# object is kept in the entry, so its id cannot be reused while cached (code objects hash slowly, hence the id).
-_holders: dict = {}
-_MAX_HOLDERS = 4096
-_last_caller: tuple = (None, ())  # (code, names) of the last wrapper caller ``_site_from_stack`` read
-_getframe, _Module = sys._getframe, torch.nn.Module
 _MAX_SITES = 4096  # call sites kept per dispatcher (a model has one per attention layer); beyond this, restart
-_MAX_SITE_PLANS = 8  # plans of one step kept per site (a layer has one configuration); beyond this, restart
-
-# What a call's inputs hold, in the order ``Dispatcher.entry`` builds them: everything a ring plan is built from
-# or the ring refuses. A plan kept with its inputs (``RingPlan.inputs``) computes every call whose inputs equal them.
-# A tensor is held after its id: the tuples compare left to right and stop at the first difference, so a tensor is
-# compared only with itself (a kept plan holds it, so its id cannot be reused) and never by value.
-INPUTS = ("mode", "context version", "id(position_ids)", "position_ids", "position_ids._version", "query.shape",
-          "key.numel()", "is_causal", "softmax_scale", "sliding_window", "type(sliding_window)", "softcap",
-          "dropout", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "block_table", "k_cache", "v_cache",
-          "id(s_aux)", "s_aux", "cache or cache_seqlens given")
-# The step a plan belongs to: the context's version, the position ids, the query's shape and the key's size.
-_STEP_INPUTS = slice(INPUTS.index("context version"), INPUTS.index("key.numel()") + 1)
-_WINDOW_TYPE = INPUTS.index("type(sliding_window)")
-_DROPOUT = INPUTS.index("dropout")
-_ABSENT = slice(INPUTS.index("attention_mask"), INPUTS.index("v_cache") + 1)  # what a kept plan's call lacks
-_PAGED = INPUTS.index("cache or cache_seqlens given")
-_KEPT_WINDOW_TYPES = (int, type(None))  # True == 1, 2.0 == 2: another type is planned (and refused) every call
-# The ring that plans and keeps (``ring_plan`` + ``RingPlan.run``); another object there is run as given.
-_PLANNED_RING = _semantics.ring_attention
 
 
-def _keeps(inputs: tuple) -> bool:
-    """Whether a plan of these inputs may be kept: nothing in the call is refused or derived per call (no
-    dropout, mask, document lengths, paged cache or cache kwargs; an int or no window)."""
-    return (not inputs[_DROPOUT] and all(value is None for value in inputs[_ABSENT]) and not inputs[_PAGED]
-            and inputs[_WINDOW_TYPE] in _KEPT_WINDOW_TYPES)
 
+def original_caller(original: Callable, match: Any) -> Callable[[dict, dict], torch.Tensor]:
+    """``(call, extra) -> Tensor`` that re-calls ``original`` (the transformers function the wrapper replaces) with
+    a call's arguments, by parameter name (``RingContext.call_original``)."""
+    def call_original(call: dict, extra: dict) -> torch.Tensor:
+        return original(**codegen.original_kwargs(match, call, extra))
 
-@dataclass(frozen=True)
-class LayerRecord:
-    """One attention call site seen in a forward: ``key`` (layer index, or class@id), ``module_id`` (``id``
-    of the calling attention module, None when not found), ``mode`` (the switch mode it ran)."""
-
-    key: Hashable
-    module_id: int | None
-    mode: str
-
-
-class CallSite:
-    """One call site -- an attention layer -- and the ring plans it keeps.
-
-    key, module_id:  what its calls are counted and recorded under (see ``LayerRecord``).
-    plans:           ``RingPlan.inputs`` -> the plan, every one of the same step (``_STEP_INPUTS``): a call whose
-                     inputs equal a kept plan's runs it (``Dispatcher.entry``);
-    plan:            the plan kept last (None: none), compared first: a layer makes one configuration of call.
-    """
-
-    __slots__ = ("key", "module_id", "plans", "plan")
-
-    def __init__(self, key: Hashable, module_id: int | None) -> None:
-        self.key = key
-        self.module_id = module_id
-        self.plans: dict = {}
-        self.plan = None
-
-    def plan_for(self, inputs: tuple):
-        """The kept plan of these inputs, or None (an unhashable input has none)."""
-        try:
-            return self.plans.get(inputs)
-        except TypeError:
-            return None
-
-    def keep(self, plan) -> None:
-        """Keep ``plan`` under its inputs; plans of another step are dropped (and the tensors they hold)."""
-        last, plans = self.plan, self.plans
-        if last is None or last.inputs[_STEP_INPUTS] != plan.inputs[_STEP_INPUTS] or len(plans) >= _MAX_SITE_PLANS:
-            plans = {}  # a new dict, not cleared: another thread may be reading the old one
-        plans[plan.inputs] = plan
-        self.plans, self.plan = plans, plan
-
-    def forget(self) -> None:
-        """Drop every kept plan: the next call is planned (``Dispatcher.plan_and_run``)."""
-        self.plans, self.plan = {}, None
-
-    def __repr__(self) -> str:
-        return f"<CallSite {self.key!r} module={self.module_id} plans={list(self.plans.values())}>"
-
-
-def _holder_names(code) -> tuple:
-    names = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
-    found = tuple(name for name in _HOLDER_NAMES if name in names)
-    if len(_holders) >= _MAX_HOLDERS:
-        _holders.clear()
-    _holders[id(code)] = (code, found)
-    return found
-
-
-def _slot(layer_idx: Any, module: torch.nn.Module | None) -> tuple:
-    """(layer key, module id) under which a call is counted: the layer index (an int, from the call or the
-    module), else "Class@id" of the module, else "<unknown caller>"."""
-    if isinstance(layer_idx, int):
-        key: Hashable = layer_idx
-    elif module is not None:
-        key = f"{type(module).__name__}@{id(module):x}"
-    else:
-        key = "<unknown caller>"
-    return key, None if module is None else id(module)
-
-
-def calling_module(depth: int = 2) -> torch.nn.Module | None:
-    """The ``nn.Module`` whose code called the wrapper: the ``module`` argument of transformers'
-    ``flash_attention_forward`` or the ``self`` of an attention ``forward``, found within ``_MAX_FRAMES`` frames
-    from ``depth`` (the frame that called the dispatcher's entry; 0 is this function's own frame).
-    ``_flash_attention_forward`` is never given the module itself on any release, and ``layer_idx`` only from 4.54
-    on, so the stack is the one release-independent source."""
-    frame = sys._getframe(depth)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return None
-        code = frame.f_code
-        entry = _holders.get(id(code))
-        names = entry[1] if entry is not None and entry[0] is code else _holder_names(code)
-        if names:
-            local = frame.f_locals
-            for name in names:
-                candidate = local.get(name)
-                if isinstance(candidate, torch.nn.Module):
-                    return candidate
-        frame = frame.f_back
-    return None
+    return call_original
 
 
 class ThreadState:
@@ -216,7 +97,7 @@ class ThreadState:
         self.by_kind: dict = {"ring": self.ring, _RECOMPUTED: self.recomputed}
         self.bound: dict | None = None
         self.outer_bound: list = []
-        self.thread_mode = _modes.thread_mode()  # read in the thread that owns it
+        self.thread_mode = modes.thread_mode()  # read in the thread that owns it
 
 
 class _PerThread(threading.local):
@@ -232,7 +113,7 @@ class Dispatcher:
     ``dispatcher(call, extra)``, is the same entry with the arguments as a role dict.
 
     ``original``: the transformers function the wrapper replaces; ``match``: the registry match (for
-    ``codegen.original_kwargs``); ``ctx``: the ``semantics.RingContext``. Counters (each a fresh ``Counter``
+    ``codegen.original_kwargs``); ``ctx``: the ``context.RingContext`` its calls run on (``using`` swaps it). Counters (each a fresh ``Counter``
     summed over threads): ``calls`` (layer key -> calls that ran the ring, over the patch's life), ``mode_calls``
     (mode -> calls), ``recomputed`` (layer key -> calls made while autograd ran a backward).
     """
@@ -244,7 +125,7 @@ class Dispatcher:
         self._removed = False
         self._every_thread: list = []
         self._threads = _PerThread(self._every_thread)
-        self.opaque_token = _opaque.register_dispatcher(self)  # how torch.compile's opaque operator finds us
+        self.opaque_token = opaque.register_dispatcher(self)  # how torch.compile's opaque operator finds us
         self._sites: dict[tuple, CallSite] = {}
         # CallSite -> the mode of its last call in the current forward (one item store per call: atomic).
         self._forward: dict[CallSite, str] = {}
@@ -258,12 +139,11 @@ class Dispatcher:
         """The wrapper's handler: ``entry(<each role of codegen.ROLE_ORDER>, extra)`` (see the module docstring).
         A closure, not a method: what it reads on every call are cells, not attribute lookups. Removal needs no
         check here: ``removed = True`` drops every plan, and ``plan_and_run`` reads it."""
-        ctx = self.ctx
+        dispatcher = self
         threads = self._threads
         forward = self._forward
         site_from_stack = self._site_from_stack
         plan_and_run = self.plan_and_run
-        cast_to_target = _semantics.cast_to_target
         dynamo_compiling, export_flag, graph_task_id = _dynamo_compiling, _export_flag, _graph_task_id
 
         def entry(query, key, value, attention_mask, query_length, is_causal, dropout, position_ids, softmax_scale,
@@ -280,7 +160,7 @@ class Dispatcher:
                     paged = "cache" in extra or "cache_seqlens" in extra
                 if site is None:
                     site = site_from_stack(extra)
-                inputs = (state.thread_mode.mode, ctx.version, id(position_ids), position_ids,
+                inputs = (state.thread_mode.mode, dispatcher.ctx.version, id(position_ids), position_ids,
                           getattr(position_ids, "_version", None), query.shape, key.numel(), is_causal, softmax_scale,
                           sliding_window, type(sliding_window), softcap, dropout, attention_mask, cu_seq_lens_q,
                           cu_seq_lens_k, block_table, k_cache, v_cache, id(sink), sink, paged)  # INPUTS
@@ -322,18 +202,18 @@ class Dispatcher:
 
     def __call__(self, call: dict, extra: dict) -> torch.Tensor:
         """``entry`` with the arguments as ``{role: value}`` (roles not in ``call`` are not passed on)."""
-        return self.entry(*_codegen.role_args(call), extra)
+        return self.entry(*codegen.role_args(call), extra)
 
     def plan_and_run(self, site: CallSite | None, values: tuple, extra: dict, inputs: tuple | None = None
                      ) -> torch.Tensor:
         """A call the site's plan does not compute as is: route it by the switch and count it; a ring call runs
         (and keeps) a plan (``run_ring``). ``values``: the roles in ``codegen.ROLE_ORDER``; ``site``: the call site
         and ``inputs`` the call's ``INPUTS`` (both None while compiling)."""
-        call = _codegen.role_call(self.match, values)
+        call = codegen.role_call(self.match, values)
         if _is_compiling():
             # Dynamo cannot trace the ring (P2P, data-dependent checks): one opaque operator that runs the rest
             # at run time (hfpatch/attention/opaque.py).
-            return _opaque.compiled_call(self, call, extra)
+            return opaque.compiled_call(self, call, extra)
         if self.removed:
             return self.call_original(call, extra)
         mode = _current_mode() if inputs is None else inputs[0]
@@ -344,14 +224,11 @@ class Dispatcher:
 
     def run_ring(self, site: CallSite, call: dict, extra: dict, inputs: tuple | None) -> torch.Tensor:
         """Run a ring call by a new plan (``semantics.ring_plan``: every refusal, the step, the kernel's
-        arguments); the site keeps it when it ran and ``_keeps`` allows (a call that raised keeps nothing)."""
-        ctx = self.ctx
-        if _semantics.ring_attention is not _PLANNED_RING:
-            return _semantics.ring_attention(call, extra, ctx)  # the ring replaced (see the module docstring)
-        q, k, v = _semantics.cast_to_target(call.get("target_dtype"), call["query"], call["key"], call["value"])
-        sink = _semantics.sink_of(extra, q)
-        keep = inputs is not None and _keeps(inputs)
-        plan = _semantics.ring_plan(call, extra, ctx, inputs=inputs if keep else None)
+        arguments); the site keeps it when it ran and ``sites.keeps`` allows (a call that raised keeps nothing)."""
+        q, k, v = cast_to_target(call.get("target_dtype"), call["query"], call["key"], call["value"])
+        sink = sink_of(extra, q)
+        keep = inputs is not None and keeps(inputs)
+        plan = semantics.ring_plan(call, extra, self.ctx, inputs=inputs if keep else None)
         out = plan.run(q, k, v, sink)
         if keep:
             site.keep(plan)
@@ -370,27 +247,27 @@ class Dispatcher:
     def run_mode(self, mode: str, call: dict, extra: dict) -> torch.Tensor:
         """Route one call: ``"ring"``, ``"reference"``, ``"local"`` or ``"original"`` (no counting)."""
         if mode == "ring":
-            return _semantics.ring_attention(call, extra, self.ctx)
+            return semantics.ring_attention(call, extra, self.ctx)
         if mode == "reference":
-            return _semantics.reference_attention(call, extra, self.ctx)
+            return whole.reference_attention(call, extra, self.ctx)
         if mode == "local":
             if not self._warned_local:
                 self._warn_local_on_shard(call)
-            return _semantics.local_attention(call, extra, self.ctx)
+            return whole.local_attention(call, extra, self.ctx)
         return self.run_original(call, extra)
 
     def run_original(self, call: dict, extra: dict) -> torch.Tensor:
         """Switch mode ``"original"``: what the model's own attention computes on this call's (local) tensors.
         Transformers' original function where its flash path can run (``original_runs``) or the patch is removed
         (what the restored binding sites call); else
-        ``semantics.local_attention``: the SDPA/eager result on these tensors (causal or not, window, softcap,
+        ``whole.local_attention``: the SDPA/eager result on these tensors (causal or not, window, softcap,
         scale, GQA, sinks, documents from ``cu_seq_lens``/``position_ids``). Something plain attention cannot honour
         there (a padding mask, dropout, a KV cache) raises ``UnsupportedArgument`` with its fix, never
         transformers' ImportError. q (B, S, H, D), k/v (B, S, Hk, D) -> (B, S, H, D)."""
         if self._removed or self.original_runs(call):
             return self.call_original(call, extra)
         try:
-            return _semantics.local_attention(call, extra, self.ctx)
+            return whole.local_attention(call, extra, self.ctx)
         except UnsupportedArgument as exc:
             raise UnsupportedArgument(
                 exc.parameter, exc.value,
@@ -402,13 +279,23 @@ class Dispatcher:
 
     def original_runs(self, call: dict) -> bool:
         """Whether transformers' original function can run this call: its flash path loads
-        (``semantics.flash_path_runs`` of the call's implementation, read once per process) and the query is not on
+        (``whole.flash_path_runs`` of the call's implementation, read once per process) and the query is not on
         CPU (flash-attn has no CPU kernel)."""
-        return not call["query"].is_cpu and _semantics.flash_path_runs(call.get("implementation"))
+        return not call["query"].is_cpu and whole.flash_path_runs(call.get("implementation"))
 
     def call_original(self, call: dict, extra: dict) -> torch.Tensor:
         """Re-call the original transformers function with this call's arguments, by parameter name."""
-        return self.original(**_codegen.original_kwargs(self.match, call, extra))
+        return self.original(**codegen.original_kwargs(self.match, call, extra))
+
+    @contextlib.contextmanager
+    def using(self, ctx: RingContext) -> Iterator[RingContext]:
+        """Every call made inside runs on ``ctx`` (the whole-model probe's context, made by
+        ``dataclasses.replace`` of this one); the previous context is back afterwards."""
+        previous, self.ctx = self.ctx, ctx
+        try:
+            yield ctx
+        finally:
+            self.ctx = previous
 
     def _warn_local_on_shard(self, call: dict) -> None:
         """Warn (once per patch) when a ``"local"`` call's query is this rank's shard of the current step: its
@@ -435,29 +322,9 @@ class Dispatcher:
         return site
 
     def _site_from_stack(self, extra: dict) -> CallSite:
-        """The site of the module found on the stack. Depth 3 (this frame, ``entry``, the wrapper) is the wrapper's
-        caller, transformers' ``flash_attention_forward(module, ...)`` on 4.48+: read first, inline, its holder
-        names cached for the last code seen there; any other frame through ``calling_module``."""
-        global _last_caller
-        frame = _getframe(3)
-        code = frame.f_code
-        last = _last_caller  # (code, names): one tuple, so that a thread never pairs one code with another's names
-        if last[0] is code:
-            names = last[1]
-        else:
-            entry = _holders.get(id(code))
-            names = entry[1] if entry is not None and entry[0] is code else _holder_names(code)
-            _last_caller = (code, names)
-        module = None
-        if names:
-            local = frame.f_locals
-            for name in names:
-                candidate = local.get(name)
-                if isinstance(candidate, _Module):
-                    module = candidate
-                    break
-        if module is None:
-            module = calling_module(3)
+        """The site of the module found on the stack, from the wrapper's caller up (depth 4: ``calling_module``,
+        this frame, ``entry``, the wrapper): transformers' ``flash_attention_forward(module, ...)`` on 4.48+."""
+        module = calling_module(4)
         layer_idx = extra.get("layer_idx") if extra else None
         if layer_idx is None and module is not None:
             layer_idx = getattr(module, "layer_idx", None)
@@ -465,7 +332,7 @@ class Dispatcher:
             site = self._sites.get((layer_idx, None if module is None else id(module)))
             if site is not None:
                 return site
-        return self._site(_slot(layer_idx, module))
+        return self._site(site_key(layer_idx, module))
 
     def track(self, model: torch.nn.Module) -> UndoStack:
         """Make each forward of ``model`` a new "last forward" (``begin_forward``) and a step boundary of the switch

@@ -21,7 +21,7 @@ distinction). Callers reach it through:
    puts the original back there.
 
 ``install`` validates every site first, then swaps; if one swap fails, the ones already made are undone
-before the error is raised. It returns an ``Installation``, whose ``remove()`` (``hfpatch.errors.Removable``)
+before the error is raised. It returns an ``Installation``, whose ``remove()`` (``hfpatch.undo.Removable``)
 puts the original back by identity.
 """
 from __future__ import annotations

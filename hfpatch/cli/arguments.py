@@ -69,15 +69,15 @@ def require_cp_world(world_size: int, *, option: str = "--world-size") -> None:
 def cpu_kernel(kernel: str, world_size: int) -> tuple[str, str]:
     """``(variant, backend)`` of ``kernel`` ("variant" or "variant:backend", as ``hfpatch.apply(kernel=)``) when it
     can run on ``world_size`` CPU processes (``usp:UxR``: U x R of them); ``UsageError`` otherwise."""
-    from hfpatch.attention import semantics  # deferred (torch): `--help` must not load it
+    from hfpatch.attention import context  # deferred (torch): `--help` must not load it
     from ring_kernels.backends import available_backends  # deferred (torch): as above
 
     fix = "Fix: --kernel auto (the default)."
     try:
-        variant, backend = semantics.parse_kernel(kernel)
+        variant, backend = context.parse_kernel(kernel)
     except ValueError:
         raise UsageError(
-            f"--kernel {kernel!r}: expected auto, a ring variant ({', '.join(semantics.VARIANTS)}), ulysses or "
+            f"--kernel {kernel!r}: expected auto, a ring variant ({', '.join(context.VARIANTS)}), ulysses or "
             f"usp:UxR (U x R = the world size), optionally followed by :backend (e.g. zigzag:reference). {fix}"
         ) from None
     cpu_backends = available_backends("cpu")
@@ -87,7 +87,7 @@ def cpu_kernel(kernel: str, world_size: int) -> tuple[str, str]:
             f"{', '.join(cpu_backends)}. Fix: --kernel {variant} (its backend chosen automatically)."
         )
     try:
-        semantics.check_grid(variant, world_size)
+        context.check_grid(variant, world_size)
     except UnsupportedArgument as exc:
         raise UsageError(f"--kernel {kernel} --world-size {world_size}: {exc.reason} Fix: {exc.fix}") from None
     return variant, backend

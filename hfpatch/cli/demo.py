@@ -53,7 +53,7 @@ def sequence_units(variant: str, world_size: int, *, packed: bool) -> tuple[int,
     ``layout`` to split it over ``world_size`` ranks, and with packed zigzag every document a multiple of the
     document unit. The layouts are ``ring_kernels.layout``'s: zigzag cuts 2N chunks (of each document, when
     packed), contiguous and stripe N."""
-    from hfpatch.attention.semantics import plan_step  # deferred (torch): `--help` must not load it
+    from hfpatch.attention.kernel_choice import plan_step  # deferred (torch): `--help` must not load it
 
     _, layout = plan_step(variant, packed=packed)
     if world_size == 1:  # a world of one holds the whole sequence, whatever the layout

@@ -20,7 +20,7 @@ import hfpatch
 from hfpatch import modes
 from hfpatch.dropin import _provide
 from hfpatch.errors import PatchError
-from hfpatch.attention.semantics import StepState
+from hfpatch.attention.context import StepState
 from hfpatch.model.wrappers import inner_model
 
 __all__: list = []
@@ -86,7 +86,7 @@ def install(owner: str, group, *, kernel: str, heads_k_stride: Optional[int], mo
     _end_session()  # not forget(): the provided import name stays (this call may have come through it)
     patch = hfpatch.apply(group, kernel=kernel, model=model, verify=verify)
     if patch.active:
-        patch.ctx.heads_k_stride = heads_k_stride
+        patch.reconfigure(heads_k_stride=heads_k_stride)
     _current = Session(patch=patch, group=group, kernel=kernel, heads_k_stride=heads_k_stride, owner=owner)
     return _current
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from hfpatch.dropin import _session
 from hfpatch.errors import PatchError, UnsupportedArgument
-from hfpatch.attention.semantics import packed_cu_seqlens
+from hfpatch.attention.step import packed_cu_seqlens
 
 __all__ = [
     "RingAttnFunc",

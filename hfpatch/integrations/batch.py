@@ -27,7 +27,7 @@ import torch
 
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import IGNORE_INDEX
-from hfpatch.attention.semantics import packed_cu_seqlens
+from hfpatch.attention.step import packed_cu_seqlens
 from hfpatch.model.heads import head_of, pad_token_id
 from hfpatch.model.wrappers import inner_model
 

@@ -23,6 +23,7 @@ from hfpatch.integrations.requirements import check_releases
 from hfpatch.integrations.reward import RewardCP, is_reward_trainer
 from hfpatch.integrations.trainer import (TrainerCP, cp_mesh, is_trl_trainer, refuse_unsupported_losses,
                                           require_checkpointing, summary_line)
+from hfpatch.undo import AllOrNothing
 
 __all__ = ["enable"]
 
@@ -75,13 +76,11 @@ def enable(trainer, *, kernel: str = "auto", on_unsupported: str = "raise", veri
     kind = (PreferenceCP if is_preference_trainer(trainer) else PolicyGradientCP if is_policy_gradient_trainer(trainer)
             else RewardCP if is_reward_trainer(trainer) else TrainerCP)
     handle = kind(trainer, patch, cp_size)
-    try:
+    with AllOrNothing(f"the CP of {type(trainer).__name__}", handle) as undo:  # a failure removes the patch too
         handle._install()
         if keep_attention is not None and handle.active:
             handle.kept = hfpatch.keep_attention(model, budget=keep_attention)
-    except BaseException:
-        handle.remove()
-        raise
+        undo.pop_all()  # enabled: the handle removes it all from now on
     trainer.hfpatch_cp = handle
     logger.info("%s", summary_line(handle, keep_attention))
     return handle

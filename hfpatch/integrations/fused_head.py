@@ -26,7 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
-from hfpatch.errors import UndoStack, UnsupportedArgument
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.undo import UndoStack
 from hfpatch.modes import current_mode
 from hfpatch.scoring import gather
 from hfpatch.scoring.rows import PackedRows, pack_for_ring

@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from hfpatch.errors import UndoStack, UnsupportedArgument
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.undo import UndoStack
 from hfpatch.integrations import evaluation
 from hfpatch.integrations.fused_head import install_whole_batch_scoring, model_scored_by
 from hfpatch.integrations.trainer import TrainerCP

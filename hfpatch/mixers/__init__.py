@@ -16,7 +16,7 @@ is refused by name.
 
 The wing, a folder per naming scheme; each layer imports only those below it (see each module's docstring):
 
-- ``install``   ``install_mixers(model, ctx)``: rebinds the kernel names of every recognised module to CP
+- ``install``   ``install_mixers(model, context)``: rebinds the kernel names of every recognised module to CP
                 wrappers that follow the switch (``MixerInstallation.remove()`` restores them);
 - ``registry``  ``recognise(module)``: the entry of ``families/`` it matches, or why none does;
 - ``families/`` the registry's entries, one module per family (every release of it): classes, forward

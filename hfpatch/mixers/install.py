@@ -1,6 +1,6 @@
 """Install the CP form of a model's sequence mixers, and take it out again.
 
-``install_mixers(model, ctx)`` finds every module the registry recognises, and rebinds each kernel name their
+``install_mixers(model, context)`` finds every module the registry recognises, and rebinds each kernel name their
 modeling modules' forwards call (e.g. ``modeling_qwen3_next.causal_conv1d_fn``) to a wrapper. The wrapper reads
 the switch on every call, like the attention wrapper:
 
@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from hfpatch.errors import PatchError, UnsupportedArgument, is_wrapper, mark_wrapper
+from hfpatch.errors import PatchError, UnsupportedArgument
+from hfpatch.undo import AllOrNothing, is_wrapper, mark_wrapper
 from hfpatch.mixers.kernel import KernelCall, SequenceKernel
 from hfpatch.mixers.kinds import KERNELS
 from hfpatch.mixers.registry import recognise
@@ -44,8 +45,8 @@ class MixerInstallation:
     """What ``install_mixers`` did. ``modules``: (qualified name, class name, family name) of every recognised
     mixer; ``sites``: "module.name" of every rebound kernel; ``calls``: Counter (kernel role, mode) -> calls."""
 
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
+    def __init__(self, context: Callable[[], Any]) -> None:
+        self._context = context
         self.modules: list[tuple[str, str, str]] = []
         self.calls: Counter = Counter()
         self._rebound: list[tuple[Any, str, Callable, Callable]] = []  # (modeling module, name, original, wrapper)
@@ -53,6 +54,11 @@ class MixerInstallation:
         self._replaced: list[tuple[torch.nn.Module, str, Callable, Optional[Callable]]] = []
         self._plan_key: Any = None
         self._plan: Optional[SegmentPlan] = None
+
+    @property
+    def ctx(self) -> Any:
+        """The ``RingContext`` the patch's calls run on now (the whole-model probe runs on its own)."""
+        return self._context()
 
     @property
     def sites(self) -> list[str]:
@@ -86,7 +92,7 @@ class MixerInstallation:
                 f"shard_inputs returned.",
                 "call patch.shard_inputs(...) for every batch and pass its input_ids and position_ids to the model.",
             )
-        key = (id(step), step, batch, seq_local, ctx.group)  # the group: the whole-model probe may swap it
+        key = (id(step), step, batch, seq_local, ctx.group)  # the group: the whole-model probe runs on its own
         if self._plan is None or self._plan_key[1] is not step or self._plan_key[2:] != key[2:]:
             layout = step.layout if step is not None else "contiguous"
             cu = step.cu_seqlens if step is not None and step.packed else None
@@ -151,12 +157,14 @@ class MixerInstallation:
         self._replaced.append((mixer, method, bound, previous))
 
 
-def install_mixers(model: torch.nn.Module, ctx: Any) -> MixerInstallation:
+def install_mixers(model: torch.nn.Module, context: Callable[[], Any]) -> MixerInstallation:
     """Rebind the kernels of every recognised mixer of ``model`` (see the module docstring); all-or-nothing.
 
-    Raises ``UnsupportedArgument`` (kernel) when the model has mixers and ``ctx`` pins the stripe layout.
+    ``context()``: the ``RingContext`` the patch's calls run on now. Raises ``UnsupportedArgument`` (kernel) when
+    the model has mixers and the context pins the stripe layout.
     """
-    installation = MixerInstallation(ctx)
+    installation = MixerInstallation(context)
+    ctx = context()
     targets: dict[tuple[int, str], tuple[Any, str, SequenceKernel]] = {}
     replacements: list[tuple[torch.nn.Module, str, Callable]] = []
     for path, module in model.named_modules():
@@ -169,14 +177,12 @@ def install_mixers(model: torch.nn.Module, ctx: Any) -> MixerInstallation:
             targets.setdefault((id(found.module), name), (found.module, name, KERNELS[role]))
     if targets and ctx.variant == "stripe":
         segments_of_layout("stripe", ctx.world_size, 0)  # raises the named refusal
-    try:
+    with AllOrNothing("the sequence mixers", installation) as undo:  # a failure undoes every rebinding made
         for module, name, kernel in targets.values():
             installation.rebind(module, name, kernel)
         for mixer, method, cp_form in replacements:
             installation.replace(mixer, method, cp_form)
-    except BaseException:
-        installation.remove()
-        raise
+        undo.pop_all()  # installed: the installation undoes it from now on
     if installation.modules:
         logger.info("hfpatch: %d sequence mixers run under CP (%s)", len(installation.modules),
                     ", ".join(sorted({family for _, _, family in installation.modules})))

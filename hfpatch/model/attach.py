@@ -15,9 +15,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from hfpatch.errors import UndoStack
+from hfpatch.undo import AllOrNothing, UndoStack
 from hfpatch.mixers import MixerInstallation, install_mixers
-from hfpatch.model import positions as model_positions
+from hfpatch.model import positions
 from hfpatch.model.heads import head_of, install_pooled_head
 from hfpatch.model.inputs_guard import install_inputs_guard
 from hfpatch.model.labels import averaged_over_group_now, install_labels_hook
@@ -58,18 +58,18 @@ class AttachedModel:
         return f"<hfpatch model {type(self.model).__name__}{' removed' if self.removed else ''}>"
 
 
-def attach(model: torch.nn.Module, *, wrapper: Callable, ctx: Any, track: Callable, ctx_of: Callable[[], Any],
+def attach(model: torch.nn.Module, *, wrapper: Callable, context: Callable[[], Any], track: Callable,
+           ctx_of: Callable[[], Any],
            transformers_version=None) -> AttachedModel:
     """Install every per-model part on ``model`` (module docstring). ``wrapper``: the patch's generated wrapper;
-    ``ctx``: its ``RingContext``; ``track(model)``: the dispatcher's forward tracking (an ``UndoStack``);
+    ``context()``: the ``RingContext`` its calls run on now; ``track(model)``: the dispatcher's forward tracking (an ``UndoStack``);
     ``ctx_of()``: the context while the patch is live, else None. All-or-nothing: on failure nothing is left."""
-    undo = UndoStack(f"the model {type(model).__name__}")
-    attached = AttachedModel(model=model, undo=undo)
-    try:
+    with AllOrNothing(f"the model {type(model).__name__}") as undo:  # a failure undoes every part installed
+        attached = AttachedModel(model=model, undo=undo)
         attached.routing = undo.push(route_model(model, wrapper, transformers_version=transformers_version),
                                      "the model routing")
-        undo.push(model_positions.install(model, ctx_of), "the position hooks")  # global positions
-        attached.mixers = undo.push(install_mixers(model, ctx), "the sequence mixers")
+        undo.push(positions.install(model, ctx_of), "the position hooks")  # global positions
+        attached.mixers = undo.push(install_mixers(model, context), "the sequence mixers")
         undo.push(track(model), f"the forward tracking of {type(model).__name__}")
         pooled = install_pooled_head(model, ctx_of, averaged_over_group_now)
         if pooled is not None:
@@ -78,8 +78,5 @@ def attach(model: torch.nn.Module, *, wrapper: Callable, ctx: Any, track: Callab
             undo.push(install_labels_hook(model, ctx_of, lambda: attached.labels_refusal,
                                           lambda: attached.labels_alignment), "the labels hook")
         undo.push(install_inputs_guard(model, ctx_of), "the inputs guard")  # images/audio refused
-    except BaseException:
-        if not undo.removed:
-            undo.remove()
-        raise
+        attached.undo = undo.pop_all()
     return attached

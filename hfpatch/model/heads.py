@@ -35,7 +35,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hfpatch.errors import UndoStack, UnsupportedArgument
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.undo import UndoStack
 from hfpatch.modes import current_mode
 from ring_kernels.layout import rank_positions
 

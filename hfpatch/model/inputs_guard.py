@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 
 from hfpatch.modes import current_mode
-from hfpatch.errors import UndoStack, UnsupportedArgument
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.undo import UndoStack
 
 __all__ = ["MODALITY_INPUT_PREFIXES", "install_inputs_guard"]
 

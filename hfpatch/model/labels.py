@@ -50,7 +50,8 @@ import torch
 
 from hfpatch import inputs
 from hfpatch.modes import current_mode
-from hfpatch.errors import UndoStack, UnsupportedArgument
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.undo import UndoStack
 from hfpatch.inputs import aligned_labels, is_shifted
 
 __all__ = ["install_labels_hook", "averaged_over_group", "averaged_over_group_now"]

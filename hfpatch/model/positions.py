@@ -46,7 +46,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from hfpatch.modes import current_mode
-from hfpatch.errors import UndoStack, UnsupportedArgument
+from hfpatch.errors import UnsupportedArgument
+from hfpatch.undo import AllOrNothing, UndoStack
 from hfpatch.model.routing import modality_towers
 from ring_kernels.layout import local_positions
 
@@ -358,9 +359,8 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> UndoStack:
     ``UndoStack`` (``remove()`` takes them all off). ``ctx_of()``: the live ``RingContext`` (None once the patch is
     inactive or removed)."""
     towers = modality_towers(model)  # vision/audio encoders: their positions number frames, never token shards
-    handles = UndoStack(f"the position hooks of {type(model).__name__}")
     owners: dict[int, _OwnerPositions] = {}
-    try:
+    with AllOrNothing(f"the position hooks of {type(model).__name__}") as handles:  # a failure takes every hook off
         for name, module in model.named_modules():
             if any(name == tower or name.startswith(tower + ".") for tower in towers):
                 continue
@@ -375,7 +375,4 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> UndoStack:
                     owner = owners[id(owner_module)] = _OwnerPositions(owner_module)
                     handles.push(owner_module.register_forward_pre_hook(owner, with_kwargs=True), f"{name}'s owner")
             handles.push(module.register_forward_hook(_feed_hook(entry, ctx_of, owner), with_kwargs=True), name)
-    except BaseException:
-        handles.remove()
-        raise
-    return handles
+        return handles.pop_all()

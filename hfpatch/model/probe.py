@@ -40,6 +40,7 @@ and output in the model's dtype (benchmarks/model_probe_cost.py measures both).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from hfpatch import inputs as _inputs
-from hfpatch.attention.semantics import make_usp_groups
+from hfpatch.attention.context import make_usp_groups
 from hfpatch.model import heads as _heads
 from hfpatch.model.positions import position_kwargs
 from hfpatch import modes
@@ -331,14 +332,17 @@ def _training_flags(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]
     return [(m, m.training) for m in model.modules()]
 
 
-def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROBE_TOKENS_PER_RANK,
+def probe_model(model: torch.nn.Module, patch: Any, *, tokens_per_rank: int = PROBE_TOKENS_PER_RANK,
                 tolerance: Optional[float] = None) -> ProbeResult:
-    """Run the probe (module docstring) on ``model`` over ``ctx.group``; raise ``ModelDivergence`` naming the first
-    diverging module input or output, or return the ``ProbeResult``. ``tolerance``: relative error allowed per
-    compared tensor (default: ``probe_tolerance`` of the model's dtype). Collective: every rank of the group must
-    call it. The model's forward must already reach the installed wrapper (``apply(model=)`` switches it first).
-    An exception inside either forward propagates (on every rank: the inputs and the model are the same on all of
-    them)."""
+    """Run the probe (module docstring) on ``model`` over ``patch.ctx.group``; raise ``ModelDivergence`` naming the
+    first diverging module input or output, or return the ``ProbeResult``. ``patch``: the ``hfpatch.Patch`` the
+    model is on; the probe runs on a context of its own (``dataclasses.replace`` of the patch's, with its own step,
+    and its own group where ``_group_for`` makes one: ``patch.running_on``), so the patch's step is untouched.
+    ``tolerance``: relative error allowed per compared tensor (default: ``probe_tolerance`` of the model's dtype).
+    Collective: every rank of the group must call it. The model's forward must already reach the installed wrapper
+    (``apply(model=)`` switches it first). An exception inside either forward propagates (on every rank: the inputs
+    and the model are the same on all of them)."""
+    ctx = patch.ctx
     device, dtype = _device_and_dtype(model)
     tolerance = probe_tolerance(dtype) if tolerance is None else tolerance
     seq = tokens_per_rank * ctx.world_size
@@ -350,25 +354,24 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
     flags = _training_flags(model)
     probe = _Probe(model)
     probe._whole = seq
-    previous_step = ctx.step
     group = _group_for(ctx, device)
-    previous_group, ctx.group = ctx.group, group
-    previous_heads = heads = ctx.heads
-    previous_machine = ctx.machine
+    heads = ctx.heads
+    probe_ctx = dataclasses.replace(ctx)   # its own step: the patch's is untouched
     try:
-        if group is not previous_group:
-            ctx.machine = None   # auto's head-parallel groups belong to the CP group: the probe's plans the ring
+        if group is not ctx.group:
             if heads is not None and heads.ulysses_group is not None:
                 # USP's subgroups of the probe's gloo group (made by every rank of it, as the group was)
-                ctx.heads = heads = make_usp_groups(group, heads.ulysses, heads.ring, backend="gloo")
+                heads = make_usp_groups(group, heads.ulysses, heads.ring, backend="gloo")
+            # auto's head-parallel groups belong to the CP group: on its own group the probe plans the ring
+            probe_ctx = dataclasses.replace(ctx, group=group, heads=heads, machine=None)
         model.eval()
-        with torch.no_grad():
+        with patch.running_on(probe_ctx), torch.no_grad():
             with modes.switch("local"), _named_failure(model, "non-CP"):
                 probe.record(model, seq, input_ids=ids, **no_cache, **extra,
                              **position_kwargs(model, torch.arange(seq, device=device)[None]))
             labels_alignment, labels_refusal = _own_loss_check(model, ids, tolerance=tolerance,
                                                                logits_shape=probe.field_shape("logits"))
-            batch = _inputs.shard_inputs(ctx, ids)
+            batch = _inputs.shard_inputs(probe_ctx, ids)
             index = batch["position_ids"][0].to(device)  # the global token indices this rank holds, in its order
             with modes.switch("ring"), _named_failure(model, "CP"):
                 probe.force(model, index, input_ids=batch["input_ids"], **no_cache, **extra,
@@ -378,12 +381,10 @@ def probe_model(model: torch.nn.Module, ctx: Any, *, tokens_per_rank: int = PROB
             errors = _all_max(errors, group, device)
     finally:
         probe.remove()
-        ctx.group, ctx.heads, ctx.machine = previous_group, previous_heads, previous_machine
-        ctx.set_step(previous_step)
-        if heads is not previous_heads:
+        if heads is not ctx.heads:
             dist.destroy_process_group(heads.ulysses_group)
             dist.destroy_process_group(heads.ring_group)
-        if group is not previous_group:
+        if group is not ctx.group:
             dist.destroy_process_group(group)
         for module, training in flags:
             module.training = training

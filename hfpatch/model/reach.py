@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-from hfpatch.errors import RingNotReached, UndoStack
+from hfpatch.errors import RingNotReached
+from hfpatch.undo import UndoStack
 
 __all__ = ["ReachWatch"]
 

@@ -38,7 +38,7 @@ import torch
 from hfpatch import version_gates
 from hfpatch.attention.discovery import attention_modules
 from hfpatch.errors import AlreadyRemoved, UnsupportedArgument
-from hfpatch.errors import is_wrapper, mark_wrapper
+from hfpatch.undo import AllOrNothing, is_wrapper, mark_wrapper
 
 __all__ = ["FLASH_IMPLEMENTATION", "ModelRouting", "has_flash_path", "route_model", "modality_towers"]
 
@@ -329,7 +329,7 @@ def route_model(model: Any, wrapper: Callable, *, transformers_version=None) -> 
         )
     record = ModelRouting()
     _live.add(record)
-    try:
+    with AllOrNothing(f"the routing of {type(model).__name__}", record) as undo:  # a failure undoes what it changed
         _swap_classes(model, record)
         for config in _configs(model):
             record.configs.append((config, config.__dict__.get("_attn_implementation_internal", _UNSET)))
@@ -338,9 +338,7 @@ def route_model(model: Any, wrapper: Callable, *, transformers_version=None) -> 
         _switch_module_copies(model, record)
         _inject_missing_bindings(model, wrapper, record)
         _guard_target_dtype(model, record)
-    except BaseException:
-        record.remove()
-        raise
+        undo.pop_all()  # routed: the record undoes it from now on
     return record
 
 

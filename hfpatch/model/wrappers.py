@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from hfpatch.model import positions as model_positions
+from hfpatch.model import positions
 from hfpatch.model.routing import has_flash_path
 
 __all__ = ["WrapperRefusal", "accepts_position_ids", "held_models", "inner_model", "wrapper_refusal"]
@@ -181,7 +181,7 @@ def _takes_step(model: torch.nn.Module) -> bool:
         return True
     if not hasattr(model, "config"):
         return False
-    return accepts_position_ids(model) or any(model_positions.recognise(model, m) is not None
+    return accepts_position_ids(model) or any(positions.recognise(model, m) is not None
                                               for m in model.modules())
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hfpatch.attention.semantics import RingContext
+from hfpatch.attention.context import RingContext
 from ring_kernels.layout import unshard
 
 __all__ = ["gather_tokens"]

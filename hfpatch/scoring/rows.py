@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from hfpatch.attention.semantics import packed_cu_seqlens, plan_step
+from hfpatch.attention.kernel_choice import plan_step
+from hfpatch.attention.step import packed_cu_seqlens
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import IGNORE_INDEX
 

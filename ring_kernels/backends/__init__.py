@@ -9,19 +9,17 @@ mask kind and softcap wins):
 - CPU: ``torch_cpu`` (aten's fused flash kernel for CPU, FULL/CAUSAL without a mask tensor, GENERAL with an
   additive mask), then ``reference`` (the only one that does softcap, and any dtype). ``triton`` exists on CPU
   only under ``TRITON_INTERPRET=1`` (for tests) and comes last.
-- CUDA: ``torch_cudnn`` (fastest measured on H100/H200: ~2x torch's flash; benchmarks/results/
-  has the runs), ``torch_flash`` (FlashAttention-2 built into torch), ``triton`` (our
-  kernel, when triton is importable: the fast one that does softcap), ``torch_efficient`` (slowest, but fp32 and
-  arbitrary additive masks: windows, documents), ``reference`` (anything, slowly). In fp32, ``torch_efficient``
-  comes before ``triton``: Triton compiles and autotunes its fp32 tiles per shape class, which took 41 s over the
-  first fp32 ring call of a 4-layer model on an H100 (benchmarks/results/probe_margin_fp32_2xH100_b2deb62.txt) and
-  kept a 6-step fp32 SFT run on 2 H200s from its first step within 170 s; fp32 is the dtype of exactness checks,
-  where that wait is all cost. ``triton`` stays the fp32 choice where ``torch_efficient`` cannot (softcap).
+- CUDA: ``torch_cudnn``, ``torch_flash`` (FlashAttention-2 built into torch), ``triton`` (our kernel, when
+  triton is importable: the fast one that does softcap), ``torch_efficient`` (fp32 and arbitrary additive masks:
+  windows, documents), ``reference`` (anything, slowly): fastest measured first
+  (docs/performance.md#which-block-backend-ran-and-which-commit). In fp32, ``torch_efficient`` comes before
+  ``triton``: Triton compiles and autotunes its fp32 tiles per shape class before the first call of each, and
+  fp32 is the dtype of exactness checks, where that wait is all cost. ``triton`` stays the fp32 choice where
+  ``torch_efficient`` cannot (softcap).
 
-Chosen by name only: ``flash_attn`` (the flash-attn package). Its adapter is tested against a stand-in module
-with the parameter names of flash-attn 2.6 and 2.7 (tests/test_backends.py) and against the real flash-attn 2.8.3
-on an H100 (tests/gpu/test_backends_gpu.py), but not yet timed against torch's ops, so ``"auto"`` does not rank
-it; ``backend="flash_attn"`` picks it, and ``available_backends`` lists it after auto's ranking where it is
+Chosen by name only: ``flash_attn`` (the flash-attn package; its adapter is checked against flash-attn 2.6's and
+2.7's signatures and the real 2.8.3). It has not been timed against torch's ops, so ``"auto"`` does not rank it;
+``backend="flash_attn"`` picks it, and ``available_backends`` lists it after auto's ranking where it is
 importable.
 
 Every choice (``"auto"``'s with the reason the faster backends could not, a name's, the varlen kernel's, and a

@@ -1,7 +1,7 @@
 """Packed-document (varlen) blocks on torch's own CUDA flash op: every document of a step in one call.
 
 The block backends compute one (query rows x key rows) block per call; with dozens of packed documents a
-ring step is dozens of small calls (14-30 TFLOP/s measured on H200). ``aten._flash_attention_forward`` /
+ring step is dozens of small calls, each far below the kernel's rate. ``aten._flash_attention_forward`` /
 ``_backward`` (FlashAttention-2 inside torch) take packed tensors with cumulative lengths instead:
 
     q:    (Tq, H,  D)   documents back to back; document i is q[cu_q[i]:cu_q[i+1]]
@@ -20,14 +20,11 @@ backend choice (the ``"torch_flash"`` backend, or ``"auto"`` when its per-docume
 notes each time it does in ``choices`` (backend ``"torch_flash_varlen"``, mask ``documents``).
 
 What "cost more" counts (``CudnnShapes``): cuDNN builds an execution graph for every new (query rows, key rows)
-shape, which costs about 0.3 s of host time per shape, forward and backward together, against about 0.8 ms for a
-shape it has built (one H100, torch 2.11: benchmarks/results/cudnn_shape_cost_1xH100_9502c84.log). Packed
-documents of varied lengths bring new shapes at every step: SFT rows of ~2k-token documents on 2 H100s ran
-4.9 s per step with per-document cuDNN calls (benchmarks/results/sft_throughput_2xH100_32k_9502c84.md; the
-profile, ``profile_sft_2xH100_9502c84_hfpatch_packed.log``, has cuDNN's forward and backward at 3.5 and 5.7 ms of
-host time per call on average). So a shape cuDNN has not built costs its graph, unless the calls that went to
-flash for it already lost that much against cuDNN's kernel (rent or buy: a shape that keeps coming back is
-built, one seen a few times is not).
+shape, whose host time (``_CUDNN_GRAPH_BUILD_S``, forward and backward together) is far above that of a call on
+a shape it has built, and packed documents of varied lengths bring new shapes at every step. So a shape cuDNN has
+not built costs its graph, unless the calls that went to flash for it already lost that much against cuDNN's
+kernel (rent or buy: a shape that keeps coming back is built, one seen a few times is not). The measurements
+behind it: docs/performance.md#sfttrainer-on-2-gpus.
 """
 from __future__ import annotations
 
@@ -48,8 +45,8 @@ _HALF = (torch.float16, torch.bfloat16)
 _FLASH_FLOPS_PER_S = 286e12
 _CUDNN_FLOPS_PER_S = 528e12
 _PER_BLOCK_OVERHEAD_S = 100e-6
-# Host time of cuDNN's graph build for a shape it has not seen, forward + backward (module docstring): 0.3 s on
-# average over 30 new causal lengths of 512-1536 tokens, 32 heads x 128, bf16, on one H100.
+# Host time of cuDNN's graph build for a shape it has not seen, forward + backward: 0.3 s on average over 30 new
+# causal lengths of 512-1536 tokens, 32 heads x 128, bf16, on one H100 (docs/performance.md#sfttrainer-on-2-gpus).
 _CUDNN_GRAPH_BUILD_S = 0.3
 
 
