@@ -1,8 +1,8 @@
 """Ring exchange over the GPU's copy engines (torch symmetric memory), and the choice between it and NCCL.
 
 Why: NCCL's SendRecv kernels need SMs. Launched next to an attention kernel that fills every SM (cuDNN), the
-32 MB K/V transfer of a ring step only starts at that kernel's tail and leaves the compute stream idle for
-~90-260 us per step on 2xH200. A peer-to-peer ``tensor.copy_`` between symmetric-memory buffers is a
+K/V transfer of a ring step only starts at that kernel's tail and leaves the compute stream idle meanwhile
+(docs/performance.md, "Where the time goes", has the measurements). A peer-to-peer ``tensor.copy_`` between symmetric-memory buffers is a
 copy-engine (CE) transfer over NVLink: no SMs. What remains is telling the peers "my staging is filled" and
 "I have read yours", two ways (``signal=``):
 - "barrier" (default): torch's one-block barrier kernel, with a timeout. It still needs an SM for a moment;

@@ -143,7 +143,7 @@ def usp_cases():
 # ---------------------------------------------------------------------------------------------- running
 
 
-def _grid(rank: int) -> usp.UspGroups:
+def build_grid(rank: int) -> usp.UspGroups:
     """The 2 x 2 grid of the default group, built by ring_kernels (Ulysses groups of consecutive ranks, {0, 1} and
     {2, 3}, rings {0, 2}, {1, 3}): the grid the kernel itself checks groups against, and this rank's place in it."""
     grid = rk.build_usp_groups(None, 2, 2)
@@ -424,7 +424,7 @@ def _usp_gathers_the_ring_shard(rank: int, grid: usp.UspGroups) -> None:
 
 
 def _world(rank: int, world: int, cases) -> None:
-    grid = _grid(rank) if world == 4 else None
+    grid = build_grid(rank) if world == 4 else None
     if grid is not None:
         _usp_gathers_the_ring_shard(rank, grid)
     for case in cases:

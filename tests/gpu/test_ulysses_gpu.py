@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _dist import run_world
-from test_ring_ulysses import Grid, documents_for, make_case, run_case
+from test_ring_ulysses import build_grid, documents_for, make_case, run_case
 
 pytestmark = [pytest.mark.gpu]
 
@@ -52,7 +52,7 @@ def _cases(world: int):
 
 
 def _rank(rank: int, world: int) -> None:
-    grid = Grid(rank) if world == 4 else None
+    grid = build_grid(rank) if world == 4 else None
     device = torch.device("cuda", rank)
     for case in _cases(world):
         run_case(rank, world, case, grid, device=device)
