@@ -5,9 +5,9 @@ Run with a tox env's interpreter (not by CI; its result is quoted in docs/ci.md)
     .tox/tf4.48.3/bin/python .ci/prove_selection.py [pytest args, e.g. -n 2 --dist loadscope]
 
 On a copy of the tree whose registry entry for that env's transformers release has its first parameter renamed
-(tests/test_ci_selection.py's ``broken_copy``; no other release's entry changes), it runs the tests that env runs
-(``-m release_dependent``), which must fail, and the tests it leaves out (``-m "not release_dependent"``), which
-must pass: the break is invisible to them, so only the selection catches it. Exit 0 when both hold.
+(tests/tooling/test_ci_selection.py's ``broken_copy``; no other release's entry changes), it runs the tests that env
+runs (``-m release_dependent``), which must fail, and the tests it leaves out (``-m "not release_dependent"``),
+which must pass: the break is invisible to them, so only the selection catches it. Exit 0 when both hold.
 """
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def _run(copy: Path, marker: str, extra: list[str]) -> tuple[int, str, list[str]
 
 
 def main(extra: list[str]) -> int:
-    sys.path.insert(0, str(ROOT / "tests"))
+    # test_ci_selection and the helpers it imports by bare name (tests/conftest.py's path); the root first, so that
+    # tests/ring_kernels/ is not taken for the ring_kernels package.
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "tooling")]
     from test_ci_selection import broken_copy
 
     import transformers

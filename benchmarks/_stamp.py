@@ -40,7 +40,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNCOMMITTED = "uncommitted-tree"
 # What a result depends on: the kernels, the patch, the harnesses and the examples they run.
 # Directory names (the stamp reads files, never imports them), written as one string so that the CI selection's
-# static check (tests/test_ci_selection.py) does not take the directory "hfpatch" for a module reference.
+# static check (tests/tooling/test_ci_selection.py) does not take the directory "hfpatch" for a module reference.
 SOURCE_DIRS = tuple("benchmarks examples hfpatch ring_kernels".split())
 _EXCLUDED_PREFIXES = ("benchmarks/results/",)
 _EXCLUDED_PARTS = ("__pycache__", "build", "dist", ".pytest_cache")   # .gitignore's entries under SOURCE_DIRS

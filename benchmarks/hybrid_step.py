@@ -8,8 +8,8 @@ Launch (one process per GPU; the same script on 1, 2, 4 or 8 GPUs)::
     torchrun --nproc-per-node 2 benchmarks/hybrid_step.py --family nemotron_h --modes hfpatch,single --out DIR
 
 (``python benchmarks/hybrid_step.py ...`` without torchrun runs one process.) On CPU, tiny, over gloo (what
-``tests/test_hybrid_step_bench.py`` runs): ``torchrun --nproc-per-node 2 benchmarks/hybrid_step.py --device cpu
---dtype fp32 --size tiny --seq-per-gpu 64 --optimizer sgd --steps 1 --warmup 0``.
+``tests/tooling/test_hybrid_step_bench.py`` runs): ``torchrun --nproc-per-node 2 benchmarks/hybrid_step.py
+--device cpu --dtype fp32 --size tiny --seq-per-gpu 64 --optimizer sgd --steps 1 --warmup 0``.
 
 **The model.** A transformers hybrid class built from its own config class, random weights (the same seed on every
 rank), ``--dtype`` (bf16), train mode, no dropout. ``--family`` (``FAMILIES``):

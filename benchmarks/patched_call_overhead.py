@@ -2,8 +2,8 @@
 directly, in one run (target: <= 2 us added per call).
 
 Run: ``python benchmarks/patched_call_overhead.py [--number N] [--repeat R] [--layers L] [--out FILE]``. Not a test
-(timings vary with the machine and its load); ``tests/test_call_overhead.py`` runs it at tiny counts so that it
-cannot rot, and guards the budget with a ratio measured the same way.
+(timings vary with the machine and its load); ``tests/attention/test_call_overhead.py`` runs it at tiny counts so
+that it cannot rot, and guards the budget with a ratio measured the same way.
 
 What is timed -- the real path, through public seams only:
 

@@ -7,7 +7,7 @@
 #   probe     tests/gpu/test_probe_gpu.py: apply(model=) with verify=True on Llama-3-8B in bf16 over 2 and 4 GPUs
 #   margin    benchmarks/probe_margin.py on 4 GPUs (bf16 with the 8B, fp32) and 2 GPUs (bf16 with the 8B)
 #   cost      benchmarks/model_probe_cost.py: the probe on the 8B on one GPU, against one 4k-token forward
-#   python    tests/test_fingerprint.py and `hfpatch models --check` on this Python (CPU; in the background)
+#   python    tests/mixers/test_fingerprint.py and `hfpatch models --check` on this Python (CPU; in the background)
 #   hybrids   tests/gpu/test_hybrids_gpu.py on GPUs 0,1, beside `sft` on GPUs 2,3 (on 0,1 too on a 2-GPU machine)
 #   sft       benchmarks/sft_cp_compare.py: examples/sft_cp.py with cp=2 and cp=1, bf16 then fp32 (SFT_RUNS:
 #             "dtype:tokens per row" pairs, default "bfloat16:16384 float32:8192"; "none": no comparison); with
@@ -36,7 +36,7 @@ python3 -c "import os, sys, torch, transformers; print('python', sys.version.spl
 'NCCL_NVLS_ENABLE', os.environ.get('NCCL_NVLS_ENABLE'))" | tee "$OUT/versions.log"
 
 if wants python; then
-  (timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fingerprint.py; echo "fingerprint exit $?"
+  (timeout 300 python3 -m pytest -q -p no:cacheprovider tests/mixers/test_fingerprint.py; echo "fingerprint exit $?"
    timeout 300 python3 -m hfpatch models --check; echo "models exit $?") > "$OUT/python_sweep.log" 2>&1 &
 fi
 if wants probe; then

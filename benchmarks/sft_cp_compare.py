@@ -4,7 +4,7 @@ per-step losses side by side, compared with ring_kernels.tolerances' "cp" loss e
     # 2 GPUs (NCCL; accelerate launch with FSDP2, as the example's docstring launches it), bf16 weights:
     python benchmarks/sft_cp_compare.py --device cuda --cp 2 --out DIR -- --model small --dtype bfloat16 \
         --pack-len 16384 --doc-len 2048 --steps 6
-    # CPU (gloo, torchrun), tiny, fp32 (what tests/test_sft_cp_compare.py runs):
+    # CPU (gloo, torchrun), tiny, fp32 (what tests/tooling/test_sft_cp_compare.py runs):
     python benchmarks/sft_cp_compare.py --device cpu --cp 2 --out DIR -- --steps 3
 
 Two launches of the example, each writing its steps with ``--log-json``: ``--cp N`` on N processes (dp = 1: one CP

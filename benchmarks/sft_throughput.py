@@ -16,7 +16,7 @@ GPU (T = ``--tokens-per-gpu``, N = ``--cp``):
     # 2 GPUs, the ~1B Llama at 32k tokens per GPU, bf16 (benchmarks/README.md):
     python benchmarks/sft_throughput.py --device cuda --out benchmarks/results --model small --dtype bfloat16 \\
         --tokens-per-gpu 32768 --steps 6 --timeout 180
-    # CPU (gloo), tiny (what tests/test_sft_throughput.py runs; the accelerate row is refused on CPU):
+    # CPU (gloo), tiny (what tests/tooling/test_sft_throughput.py runs; the accelerate row is refused on CPU):
     python benchmarks/sft_throughput.py --device cpu --out DIR --model tiny --dtype float32 --tokens-per-gpu 128 \\
         --doc-len 32 --steps 2
 

@@ -16,10 +16,10 @@ completions; every scoring forward (policy, reference) runs as one packed row sp
 TRL's step the CP ranks of a group count as one process (``hfpatch.integrations.policy_gradient``), so TRL's loss
 and every metric it logs are the non-CP ones. One data-parallel replica (``dp=1``): the completions a process
 samples depend on its seed, so a run with dp > 1 compares against one without CP on as many processes
-(tests/test_integrations.py does, at 2 x 2). The model is built from a config, with a word-level tokenizer over its
-vocabulary. What rank 0 prints, and ``--no-compare``, ``--plot FILE`` and ``--log-json PATH``: as in
-examples/trainer_cp.py (every step with the mean reward and the KL, the throughput, then the same steps without CP
-as one process, side by side with the verdict).
+(tests/integrations/test_integrations.py does, at 2 x 2). The model is built from a config, with a word-level
+tokenizer over its vocabulary. What rank 0 prints, and ``--no-compare``, ``--plot FILE`` and ``--log-json PATH``: as
+in examples/trainer_cp.py (every step with the mean reward and the KL, the throughput, then the same steps without
+CP as one process, side by side with the verdict).
 """
 from __future__ import annotations
 

@@ -170,7 +170,8 @@ def hfpatch_cp_trainer(options, model, dataset, tokenizer, settings: dict, packe
 
     dp, cp = options.dp, options.cp
     with on_cpu(options.device):
-        # README.md: begin (README.md shows the lines up to "README.md: end"; tests/test_examples.py compares them)
+        # README.md shows the lines from here up to "README.md: end" (tests/integrations/test_examples.py compares)
+        # README.md: begin
         config = SFTConfig(**settings, padding_free=packed, max_length=None,  # an SFTConfig field, not SFTTrainer's
                            parallelism_config=ParallelismConfig(dp_shard_size=dp, cp_size=cp))
         trainer = SFTTrainer(model=model, args=config, train_dataset=dataset,

@@ -133,7 +133,8 @@ def train(options) -> dict:
                     disable_tqdm=True, ddp_find_unused_parameters=False)
     dp, cp = options.dp, options.cp
     with on_cpu(options.device):
-        # README.md: begin (README.md shows the lines up to "README.md: end"; tests/test_examples.py compares them)
+        # README.md shows the lines from here up to "README.md: end" (tests/integrations/test_examples.py compares)
+        # README.md: begin
         training_args = TrainingArguments(**settings,
                                           parallelism_config=ParallelismConfig(dp_shard_size=dp, cp_size=cp))
         trainer = Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=default_data_collator)

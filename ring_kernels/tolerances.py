@@ -2,8 +2,8 @@
 
 Every test that compares a result with an expected one, and every runtime check that does (the model sweep, the
 whole-model probe), takes its bound from ``TABLE`` through ``tolerance(comparison, dtype, quantity)`` and applies
-it with ``check`` / ``assert_close``; docs/user-guide.md quotes ``table_markdown()`` (tests/test_tolerances.py
-keeps the two equal).
+it with ``check`` / ``assert_close``; docs/user-guide.md quotes ``table_markdown()``
+(tests/ring_kernels/test_tolerances.py keeps the two equal).
 
 Each comparison has one measure (``MEASURES``):
 
@@ -17,8 +17,8 @@ Each comparison has one measure (``MEASURES``):
 
 A bound is set from the worst error measured over the tests' cases, with a margin, and each entry gives its
 reason. A semantic error (a wrong mask, a missing block, positions off by a shard) is orders of magnitude above
-every bound; tests/test_e2e_models.py and tests/test_training_stack.py show that for a window one token wide and a
-missing gradient reduction.
+every bound; tests/model/test_e2e_models.py and tests/integrations/test_training_stack.py show that for a window one
+token wide and a missing gradient reduction.
 """
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ COMPARISONS = {
 _ROUNDING = "the ring merges blocks through an fp32 log-sum-exp and sums over ranks in another order"
 
 _ENTRIES = [
-    # kernel vs float64 (worst measured over tests/test_backends, test_ring_batch, test_ring_varlen, test_ring_sinks,
-    # test_triton_backend on CPU, and the ring/varlen GPU cases on one H100) ---------------------------------------
+    # kernel vs float64 (worst measured over tests/ring_kernels/test_backends, test_ring_batch, test_ring_varlen,
+    # test_ring_sinks, test_triton_backend on CPU, and the ring/varlen GPU cases on one H100) -----------------------
     Tolerance("kernel", "float32", "out", 1e-5, "fp32 rounding of softmax and P@V; measured worst 1.6e-6"),
     Tolerance("kernel", "float32", "lse", 1e-5, "fp32 rounding of the row max and log-sum; measured worst 3.6e-7"),
     Tolerance("kernel", "float32", "grad", 1e-5, "fp32 rounding of dS and the gradient products; measured worst "

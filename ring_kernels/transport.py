@@ -61,7 +61,7 @@ DEFAULT_TIMEOUT_MS = 600_000    # like NCCL's default: a rank that never arrives
 
 
 # The CUDA calls of the exchange's data path go through this name, so that tests can run that path on CPU
-# processes with stand-ins (tests/test_transport.py); nothing else replaces it.
+# processes with stand-ins (tests/ring_kernels/test_transport.py); nothing else replaces it.
 cuda = torch.cuda
 
 

@@ -7,8 +7,10 @@
     python scripts/import_graph.py --check-doc docs/architecture.md   # exit 1 if that block is stale
 
 Modules: every ``.py`` file under ``hfpatch/``, ``ring_kernels/`` and ``tests/``. A test module's plain ``import
-_dist`` is ``tests/_dist.py`` (tests/conftest.py puts tests/ on ``sys.path``). Imports through ``importlib`` or
-``__import__`` (hfpatch's lazy public names, the command line's subcommands) are not followed.
+_dist`` or ``import test_layout`` is the module of that name in tests/ or in one of its folders
+(``tests/_dist.py``, ``tests/ring_kernels/test_layout.py``: tests/conftest.py puts each folder on ``sys.path``, and
+the names are unique across them). Imports through ``importlib`` or ``__import__`` (hfpatch's lazy public names,
+the command line's subcommands) are not followed.
 
 The graph groups modules by wing: ``ring_kernels``, each module at hfpatch's root (``hfpatch.api``), each
 subpackage of hfpatch (``hfpatch.attention``), and ``tests``. A wing is listed after every wing it imports; an
@@ -99,7 +101,8 @@ def _module_name(path: Path, root: Path) -> tuple[str, bool]:
 
 
 def discover(root: Path = REPO) -> dict[str, Module]:
-    """Every module of the packages and of tests/, by dotted name (tests/_dist.py is ``tests._dist``)."""
+    """Every module of the packages and of tests/, by dotted name (tests/_dist.py is ``tests._dist``,
+    tests/ring_kernels/test_layout.py ``tests.ring_kernels.test_layout``)."""
     modules = {}
     for top in (*PACKAGES, TESTS):
         for path in sorted((root / top).rglob("*.py")):
@@ -142,7 +145,9 @@ class Resolver:
 
     def __init__(self, modules: dict[str, Module]):
         self.modules = modules
-        self.tests_tops = {n.split(".")[1] for n in modules if n.startswith(TESTS + ".")}
+        # bare module name -> dotted name, for the modules of tests/ and its folders (what a test's plain import
+        # finds)
+        self.tests_modules = {n.rsplit(".", 1)[1]: n for n in modules if n.startswith(TESTS + ".")}
 
     def absolute(self, importer: Module, module: str | None, level: int) -> str | None:
         """The absolute dotted name of ``from <level dots><module> import ...`` (or ``import module``)."""
@@ -155,8 +160,8 @@ class Resolver:
         top = (module or "").split(".")[0]
         if top in PACKAGES:
             return module
-        if importer.name.startswith(TESTS + ".") and top in self.tests_tops:
-            return f"{TESTS}.{module}"
+        if importer.name.startswith(TESTS + ".") and top in self.tests_modules:
+            return ".".join([self.tests_modules[top], *module.split(".")[1:]])
         return None
 
     def known(self, dotted: str) -> str | None:

@@ -9,8 +9,8 @@
 #           torch and transformers at .ci/run's pins (reused while the pins match), then the project from the
 #           repo (bind-mounted at /src): `pip install -e '.[test]'`
 #   tests   the release-independent unit tests: pytest -n 2 --dist loadscope -m "not release_dependent"
-#   models  tests/test_fingerprint.py (the mixer registry's keys equal Python 3.11's on every modeling file), then
-#           `hfpatch models --check --no-heads`: the model sweep against MODELS.md (the heads table, which
+#   models  tests/mixers/test_fingerprint.py (the mixer registry's keys equal Python 3.11's on every modeling
+#           file), then `hfpatch models --check --no-heads`: the model sweep against MODELS.md (the heads table, which
 #           needs peft and the CI pin's venv, is checked by the README suite)
 #
 # Inside the root, pip sees what it sees on this machine: the host's pip configuration files, its PIP_* and CA
@@ -171,7 +171,7 @@ for part in "${parts[@]}"; do
     case $part in
         tests) timed tests in_root python -m pytest -q -p no:cacheprovider -n 2 --dist loadscope \
                    -m "not release_dependent" "${pytest_args[@]}" ;;
-        models) timed fingerprints in_root python -m pytest -q -p no:cacheprovider tests/test_fingerprint.py
+        models) timed fingerprints in_root python -m pytest -q -p no:cacheprovider tests/mixers/test_fingerprint.py
                 timed models in_root hfpatch models --check --no-heads ;;
     esac
 done

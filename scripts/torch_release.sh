@@ -22,12 +22,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The oldest supported series' tested release (TORCH_OLDEST in ring_kernels/torch_releases.py;
-# tests/test_torch_releases.py checks that the two agree).
+# tests/ring_kernels/test_torch_releases.py checks that the two agree).
 oldest=torch==2.9.1
 torch_pin=$oldest venv=.venv-torch-oldest label=torch-oldest
 # Real-scale cases are about depth and width, not torch: they run once, in the CI venv.
-torch_modules=(tests/test_keep_attention.py tests/test_training_stack.py tests/test_e2e_models.py
-               tests/test_check_cli.py)
+torch_modules=(tests/attention/test_keep_attention.py tests/integrations/test_training_stack.py
+               tests/model/test_e2e_models.py tests/tooling/test_check_cli.py)
 
 die() { echo "scripts/torch_release.sh: $*" >&2; exit 1; }
 . scripts/ci_pins.sh

@@ -8,36 +8,43 @@ module out of the older envs is a decision written here, with its reason.
 
 A module may be listed only when nothing it runs can see transformers: it exercises ``ring_kernels`` (which
 knows nothing of transformers or hfpatch), the test harness, or benchmark scripts built on those.
-tests/test_ci_selection.py checks that statically for every listed module and the local modules it imports
-(tests/, benchmarks/, ring_kernels/): no import of ``hfpatch`` or ``transformers`` anywhere in them.
+tests/tooling/test_ci_selection.py checks that statically for every listed module and the local modules it
+imports (tests/ and its folders, benchmarks/, ring_kernels/): no import of ``hfpatch`` or ``transformers``
+anywhere in them.
 """
 from __future__ import annotations
 
 MARKER = "release_dependent"
 
-# module path relative to tests/ -> why the transformers release cannot change its outcome
+# module path relative to tests/ ("ring_kernels/test_layout.py") -> why the transformers release cannot change its
+# outcome
 RELEASE_INDEPENDENT = {
-    "test_backends.py": "ring_kernels' block-attention backends against a plain reference",
-    "test_benchmarks_cpu.py": "benchmarks/ (ring_bench, native_cp, cpu_peak_memory) on ring_kernels; the release "
-                              "is only a version string in the result stamp",
-    "test_dist_harness.py": "ring_kernels.world, the local worlds of the tests (tests/_dist.py) on gloo",
-    "test_import_graph.py": "scripts/import_graph.py reads the source with ast; nothing it checks is imported",
-    "test_host_syncs.py": "benchmarks/host_path.py's host-op counter on ring_kernels' varlen path",
-    "test_layout.py": "ring_kernels.layout shard / unshard",
-    "test_layout_costs.py": "ring_kernels.layout_costs and scripts/fit_layout_costs.py on the committed layout grid",
-    "test_merge.py": "ring_kernels' LSE merge (eager and the fused Triton kernels under the interpreter)",
-    "test_ring_batch.py": "ring_kernels' batch ring / zigzag / stripe engines on gloo worlds",
-    "test_ring_checkpointing.py": "ring_kernels.checkpointing (kept ring outputs through torch's checkpointing) on "
-                                  "gloo worlds",
-    "test_ring_options.py": "ring_kernels' options object (defaults, setter, scope, environment override)",
-    "test_ring_sinks.py": "ring_kernels' attention sinks in every variant on gloo worlds",
-    "test_ring_ulysses.py": "ring_kernels' Ulysses and USP attention on gloo worlds",
-    "test_ring_varlen.py": "ring_kernels' varlen ring / zigzag / llama3 engines on gloo worlds",
-    "test_torch_releases.py": "ring_kernels.torch_releases: the torch range at import, the triton bound, the CPU "
-                              "kernel's GQA",
-    "test_transport.py": "ring_kernels' transport and ring exchange",
-    "test_triton_backend.py": "ring_kernels' Triton kernel under the interpreter (hfpatch never picks a backend "
-                              "by release)",
+    "ring_kernels/test_backends.py": "ring_kernels' block-attention backends against a plain reference",
+    "ring_kernels/test_dist_harness.py": "ring_kernels.world, the local worlds of the tests (tests/_dist.py) on "
+                                         "gloo",
+    "ring_kernels/test_layout.py": "ring_kernels.layout shard / unshard",
+    "ring_kernels/test_layout_costs.py": "ring_kernels.layout_costs and scripts/fit_layout_costs.py on the "
+                                         "committed layout grid",
+    "ring_kernels/test_merge.py": "ring_kernels' LSE merge (eager and the fused Triton kernels under the "
+                                  "interpreter)",
+    "ring_kernels/test_ring_batch.py": "ring_kernels' batch ring / zigzag / stripe engines on gloo worlds",
+    "ring_kernels/test_ring_checkpointing.py": "ring_kernels.checkpointing (kept ring outputs through torch's "
+                                               "checkpointing) on gloo worlds",
+    "ring_kernels/test_ring_options.py": "ring_kernels' options object (defaults, setter, scope, environment "
+                                         "override)",
+    "ring_kernels/test_ring_sinks.py": "ring_kernels' attention sinks in every variant on gloo worlds",
+    "ring_kernels/test_ring_ulysses.py": "ring_kernels' Ulysses and USP attention on gloo worlds",
+    "ring_kernels/test_ring_varlen.py": "ring_kernels' varlen ring / zigzag / llama3 engines on gloo worlds",
+    "ring_kernels/test_torch_releases.py": "ring_kernels.torch_releases: the torch range at import, the triton "
+                                           "bound, the CPU kernel's GQA",
+    "ring_kernels/test_transport.py": "ring_kernels' transport and ring exchange",
+    "ring_kernels/test_triton_backend.py": "ring_kernels' Triton kernel under the interpreter (hfpatch never picks "
+                                           "a backend by release)",
+    "tooling/test_benchmarks_cpu.py": "benchmarks/ (ring_bench, native_cp, cpu_peak_memory) on ring_kernels; the "
+                                      "release is only a version string in the result stamp",
+    "tooling/test_host_syncs.py": "benchmarks/host_path.py's host-op counter on ring_kernels' varlen path",
+    "tooling/test_import_graph.py": "scripts/import_graph.py reads the source with ast; nothing it checks is "
+                                    "imported",
     "gpu/test_backends_gpu.py": "ring_kernels' block backends on one CUDA device (skipped on CPU)",
     "gpu/test_ring_gpu.py": "ring_kernels on CUDA (skipped on CPU)",
     "gpu/test_transport_gpu.py": "ring_kernels' transports on CUDA (skipped on CPU)",
@@ -48,28 +55,30 @@ RELEASE_INDEPENDENT = {
 # Release-independent modules whose subject is torch itself -- its private attention ops, checkpoint internals, the
 # triton it pins, the torch range -- rather than ring_kernels' own logic: the matrix's envs on the torch series
 # between the two ends (tox.ini's torch column) run them too (`-m torch_ops`), so that every series of the range
-# runs them in CI. Every module here is in RELEASE_INDEPENDENT (tests/test_ci_selection.py checks).
+# runs them in CI. Every module here is in RELEASE_INDEPENDENT (tests/tooling/test_ci_selection.py checks).
 TORCH_MARKER = "torch_ops"
 TORCH_OPS = {
-    "test_backends.py": "aten's private attention ops (flash, efficient, cuDNN, the CPU flash kernel) behind the "
-                        "block backends, against a plain reference",
-    "test_merge.py": "the LSE merge, eager and the fused Triton kernels under the interpreter of the triton the "
-                     "torch pins",
-    "test_ring_checkpointing.py": "torch's checkpoint internals, through which the kept ring outputs pass",
-    "test_torch_releases.py": "the torch range at import, the CPU flash kernel's GQA gate, the triton bound",
+    "ring_kernels/test_backends.py": "aten's private attention ops (flash, efficient, cuDNN, the CPU flash kernel) "
+                                     "behind the block backends, against a plain reference",
+    "ring_kernels/test_merge.py": "the LSE merge, eager and the fused Triton kernels under the interpreter of the "
+                                  "triton the torch pins",
+    "ring_kernels/test_ring_checkpointing.py": "torch's checkpoint internals, through which the kept ring outputs "
+                                               "pass",
+    "ring_kernels/test_torch_releases.py": "the torch range at import, the CPU flash kernel's GQA gate, the triton "
+                                           "bound",
 }
 
-# Modules that must run on the same pytest-xdist worker (tests/conftest.py's scheduler, `--dist loadscope`): they
-# share one gloo world per session (tests/_dropin_world.py), which each worker would otherwise start again, or
-# must not run at the same time (memory).
+# Modules that must run on the same pytest-xdist worker (tests/conftest.py's scheduler, `--dist loadscope`), by
+# node id: they share one gloo world per session (tests/integrations/_dropin_world.py), which each worker would
+# otherwise start again, or must not run at the same time (memory).
 SAME_WORKER = {
-    "tests/test_dropin_axolotl.py": "tests/_dropin_world.py",
-    "tests/test_dropin_ring_flash_attn.py": "tests/_dropin_world.py",
+    "tests/integrations/test_dropin_axolotl.py": "tests/integrations/_dropin_world.py",
+    "tests/integrations/test_dropin_ring_flash_attn.py": "tests/integrations/_dropin_world.py",
     # The real-scale models (about 5 GB per rank, 2 ranks each): one after the other, never both at once on a
     # 24 GiB CI machine.
-    "tests/test_keep_attention.py": "real-scale models",
-    "tests/test_model_probe_scale.py": "real-scale models",
-    "tests/test_head_parallel.py": "real-scale models",
+    "tests/attention/test_keep_attention.py": "real-scale models",
+    "tests/model/test_model_probe_scale.py": "real-scale models",
+    "tests/attention/test_head_parallel.py": "real-scale models",
 }
 
 

@@ -13,7 +13,7 @@ from hfpatch.cli.arguments import HelpFormatter, UsageError, cpu_kernel, positiv
 __all__ = ["build_parser", "run", "MODEL_FAMILIES", "sequence_units"]
 
 # The tiny model families of hfpatch.cli.demo_models.MODEL_NAMES (which imports torch, so --help cannot read it;
-# tests/test_cli.py checks that the two agree).
+# tests/tooling/test_cli.py checks that the two agree).
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "mixtral", "qwen2_moe")
 
 _DESCRIPTION = """\

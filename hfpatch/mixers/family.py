@@ -20,8 +20,8 @@ default). ``canonical_dump`` writes the tree itself, by one fixed rule:
 - a list is ``[item, item]`` (``[]`` when empty), anything else is its ``repr``.
 
 That is exactly the text ``ast.dump(node, annotate_fields=False)`` gives on Python 3.11, so the registry's keys,
-read on 3.11, keep their values; tests/test_fingerprint.py holds it to that on every function of the installed
-transformers, and to a committed digest of those keys on every Python CI runs.
+read on 3.11, keep their values; tests/mixers/test_fingerprint.py holds it to that on every function of the
+installed transformers, and to a committed digest of those keys on every Python CI runs.
 """
 from __future__ import annotations
 

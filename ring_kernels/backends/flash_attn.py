@@ -7,11 +7,11 @@ and ``rng_state`` appeared), so they are called by keyword with only the names t
 
 Mask kinds: FULL and aligned CAUSAL (EMPTY skipped). Windowed or document blocks go to other backends.
 
-The argument mapping covers flash-attn 2.6's and 2.7's parameter names and return tuples (tests/test_backends.py,
-against stand-in modules, on CPU) and the real flash-attn 2.8.3 (tests/gpu/test_backends_gpu.py: forward,
-backward, softcap and the ring's merged-block use against float64). ``backend="auto"`` does not rank it (not timed
-against torch's cuDNN and flash ops: docs/performance.md#which-block-backend-ran-and-which-commit); only
-``backend="flash_attn"`` picks it.
+The argument mapping covers flash-attn 2.6's and 2.7's parameter names and return tuples
+(tests/ring_kernels/test_backends.py, against stand-in modules, on CPU) and the real flash-attn 2.8.3
+(tests/gpu/test_backends_gpu.py: forward, backward, softcap and the ring's merged-block use against float64).
+``backend="auto"`` does not rank it (not timed against torch's cuDNN and flash ops:
+docs/performance.md#which-block-backend-ran-and-which-commit); only ``backend="flash_attn"`` picks it.
 """
 from __future__ import annotations
 

@@ -19,24 +19,23 @@ Tolerances (ring_kernels.tolerances, no other bound):
   bf16 logits are measured and printed, not held to the "cp" bf16 "out" bound: that bound was set on small models,
   and a free-running bf16 forward through a 1B hybrid's layers compounds the two sides' rounding past it (Qwen3.5
   1b on 2 H100s: 1.04 x the bound, the loss 5e-4 x its bound). Whether that difference is rounding is what
-  apply(model=)'s probe decides, module by module (tests/test_model_probe_scale.py); here the fp32 logits and
+  apply(model=)'s probe decides, module by module (tests/model/test_model_probe_scale.py); here the fp32 logits and
   gradients show the CP step computes the non-CP function.
 - the gradients, fp32 only: the "sweep" entry, the project's entry for these mixer families (each parameter within
-  1e-4 of its own largest entry plus 1e-6 of the model's largest gradient; tests/test_hybrid_step_bench.py says
-  why). The gates of the first mixer layer (``A_log``, ``dt_bias``) get gradients that are rounding noise at the
-  model's scale, and without that floor a per-parameter bound cannot tell rounding from error there: in bf16 the
+  1e-4 of its own largest entry plus 1e-6 of the model's largest gradient; tests/tooling/test_hybrid_step_bench.py
+  says why). The gates of the first mixer layer (``A_log``, ``dt_bias``) get gradients that are rounding noise at
+  the model's scale, and without that floor a per-parameter bound cannot tell rounding from error there: in bf16 the
   "cp" entry's per-parameter bound (0.1, no floor) fails on Qwen3.5's first-layer ``A_log`` and ``dt_bias``
   already at ``--size tiny`` on CPU (relative errors 0.41 and 0.38) while every other gradient is within it. The
   table has no bf16 entry with a floor, so the gradients are compared in fp32.
 
 ``cpu-tiny``: the same code on 2 gloo CPU processes, ``--size tiny`` (a smoke of this module; the CPU suite's
-tests/test_hybrid_step_bench.py is the CPU check). ``cuda-1b`` skips without 2 CUDA devices; a family this
+tests/tooling/test_hybrid_step_bench.py is the CPU check). ``cuda-1b`` skips without 2 CUDA devices; a family this
 transformers cannot build, or whose mixer hfpatch's registry does not know, skips with the reason.
 """
 from __future__ import annotations
 
 import faulthandler
-import os
 import sys
 import time
 
@@ -44,10 +43,11 @@ import pytest
 import torch
 
 from _dist import run_world
+from _paths import BENCHMARKS
 from ring_kernels.tolerances import assert_close, error_of, tolerance
 from test_hybrid_step_bench import KERNEL_ROLES, family_skip_reason
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+_BENCH = str(BENCHMARKS)
 if _BENCH not in sys.path:
     sys.path.insert(0, _BENCH)
 

@@ -10,7 +10,6 @@ tensors it compared, seconds).
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -20,9 +19,10 @@ import torch.distributed as dist
 
 import hfpatch
 from _dist import run_world
+from _paths import BENCHMARKS
 from hfpatch.errors import ModelDivergence
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+_BENCH = str(BENCHMARKS)
 if _BENCH not in sys.path:
     sys.path.insert(0, _BENCH)
 

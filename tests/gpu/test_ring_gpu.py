@@ -4,7 +4,7 @@ triton when installed), against float64 attention on the unsharded inputs, forwa
 Run either way (the ring test skips cleanly with fewer than 2 GPUs, the merge-kernel test without CUDA):
     python -m pytest tests/gpu/test_ring_gpu.py            # spawns 2 NCCL ranks itself
     torchrun --nproc-per-node 2 -m pytest tests/gpu/test_ring_gpu.py
-The case runner and tolerances are the CPU suite's (tests/test_ring_batch.py), moved to the GPU.
+The case runner and tolerances are the CPU suite's (tests/ring_kernels/test_ring_batch.py), moved to the GPU.
 """
 from __future__ import annotations
 

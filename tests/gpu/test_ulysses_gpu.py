@@ -1,6 +1,7 @@
 """Ulysses and USP on CUDA over NCCL with torch's cuDNN, flash and efficient backends (and 'auto'), against float64
-attention on the unsharded inputs, forward and backward: the CPU suite's cases and runner (tests/test_ring_ulysses.py)
-moved to the GPU, where the all-to-alls are NCCL's and packed documents take torch's flash varlen kernel.
+attention on the unsharded inputs, forward and backward: the CPU suite's cases and runner
+(tests/ring_kernels/test_ring_ulysses.py) moved to the GPU, where the all-to-alls are NCCL's and packed documents
+take torch's flash varlen kernel.
 
     python -m pytest tests/gpu/test_ulysses_gpu.py          # spawns the NCCL ranks itself (2, then 4 GPUs)
 """

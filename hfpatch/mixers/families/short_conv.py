@@ -12,7 +12,7 @@ from hfpatch.mixers.family import MixerFamily
 from hfpatch.mixers.forms.short_conv import lfm2_short_conv_forward
 
 # The fingerprint of ``slow_forward`` (the code ``lfm2_short_conv_forward`` follows) read with each forward of the
-# inline entry below; tests/test_mixers_lightning_short_conv_releases.py checks it on every local release.
+# inline entry below; tests/mixers/test_mixers_lightning_short_conv_releases.py checks it on every local release.
 SLOW_FORWARD_OF = {"d85b1b4a2b04f161": "d7c74a40cfe51ab5", "a048a21f1ad607b8": "986591540db3cf0a",
                    "cb9586d7ad7ca1e9": "3ef75800d50cdd9b"}
 

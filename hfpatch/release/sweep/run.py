@@ -64,12 +64,13 @@ HEAD_PARALLEL_COLUMNS = {
 }
 
 
-# The heads table's model types CI checks against MODELS.md on every run (tests/test_model_sweep.py): the whole
-# heads sweep takes about as long as the causal-LM sweep and its columns together (3 minutes on 2 cores), so, as
-# for the head-parallel columns, CI runs a representative subset -- last-token pooling (llama, qwen2, gpt2; gemma3,
-# whose head only hands its arguments to transformers' shared classifier forward), an encoder's refused pooler and
-# its per-token heads (bert, distilbert), vision-language models (qwen2_vl with its multimodal rotary sections,
-# llava), MoE (mixtral) and the PEFT rows of those types -- and `hfpatch models --write` / `--check` the whole table.
+# The heads table's model types CI checks against MODELS.md on every run (tests/model/test_model_sweep.py): the
+# whole heads sweep takes about as long as the causal-LM sweep and its columns together (3 minutes on 2 cores), so,
+# as for the head-parallel columns, CI runs a representative subset -- last-token pooling (llama, qwen2, gpt2;
+# gemma3, whose head only hands its arguments to transformers' shared classifier forward), an encoder's refused
+# pooler and its per-token heads (bert, distilbert), vision-language models (qwen2_vl with its multimodal rotary
+# sections, llava), MoE (mixtral) and the PEFT rows of those types -- and `hfpatch models --write` / `--check` the
+# whole table.
 HEADS_CHECKED_IN_CI = ("llama", "qwen2", "gpt2", "gemma3", "bert", "distilbert", "qwen2_vl", "llava", "mixtral")
 
 

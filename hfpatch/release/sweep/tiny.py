@@ -16,7 +16,7 @@ pattern otherwise (periods, index lists, pattern strings) say their pattern in t
 switches to the flash path itself), under ``torch.random.fork_rng`` seeded with ``seed`` so that every process
 gets identical weights, in ``dtype`` and train mode; ``NotBuilt`` (a ``RuntimeError`` with ``.reason``) when it
 cannot. An eager forward on (2, 32) token ids drawn from ``range(TINY_VOCAB)`` gives finite logits of shape
-(2, 32, TINY_VOCAB) for every built class (``tests/test_sweep_tiny.py``).
+(2, 32, TINY_VOCAB) for every built class (``tests/model/test_sweep_tiny.py``).
 
 Not built on transformers 5.24 (3 of 151, <= 5 % of the catalog; ``_NOT_BUILT`` holds the reasons):
 
