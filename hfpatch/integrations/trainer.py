@@ -34,6 +34,7 @@ import torch
 from hfpatch.errors import MissingEnable, UnsupportedArgument
 from hfpatch.integrations import evaluation
 from hfpatch.integrations.batch import padding_token, prepare_batch
+from hfpatch.model import router_loss
 from hfpatch.model.labels import averaged_over_group
 
 __all__ = ["TrainerCP", "guard_missing_enable", "summary_line", "cp_mesh", "is_trl_trainer"]
@@ -258,11 +259,16 @@ def refuse_unsupported_losses(trainer) -> None:
             "it receives this rank's logits and the unshifted labels of a shard.",
             "compute the loss in a compute_loss override from outputs.logits and inputs['shift_labels'] "
             "(hfpatch.inputs.token_loss_sum), or train without CP.")
-    if getattr(trainer, "aux_loss_enabled", False):
+    model = getattr(trainer, "model", None)
+    if getattr(trainer, "aux_loss_enabled", False) or (model is not None and router_loss.requested(model, {})):
         raise UnsupportedArgument(
             "router_aux_loss_coef", getattr(trainer, "router_aux_loss_coef", None),
-            "the mixture-of-experts load-balancing loss would be computed from this rank's tokens only.",
-            "set router_aux_loss_coef=0.0 under CP.")
+            "hfpatch.integrations does not make the mixture-of-experts load-balancing loss exact: the trainer scales "
+            "each rank's loss for its gradient average, and the integration pads each batch to a multiple of twice "
+            "the CP size, tokens the loss would count (hfpatch.apply(model=) with patch.shard_inputs makes it exact: "
+            "hfpatch.model.router_loss).",
+            "set router_aux_loss_coef=0.0 (TRL) and config.output_router_logits=False under CP, or train with "
+            "hfpatch.apply(model=) and patch.shard_inputs.")
 
 
 def summary_line(handle: TrainerCP, keep_attention: Any = None) -> str:

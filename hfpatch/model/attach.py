@@ -17,7 +17,7 @@ import torch
 
 from hfpatch.undo import AllOrNothing, UndoStack
 from hfpatch.mixers import MixerInstallation, install_mixers
-from hfpatch.model import positions
+from hfpatch.model import positions, router_loss
 from hfpatch.model.heads import head_of, install_pooled_head
 from hfpatch.model.inputs_guard import install_inputs_guard
 from hfpatch.model.labels import averaged_over_group_now, install_labels_hook
@@ -78,5 +78,8 @@ def attach(model: torch.nn.Module, *, wrapper: Callable, context: Callable[[], A
             undo.push(install_labels_hook(model, ctx_of, lambda: attached.labels_refusal,
                                           lambda: attached.labels_alignment), "the labels hook")
         undo.push(install_inputs_guard(model, ctx_of), "the inputs guard")  # images/audio refused
+        balancing = router_loss.install(model, ctx_of, averaged_over_group_now)
+        if balancing is not None:  # a MoE model's load-balancing loss: the group's
+            undo.push(balancing, "the load-balancing loss")
         attached.undo = undo.pop_all()
     return attached

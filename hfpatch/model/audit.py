@@ -20,8 +20,8 @@ sequence on a rank that holds a shard of it. ``audit(model)`` returns one ``Find
                      which does not hold exactly one transformers model that could (the fix names
                      ``apply(model=wrapper.<attribute>)``); ``adapter``: PEFT prompt learning (virtual tokens on
                      every rank). Either replaces the ``positions`` finding of the same wrapper.
-``router-aux-loss``  ``output_router_logits`` is on: the mixture-of-experts load-balancing loss is a product of
-                     per-token means, computed from each rank's tokens only.
+``router-aux-loss``  ``output_router_logits`` is on and the model's mixture-of-experts load-balancing loss is not
+                     one ``hfpatch.model.router_loss`` recognises (a recognised one is made the group's).
 ``pooled-head``      the head pools the sequence into one output per row by a rule ``hfpatch.model.heads`` does not
                      reproduce across shards (the last non-pad token's rule is made exact there).
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from hfpatch import mixers as _mixers
-from hfpatch.model import heads as model_heads, positions as model_positions
+from hfpatch.model import heads as model_heads, positions as model_positions, router_loss
 from hfpatch.model.routing import modality_towers
 from hfpatch.model.wrappers import accepts_position_ids, wrapper_refusal
 
@@ -170,10 +170,14 @@ def _router_findings(model: torch.nn.Module) -> list[Finding]:
     config = getattr(model, "config", None)
     for candidate in (config, getattr(config, "text_config", None)):
         if candidate is not None and getattr(candidate, "output_router_logits", False) is True:
+            found = router_loss.recognise(model)
+            if not isinstance(found, str):
+                return []   # the group's load-balancing loss replaces the model's (hfpatch.model.router_loss)
             return [Finding(
                 "", type(candidate).__name__, "router-aux-loss",
                 "output_router_logits=True adds the mixture-of-experts load-balancing loss, a product of per-token "
-                "means that each rank would compute from its own tokens only.",
+                f"means that each rank would compute from its own tokens only, and hfpatch does not recognise this "
+                f"model's: {found}.",
                 "set config.output_router_logits = False for CP training, or " + _FALLBACK_FIX,
             )]
     return []

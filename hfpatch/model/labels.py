@@ -16,8 +16,9 @@ whole batch. ``apply(model=)`` therefore hooks the model's forward:
   (first field, as the model would place it).
 - any other ``labels`` tensor is refused (``UnsupportedArgument``): hfpatch cannot tell unshifted shards from
   shifted ones, and shifting a shard locally silently drops a target per rank.
-- ``output_router_logits=True`` with labels is refused: the model would add a load-balancing loss computed from
-  this rank's tokens only.
+- ``output_router_logits=True`` (at the call or in the config): the output's ``aux_loss`` is the group's
+  load-balancing loss (``hfpatch.model.router_loss``: the non-CP value), and the loss adds the model's coefficient
+  times it, as the model does; with labels, a load-balancing loss hfpatch does not recognise is refused by name.
 - in switch mode ``"local"`` (the model run on the whole sequence, no CP) the model's own loss is left alone.
 - a model whose own loss scores each position against its own label, without the shift (the BART-family and
   Whisper causal LMs; the whole-model probe tells, ``Patch.labels_alignment == "aligned"``) gets that loss: the
@@ -49,6 +50,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from hfpatch import inputs
+from hfpatch.model import router_loss
+from hfpatch.model.wrappers import inner_model
 from hfpatch.modes import current_mode
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.undo import UndoStack
@@ -116,11 +119,12 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
                 kwargs[positional[position]] = value
                 args = args[:position] + (None,) + args[position + 1:]
         labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
-        if labels is None and shift is None:
-            return None
         ctx = ctx_of()
         # Switch mode "local" runs the model on the whole sequence without CP: its own loss is the non-CP loss.
         active = ctx is not None and ctx.world_size > 1 and current_mode() != "local"
+        if labels is None and shift is None:
+            return None
+        router = _router_loss(module, kwargs) if active else None
         if kwargs.get("fused_lm_head"):
             return _fused_head(active, labels, shift)
         if shift is None and not is_shifted(labels):
@@ -142,13 +146,6 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
                 "compute the standard causal-LM loss yourself from the logits (hfpatch.inputs.token_loss_sum + "
                 "patch.reduce_loss), or train this model without CP if its own loss is what you need.",
             )
-        if active and kwargs.get("output_router_logits"):
-            raise UnsupportedArgument(
-                "output_router_logits", True,
-                "with labels the model adds a mixture-of-experts load-balancing loss computed from this rank's "
-                "tokens only, which differs from the non-CP loss.",
-                "call the model with output_router_logits=False under CP.",
-            )
         if not active and shift is None:
             # No CP: the labels shard_inputs returned stand for the caller's own labels; the model's own loss on
             # those is the non-CP loss, whatever its convention.
@@ -164,7 +161,7 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
                     "pass the labels returned by patch.shard_inputs(input_ids, labels=...) as labels=.",
                 )
             shifted = aligned_labels(labels)
-        pending.entry = (shifted, kwargs.get("num_items_in_batch"))
+        pending.entry = (shifted, kwargs.get("num_items_in_batch"), router)
         for name in _LABEL_NAMES:
             kwargs.pop(name, None)
         return args, kwargs
@@ -173,10 +170,17 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
         entry, pending.entry = pending.entry, None
         if entry is None:
             return None
-        shifted, num_items = entry
+        shifted, num_items, router = entry
         logits = output.logits if hasattr(output, "logits") else output[0]
         ctx = ctx_of() if current_mode() != "local" else None
         loss = _loss(ctx, logits, shifted, num_items, averaged=_reduction.averaged)
+        if router is not None and router.coefficient is not None:   # the group's aux loss (router_loss.install)
+            aux = output.aux_loss
+            if _reduction.averaged and num_items is not None and ctx is not None and ctx.world_size > 1:
+                # the shares of num_items_in_batch SUM to the loss over the group: so does aux / C, whose gradient
+                # is then this rank's tokens' (the aux loss's averaged convention gives C times it)
+                aux = aux / ctx.world_size
+            loss = loss + router.read(inner_model(module), router.coefficient) * aux
         if isinstance(output, tuple):
             return (loss,) + output
         fields = {key: value for key, value in output.items() if key != "loss"}
@@ -185,6 +189,26 @@ def install_labels_hook(model: torch.nn.Module, ctx_of: Callable[[], Any],
     return UndoStack(f"the labels hook of {type(model).__name__}",
                      model.register_forward_pre_hook(before, with_kwargs=True),
                      model.register_forward_hook(after, with_kwargs=True))
+
+
+def _router_loss(module: torch.nn.Module, kwargs: dict) -> Optional[router_loss.RouterLoss]:
+    """The ``RouterLoss`` of a call that returns the load-balancing loss under CP, None for one that does not;
+    ``UnsupportedArgument`` naming ``output_router_logits`` for a model whose loss hfpatch does not recognise."""
+    if not router_loss.requested(module, kwargs):
+        return None
+    if kwargs.get("return_dict") is False or not getattr(module.config, "return_dict", True):
+        raise UnsupportedArgument(
+            "return_dict", False, "under CP the loss adds the load-balancing loss from the output's aux_loss field, "
+            "which a tuple output has no name for.", "call the model with return_dict=True.")
+    found = router_loss.recognise(module)
+    if isinstance(found, str):
+        raise UnsupportedArgument(
+            "output_router_logits", True,
+            "the model adds a mixture-of-experts load-balancing loss that each rank would compute from its own "
+            f"tokens only, and hfpatch does not recognise this one: {found}.",
+            "call the model with output_router_logits=False under CP (and config.router_aux_loss_coef unused), or "
+            "train it without CP.")
+    return found
 
 
 def _fused_head(active: bool, labels, shift) -> None:

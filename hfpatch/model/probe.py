@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from hfpatch import inputs as _inputs
 from hfpatch.attention.context import make_usp_groups
-from hfpatch.model import heads as _heads
+from hfpatch.model import heads as _heads, router_loss
 from hfpatch.model.positions import position_kwargs
 from hfpatch import modes
 from hfpatch.errors import HfpatchError, ModelDivergence, VerificationError
@@ -165,6 +165,9 @@ class _Probe:
             expected = check.expected
             if _along(expected, self._whole):  # a per-token field: this rank's tokens of it
                 expected = expected.index_select(1, index)
+            elif expected.dim() >= 2 and expected.shape[0] == self._whole:
+                # a per-token field with the batch of one flattened into its rows (a MoE model's router logits)
+                expected = expected.index_select(0, index)
             value = got.get(check.field)
             if isinstance(value, torch.Tensor) and value.shape == expected.shape:
                 self.errors[i] = _relative(value, expected)
@@ -437,6 +440,7 @@ def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float, logits_shape:
     loss = getattr(output, "loss", None) if not isinstance(output, tuple) else output[0]
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         return "shifted", None  # no loss of its own to match: hfpatch's loss is the causal-LM loss
+    loss = loss - _router_term(model, output)
     expected = {}
     try:
         logits = output.logits if hasattr(output, "logits") else output[1]
@@ -453,6 +457,16 @@ def _own_loss_check(model, ids: torch.Tensor, *, tolerance: float, logits_shape:
         f"cross-entropy of its logits with a one-token shift ({expected['shifted']:.6g}) nor without one "
         f"({expected['aligned']:.6g}): it shifts differently or adds a term, which hfpatch cannot reproduce across "
         "a sharded sequence.")
+
+
+def _router_term(model, output) -> float:
+    """The load-balancing term a MoE model's own loss adds (``router_aux_loss_coef`` x ``aux_loss``) where
+    ``hfpatch.model.router_loss`` recognises it (under CP ``hfpatch.model.labels`` adds the group's), else 0."""
+    aux = getattr(output, "aux_loss", None) if not isinstance(output, tuple) else None
+    found = router_loss.recognise(model) if isinstance(aux, torch.Tensor) else None
+    if found is None or isinstance(found, str) or found.coefficient is None:
+        return 0.0
+    return float(found.read(model, found.coefficient)) * aux.item()
 
 
 def _forward_failed(which: str, message: str) -> VerificationError:

@@ -278,6 +278,11 @@ def test_losses_that_see_a_shard_are_refused():
         with pytest.raises(UnsupportedArgument) as info:
             refuse_unsupported_losses(types.SimpleNamespace(**{**base, field: value}))
         assert info.value.parameter == parameter
+    # transformers' Trainer on a MoE model whose config asks for the load-balancing loss (the model adds it)
+    moe = types.SimpleNamespace(config=types.SimpleNamespace(output_router_logits=True))
+    with pytest.raises(UnsupportedArgument, match="load-balancing loss exact") as info:
+        refuse_unsupported_losses(types.SimpleNamespace(**base, model=moe))
+    assert info.value.parameter == "router_aux_loss_coef"
 
 
 def test_keep_attention_without_checkpointing_is_refused():

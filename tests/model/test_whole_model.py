@@ -20,6 +20,7 @@ from hfpatch.undo import is_wrapper
 from hfpatch.inputs import IGNORE_INDEX, shift_labels
 from hfpatch.model import heads as model_heads
 from hfpatch.model import probe as model_probe
+from hfpatch.model import router_loss
 from hfpatch.model.audit import audit
 from hfpatch.release.sweep.catalog import flash_causal_lm_classes
 from hfpatch.release.sweep.run import check_class
@@ -127,9 +128,18 @@ def test_audit_positions_from_the_input_length():
     assert "takes no position_ids" in findings[0].reason
 
 
-def test_audit_router_aux_loss():
-    findings = audit(build_model("mixtral", output_router_logits=True))
+def test_audit_router_aux_loss(monkeypatch):
+    """A load-balancing loss hfpatch has read is made the group's (no finding); one it has not is refused."""
+    model = build_model("mixtral", output_router_logits=True)
+    assert audit(model) == []
+    monkeypatch.setattr(router_loss, "READ", {})
+    router_loss.recognise_class.cache_clear()
+    try:
+        findings = audit(model)
+    finally:
+        router_loss.recognise_class.cache_clear()
     assert [f.kind for f in findings] == ["router-aux-loss"]
+    assert "not a load-balancing loss hfpatch has read" in findings[0].reason
 
 
 def test_verify_argument_is_validated():
@@ -291,12 +301,18 @@ def _labels(rank, world):
         model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
 
     model = build_model("mixtral")
-    with hfpatch.apply(group, model=model) as patch:
+    with hfpatch.apply(group, model=model) as patch, pytest.MonkeyPatch.context() as mp:
         assert patch.labels_refusal is None
         batch = patch.shard_inputs(ids, labels=ids)
-        with pytest.raises(UnsupportedArgument) as info:
-            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                  output_router_logits=True, use_cache=False)
+        # a load-balancing loss hfpatch has read is the group's (tests/test_router_loss.py); one it has not, refused
+        mp.setattr(router_loss, "READ", {})
+        router_loss.recognise_class.cache_clear()
+        try:
+            with pytest.raises(UnsupportedArgument) as info:
+                model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                      output_router_logits=True, use_cache=False)
+        finally:
+            router_loss.recognise_class.cache_clear()
         assert info.value.parameter == "output_router_logits"
 
 
