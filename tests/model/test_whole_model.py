@@ -304,7 +304,8 @@ def _labels(rank, world):
     with hfpatch.apply(group, model=model) as patch, pytest.MonkeyPatch.context() as mp:
         assert patch.labels_refusal is None
         batch = patch.shard_inputs(ids, labels=ids)
-        # a load-balancing loss hfpatch has read is the group's (tests/test_router_loss.py); one it has not, refused
+        # a load-balancing loss hfpatch has read is the group's (tests/model/test_router_loss.py); one it has
+        # not, refused
         mp.setattr(router_loss, "READ", {})
         router_loss.recognise_class.cache_clear()
         try:
