@@ -131,8 +131,9 @@ class SitesRebound(PatchError):
 class UnsupportedModel(HfpatchError, ValueError):
     """``apply(model=)`` found parts of the model that context parallelism cannot make exact: a module that mixes
     tokens along the sequence outside the patched attention (a state-space scan, linear attention, a recurrence,
-    a causal convolution), positions derived from the input's length, a loss computed per rank, ... Raised before
-    anything is installed (or, with ``on_unsupported="fallback"``, turned into an inactive ``Patch``).
+    a causal convolution), positions derived from the input's length, a loss computed per rank, experts sharded by
+    transformers' expert parallelism (``.kind == "expert-parallel"``), ... Raised before anything is installed (or,
+    with ``on_unsupported="fallback"``, turned into an inactive ``Patch``).
 
     Fields: ``findings`` (every ``model_audit.Finding``: ``.path``, ``.module_class``, ``.kind``, ``.reason``,
     ``.fix``); ``module_path``, ``module_class``, ``kind``, ``reason``, ``fix`` of the first one.

@@ -24,6 +24,8 @@ sequence on a rank that holds a shard of it. ``audit(model)`` returns one ``Find
                      one ``hfpatch.model.router_loss`` recognises (a recognised one is made the group's).
 ``pooled-head``      the head pools the sequence into one output per row by a rule ``hfpatch.model.heads`` does not
                      reproduce across shards (the last non-pad token's rule is made exact there).
+``expert-parallel``  transformers loaded the model with expert parallelism (``hfpatch.model.expert_parallel``: its
+                     experts sharded over a device mesh); CP over it is not verified exact. Listed first.
 
 Each finding names the module path and class, the reason and the fix; a finding never depends on anything but
 the model, so every rank of a CP group reaches the same verdict. What no rule here knows (a future release's
@@ -38,6 +40,7 @@ import torch
 
 from hfpatch import mixers as _mixers
 from hfpatch.model import heads as model_heads, positions as model_positions, router_loss
+from hfpatch.model.expert_parallel import expert_parallelism
 from hfpatch.model.routing import modality_towers
 from hfpatch.model.wrappers import accepts_position_ids, wrapper_refusal
 
@@ -62,7 +65,8 @@ _FALLBACK_FIX = ("train this model without context parallelism; hfpatch.apply(..
 class Finding:
     """One part of a model that CP cannot make exact. ``path``: the module's qualified name ("" for the model
     itself, or its config); ``module_class``: its class name; ``kind``: "sequence-mixer" | "positions" |
-    "router-aux-loss"; ``reason`` and ``fix``: sentences for the error message."""
+    "wrapper" | "adapter" | "router-aux-loss" | "pooled-head" | "expert-parallel"; ``reason`` and ``fix``: sentences
+    for the error message."""
 
     path: str
     module_class: str
@@ -80,7 +84,8 @@ def audit(model: torch.nn.Module) -> list[Finding]:
     come from ``position_ids``). Reads the model only; changes nothing."""
     wrapper = _wrapper_findings(model)
     positions = [] if wrapper else _position_findings(model)
-    return _mixer_findings(model) + wrapper + positions + _router_findings(model) + _head_findings(model)
+    return (_expert_parallel_findings(model) + _mixer_findings(model) + wrapper + positions + _router_findings(model)
+            + _head_findings(model))
 
 
 def describe(findings: list[Finding], model: torch.nn.Module) -> str:
@@ -90,6 +95,21 @@ def describe(findings: list[Finding], model: torch.nn.Module) -> str:
     lines = "; ".join(f.describe() for f in shown)
     return (f"{type(model).__name__} cannot be trained exactly under context parallelism: {lines}{more} "
             "hfpatch refuses it before training rather than train it silently wrong.")
+
+
+def _expert_parallel_findings(model: torch.nn.Module) -> list[Finding]:
+    mark = expert_parallelism(model)
+    if mark is None:
+        return []
+    return [Finding(
+        "", type(model).__name__, "expert-parallel",
+        f"transformers loaded it with expert parallelism ({mark}): its experts are sharded over a device mesh and "
+        "each token is sent to the rank that holds its expert, while context parallelism splits those same tokens "
+        "over the CP group; hfpatch has not verified that composition exact (which tokens meet which experts, the "
+        "routing statistics, the sharded experts' gradients).",
+        "load the model without expert parallelism for CP training (no distributed_config, or ep_size=1 / "
+        "enable_expert_parallel=False), or " + _FALLBACK_FIX,
+    )]
 
 
 def _mixer_findings(model: torch.nn.Module) -> list[Finding]:
