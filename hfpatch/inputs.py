@@ -167,6 +167,7 @@ def shard_inputs(ctx: Optional[RingContext], input_ids: torch.Tensor, labels: Op
     ctx.set_step(StepState(
         kernel=kernel, layout=layout, packed=cu is not None, batch_size=batch, seq_len_global=seq,
         seq_len_local=index.numel(), cu_seqlens=cu, source="shard_inputs", position_ids=local_pos,
+        positions_given=position_ids is not None,
     ))
     return {
         "input_ids": input_ids.index_select(1, index),

@@ -52,6 +52,7 @@ class StepState:
     source:          "shard_inputs" | "position_ids" | "cu_seq_lens" | "shape": where the state came from; or
                      the name of the ``hfpatch.dropin`` function that set it (e.g. "update_ring_flash_attn_params").
     position_ids:    the local position ids ``shard_inputs`` returned (to detect a model fed other inputs), or None.
+    positions_given: True when the caller gave ``shard_inputs`` position ids; False when it made them up (0..S-1).
     """
 
     kernel: str
@@ -63,6 +64,7 @@ class StepState:
     cu_seqlens: Optional[torch.Tensor] = None
     source: str = "shard_inputs"
     position_ids: Optional[torch.Tensor] = None
+    positions_given: bool = False
     # Call signatures whose shapes the ranks were found to agree on in this step: the kernels' cross-rank check
     # (an all_gather and a host sync) runs once per step and shape, not per layer (ring_kernels.rank_check_scope).
     # A new StepState per step starts empty.

@@ -4,8 +4,8 @@ one CP group, and adding or removing one never changes another.
 
 ``attach(model, ...)`` installs, in order: the routing onto the patched flash path (``routing``), the global
 position hooks (``positions``), the CP form of its recognised sequence mixers (``hfpatch.mixers``), the forward
-tracking of the dispatcher, the pooled head (``heads``), the labels hook (``labels``, for per-token heads) and the
-inputs guard. The ``AttachedModel`` it returns removes them all, newest first. The whole-model probe's verdicts
+tracking of the dispatcher, the pooled head (``heads``), the labels hook (``labels``, for per-token heads) and, for a
+vision-language model, the image scatter (``multimodal``) where its family is recognised, else the inputs guard. The ``AttachedModel`` it returns removes them all, newest first. The whole-model probe's verdicts
 for the model (``labels_refusal``, ``labels_alignment``, ``probe``) are kept on it.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from hfpatch.undo import AllOrNothing, UndoStack
 from hfpatch.mixers import MixerInstallation, install_mixers
-from hfpatch.model import positions, router_loss
+from hfpatch.model import multimodal, positions, router_loss
 from hfpatch.model.heads import head_of, install_pooled_head
 from hfpatch.model.inputs_guard import install_inputs_guard
 from hfpatch.model.labels import averaged_over_group_now, install_labels_hook
@@ -77,7 +77,11 @@ def attach(model: torch.nn.Module, *, wrapper: Callable, context: Callable[[], A
         if head_of(model).kind == "per-token":  # token labels; a pooled head's loss is the pooled head's
             undo.push(install_labels_hook(model, ctx_of, lambda: attached.labels_refusal,
                                           lambda: attached.labels_alignment), "the labels hook")
-        undo.push(install_inputs_guard(model, ctx_of), "the inputs guard")  # images/audio refused
+        scatter = multimodal.install(model, ctx_of)
+        if scatter is not None:  # images scattered over the whole row, then the row sharded
+            undo.push(scatter, "the image scatter")
+        else:
+            undo.push(install_inputs_guard(model, ctx_of), "the inputs guard")  # images/audio refused
         balancing = router_loss.install(model, ctx_of, averaged_over_group_now)
         if balancing is not None:  # a MoE model's load-balancing loss: the group's
             undo.push(balancing, "the load-balancing loss")

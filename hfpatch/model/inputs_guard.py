@@ -18,7 +18,7 @@ from hfpatch.modes import current_mode
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.undo import UndoStack
 
-__all__ = ["MODALITY_INPUT_PREFIXES", "install_inputs_guard"]
+__all__ = ["MODALITY_INPUT_PREFIXES", "is_modality_input", "install_inputs_guard"]
 
 # Keyword names of image / video / audio inputs across transformers' multimodal models (pixel_values,
 # pixel_values_videos, image_embeds, input_image_embeds, input_features, input_audio_embeds, audio_values, ...).
@@ -26,7 +26,8 @@ MODALITY_INPUT_PREFIXES = ("pixel_", "image_", "video_", "audio_", "input_image"
                            "input_features", "input_values", "image_embeds")
 
 
-def _is_modality_input(name: str, value: Any) -> bool:
+def is_modality_input(name: str, value: Any) -> bool:
+    """True for a given (not None) image, video or audio input, by its keyword name."""
     return value is not None and isinstance(value, (torch.Tensor, list, tuple)) and name.startswith(
         MODALITY_INPUT_PREFIXES)
 
@@ -41,7 +42,7 @@ def install_inputs_guard(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> U
         if ctx is None or ctx.world_size <= 1 or current_mode() == "local":
             return None
         for name, value in kwargs.items():
-            if _is_modality_input(name, value):
+            if is_modality_input(name, value):
                 raise UnsupportedArgument(
                     name, value,
                     f"{type(module).__name__} writes the encoded {name} over placeholder tokens of the text, which "

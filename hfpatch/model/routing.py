@@ -22,7 +22,8 @@ transformers' flash-attn availability check (the bundled ring kernels do not nee
 Everything changed is recorded in a ``ModelRouting`` whose ``remove()`` puts it back exactly.
 
 ``modality_towers(model)`` names the sub-models that encode another modality (vision, audio): the parts of a model
-that never see the token sequence, which the audit's rules and the position hooks leave alone.
+that never see the token sequence, which the routing, the audit's rules and the position hooks leave alone (a
+tower keeps its own attention implementation: it attends over its own patches, whole on every rank).
 """
 from __future__ import annotations
 
@@ -121,12 +122,18 @@ class ModelRouting:
 
 
 def _configs(model: torch.nn.Module) -> list[Any]:
-    """Every distinct config object of the model: its own, its submodules', and their sub-configs."""
+    """Every distinct config object of the model that token attention reads: its own, its submodules', and their
+    sub-configs, less those of its modality towers (``modality_towers``: a vision or audio encoder attends over
+    its own patches or frames, whole on every rank, never over the sharded sequence, so it keeps its own
+    attention)."""
+    towers = [model.get_submodule(path) for path in modality_towers(model)]
+    inside = {id(m) for tower in towers for m in tower.modules()}
+    skip = {id(tower.config) for tower in towers}
     seen: dict[int, Any] = {}
-    pending = [getattr(m, "config", None) for m in model.modules()]
+    pending = [getattr(m, "config", None) for m in model.modules() if id(m) not in inside]
     while pending:
         config = pending.pop()
-        if config is None or id(config) in seen or not hasattr(config, "to_dict"):
+        if config is None or id(config) in seen or id(config) in skip or not hasattr(config, "to_dict"):
             continue
         seen[id(config)] = config
         for key in getattr(config, "sub_configs", None) or ():
