@@ -46,6 +46,10 @@ TRANSFORMERS_TARGET_DTYPE_BY_QUERY = Version("4.49.0")
 # same as the eager/sdpa masks). 4.43.4 - 4.55.4 pass (sliding_window, sliding_window): one more key to the left.
 TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE = Version("4.56.0")
 
+# The first release whose vision-language models hfpatch.model.multimodal scatters images for under CP: the image
+# worlds (tests/model/test_vlm_images.py) run on 5.0.0, 5.19.0 and the CI pin; before it images stay refused.
+TRANSFORMERS_IMAGES_UNDER_CP = Version("5.0.0")
+
 
 def parse_version(text: str, *, argument: str = "transformers version") -> Version:
     """Parse a release string into a ``Version``; bad input raises ``InvalidReleaseSpec`` naming it."""

@@ -82,6 +82,26 @@ SAME_WORKER = {
 }
 
 
+# Release-dependent modules that run under the CI pin only (the README suite), each with why its subject is not
+# the transformers release: tools of the repository (benchmarks, the CLI's own messages, the examples' launches)
+# built on paths that the modules every env runs already put through each release (apply, the demo, the check CLI,
+# the trainer integrations, the training stack). tests/conftest.py skips their tests elsewhere, saying so.
+UNDER_THE_PIN = {
+    "integrations/test_examples.py": "the examples' launches and usage errors: the trainers they drive run per "
+                                     "release in integrations/test_integrations.py",
+    "integrations/test_example.py": "the torchrun example: apply and the training step run per release in "
+                                    "tooling/test_demo.py and model/test_e2e_models.py",
+    "tooling/test_cli.py": "the CLI's arguments and messages: the demo and the check run per release in "
+                           "tooling/test_demo.py and tooling/test_check_cli.py",
+    "tooling/test_sft_cp_compare.py": "a benchmark script: SFTTrainer runs per release in "
+                                      "integrations/test_integrations.py",
+    "tooling/test_sft_throughput.py": "a benchmark script (throughput, not results)",
+    "tooling/test_train_step_bench.py": "a benchmark script: the training step runs per release in "
+                                        "integrations/test_training_stack.py",
+    "tooling/test_train_step_plot.py": "the benchmark's plot",
+    "tooling/test_hybrid_step_bench.py": "a benchmark script: the hybrid models run per release in the model sweep",
+}
+
 
 def ci_pin() -> str:
     """The transformers release .ci/run pins in the CI venv (the newest the registries cover): tests that run at

@@ -39,7 +39,8 @@ sys.path[:0] = [str(folder) for folder in TEST_FOLDERS if str(folder) not in sys
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from _release import MARKER, RELEASE_INDEPENDENT, SAME_WORKER, TORCH_MARKER, TORCH_OPS  # noqa: E402
+from _release import (MARKER, RELEASE_INDEPENDENT, SAME_WORKER, TORCH_MARKER, TORCH_OPS,  # noqa: E402
+                      UNDER_THE_PIN, ci_pin)
 from ring_kernels.world import preload_in_ranks  # noqa: E402
 
 # The tests' ranks are forked from ring_kernels.world's fork server: have it import transformers' modeling core once
@@ -56,14 +57,30 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+def _installed_transformers():
+    """The installed transformers release (its metadata, without importing it), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test of a module not in _release.RELEASE_INDEPENDENT ``release_dependent`` (CI's older tox envs
     run only those; docs/ci.md), and every test of a module in _release.TORCH_OPS ``torch_ops`` (the envs on the
-    torch series between the two ends run those too)."""
+    torch series between the two ends run those too); skip the tests of a module in _release.UNDER_THE_PIN unless
+    the installed transformers is the CI pin."""
+    installed = _installed_transformers()
+    off_the_pin = installed is not None and installed != ci_pin()
     for item in items:
         module = os.path.relpath(str(item.path), TESTS).replace(os.sep, "/")
         if module not in RELEASE_INDEPENDENT:
             item.add_marker(getattr(pytest.mark, MARKER))
+        if off_the_pin and module in UNDER_THE_PIN:
+            item.add_marker(pytest.mark.skip(reason=f"under the CI pin only ({UNDER_THE_PIN[module]}); this env has "
+                                                    f"transformers {installed}"))
         if module in TORCH_OPS:
             item.add_marker(getattr(pytest.mark, TORCH_MARKER))
 

@@ -16,7 +16,7 @@ depends on the image's grid. ``install`` puts two hooks on such a model; while a
    whole row's length are left whole. The position ids ``shard_inputs`` made up for a caller who gave none stand
    for no position ids: the model then computes its own, as it would without CP.
 2. before the text model: ``inputs_embeds``, ``position_ids`` (their last axis: (B, S), (3, B, S) or
-   (4, B, S)), a 2-D ``attention_mask`` and ``cache_position`` are cut to this rank's tokens, in the step's layout;
+   (4, B, S)), a 2-D ``attention_mask``, ``cache_position`` and token types that reach it are cut to this rank's tokens, in the step's layout;
    position ids the base model left unset become the global positions of this rank's tokens. The text model,
    the labels hook and the heads then see exactly what a text-only step gives them.
 
@@ -29,7 +29,8 @@ Anything else refuses by name (``UnsupportedArgument``): a packed row with image
 ``PACKED_IMAGES_REFUSED`` (the reason is measured there), an image call without a step (``shard_inputs`` or
 ``describe_split`` first), ``inputs_embeds`` instead of ``input_ids``, a text-model argument of the whole row's
 length that this module does not cut. A model whose base model hfpatch does not recognise (another family, a
-release whose base model has no separate text model) keeps the inputs guard (``hfpatch.model.inputs_guard``).
+release before ``version_gates.TRANSFORMERS_IMAGES_UNDER_CP``, a base model without a separate text model) keeps
+the inputs guard (``hfpatch.model.inputs_guard``).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from hfpatch import version_gates
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.model.inputs_guard import is_modality_input
 from hfpatch.modes import current_mode
@@ -67,7 +69,8 @@ PACKED_IMAGES_REFUSED = {
 # Per-token inputs of the base model that describe the row (gathered to the whole row before it runs).
 PER_TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "mm_token_type_ids", "token_type_ids")
 # Text-model arguments cut to this rank's tokens, and the axis of each that holds the row (-1: the last).
-_CUT = {"inputs_embeds": 1, "position_ids": -1, "attention_mask": 1, "cache_position": 0}
+_CUT = {"inputs_embeds": 1, "position_ids": -1, "attention_mask": 1, "cache_position": 0, "mm_token_type_ids": 1,
+        "token_type_ids": 1}
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,11 @@ def _scatters_then_calls_text_model(base: torch.nn.Module) -> bool:
 
 def recognise(model: torch.nn.Module) -> Optional[ImageScatter]:
     """The ``ImageScatter`` of ``model`` (a ``*ForConditionalGeneration`` or its base model), or None when its
-    family is not in ``FAMILIES`` or its release's base model does not scatter then call its text model."""
+    family is not in ``FAMILIES``, the installed transformers is older than
+    ``version_gates.TRANSFORMERS_IMAGES_UNDER_CP``, or its base model does not scatter then call its text model."""
+    installed = version_gates.installed_transformers_version()
+    if installed is not None and installed < version_gates.TRANSFORMERS_IMAGES_UNDER_CP:
+        return None
     for base in (model, getattr(model, "model", None)):
         if not isinstance(base, torch.nn.Module) or _family(base) not in FAMILIES:
             continue

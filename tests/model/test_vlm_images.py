@@ -22,6 +22,7 @@ covers the vision tower's key biases (an exact gradient of 0); the worst "cp"-me
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -29,13 +30,16 @@ import torch.distributed as dist
 
 import hfpatch
 from _dist import run_world
-from _release import skip_unless_ci_pin
+from hfpatch import version_gates
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import shift_labels, token_loss_sum
 from hfpatch.model import multimodal
 from ring_kernels.tolerances import assert_close, relative_error, tolerance
 
 transformers = pytest.importorskip("transformers")
+if version_gates.installed_transformers_version() < version_gates.TRANSFORMERS_IMAGES_UNDER_CP:
+    pytest.skip(f"images under CP from transformers {version_gates.TRANSFORMERS_IMAGES_UNDER_CP} (before it they "
+                "are refused: tests/model/test_multimodal.py)", allow_module_level=True)
 
 LOSS = tolerance("cp", torch.float32, "loss")
 GRAD = tolerance("cp", torch.float32, "grad")
@@ -130,8 +134,12 @@ def _rows(name: str):
 
 
 def _extra(name: str, ids: torch.Tensor) -> dict:
-    """The Qwen models' token types (1 on image placeholders), which 5.x asks for with ``image_grid_thw``."""
-    return {"mm_token_type_ids": (ids == IMAGE).int()} if name != "llava" else {}
+    """The Qwen models' token types (1 on image placeholders), where the release's model takes them (with
+    ``image_grid_thw``)."""
+    base = {"qwen2_vl": "Qwen2VLModel", "qwen2_5_vl": "Qwen2_5_VLModel"}.get(name)
+    if base is None or "mm_token_type_ids" not in inspect.signature(getattr(transformers, base).forward).parameters:
+        return {}
+    return {"mm_token_type_ids": (ids == IMAGE).int()}
 
 
 def _packed_positions(model, name, ids, positions, documents):
@@ -140,9 +148,11 @@ def _packed_positions(model, name, ids, positions, documents):
     positions (the model's ``get_rope_index`` of the document alone)."""
     if name == "llava":
         return positions
-    rope = [model.model.get_rope_index(ids[:, a:b], image_grid_thw=doc_images["image_grid_thw"],
-                                       mm_token_type_ids=(ids[:, a:b] == IMAGE).int())[0]
-            for (a, b), doc_images in documents]
+    takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
+    rope = []
+    for (a, b), doc_images in documents:
+        types = {"mm_token_type_ids": (ids[:, a:b] == IMAGE).int()} if takes_types else {}
+        rope.append(model.model.get_rope_index(ids[:, a:b], image_grid_thw=doc_images["image_grid_thw"], **types)[0])
     return torch.cat([positions[None], torch.cat(rope, -1)], 0)
 
 
@@ -241,13 +251,11 @@ def test_the_read_families_are_recognised_and_others_are_not():
 
 
 def test_images_match_non_cp_on_2_ranks():
-    skip_unless_ci_pin("the image worlds (the recognition is checked on every release)")
     worst = run_world(2, _world, tuple(MODELS))
     print("worst relative differences, 2 ranks:", worst[0])
 
 
 def test_images_match_non_cp_on_4_ranks():
-    skip_unless_ci_pin("the image worlds (the recognition is checked on every release)")
     worst = run_world(4, _world, ("qwen2_vl",))
     print("worst relative differences, 4 ranks:", worst[0])
 
