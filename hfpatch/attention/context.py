@@ -53,6 +53,10 @@ class StepState:
                      the name of the ``hfpatch.dropin`` function that set it (e.g. "update_ring_flash_attn_params").
     position_ids:    the local position ids ``shard_inputs`` returned (to detect a model fed other inputs), or None.
     positions_given: True when the caller gave ``shard_inputs`` position ids; False when it made them up (0..S-1).
+    token_weights:   (B, S_local) float32, the weight of each of this rank's tokens in the model's own means over
+                     tokens other than the labelled loss (the MoE load-balancing loss): 0 for tokens the non-CP run
+                     does not count (the integration's end padding, the batch's padding mask), 1 otherwise; None:
+                     every token counts.
     """
 
     kernel: str
@@ -65,6 +69,7 @@ class StepState:
     source: str = "shard_inputs"
     position_ids: Optional[torch.Tensor] = None
     positions_given: bool = False
+    token_weights: Optional[torch.Tensor] = None
     # Call signatures whose shapes the ranks were found to agree on in this step: the kernels' cross-rank check
     # (an all_gather and a host sync) runs once per step and shape, not per layer (ring_kernels.rank_check_scope).
     # A new StepState per step starts empty.

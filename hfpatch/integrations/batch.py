@@ -17,10 +17,14 @@ head). Everything the ring derives itself is dropped after it has been checked:
 The row is padded at its end to a multiple of 2 x the CP size (the zigzag layout's chunks) with the token
 ``padding_token(model)`` gives (0, or the pad token of a head that pools each row's last non-pad token, which that
 rule never pools), label -100, positions continuing the row (a new document when packed): exact for causal
-models, and the count of labelled tokens (``num_items_in_batch``) is unchanged.
+models, and the count of labelled tokens (``num_items_in_batch``) is unchanged. The tokens the non-CP run does not
+count -- the end padding, and those the dropped attention mask leaves out -- are recorded on the step
+(``StepState.token_weights``), which the model's own means over tokens (the MoE load-balancing loss,
+``hfpatch.model.router_loss``) weigh by, as the non-CP model weighs by its attention mask.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -30,6 +34,7 @@ from hfpatch.inputs import IGNORE_INDEX
 from hfpatch.attention.step import packed_cu_seqlens
 from hfpatch.model.heads import head_of, pad_token_id
 from hfpatch.model.wrappers import inner_model
+from ring_kernels.layout import local_positions
 
 __all__ = ["prepare_batch", "padding_token", "PACKING_KEYS"]
 
@@ -70,15 +75,31 @@ def prepare_batch(patch, inputs: Mapping[str, Any], *, pad_token: int = 0) -> di
     positions = rest.pop("position_ids", None)
     if positions is not None:
         positions = positions.to(input_ids.device).expand(input_ids.shape)
-    _check_attention_mask(rest.pop("attention_mask", None), labels, input_ids)
+    mask = rest.pop("attention_mask", None)
+    _check_attention_mask(mask, labels, input_ids)
     packed = _check_packing(rest, positions, input_ids)
     _refuse_other_sequences(rest, input_ids)
+    seq = input_ids.shape[1]
     input_ids, labels, positions = _pad(input_ids, labels, positions, packed, 2 * patch.ctx.world_size, pad_token)
     shard = patch.shard_inputs(input_ids, labels=labels, position_ids=positions)
+    _weigh_tokens(patch.ctx, mask, seq, input_ids.shape[1])
     rest.update(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
     if shard["labels"] is not None:
         rest["shift_labels"] = shard["labels"]
     return rest
+
+
+def _weigh_tokens(ctx, mask, seq: int, padded: int) -> None:
+    """Record on the step which of this rank's tokens the non-CP run counts (``StepState.token_weights``): the
+    batch's attention mask (the model's own means over tokens, the MoE load-balancing loss, weigh by it), 0 on the
+    end padding. Nothing when every token counts, or when ``shard_inputs`` recorded no step."""
+    step = getattr(ctx, "step", None)
+    if step is None or (mask is None and padded == seq):
+        return
+    weights = torch.ones(step.batch_size, seq) if mask is None else (mask.to("cpu") != 0).float()
+    weights = torch.cat([weights, weights.new_zeros(step.batch_size, padded - seq)], dim=1)
+    index = local_positions(padded, ctx.group, layout=step.layout, cu_seqlens=step.cu_seqlens)
+    ctx.set_step(replace(step, token_weights=weights.index_select(1, index)))
 
 
 def _unshifted_labels(labels, shift, input_ids) -> Optional[torch.Tensor]:

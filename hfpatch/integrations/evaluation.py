@@ -14,8 +14,10 @@ trainer instance by ``enable``) keeps the non-CP results:
 - ``prediction_loss_only=True`` (``evaluate()`` without ``compute_metrics``): the loss alone, no logits gathered.
 - otherwise the whole-sequence logits ``(B, S, V)``: the shards gathered over the CP group
   (``ring_kernels.layout.unshard`` in the step's layout), back in token order, the integration's end padding cut;
-  and the batch's own labels. Only the ``logits`` field of the model output is returned (other per-token outputs
-  exist only as shards).
+  and the batch's own labels. transformers' Trainer gets every output field as its own ``prediction_step`` returns
+  them (all but the loss and ``ignore_keys``: a MoE model's ``aux_loss``, the group's value, and its per-layer
+  ``router_logits`` gathered like the logits); a field that is neither per token nor a scalar is refused by name.
+  SFTTrainer gets the ``logits`` field.
 - the loop's ``gather_function`` is set for the running evaluation (the trainer resets it when the loop ends) to
   keep one copy per CP group (the processes of CP rank 0), so losses, logits and labels are gathered as often as
   without CP.
@@ -136,10 +138,54 @@ def _whole_logits(handle, outputs, step, seq_len: int) -> torch.Tensor:
     logits = outputs.logits if hasattr(outputs, "logits") else outputs[1]
     if handle.fallback:
         return logits.detach()
-    whole = unshard(logits.detach(), handle.patch.ctx.group, layout=step.layout, dim=1,
-                    cu_seqlens=step.cu_seqlens)
     handle.gathered_logits += 1
-    return whole[:, :seq_len]
+    return _whole(handle, "logits", logits, step, seq_len)
+
+
+def _whole(handle, name, value, step, seq_len: int):
+    """One output field of this rank's tokens as the non-CP run returns it (the whole batch, the end padding cut):
+    a scalar as it is (the group's value: the MoE ``aux_loss``), per-token tensors (B, S_local, ...) or rows of
+    tokens (B x S_local, ...) (the MoE ``router_logits``) gathered over the CP group, tuples field by field."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_whole(handle, name, item, step, seq_len) for item in value)
+    if not isinstance(value, torch.Tensor):
+        raise UnsupportedArgument(name, value, f"prediction under CP returns the model's output field {name!r}, "
+                                  "which is not a tensor hfpatch can gather over the CP group.",
+                                  f"add {name!r} to the trainer's ignore_keys (or the model config's "
+                                  "keys_to_ignore_at_inference).")
+    value = value.detach()
+    if handle.fallback or value.dim() == 0:
+        return value
+    batch, local = step.batch_size, step.seq_len_local
+    per_token = value.dim() >= 2 and value.shape[:2] == (batch, local)
+    rows = not per_token and value.shape[0] == batch * local
+    tokens = value.reshape(batch, local, *value.shape[1:]) if rows else value
+    if tokens.dim() < 2 or tokens.shape[:2] != (batch, local):
+        raise UnsupportedArgument(name, value, f"prediction under CP returns the model's output field {name!r} of "
+                                  f"shape {tuple(value.shape)}, which is neither per token of this rank's "
+                                  f"{batch} x {local} tokens nor a scalar.",
+                                  f"add {name!r} to the trainer's ignore_keys (or the model config's "
+                                  "keys_to_ignore_at_inference).")
+    whole = unshard(tokens, handle.patch.ctx.group, layout=step.layout, dim=1,
+                    cu_seqlens=step.cu_seqlens)[:, :seq_len]
+    return whole.reshape(batch * seq_len, *value.shape[1:]) if rows else whole
+
+
+def _whole_outputs(handle, model, outputs, step, seq_len: int, ignore_keys):
+    """What transformers' ``prediction_step`` returns as logits: every output field but the loss and the ignored
+    ones, whole (``_whole``); one field alone, not in a tuple."""
+    if ignore_keys is None:
+        config = getattr(model, "config", None)
+        ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["past_key_values"]) if config is not None \
+            else []
+    if isinstance(outputs, dict):
+        fields = [(key, value) for key, value in outputs.items() if key not in list(ignore_keys) + ["loss"]]
+    else:
+        fields = [(f"output {index}", value) for index, value in enumerate(outputs[1:], start=1)]
+    if not handle.fallback:
+        handle.gathered_logits += 1
+    whole = tuple(_whole(handle, name, value, step, seq_len) for name, value in fields)
+    return whole[0] if len(whole) == 1 else whole
 
 
 def prediction_step(handle, model, inputs, prediction_loss_only: bool, ignore_keys=None):
@@ -160,14 +206,32 @@ def prediction_step(handle, model, inputs, prediction_loss_only: bool, ignore_ke
         if labels is None:
             outputs = model(**inputs)
         else:
-            with averaged_over_group():
+            with averaged_over_group(), _sft_accumulation_of_one(handle):
                 result = handle.original_compute_loss(model, inputs, return_outputs=want_outputs,
                                                       num_items_in_batch=num_items)
             loss, outputs = result if want_outputs else (result, None)
             loss = _non_cp_loss(handle, loss.detach().mean(), num_items)
         if prediction_loss_only:
             return loss, None, None
-        return loss, _whole_logits(handle, outputs, step, seq_len), labels
+        if handle.sft:   # SFTTrainer's outputs: its fused head's, the logits recomputed
+            return loss, _whole_logits(handle, outputs, step, seq_len), labels
+        return loss, _whole_outputs(handle, model, outputs, step, seq_len, ignore_keys), labels
+
+
+@contextlib.contextmanager
+def _sft_accumulation_of_one(handle) -> Iterator[None]:
+    """SFTTrainer's own ``prediction_step`` passes no ``num_items_in_batch``, so its loss adds the MoE aux loss
+    divided by 1; given one (``_divisor``), it divides by the trainer's gradient accumulation steps. For SFTTrainer
+    the steps read 1 during the call, as they do for its aux term without CP."""
+    trainer = handle.trainer
+    if not handle.sft or not hasattr(trainer, "current_gradient_accumulation_steps"):
+        yield
+        return
+    steps, trainer.current_gradient_accumulation_steps = trainer.current_gradient_accumulation_steps, 1
+    try:
+        yield
+    finally:
+        trainer.current_gradient_accumulation_steps = steps
 
 
 def _non_cp_loss(handle, share: torch.Tensor, num_items) -> torch.Tensor:

@@ -260,15 +260,17 @@ def refuse_unsupported_losses(trainer) -> None:
             "compute the loss in a compute_loss override from outputs.logits and inputs['shift_labels'] "
             "(hfpatch.inputs.token_loss_sum), or train without CP.")
     model = getattr(trainer, "model", None)
-    if getattr(trainer, "aux_loss_enabled", False) or (model is not None and router_loss.requested(model, {})):
+    balancing = getattr(trainer, "aux_loss_enabled", False) or (model is not None and router_loss.requested(model, {}))
+    # Trainer and SFTTrainer: the model's output aux_loss is the group's (hfpatch.model.router_loss, padding weighed
+    # out through the step's token weights), and their loss adds it as the gradient averaging expects.
+    if balancing and is_trl_trainer(trainer) and not _is_sft_trainer(trainer):
         raise UnsupportedArgument(
             "router_aux_loss_coef", getattr(trainer, "router_aux_loss_coef", None),
-            "hfpatch.integrations does not make the mixture-of-experts load-balancing loss exact: the trainer scales "
-            "each rank's loss for its gradient average, and the integration pads each batch to a multiple of twice "
-            "the CP size, tokens the loss would count (hfpatch.apply(model=) with patch.shard_inputs makes it exact: "
-            "hfpatch.model.router_loss).",
-            "set router_aux_loss_coef=0.0 (TRL) and config.output_router_logits=False under CP, or train with "
-            "hfpatch.apply(model=) and patch.shard_inputs.")
+            f"{type(trainer).__name__} adds the mixture-of-experts load-balancing loss to a loss it scales its own "
+            "way, which hfpatch has not made exact under CP (it is exact through transformers' Trainer, TRL's "
+            "SFTTrainer, and hfpatch.apply(model=) with patch.shard_inputs: hfpatch.model.router_loss).",
+            "set router_aux_loss_coef=0.0 (and output_router_logits=False) under CP, or train this model without "
+            "context parallelism.")
 
 
 def summary_line(handle: TrainerCP, keep_attention: Any = None) -> str:

@@ -23,6 +23,10 @@ without CP): the model's output ``aux_loss`` is then the non-CP value whoever re
 SFTTrainer, the user), and the loss ``hfpatch.model.labels`` computes adds the coefficient times it, as the model
 does.
 
+Tokens the non-CP run does not count weigh 0, as the release's function weighs rows by the attention mask: the
+model's own mask where it passes one, else the step's ``token_weights`` (``hfpatch.integrations`` records its end
+padding and the batch's dropped padding mask there).
+
 Gradients follow the loss's convention (``hfpatch.model.labels``): by default the value is the non-CP value on
 every rank and the gradient reaches this rank's router probabilities only, so the parameter gradients SUMMED over
 the CP group are the non-CP ones; inside ``averaged_over_group()`` the gradient is the CP size times that, so that
@@ -213,6 +217,8 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any], averaged_now: Cal
             if ctx is None or ctx.world_size < 2 or current_mode() in ("local", "original") \
                     or not isinstance(gate_logits, tuple):
                 return original(gate_logits, num_experts, top_k, attention_mask)
+            if attention_mask is None:
+                attention_mask = _step_weights(ctx, gate_logits)
             return aux_loss(ctx, gate_logits, num_experts, top_k, attention_mask, averaged=averaged_now())
 
         rebound = _REBOUND[module.__name__] = _Rebound(module, original, mark_wrapper(load_balancing_loss_func))
@@ -220,6 +226,16 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any], averaged_now: Cal
     rebound.models += 1
     hooks = [model.register_forward_pre_hook(_enter), model.register_forward_hook(_leave, always_call=True)]
     return _Installed(rebound, hooks)
+
+
+def _step_weights(ctx: Any, router_logits) -> Optional[torch.Tensor]:
+    """The step's token weights (``StepState.token_weights``: 0 on tokens the non-CP run does not count) when they
+    describe these router logits' rows, else None."""
+    step = ctx.step
+    weights = getattr(step, "token_weights", None)
+    if weights is None or weights.numel() != router_logits[0].reshape(-1, router_logits[0].shape[-1]).shape[0]:
+        return None
+    return weights
 
 
 def aux_loss(ctx: Any, router_logits, num_experts: int, top_k: int, attention_mask: Optional[torch.Tensor], *,

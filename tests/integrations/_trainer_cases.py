@@ -3,7 +3,8 @@ training script): runs several trainer cases in one launch and writes, per case,
 every optimiser step, the eval losses (evaluation during training at step 2, then ``trainer.evaluate()``), and the
 final parameters and ``trainer.predict()`` logits (rank 0) to ``--out``.
 
-A case is ``model:kind:dp:cp`` or ``model:kind:dp:cp:keep``: model a tiny family of ``hfpatch.cli.demo_models``; kind ``trainer`` (transformers'
+A case is ``model:kind:dp:cp`` or ``model:kind:dp:cp:keep``: model a tiny family of ``hfpatch.cli.demo_models``
+(``mixtral`` with its load-balancing loss on); kind ``trainer`` (transformers'
 Trainer, rows of one document, some labels -100), ``sft_plain`` (TRL SFTTrainer, right-padded rows of one
 document each, attention mask), ``sft_lora`` (the same with ``peft_config=``: a LoRA adapter that SFTTrainer puts
 on the model) or ``sft_packed`` (TRL SFTTrainer, padding-free rows of bin-packed documents: position ids and
@@ -49,6 +50,9 @@ EVAL_ROWS = 8      # a multiple of the eval batch x dp: no remainder for the loo
 EVAL_STEPS = 2     # evaluation during training after this optimiser step
 LR = 0.1
 VOCAB = 128
+# The mixture-of-experts model trains with its load-balancing loss on (hfpatch.model.router_loss), with a
+# coefficient large enough that a wrong aux loss moves the loss and the gradients far beyond the bounds.
+MODEL_OVERRIDES = {"mixtral": dict(output_router_logits=True, router_aux_loss_coef=0.5)}
 
 
 def _tokenizer():
@@ -126,7 +130,7 @@ def _trainer(model_name: str, kind: str, dp: int, cp: int, out: str, keep: bool 
         with hfpatch.integrations.parallelism_config_on_cpu():
             trainer = cases.trainer(model_name, kind, args)
         return trainer, hfpatch.integrations.enable(trainer)
-    model = build_model(model_name)
+    model = build_model(model_name, **MODEL_OVERRIDES.get(model_name, {}))
     dataset = _dataset(kind)
     with hfpatch.integrations.parallelism_config_on_cpu():
         if kind == "trainer":
@@ -189,10 +193,19 @@ def run_case(spec: str, out_dir: str) -> dict:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, stem + ".pt")
         if predicted is not None:  # a reward model's predictions are its rewards, without labels
             labels = predicted.label_ids if kind not in reward.REWARD_KINDS else ()
-            torch.save({"logits": torch.as_tensor(predicted.predictions),
-                        "labels": torch.as_tensor(labels)}, stem + ".predict.pt")
+            fields = _fields(predicted.predictions)   # the logits; a MoE model's aux_loss and router_logits too
+            torch.save({"logits": fields[0] if len(fields) == 1 else next(
+                f for f in fields if f.dim() >= 2 and f.shape[:2] == torch.as_tensor(labels).shape[:2]),
+                "fields": fields, "labels": torch.as_tensor(labels)}, stem + ".predict.pt")
     AcceleratorState._reset_state(reset_partial_state=False)
     return result
+
+
+def _fields(predictions) -> list:
+    """``predict()``'s predictions (an array, or a tuple of them, nested) as a flat list of tensors, in order."""
+    if isinstance(predictions, (tuple, list)):
+        return [field for item in predictions for field in _fields(item)]
+    return [torch.as_tensor(predictions)]
 
 
 class _ScoringForwards:

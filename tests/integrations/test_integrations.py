@@ -31,6 +31,11 @@ Families: llama; gemma2 (sliding window on every other layer, attention and fina
 integration, prompt labels -100), ``sft_plain`` (SFTTrainer, right-padded rows with an attention mask),
 ``sft_packed`` (SFTTrainer, padding-free rows of bin-packed documents: position ids and cu_seq_lens); and, where
 peft is installed, ``llama:sft_lora`` (SFTTrainer with ``peft_config=``: LoRA on q/v, trained exactly as non-CP).
+Mixtral trains with its MoE load-balancing loss on (coefficient 0.5): Trainer (its rows padded by the integration),
+SFTTrainer padded (the attention mask weighs the padding out of the aux loss) and padding-free, and Trainer at 2x2;
+``predict()`` then also returns the aux loss per batch and the router logits per layer, compared at the labelled
+tokens, and SFTTrainer logs ``aux_loss``. Measured (Mixtral, 1x2): every loss, eval loss and parameter within the
+bounds above; SFTTrainer's logged ``aux_loss`` equal.
 
 TRL's DPOTrainer (``tests/integrations/_preference_cases.py``; llama, qwen3 and gemma2): the sigmoid loss against a
 given ``ref_model``, IPO with ``precompute_ref_log_probs=True``, and, where peft is installed, the sigmoid loss on a
@@ -111,11 +116,14 @@ KINDS = ("trainer", "sft_plain", "sft_packed")
 PEFT_CASES = ["llama:sft_lora"] if importlib.util.find_spec("peft") is not None else []
 # Under the CI pin every family runs every kind; on the other releases each kind (and each loss below) runs once,
 # on one family: what differs between releases is the Trainer and TRL path, which the families share.
-CASES = [f"{model}:{kind}" for model in MODELS for kind in KINDS] + PEFT_CASES if _AT_PIN else \
-    ["llama:trainer", "gemma2:sft_packed", "qwen2:sft_plain"] + PEFT_CASES
+# Mixtral with its load-balancing loss on (hfpatch.model.router_loss): Trainer, and SFTTrainer padded (the mask
+# weighs the padding out) and padding-free.
+MOE_CASES = ["mixtral:trainer", "mixtral:sft_plain", "mixtral:sft_packed"]
+CASES = [f"{model}:{kind}" for model in MODELS for kind in KINDS] + PEFT_CASES + MOE_CASES if _AT_PIN else \
+    ["llama:trainer", "gemma2:sft_packed", "qwen2:sft_plain", "mixtral:sft_plain"] + PEFT_CASES
 # 2x2: every family and every kind once (all nine with HFPATCH_TEST_TRAINER_FULL=1).
 CASES_2X2 = CASES if os.environ.get("HFPATCH_TEST_TRAINER_FULL") == "1" else \
-    ["llama:trainer", "gemma2:sft_packed", "qwen2:sft_plain"]
+    ["llama:trainer", "gemma2:sft_packed", "qwen2:sft_plain", "mixtral:trainer"]
 LAYERS, MICRO_BATCHES = 2, 3 * 2   # tiny models: 2 layers; 3 steps x 2 accumulated micro-batches
 EVAL_ROWS, EVAL_BATCH = 8, 2   # _trainer_cases' eval set and per-device eval batch
 
@@ -230,6 +238,17 @@ def _compare_evaluation(cp_run: dict, reference: dict, eval_batches: int) -> Non
     labelled = theirs["labels"] != -100
     worst = (ours["logits"] - theirs["logits"])[labelled].abs().max().item()
     assert worst <= LOGITS_ATOL, f"{cp_run['case']}: predict() logits differ by {worst:.3g}"
+    # every field predict() returns (a MoE model's aux_loss per batch and router_logits per layer too), per token at
+    # the labelled positions (the padding's are the model's business)
+    assert [f.shape for f in ours["fields"]] == [f.shape for f in theirs["fields"]], cp_run["case"]
+    for index, (mine, want) in enumerate(zip(ours["fields"], theirs["fields"])):
+        if labelled.dim() == 2 and want.dim() >= 2 and want.shape[:2] == labelled.shape:
+            mine, want = mine[labelled], want[labelled]
+        elif labelled.dim() == 2 and want.dim() >= 1 and want.shape[0] == labelled.numel():
+            mine, want = mine[labelled.flatten()], want[labelled.flatten()]
+        error = (mine - want).abs().max().item()
+        assert error <= LOGITS_ATOL * max(1.0, want.abs().max().item()), \
+            f"{cp_run['case']}: predict() field {index} differs by {error:.3g}"
 
 
 @pytest.mark.parametrize("case", CASES)

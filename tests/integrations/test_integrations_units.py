@@ -273,16 +273,20 @@ def test_losses_that_see_a_shard_are_refused():
     marker = "non-None value to disable scaling"
     refuse_unsupported_losses(types.SimpleNamespace(**{**base, "compute_loss_func": marker}))
     for field, value, parameter in (("label_smoother", object(), "label_smoothing_factor"),
-                                    ("compute_loss_func", len, "compute_loss_func"),
-                                    ("aux_loss_enabled", True, "router_aux_loss_coef")):
+                                    ("compute_loss_func", len, "compute_loss_func")):
         with pytest.raises(UnsupportedArgument) as info:
             refuse_unsupported_losses(types.SimpleNamespace(**{**base, field: value}))
         assert info.value.parameter == parameter
-    # transformers' Trainer on a MoE model whose config asks for the load-balancing loss (the model adds it)
+    # The MoE load-balancing loss: transformers' Trainer (the model adds it) and TRL's SFTTrainer are exact
+    # (test_integrations.py's mixtral cases); a TRL trainer that adds it with its own scaling is refused by name.
     moe = types.SimpleNamespace(config=types.SimpleNamespace(output_router_logits=True))
-    with pytest.raises(UnsupportedArgument, match="load-balancing loss exact") as info:
-        refuse_unsupported_losses(types.SimpleNamespace(**base, model=moe))
-    assert info.value.parameter == "router_aux_loss_coef"
+    refuse_unsupported_losses(types.SimpleNamespace(**base, model=moe))
+    refuse_unsupported_losses(types.SimpleNamespace(**{**base, "aux_loss_enabled": True}))
+    dpo = type("DPOTrainer", (types.SimpleNamespace,), {"__module__": "trl.trainer.dpo_trainer"})
+    for trainer in (dpo(**{**base, "aux_loss_enabled": True}), dpo(**base, model=moe)):
+        with pytest.raises(UnsupportedArgument, match="load-balancing loss to a loss it scales") as info:
+            refuse_unsupported_losses(trainer)
+        assert info.value.parameter == "router_aux_loss_coef" and "DPOTrainer" in info.value.reason
 
 
 def test_keep_attention_without_checkpointing_is_refused():
