@@ -55,7 +55,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help=f"exit 1 if the table at PATH (default {_DEFAULT_TABLE}) differs from this sweep")
     p.add_argument("--no-heads", action="store_true",
                    help="leave out the heads table (sequence and token classification, QA, vision-language models on "
-                        "text, PEFT): its sweep is not run and --check does not compare it")
+                        "text, PEFT, the MoE load-balancing loss): its sweep is not run and --check does not compare "
+                        "it")
     p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     p.set_defaults(func=run)
     return p

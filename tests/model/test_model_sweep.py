@@ -162,6 +162,8 @@ def test_the_staleness_check_sees_a_changed_row_column_cell_and_mixer_entry():
     assert table.stale([verdict], text) == []
     assert table.stale([verdict], text.replace("**exact**", "**refused**")) == [
         "llama / LlamaForCausalLM: MODELS.md says refused, the sweep says exact"]
+    assert table.stale([verdict], text.replace("| `llava` | exact | exact |", "| `llava` | exact | refused |")) == [
+        "the images section differs from hfpatch.model.multimodal's families"]
     column = Verdict(model_type="llama", class_name="LlamaForCausalLM", verdict="exact", kernel="ulysses")
     with_column = table.render([verdict], transformers_version="5.23.0", torch_version="2.13.0", world_size=2,
                                columns=[column])

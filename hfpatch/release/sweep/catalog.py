@@ -20,13 +20,15 @@ __all__ = ["CatalogEntry", "HEADS", "flash_causal_lm_classes", "flash_head_class
 # The heads table of MODELS.md: head -> the auto mapping that lists its classes (absent in a release: no classes).
 # "conditional-generation": the vision-language models of the image-text-to-text mapping, trained on text input;
 # "peft-lora": a causal LM of ``PEFT_MODEL_TYPES`` with a LoRA adapter on every linear layer (where peft is
-# installed), given to apply as the PeftModel.
+# installed), given to apply as the PeftModel; "moe-aux-loss": every mixture-of-experts causal LM (its modeling
+# module defines transformers' ``load_balancing_loss_func``) trained with its load-balancing loss on.
 HEADS = {
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
     "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
     "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
     "conditional-generation": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
     "peft-lora": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "moe-aux-loss": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
 }
 PEFT_MODEL_TYPES = ("llama", "qwen2", "mixtral")
 
@@ -110,7 +112,8 @@ def flash_causal_lm_classes() -> list[CatalogEntry]:
 def flash_head_classes() -> list[CatalogEntry]:
     """The heads table's classes (``HEADS``): every sequence-classification, token-classification and QA class,
     and every vision-language ``*ForConditionalGeneration`` class, that declares a flash path (plus those that
-    failed to import), and the PEFT rows where peft is installed; sorted by (head, model_type, class_name)."""
+    failed to import), the PEFT rows where peft is installed, and every importable mixture-of-experts causal LM
+    with a flash path; sorted by (head, model_type, class_name)."""
     import importlib.util
 
     from transformers.models.auto import modeling_auto
@@ -126,9 +129,19 @@ def flash_head_classes() -> list[CatalogEntry]:
         elif head == "conditional-generation":
             names = {t: tuple(n for n in _class_names(v) if n.endswith("ForConditionalGeneration"))
                      for t, v in names.items()}
-        entries += _flash_entries(names, configs, head)
+        found = _flash_entries(names, configs, head)
+        if head == "moe-aux-loss":   # the importable causal LMs whose module has a load-balancing loss
+            found = [e for e in found if e.importable and _balances_experts(e)]
+        entries += found
     entries.sort(key=lambda e: (list(HEADS).index(e.head), e.model_type, e.class_name))
     return entries
+
+
+def _balances_experts(entry: CatalogEntry) -> bool:
+    """Whether the class's modeling module defines transformers' MoE ``load_balancing_loss_func``."""
+    import sys
+
+    return hasattr(sys.modules[entry.model_class().__module__], "load_balancing_loss_func")
 
 
 def _flash_entries(mapping, configs, head: str) -> list[CatalogEntry]:

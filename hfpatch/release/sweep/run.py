@@ -174,7 +174,10 @@ def _step_loss(model, head: str, ids, positions, labels, index=None, ctx=None) -
             start, end = start.index_select(1, index), end.index_select(1, index)
         local = (output.start_logits.float() ** 2 * start).sum() + (output.end_logits.float() ** 2 * end).sum()
         return local if ctx is None else inputs.global_loss_sum(ctx, local)
-    return _loss_of(model(input_ids=ids, labels=labels, use_cache=False, **common))
+    output = model(input_ids=ids, labels=labels, use_cache=False, **common)
+    if head == "moe-aux-loss" and getattr(output, "aux_loss", None) is None:
+        raise RuntimeError("the model returned no aux_loss: its load-balancing loss did not run")
+    return _loss_of(output)
 
 
 def _labels_for(model, head: str, ids) -> torch.Tensor:
@@ -220,6 +223,8 @@ def _build(entry: CatalogEntry, build_tiny) -> torch.nn.Module:
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if getattr(text, "pad_token_id", None) is None:
             text.pad_token_id = model.config.pad_token_id = 0
+    if entry.head == "moe-aux-loss":
+        _balance_experts(model)
     if entry.head == "peft-lora":
         import peft  # deferred (peft): only the PEFT rows, only where it is installed
 
@@ -227,6 +232,26 @@ def _build(entry: CatalogEntry, build_tiny) -> torch.nn.Module:
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                            target_modules="all-linear", init_lora_weights=False))
     return model
+
+
+AUX_LOSS_COEFFICIENT = 0.5   # large enough that a wrong load-balancing loss moves the loss and the router gradients
+
+
+def _balance_experts(model) -> None:
+    """Turn a MoE model's load-balancing loss on: ``output_router_logits`` in its configs, and its coefficient
+    (where ``hfpatch.model.router_loss`` reads from where the forward takes it) ``AUX_LOSS_COEFFICIENT``. An
+    unrecognised loss keeps its own coefficient: apply refuses it by name."""
+    from hfpatch.model import router_loss
+
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for config in {id(c): c for c in (model.config, text)}.values():
+        config.output_router_logits = True
+        config.router_aux_loss_coef = AUX_LOSS_COEFFICIENT
+    found = router_loss.recognise(model)
+    if not isinstance(found, str) and found.coefficient is not None:
+        *parents, name = found.coefficient.split(".")
+        owner = found.read(model, ".".join(parents)) if parents else model
+        setattr(owner, name, AUX_LOSS_COEFFICIENT)
 
 
 def _compare(loss_cp, grads_cp, loss_ref, grads_ref) -> tuple[float, float, str]:

@@ -68,7 +68,8 @@ def render(verdicts: list[Verdict], *, transformers_version: str, torch_version:
         verdicts = "".join(f"{c.verdict if c is not None else ''} | " for c in found)
         lines.append(f"| `{v.model_type}` | `{v.class_name}` | **{v.verdict}** | {verdicts}{_cell('; '.join(why))} |")
     heads = list(heads)
-    return "\n".join(lines + [""] + (heads_section(heads, world_size) + [""] if heads else []) + mixer_section()) + "\n"
+    return "\n".join(lines + [""] + (heads_section(heads, world_size) + [""] if heads else []) + images_section()
+                     + [""] + mixer_section()) + "\n"
 
 
 _HEADS_HEADER = "| head | model type | class | verdict | why |"
@@ -80,16 +81,21 @@ _HEAD_MEANING = {
                           "`start_positions` is refused under CP by name)",
     "conditional-generation": "a vision-language model on text input, trained as a causal LM",
     "peft-lora": "the causal LM with a LoRA adapter on every linear layer, given to `apply` as the `PeftModel`",
+    "moe-aux-loss": "a mixture-of-experts causal LM with `output_router_logits=True` and `router_aux_loss_coef=0.5`: "
+                    "its loss adds the load-balancing loss, whose token statistics CP must take over the whole "
+                    "group (`hfpatch.model.router_loss`)",
 }
 
 
 def heads_section(heads: list[Verdict], world_size: int) -> list[str]:
     """The lines of MODELS.md's heads table: every class of ``catalog.flash_head_classes`` with its verdict."""
     rows = sorted(heads, key=lambda v: (list(_HEAD_MEANING).index(v.head), v.model_type, v.class_name))
-    lines = ["## Heads: sequence and token classification, QA, vision-language models on text, PEFT", "",
+    lines = ["## Heads: sequence and token classification, QA, vision-language models on text, PEFT, MoE aux loss",
+             "",
              f"Every class of transformers' sequence-classification, token-classification and question-answering "
              f"auto mappings, and every vision-language `*ForConditionalGeneration` class, that declares a "
-             f"flash-attention path, and a LoRA adapter on representative causal LMs: built tiny and trained one step "
+             f"flash-attention path, a LoRA adapter on representative causal LMs, and every mixture-of-experts "
+             f"causal LM with its load-balancing loss on: built tiny and trained one step "
              f"on {world_size} CPU ranks as above, each by what its head outputs, compared on every rank (loss and "
              f"every gradient). " + counts_line(rows) + ".", ""]
     lines += [f"- **{head}**: {meaning}." for head, meaning in _HEAD_MEANING.items()]
@@ -116,6 +122,28 @@ def _columns_paragraph(columns: list[Verdict]) -> str:
             f"a ring of 2 across them) -- on a representative subset only: {runs}. A full column takes as long as "
             f"the whole sweep; an empty cell was not run (`hfpatch models --kernel ulysses --classes NAME` runs one "
             f"class). {counts}.")
+
+
+def images_section() -> list[str]:
+    """The lines of MODELS.md's images section: the families ``hfpatch.model.multimodal`` scatters images for, and
+    how each row form fares, on any release."""
+    from hfpatch import version_gates
+    from hfpatch.model import multimodal
+
+    lines = ["## Images under CP: vision-language models", "",
+             f"`hfpatch.model.multimodal`, from transformers {version_gates.TRANSFORMERS_IMAGES_UNDER_CP}: every rank "
+             "encodes every image, the features are written over the placeholders of the whole row (and Qwen's 3-D "
+             "rotary positions numbered over it), and only then is the row cut to each rank's tokens, so an image "
+             "may straddle two ranks. The families below are exact -- the loss and every gradient, vision tower "
+             "included -- in `tests/model/test_vlm_images.py` (2 and 4 ranks, fp32). Images in every other "
+             "vision-language family (Gemma-3's image spans attend bidirectionally), and video and audio inputs, "
+             "are refused by name (`hfpatch.model.inputs_guard`); every family's text path is in the heads table "
+             "above.", "",
+             "| family | batch rows | packed rows |", "|---|---|---|"]
+    for family in multimodal.FAMILIES:
+        refused = multimodal.PACKED_IMAGES_REFUSED.get(family)
+        lines.append(f"| `{family}` | exact | {'refused: ' + _cell(refused) if refused else 'exact'} |")
+    return lines
 
 
 def mixer_section() -> list[str]:
@@ -197,6 +225,8 @@ def stale(verdicts: list[Verdict], text: str, columns: Iterable[Verdict] = (),
             if old != new:
                 out.append(f"{key[1]} / {key[2]} as {key[0]}: MODELS.md says {old or 'nothing'}, the sweep says "
                            f"{new or 'nothing'}")
+    if "\n".join(images_section()) not in text:
+        out.append("the images section differs from hfpatch.model.multimodal's families")
     if "\n".join(mixer_section()) not in text:
         out.append("the sequence-mixer section differs from the mixer registry's entries")
     return out
