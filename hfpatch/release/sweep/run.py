@@ -34,6 +34,7 @@ import torch.distributed as dist
 import hfpatch
 from hfpatch.errors import HfpatchError, ModelDivergence, UnsupportedArgument, UnsupportedModel
 from hfpatch import inputs
+from hfpatch.model import router_loss
 from hfpatch.model.positions import position_kwargs
 from hfpatch.release.sweep.catalog import CatalogEntry, flash_causal_lm_classes, flash_head_classes
 from hfpatch.release.sweep.tiny import NotBuilt, build_tiny, training_inputs, training_labels
@@ -241,8 +242,6 @@ def _balance_experts(model) -> None:
     """Turn a MoE model's load-balancing loss on: ``output_router_logits`` in its configs, and its coefficient
     (where ``hfpatch.model.router_loss`` reads from where the forward takes it) ``AUX_LOSS_COEFFICIENT``. An
     unrecognised loss keeps its own coefficient: apply refuses it by name."""
-    from hfpatch.model import router_loss
-
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for config in {id(c): c for c in (model.config, text)}.values():
         config.output_router_logits = True

@@ -12,7 +12,9 @@ import re
 from collections import Counter
 from typing import Iterable
 
+from hfpatch import version_gates
 from hfpatch.mixers import FAMILIES
+from hfpatch.model import multimodal
 from hfpatch.release.sweep.run import GRAD_RTOL, HEAD_PARALLEL_COLUMNS, LOSS_RTOL, VERDICTS, Verdict
 
 __all__ = ["render", "parse", "parse_columns", "parse_heads", "heads_section", "stale", "counts_line"]
@@ -127,9 +129,6 @@ def _columns_paragraph(columns: list[Verdict]) -> str:
 def images_section() -> list[str]:
     """The lines of MODELS.md's images section: the families ``hfpatch.model.multimodal`` scatters images for, and
     how each row form fares, on any release."""
-    from hfpatch import version_gates
-    from hfpatch.model import multimodal
-
     lines = ["## Images under CP: vision-language models", "",
              f"`hfpatch.model.multimodal`, from transformers {version_gates.TRANSFORMERS_IMAGES_UNDER_CP}: every rank "
              "encodes every image, the features are written over the placeholders of the whole row (and Qwen's 3-D "
