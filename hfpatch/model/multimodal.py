@@ -16,9 +16,10 @@ depends on the image's grid. ``install`` puts two hooks on such a model; while a
    whole row's length are left whole. The position ids ``shard_inputs`` made up for a caller who gave none stand
    for no position ids: the model then computes its own, as it would without CP.
 2. before the text model: ``inputs_embeds``, ``position_ids`` (their last axis: (B, S), (3, B, S) or
-   (4, B, S)), a 2-D ``attention_mask``, ``cache_position`` and token types that reach it are cut to this rank's tokens, in the step's layout;
-   position ids the base model left unset become the global positions of this rank's tokens. The text model,
-   the labels hook and the heads then see exactly what a text-only step gives them.
+   (4, B, S)), a 2-D ``attention_mask``, ``cache_position`` and token types that reach it are cut to this rank's
+   tokens, in the step's layout; position ids the base model left unset become the global positions of this
+   rank's tokens. The text model, the labels hook and the heads then see exactly what a text-only step gives
+   them.
 
 The vision tower therefore runs on every image on every rank (a modality tower is never routed onto the ring:
 ``hfpatch.model.routing.modality_towers``). Its gradient on a rank comes through that rank's placeholders only, so
@@ -56,11 +57,12 @@ __all__ = ["FAMILIES", "PACKED_IMAGES_REFUSED", "PER_TOKEN_INPUTS", "ImageScatte
 # tests/model/test_vlm_images.py. Gemma-3 is not among them: its text model attends bidirectionally inside each
 # image span, which the ring kernels' causal mask cannot express (and it has no flash path, so apply refuses it).
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
-# Families whose packed rows with images are refused, and why. transformers' packed form of a Qwen-VL row (position
-# ids (4, 1, S): the text positions, then each document's multimodal rotary positions) gives the documents' logits
-# (within 2e-7) but not their gradients: hfpatch's flash path without CP, the reference and the ring agree with
-# each other, and differ from the documents run alone by 0.6% in the embeddings' gradient and by up to 4x in the
-# vision tower's (tests/model/test_vlm_images.py, 2 ranks, fp32); the cause is not found, so the form is refused.
+# Families whose packed rows with images are refused, and why. Given transformers' packed form of a Qwen-VL row
+# (position ids (4, 1, S): the text positions, then each document's multimodal rotary positions), hfpatch's flash
+# path -- the ring, the reference and the whole row without CP ("local") alike -- gives the documents' logits
+# (within 2e-7) but not their gradients: 0.6% off in the embeddings', up to 4x in the vision tower's (2 ranks,
+# fp32, tests/model/test_vlm_images.py's rows), while transformers' own run of the same row with a block-causal
+# mask matches the documents run alone (4e-6). The cause is not found, so the form is refused.
 PACKED_IMAGES_REFUSED = {
     family: "a packed row of Qwen-VL documents with images is not verified exact: its gradients differ from the "
             "documents run alone (0.6% in the embeddings, up to 4x in the vision tower, measured on 2 ranks in "
