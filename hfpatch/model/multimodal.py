@@ -26,8 +26,7 @@ The vision tower therefore runs on every image on every rank (a modality tower i
 summed over the CP group (as data parallelism over dp x cp sums every gradient) it is the non-CP gradient, as for
 every other parameter. The whole row's embeddings (B x S x hidden) exist on every rank for the length of the scatter.
 
-Anything else refuses by name (``UnsupportedArgument``): a packed row with images in a family of
-``PACKED_IMAGES_REFUSED`` (the reason is measured there), an image call without a step (``shard_inputs`` or
+Anything else refuses by name (``UnsupportedArgument``): an image call without a step (``shard_inputs`` or
 ``describe_split`` first), ``inputs_embeds`` instead of ``input_ids``, a text-model argument of the whole row's
 length that this module does not cut. A model whose base model hfpatch does not recognise (another family, a
 release before ``version_gates.TRANSFORMERS_IMAGES_UNDER_CP``, a base model without a separate text model) keeps
@@ -50,24 +49,13 @@ from hfpatch.modes import current_mode
 from hfpatch.undo import UndoStack
 from ring_kernels.layout import local_positions, rank_positions
 
-__all__ = ["FAMILIES", "PACKED_IMAGES_REFUSED", "PER_TOKEN_INPUTS", "ImageScatter", "recognise", "install"]
+__all__ = ["FAMILIES", "PER_TOKEN_INPUTS", "ImageScatter", "recognise", "install"]
 
 # transformers families whose base model scatters the encoded images into ``inputs_embeds`` and then calls
 # ``self.language_model(inputs_embeds=...)``, read from their modeling files; each is exact under CP in
 # tests/model/test_vlm_images.py. Gemma-3 is not among them: its text model attends bidirectionally inside each
 # image span, which the ring kernels' causal mask cannot express (and it has no flash path, so apply refuses it).
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
-# Families whose packed rows with images are refused, and why. Given transformers' packed form of a Qwen-VL row
-# (position ids (4, 1, S): the text positions, then each document's multimodal rotary positions), hfpatch's flash
-# path -- the ring, the reference and the whole row without CP ("local") alike -- gives the documents' logits
-# (within 2e-7) but not their gradients: 0.6% off in the embeddings', up to 4x in the vision tower's (2 ranks,
-# fp32, tests/model/test_vlm_images.py's rows), while transformers' own run of the same row with a block-causal
-# mask matches the documents run alone (4e-6). The cause is not found, so the form is refused.
-PACKED_IMAGES_REFUSED = {
-    family: "a packed row of Qwen-VL documents with images is not verified exact: its gradients differ from the "
-            "documents run alone (0.6% in the embeddings, up to 4x in the vision tower, measured on 2 ranks in "
-            "fp32) although its logits agree"
-    for family in ("qwen2_vl", "qwen2_5_vl")}
 # Per-token inputs of the base model that describe the row (gathered to the whole row before it runs).
 PER_TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "mm_token_type_ids", "token_type_ids")
 # Text-model arguments cut to this rank's tokens, and the axis of each that holds the row (-1: the last).
@@ -165,9 +153,6 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> Optional[UndoS
                     f"{owner} scatters the encoded images over the whole row before sharding it, which needs the "
                     "step's layout, and no step was recorded.",
                     "call patch.shard_inputs(input_ids, ...) for every batch and pass the input_ids it returns.")
-        if step.packed and found.family in PACKED_IMAGES_REFUSED:
-            _refuse(images[0], kwargs[images[0]], f"{owner}: {PACKED_IMAGES_REFUSED[found.family]}.",
-                    "give the documents with images one per row (pad with labels -100), or train them without CP.")
         if args:
             _refuse("args", args, f"{owner} was called with positional arguments under CP with images.",
                     "pass input_ids, pixel_values and the rest as keywords.")

@@ -8,9 +8,9 @@ Rows, of 32 tokens, so that every image straddles a rank boundary of the zigzag 
 - ``batch``: two rows, one image each (4 and 6 placeholders for the Qwen models), no position ids: the model
   numbers the positions itself (Qwen2-VL's multimodal rotary positions over the whole row);
 - ``packed``: one row of two documents (position ids restarting at 0), one image each, against each document run
-  alone with its own image; the model is given the whole row's position ids on every rank. Llava is exact; the
-  Qwen models (given transformers' packed form: the text positions, then each document's multimodal rotary
-  positions) are refused by name (``multimodal.PACKED_IMAGES_REFUSED`` says why, measured).
+  alone with its own image (from position 0, the model numbering its own positions); the model is given the
+  whole row's position ids on every rank, the Qwen models in transformers' packed form (the text positions, then
+  each document's multimodal rotary positions).
 The loss is the model's own (``labels=`` the ones ``shard_inputs`` returned); the non-CP reference is a copy of the
 model off the patch, given the whole row. Gradients are summed over the group (as data parallelism over dp x cp
 sums them). Refused by name: image inputs before any step, ``inputs_embeds`` with images, and a family hfpatch
@@ -164,8 +164,8 @@ def _reference(model, name, ids, positions, labels, images, documents):
     logits = []
     for (a, b), doc_images in documents:
         doc = ids[:, a:b]
-        logits.append(model(input_ids=doc, position_ids=positions[:, a:b], **doc_images,
-                            **_extra(name, doc)).logits)
+        # a document alone from position 0: Llava numbers its tokens, the Qwen models their 3-D rotary positions
+        logits.append(model(input_ids=doc, **doc_images, **_extra(name, doc)).logits)
     loss_sum, count = token_loss_sum(torch.cat(logits, 1), shift_labels(labels))
     return loss_sum / count
 
@@ -190,12 +190,6 @@ def _case(rank, world, name, worst):
             batch = patch.shard_inputs(ids, labels=labels, position_ids=positions)
             given = batch["position_ids"] if documents is None else \
                 _packed_positions(model, name, ids, positions, documents)
-            if documents is not None and name in multimodal.PACKED_IMAGES_REFUSED:
-                with pytest.raises(UnsupportedArgument) as info:
-                    model(input_ids=batch["input_ids"], position_ids=given, labels=batch["labels"], **images,
-                          **_extra(name, ids))
-                assert info.value.parameter == "pixel_values" and "not verified exact" in info.value.reason
-                continue
             got = model(input_ids=batch["input_ids"], position_ids=given, labels=batch["labels"], **images,
                         **_extra(name, ids))
             got.loss.backward()
