@@ -116,6 +116,16 @@ def ci_pin() -> str:
     return found.group(1)
 
 
+def installed_transformers() -> str | None:
+    """The installed transformers release (its metadata, without importing it), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
 def skip_unless_ci_pin(why: str) -> None:
     """Skip the calling test unless the installed transformers is the CI pin; ``why`` says what runs only there."""
     import pytest

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 from _release import (MARKER, RELEASE_INDEPENDENT, SAME_WORKER, TORCH_MARKER, TORCH_OPS,  # noqa: E402
-                      UNDER_THE_PIN, ci_pin)
+                      UNDER_THE_PIN, ci_pin, installed_transformers)
 from ring_kernels.world import preload_in_ranks  # noqa: E402
 
 # The tests' ranks are forked from ring_kernels.world's fork server: have it import transformers' modeling core once
@@ -57,22 +57,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
-def _installed_transformers():
-    """The installed transformers release (its metadata, without importing it), or None."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("transformers")
-    except PackageNotFoundError:
-        return None
-
-
 def pytest_collection_modifyitems(config, items):
     """Mark every test of a module not in _release.RELEASE_INDEPENDENT ``release_dependent`` (CI's older tox envs
     run only those; docs/ci.md), and every test of a module in _release.TORCH_OPS ``torch_ops`` (the envs on the
     torch series between the two ends run those too); skip the tests of a module in _release.UNDER_THE_PIN unless
     the installed transformers is the CI pin."""
-    installed = _installed_transformers()
+    installed = installed_transformers()
     off_the_pin = installed is not None and installed != ci_pin()
     for item in items:
         module = os.path.relpath(str(item.path), TESTS).replace(os.sep, "/")

@@ -34,7 +34,7 @@ from hfpatch.inputs import IGNORE_INDEX
 from hfpatch.attention.step import packed_cu_seqlens
 from hfpatch.model.heads import head_of, pad_token_id
 from hfpatch.model.wrappers import inner_model
-from ring_kernels.layout import local_positions
+from ring_kernels.layout import shard
 
 __all__ = ["prepare_batch", "padding_token", "PACKING_KEYS"]
 
@@ -98,8 +98,8 @@ def _weigh_tokens(ctx, mask, seq: int, padded: int) -> None:
         return
     weights = torch.ones(step.batch_size, seq) if mask is None else (mask.to("cpu") != 0).float()
     weights = torch.cat([weights, weights.new_zeros(step.batch_size, padded - seq)], dim=1)
-    index = local_positions(padded, ctx.group, layout=step.layout, cu_seqlens=step.cu_seqlens)
-    ctx.set_step(replace(step, token_weights=weights.index_select(1, index)))
+    ctx.set_step(replace(step, token_weights=shard(weights, ctx.group, layout=step.layout, dim=1,
+                                                   cu_seqlens=step.cu_seqlens)))
 
 
 def _unshifted_labels(labels, shift, input_ids) -> Optional[torch.Tensor]:

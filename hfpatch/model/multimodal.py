@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from hfpatch import version_gates
 from hfpatch.errors import UnsupportedArgument
 from hfpatch.model.inputs_guard import is_modality_input
+from hfpatch.model.positions import global_positions
 from hfpatch.modes import current_mode
 from hfpatch.undo import UndoStack
-from ring_kernels.layout import local_positions, rank_positions
+from ring_kernels.layout import unshard
 
 __all__ = ["FAMILIES", "PER_TOKEN_INPUTS", "ImageScatter", "recognise", "install"]
 
@@ -114,16 +114,9 @@ class _Pending:
     batch: int
 
 
-def _gather_whole(local: torch.Tensor, step, group, world_size: int) -> torch.Tensor:
-    """The whole row of a per-token integer tensor (last axis = this rank's tokens), no autograd."""
-    parts = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    whole = torch.empty(*local.shape[:-1], step.seq_len_global, dtype=local.dtype, device=local.device)
-    for rank, part in enumerate(parts):
-        index = rank_positions(step.seq_len_global, rank, world_size, layout=step.layout,
-                               cu_seqlens=step.cu_seqlens).to(local.device)
-        whole.index_copy_(whole.dim() - 1, index, part)
-    return whole
+def _whole_row(local: torch.Tensor, step, group) -> torch.Tensor:
+    """The whole row of a per-token tensor whose last axis holds this rank's tokens, in global token order."""
+    return unshard(local, group, layout=step.layout, dim=local.dim() - 1, cu_seqlens=step.cu_seqlens)
 
 
 def _refuse(name: str, value: Any, reason: str, fix: str) -> None:
@@ -170,7 +163,7 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> Optional[UndoS
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
             if value.shape[-1] == step.seq_len_local and value.shape[-1] != step.seq_len_global:
-                changed[name] = _gather_whole(value, step, ctx.group, ctx.world_size)
+                changed[name] = _whole_row(value, step, ctx.group)
             elif value.shape[-1] != step.seq_len_global:
                 _refuse(name, value,
                         f"{owner} got {name} of length {value.shape[-1]}, neither this rank's shard "
@@ -179,7 +172,7 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> Optional[UndoS
         if changed.get("input_ids") is None or changed["input_ids"].shape[-1] != step.seq_len_global:
             _refuse("input_ids", changed.get("input_ids"), f"{owner} needs the input_ids of this step under CP "
                     "with images.", "pass the input_ids shard_inputs returned.")
-        index = local_positions(step.seq_len_global, ctx.group, layout=step.layout, cu_seqlens=step.cu_seqlens)
+        index = global_positions(ctx, step.seq_len_local)
         local.pending = _Pending(index=index, seq_whole=step.seq_len_global, batch=step.batch_size)
         return args, changed
 

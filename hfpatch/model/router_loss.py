@@ -233,7 +233,7 @@ def _step_weights(ctx: Any, router_logits) -> Optional[torch.Tensor]:
     describe these router logits' rows, else None."""
     step = ctx.step
     weights = getattr(step, "token_weights", None)
-    if weights is None or weights.numel() != router_logits[0].reshape(-1, router_logits[0].shape[-1]).shape[0]:
+    if weights is None or weights.numel() * router_logits[0].shape[-1] != router_logits[0].numel():
         return None
     return weights
 

@@ -13,6 +13,7 @@ is listed with ``import_error`` set (whether it declares a flash path is then un
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 
 __all__ = ["CatalogEntry", "HEADS", "flash_causal_lm_classes", "flash_head_classes"]
@@ -139,8 +140,6 @@ def flash_head_classes() -> list[CatalogEntry]:
 
 def _balances_experts(entry: CatalogEntry) -> bool:
     """Whether the class's modeling module defines transformers' MoE ``load_balancing_loss_func``."""
-    import sys
-
     return hasattr(sys.modules[entry.model_class().__module__], "load_balancing_loss_func")
 
 
