@@ -10,7 +10,12 @@ be smaller than that. So the CP forward is
 *teacher-forced*: every module gets, in place of its own sequence-shaped inputs, this rank's shard of what the
 same module received in the non-CP forward, and each comparison covers one step of computation only.
 
-One probe: random token ids (the same on every rank), ``tokens_per_rank`` x world size of them, one row.
+One probe: random token ids (the same on every rank), ``tokens_per_rank`` x world size of them, one row. A
+vision-language model whose images hfpatch scatters (``hfpatch.model.multimodal``) is probed with two images in
+that row, straddling shard boundaries (``hfpatch.model.probe_images``: the row grows to hold them): both forwards
+encode them, and the CP forward's modules that run before the sequence is sharded (the token embedding, the
+scatter, the multimodal positions) see the whole row, so they are compared with the whole non-CP tensors, the
+text model's with this rank's shard of them.
 
 1. non-CP: every rank runs the model on the whole row with the switch in ``"local"`` mode (plain attention on
    the whole sequence: what the flash path computes without a CP group), recording each module call's
@@ -52,6 +57,7 @@ import torch.distributed as dist
 from hfpatch import inputs as _inputs
 from hfpatch.attention.context import make_usp_groups
 from hfpatch.model import heads as _heads, router_loss
+from hfpatch.model.probe_images import ProbeImages, probe_images
 from hfpatch.model.positions import position_kwargs
 from hfpatch import modes
 from hfpatch.errors import HfpatchError, ModelDivergence, VerificationError
@@ -74,7 +80,9 @@ class ProbeResult:
     not the token-mean cross-entropy of its logits), or None; ``labels_alignment``: how the model's own loss pairs
     logits with labels -- "shifted" (HF's causal-LM one-token shift) or "aligned" (each position scored against its
     own label, no shift: the BART-family and Whisper causal LMs); ``outputs``: the fields of the model's own output
-    that were compared whole (a pooled score, a loss) or as this rank's tokens (logits), on every rank."""
+    that were compared whole (a pooled score, a loss) or as this rank's tokens (logits), on every rank;
+    ``images``: how many images both forwards encoded and scattered (``hfpatch.model.probe_images``; 0 for a
+    text-only model)."""
 
     worst: float
     compared: int
@@ -84,6 +92,7 @@ class ProbeResult:
     labels_refusal: Optional[str] = None
     labels_alignment: str = "shifted"
     outputs: Tuple[str, ...] = ()
+    images: int = 0
 
 
 def probe_tolerance(dtype: torch.dtype) -> float:
@@ -134,6 +143,9 @@ class _Probe:
         self.index: Optional[torch.Tensor] = None
         self._fields = 0  # checks from here on: the fields of the model's own output (``_floating_fields``)
         self._whole = 0   # the whole sequence's length (set by ``probe_model``)
+        # set when the CP forward runs part of the model on the whole row (images scattered before the sequence
+        # is sharded): there a call with whole-row tensors is compared with the whole non-CP tensors
+        self.whole_rows_under_cp = False
         self._handles = []
         for name, module in model.named_modules():
             cls = type(module).__name__
@@ -181,7 +193,7 @@ class _Probe:
         def hook(module, args, kwargs):
             if self.seq_len is None:
                 return None
-            found = _sequence_inputs(args, kwargs, self.seq_len)
+            found = self._on_sequence(args, kwargs)
             if not found:
                 return None
             call = self._call(name, "in")
@@ -194,7 +206,7 @@ class _Probe:
             for i in self._inputs.get((name, call), ()):
                 check = self.checks[i]
                 got = _at(args, kwargs, check.location)
-                expected = check.expected.index_select(1, self.index)
+                expected = self._expected(check.expected, got)
                 if isinstance(got, torch.Tensor) and got.shape == expected.shape:
                     self.errors[i] = _relative(got, expected)
                     _put(args, kwargs, check.location, expected.to(got.dtype))
@@ -206,7 +218,8 @@ class _Probe:
             if self.seq_len is None:
                 return None
             tensor = _first_tensor(output)
-            if not (_sequence_inputs(args, kwargs, self.seq_len) or _is_sequence(tensor, self.seq_len)):
+            if not (self._on_sequence(args, kwargs) or _is_sequence(tensor, self.seq_len)
+                    or (self._whole_allowed() and _is_sequence(tensor, self._whole))):
                 return None
             call = self._call(name, "out")
             if not self._forcing:
@@ -216,11 +229,29 @@ class _Probe:
                 return None
             i = self._outputs.get((name, call))
             if i is not None:
-                expected = self.checks[i].expected.index_select(1, self.index)
+                expected = self._expected(self.checks[i].expected, tensor)
                 if isinstance(tensor, torch.Tensor) and tensor.shape == expected.shape:
                     self.errors[i] = _relative(tensor, expected)
             return None
         return hook
+
+    def _whole_allowed(self) -> bool:
+        return self._forcing and self.whole_rows_under_cp and self._whole != self.seq_len
+
+    def _on_sequence(self, args, kwargs) -> list[tuple[Location, torch.Tensor]]:
+        """The call's sequence-shaped inputs: of this forward's length; in a CP forward that runs part of the model
+        on the whole row, of the whole row's length where it has none of this rank's."""
+        found = _sequence_inputs(args, kwargs, self.seq_len)
+        if not found and self._whole_allowed():
+            found = _sequence_inputs(args, kwargs, self._whole)
+        return found
+
+    def _expected(self, recorded: torch.Tensor, got: Any) -> torch.Tensor:
+        """What a CP tensor ``got`` is compared with: the whole non-CP tensor when ``got`` spans the whole row (a
+        module before the sequence is sharded), else this rank's tokens of it."""
+        if self._whole_allowed() and _along(got, self._whole):
+            return recorded
+        return recorded.index_select(1, self.index)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -353,10 +384,13 @@ def probe_model(model: torch.nn.Module, patch: Any, *, tokens_per_rank: int = PR
     ids = torch.randint(0, _vocab_size(model), (1, seq), generator=generator).to(device)
     labels = _heads.probe_labels(model, 1, generator)  # a pooled head's loss is compared too
     extra = {} if labels is None else {"labels": labels.to(device)}
+    images = probe_images(model, seq, ctx.world_size, _vocab_size(model), generator)
+    row = ids if images is None else images.ids.to(device)
     no_cache = _no_cache(model)
     flags = _training_flags(model)
     probe = _Probe(model)
-    probe._whole = seq
+    probe._whole = row.shape[1]
+    probe.whole_rows_under_cp = images is not None
     group = _group_for(ctx, device)
     heads = ctx.heads
     probe_ctx = dataclasses.replace(ctx)   # its own step: the patch's is untouched
@@ -370,15 +404,16 @@ def probe_model(model: torch.nn.Module, patch: Any, *, tokens_per_rank: int = PR
         model.eval()
         with patch.running_on(probe_ctx), torch.no_grad():
             with modes.switch("local"), _named_failure(model, "non-CP"):
-                probe.record(model, seq, input_ids=ids, **no_cache, **extra,
-                             **position_kwargs(model, torch.arange(seq, device=device)[None]))
-            labels_alignment, labels_refusal = _own_loss_check(model, ids, tolerance=tolerance,
+                probe.record(model, row.shape[1], input_ids=row, **no_cache, **extra,
+                             **_row_inputs(model, images, row, torch.arange(row.shape[1], device=device)[None]))
+            text = ids if images is None else images.text.to(device)  # the same length, no image token
+            labels_alignment, labels_refusal = _own_loss_check(model, text, tolerance=tolerance,
                                                                logits_shape=probe.field_shape("logits"))
-            batch = _inputs.shard_inputs(probe_ctx, ids)
+            batch = _inputs.shard_inputs(probe_ctx, row)
             index = batch["position_ids"][0].to(device)  # the global token indices this rank holds, in its order
             with modes.switch("ring"), _named_failure(model, "CP"):
                 probe.force(model, index, input_ids=batch["input_ids"], **no_cache, **extra,
-                            **position_kwargs(model, batch["position_ids"]))
+                            **_row_inputs(model, images, batch["input_ids"], batch["position_ids"]))
         errors = torch.tensor(probe.errors, dtype=torch.float64)
         if errors.numel():
             errors = _all_max(errors, group, device)
@@ -400,10 +435,25 @@ def probe_model(model: torch.nn.Module, patch: Any, *, tokens_per_rank: int = PR
                               tolerance=tolerance, dtype=dtype, check=check.describe())
     compared = [i for i, e in enumerate(values) if e >= 0.0]
     worst = max(compared, key=lambda i: values[i], default=None)
-    return ProbeResult(worst=values[worst] if worst is not None else 0.0, compared=len(compared), tokens=seq,
-                       dtype=dtype, worst_at=probe.checks[worst].describe() if worst is not None else "",
+    return ProbeResult(worst=values[worst] if worst is not None else 0.0, compared=len(compared),
+                       tokens=row.shape[1], dtype=dtype,
+                       worst_at=probe.checks[worst].describe() if worst is not None else "",
                        labels_refusal=labels_refusal, labels_alignment=labels_alignment,
-                       outputs=tuple(c.field for c in probe.checks[probe._fields:]))
+                       outputs=tuple(c.field for c in probe.checks[probe._fields:]),
+                       images=0 if images is None else images.count)
+
+
+def _row_inputs(model, images: Optional[ProbeImages], ids: torch.Tensor, positions: torch.Tensor) -> dict:
+    """The inputs of a probe forward besides the token ids: the position ids (``positions``, where the forward
+    takes them) of a text-only row; a row with images gets the image inputs and its per-token image inputs for
+    ``ids``, and no position ids: the model numbers its own (multimodal) positions over the whole row, as it does
+    without CP."""
+    if images is None:
+        return position_kwargs(model, positions)
+    _, dtype = _device_and_dtype(model)
+    moved = {k: v.to(ids.device, dtype) if v.is_floating_point() else v.to(ids.device) for k, v in images.inputs.items()}
+    return {**moved, **images.per_token(ids)}
+
 
 
 def _no_cache(model: torch.nn.Module) -> dict:
