@@ -11,7 +11,12 @@ probe_margin.py builds the cases; these tests hold its verdicts and margin).
   2048 x 48 layers (GQA 4:1: an 8B's width and depth) and one of hidden 1024 x 80 layers (a 70B's depth), which the
   probe comparing free-running forwards refused in bf16 (relative error 0.054 > 0.05 at 2048 x 48); a value head
   (``LlamaForSequenceClassification``, one label) on the 2048 x 48 decoder is accepted with its pooled score and
-  loss compared on every rank, and refused by name when each rank pools its own last token.
+  loss compared on every rank, and refused by name when each rank pools its own last token; and the image scatter
+  (``hfpatch.model.multimodal``): a Llava whose text model is the same 2048 x 48 decoder, with a CLIP tower of
+  CLIP-L's width (1024, 16 heads; 2 layers, 28-pixel images of 4 patches: the tower's depth and the image count do
+  not change the scatter), is accepted with the probe's two images straddling shard boundaries, and rejected by
+  name when the images are written as a scatter on each rank's shard would write them
+  (tests/model/_seeded_image_bugs.py).
 
 All of it runs under the CI pin only (1.5 minutes on 2 cores): the cases are built from that release's classes,
 and the probe's code does not depend on the release. Under the older releases of the matrix the model sweep runs
@@ -31,9 +36,10 @@ import hfpatch
 from _dist import run_world
 from _paths import BENCHMARKS
 from _release import skip_unless_ci_pin
+import _seeded_image_bugs as seeded
 from hfpatch.model import attach
 from hfpatch.errors import ModelDivergence
-from hfpatch.model.probe import probe_tolerance
+from hfpatch.model.probe import probe_model, probe_tolerance
 
 _BENCH = str(BENCHMARKS)
 sys.path.insert(0, _BENCH)
@@ -106,6 +112,7 @@ def _real_scale(rank, world, dtype, shapes, value_head=False):
             print(f"\n{dtype} {hidden}x{layers}: accepted, worst {probe.worst:.3g} at {probe.worst_at}")
         if value_head and (hidden, layers) == (2048, 48):
             _real_scale_value_head(rank, model, dtype)
+            _real_scale_images(rank, model, dtype)
         del model
 
 
@@ -127,6 +134,51 @@ def _real_scale_value_head(rank, causal, dtype):
     if rank == 0:
         print(f"{dtype} value head on 2048x48: accepted, worst {probe.worst:.3g}; without the pooling refused at "
               f"{info.value.check} ({info.value.error:.3g})")
+
+
+def _llava_on(causal, dtype):
+    """A ``LlavaForConditionalGeneration`` whose text model and LM head are ``causal``'s (no second real-scale
+    build), with a CLIP tower of CLIP-L's width (2 layers, 28-pixel images: 4 placeholders each) and its projector
+    drawn fresh; the image token is the vocabulary's last id."""
+    import copy
+
+    import transformers
+
+    text = copy.deepcopy(causal.config)
+    vision = transformers.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+                                           num_attention_heads=16, image_size=28, patch_size=14)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=text.vocab_size - 1,
+                                      image_seq_length=4, vision_feature_select_strategy="default",
+                                      vision_feature_layer=-1)
+    shell = copy.deepcopy(config)
+    shell.text_config.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = transformers.LlavaForConditionalGeneration(shell)
+    torch.manual_seed(2)
+    model.model.vision_tower = transformers.CLIPVisionModel(vision).to(dtype)
+    model.model.multi_modal_projector = type(model.model.multi_modal_projector)(config).to(dtype)
+    model.config = config
+    model.model.language_model, model.lm_head = causal.model, causal.lm_head
+    return model
+
+
+def _real_scale_images(rank, causal, dtype):
+    """The image scatter at real scale: accepted with two images compared module by module on every rank; rejected
+    in the text model when the images are written as a scatter on this rank's shard would write them."""
+    model = _llava_on(causal, dtype)
+    with hfpatch.apply(dist.group.WORLD, model=model) as patch:
+        probe = patch.probe
+        assert probe.images == 2 and probe.worst <= probe_tolerance(dtype), probe
+        handles = seeded.scatter_on_the_shard(model, model.config.image_token_id)
+        with pytest.raises(ModelDivergence) as info:
+            probe_model(model, patch)
+        for handle in handles:
+            handle.remove()
+    assert info.value.error > 10 * probe.worst, info.value.check
+    if rank == 0:
+        print(f"{dtype} Llava on the 2048x48 decoder, 2 images over {probe.tokens} tokens: accepted, worst "
+              f"{probe.worst:.3g} at {probe.worst_at}; the shard's scatter rejected at the {info.value.check} "
+              f"({info.value.error:.3g})")
 
 
 def test_real_scale_bf16_is_accepted():

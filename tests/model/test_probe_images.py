@@ -6,9 +6,10 @@ every rank; and two seeded bugs of a CP image path are rejected by name:
   without the inputs guard): each rank's base model embeds its shard and scatters every image into the
   placeholders it holds, which are never all of them. The model's own feature count check fails on every rank, and
   the probe names the CP forward (``VerificationError``) instead of letting the first step fail or hang;
-- **positions numbered on the shard** (the image scatter right, but the text model given the positions of a
-  sharded row instead of the model's multimodal positions over the whole row): silent for the model, rejected by
-  the probe's comparison (``ModelDivergence``) at the first module that reads them.
+- silent ones (``_seeded_image_bugs``): the images written as a scatter on this rank's shard would write them
+  (its placeholders get the row's first features), and the text model given the positions of a sharded row
+  instead of the model's multimodal positions over the whole row. The model runs; the probe's comparison
+  rejects them (``ModelDivergence``) in the text model.
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ import torch.distributed as dist
 
 import hfpatch
 from _dist import run_world
-from hfpatch import modes
 from hfpatch.errors import ModelDivergence, VerificationError
 from hfpatch.model import attach, multimodal, probe_images
+from hfpatch.model.probe import probe_model
 from hfpatch.undo import UndoStack
+import _seeded_image_bugs as seeded
 from test_vlm_images import MODELS
 
 transformers = pytest.importorskip("transformers")
@@ -73,29 +75,26 @@ def test_sharding_before_the_scatter_is_rejected_by_name():
     assert all(run_world(2, _sharded_before_the_scatter, "qwen2_vl"))
 
 
-def _shard_positions(module, args, kwargs):
-    """A seeded bug: under CP the text model gets the positions a sharded row numbers (0..local length - 1 on
-    every axis of the multimodal rotary positions), not the model's positions over the whole row."""
-    if modes.current_mode() != "ring":
-        return None
-    embeds = kwargs["inputs_embeds"]
-    positions = kwargs.get("position_ids")
-    rows = positions.shape[0] if positions is not None and positions.dim() == 3 else 3
-    local = torch.arange(embeds.shape[1]).view(1, 1, -1).expand(rows, embeds.shape[0], -1)
-    return args, dict(kwargs, position_ids=local)
-
-
-def _positions_on_the_shard(rank, world, name):
+def _rejected(rank, world, name, bug):
     model = MODELS[name][0]()
-    found = multimodal.recognise(model)
-    found.text.register_forward_pre_hook(_shard_positions, with_kwargs=True)   # before hfpatch's own hooks
-    with pytest.raises(ModelDivergence) as info:
-        hfpatch.apply(dist.group.WORLD, model=model)
+    with hfpatch.apply(dist.group.WORLD, model=model, verify="fast") as patch:
+        handles = bug(model)
+        with pytest.raises(ModelDivergence) as info:
+            probe_model(model, patch)
+        for handle in handles:
+            handle.remove()
+        assert probe_model(model, patch).images == 2    # the same model without the bug: accepted
     assert info.value.module_path.startswith("model.language_model"), info.value
-    return info.value.module_path
+    return info.value.module_path, info.value.check, info.value.error
 
 
-def test_positions_numbered_on_the_shard_are_rejected_by_the_probe():
-    paths = run_world(2, _positions_on_the_shard, "qwen2_vl")
-    assert len(set(paths)) == 1, paths
-    print("first divergence:", paths[0])
+def _scatter_on_the_shard(model):
+    return seeded.scatter_on_the_shard(model, model.config.image_token_id)
+
+
+@pytest.mark.parametrize("name, bug", [("llava", _scatter_on_the_shard), ("qwen2_vl", _scatter_on_the_shard),
+                                       ("qwen2_vl", seeded.positions_on_the_shard)])
+def test_a_wrong_image_path_is_rejected_by_the_probe(name, bug):
+    found = run_world(2, _rejected, name, bug)
+    assert len(set(found)) == 1, found
+    print(f"{name}, {bug.__name__}: rejected at the {found[0][1]} ({found[0][2]:.3g})")
