@@ -14,6 +14,14 @@ head). Everything the ring derives itself is dropped after it has been checked:
 - ``cu_seq_lens_q/k``: must equal the documents the position ids give (HF's rule: a document starts where the
   position is 0), else refused; ``max_length_q/k`` and ``seq_idx`` follow from them.
 
+Images (a vision-language model ``hfpatch.model.multimodal`` recognises: Qwen2-VL, Qwen2.5-VL, Llava): the image
+inputs (``pixel_values``, ``image_grid_thw``, ...: ``inputs_guard.is_modality_input``) pass whole to every rank;
+Qwen-VL's token types (``mm_token_type_ids``, and ``token_type_ids`` in a batch with images) are padded with 0
+(text) and split as the token ids are, and the image hooks gather them back to the whole row before the base model.
+Position ids the batch does not give stay "not given" (``StepState.positions_given`` False), so the model numbers
+its own positions over the whole row (Qwen-VL's 3-D rotary ones); multimodal rotary position ids given in the
+batch ((3, B, S)) are refused, as the end padding cannot continue them.
+
 The row is padded at its end to a multiple of 2 x the CP size (the zigzag layout's chunks) with the token
 ``padding_token(model)`` gives (0, or the pad token of a head that pools each row's last non-pad token, which that
 rule never pools), label -100, positions continuing the row (a new document when packed): exact for causal
@@ -33,6 +41,8 @@ from hfpatch.errors import UnsupportedArgument
 from hfpatch.inputs import IGNORE_INDEX
 from hfpatch.attention.step import packed_cu_seqlens
 from hfpatch.model.heads import head_of, pad_token_id
+from hfpatch.model.inputs_guard import is_modality_input
+from hfpatch.model.multimodal import PER_TOKEN_INPUTS
 from hfpatch.model.wrappers import inner_model
 from ring_kernels.layout import shard
 
@@ -40,6 +50,9 @@ __all__ = ["prepare_batch", "padding_token", "PACKING_KEYS"]
 
 # TRL's padding-free collator (and transformers' DataCollatorWithFlattening): derived from the position ids.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# Per-token inputs of a vision-language model (Qwen-VL's token types), split with the token ids; the image hooks
+# of hfpatch.model.multimodal gather them back to the whole row before the base model.
+_TOKEN_TYPES = tuple(key for key in PER_TOKEN_INPUTS if key not in ("input_ids", "attention_mask", "position_ids"))
 
 
 def padding_token(model) -> int:
@@ -72,17 +85,22 @@ def prepare_batch(patch, inputs: Mapping[str, Any], *, pad_token: int = 0) -> di
             "feed token ids (batch, seq_len); inputs_embeds cannot be split by hfpatch.integrations.",
         )
     labels = _unshifted_labels(rest.pop("labels", None), rest.pop("shift_labels", None), input_ids)
-    positions = rest.pop("position_ids", None)
-    if positions is not None:
-        positions = positions.to(input_ids.device).expand(input_ids.shape)
+    positions = _two_d_positions(rest.pop("position_ids", None), input_ids)
     mask = rest.pop("attention_mask", None)
     _check_attention_mask(mask, labels, input_ids)
     packed = _check_packing(rest, positions, input_ids)
+    token_types = _token_types(rest, input_ids)
     _refuse_other_sequences(rest, input_ids)
     seq = input_ids.shape[1]
+    given = positions is not None
     input_ids, labels, positions = _pad(input_ids, labels, positions, packed, 2 * patch.ctx.world_size, pad_token)
-    shard = patch.shard_inputs(input_ids, labels=labels, position_ids=positions)
+    # Position ids the collator did not give stay "not given" (shard_inputs numbers the padded row 0..S-1 itself,
+    # as _pad did): the image hooks of hfpatch.model.multimodal recognise the ones it returns (by identity: the
+    # batch must already be on the model's device) and let the model number its own positions over the whole row
+    # (Qwen-VL's 3-D rotary ones).
+    shard = patch.shard_inputs(input_ids, labels=labels, position_ids=positions if given else None)
     _weigh_tokens(patch.ctx, mask, seq, input_ids.shape[1])
+    rest.update(_shard_token_types(patch.ctx, token_types, input_ids.shape[1] - seq))
     rest.update(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
     if shard["labels"] is not None:
         rest["shift_labels"] = shard["labels"]
@@ -168,8 +186,61 @@ def _check_packing(rest: dict, positions, input_ids) -> bool:
     return cu is not None
 
 
+def _two_d_positions(positions, input_ids) -> Optional[torch.Tensor]:
+    """The batch's position ids broadcast to (B, S), or None. Multimodal rotary positions ((3, B, S) or (4, B, S): Qwen-VL)
+    are refused: the integration pads the row at its end, and those cannot be continued over the padding here."""
+    if positions is None:
+        return None
+    if positions.dim() > 2:
+        raise UnsupportedArgument(
+            "position_ids", positions,
+            f"position ids of shape {tuple(positions.shape)}; hfpatch.integrations splits (batch, seq_len) position "
+            "ids, and pads the rows at their end, which multimodal rotary positions (3, batch, seq_len) cannot be "
+            "continued over.",
+            "leave position_ids out of the batch: a Qwen-VL model numbers its own multimodal positions over the "
+            "whole row under CP (hfpatch.model.multimodal).")
+    return positions.to(input_ids.device).expand(input_ids.shape)
+
+
+def _token_types(rest: dict, input_ids) -> dict:
+    """Pop the per-token inputs ``hfpatch.model.multimodal`` gathers back to the whole row before a
+    vision-language base model, (B, S) each, to be padded and split as the token ids are: ``mm_token_type_ids``
+    (Qwen-VL's processors give it with every batch, with images or without), and ``token_type_ids`` in a batch
+    with image inputs (without images, no hook takes it: it stays refused as any other per-token input). Another
+    shape is refused by name."""
+    images = any(is_modality_input(key, value) for key, value in rest.items())
+    found = {}
+    for key in _TOKEN_TYPES if images else ("mm_token_type_ids",):
+        value = rest.pop(key, None)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(input_ids.shape):
+            raise UnsupportedArgument(
+                key, value, f"a per-token input of shape {tuple(getattr(value, 'shape', ()))}, not that of "
+                f"input_ids {tuple(input_ids.shape)}; hfpatch.integrations splits it with the token ids.",
+                "give it per token, shaped like input_ids (the model's processor does).")
+        found[key] = value.to(input_ids.device)
+    return found
+
+
+def _shard_token_types(ctx, token_types: dict, extra: int) -> dict:
+    """This rank's part of each token-type tensor: padded at the end with ``extra`` zeros (text tokens) like the
+    token ids, then split in the step's layout (identity when no step was recorded)."""
+    step = getattr(ctx, "step", None)
+    out = {}
+    for key, value in token_types.items():
+        value = torch.cat([value, value.new_zeros(value.shape[0], extra)], dim=1)
+        out[key] = value if step is None else shard(value, ctx.group, layout=step.layout, dim=1,
+                                                    cu_seqlens=step.cu_seqlens)
+    return out
+
+
 def _refuse_other_sequences(rest: dict, input_ids) -> None:
+    """Refuse a per-token tensor the integration does not split; the image inputs (``pixel_values``,
+    ``image_grid_thw``, ...: ``inputs_guard.is_modality_input``) pass whole to every rank."""
     for key, value in rest.items():
+        if is_modality_input(key, value):
+            continue
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(input_ids.shape):
             raise UnsupportedArgument(
                 key, value,

@@ -34,7 +34,8 @@ import torch
 from hfpatch.errors import MissingEnable, UnsupportedArgument
 from hfpatch.integrations import evaluation
 from hfpatch.integrations.batch import padding_token, prepare_batch
-from hfpatch.model import router_loss
+from hfpatch.model import multimodal, router_loss
+from hfpatch.model.wrappers import inner_model
 from hfpatch.model.labels import averaged_over_group
 
 __all__ = ["TrainerCP", "guard_missing_enable", "summary_line", "cp_mesh", "is_trl_trainer"]
@@ -74,6 +75,8 @@ class TrainerCP:
         self.gathered_logits = 0
         self.pad_token = 0
         self._installed: dict = {}
+        self._images_hook = None   # recognise_made_up_positions' hook (a vision-language model), or None
+        self._batch_tokens = None  # the tokens SFTTrainer counts in the whole batch (_tokens_sft_counts)
         self._removed = False
 
     def __repr__(self) -> str:
@@ -87,6 +90,7 @@ class TrainerCP:
         trainer = self.trainer
         if self.active:   # before anything is installed: it refuses a pooled head without a pad token
             self.pad_token = padding_token(trainer.model)
+            self._images_hook = recognise_made_up_positions(trainer.model, self.patch.live_ctx_or_none)
         known = _has_known_prediction_step(trainer)
         self._install_replacements(self._prepare_inputs, self._prediction_step if known else None)
         if known:
@@ -123,6 +127,8 @@ class TrainerCP:
         for (owner, name), replacement in self._installed.items():
             if owner.__dict__.get(name) is replacement:
                 delattr(owner, name)
+        if self._images_hook is not None:
+            self._images_hook.remove()
         self.patch.remove()
 
     # ------------------------------------------------------------------------------ the replaced steps
@@ -135,6 +141,7 @@ class TrainerCP:
 
         if not self.active:
             return contextlib.nullcontext, inputs
+        self._batch_tokens = _tokens_sft_counts(inputs) if self.sft else None
         return contextlib.nullcontext, prepare_batch(self.patch, inputs, pad_token=self.pad_token)
 
     def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -151,9 +158,25 @@ class TrainerCP:
                 "keep average_tokens_across_devices and a model whose forward accepts loss kwargs (every causal LM "
                 "of transformers 5 does).",
             )
+        counted = getattr(self.trainer, "_total_train_tokens", None)
         with averaged_over_group():
-            return self.original_compute_loss(model, inputs, return_outputs=return_outputs,
-                                               num_items_in_batch=num_items_in_batch)
+            result = self.original_compute_loss(model, inputs, return_outputs=return_outputs,
+                                                num_items_in_batch=num_items_in_batch)
+        if self.sft and self.trainer.model.training and counted is not None and self._batch_tokens is not None:
+            self._count_tokens_as_without_cp(counted)
+        return result
+
+    def _count_tokens_as_without_cp(self, counted: int) -> None:
+        """SFTTrainer's ``num_tokens`` as without CP. It adds the attention mask's ones of the batch, or without a
+        mask the length of the position ids, summed over every process; under CP the mask is dropped and each rank
+        holds a shard of the position ids, so it would add the padded row's length once per CP group. Replaced by
+        the count of the whole batch (``_tokens_sft_counts``), summed over the dp groups. ``counted``: the total
+        before this micro-batch."""
+        trainer = self.trainer
+        count = torch.tensor(self._batch_tokens, device=trainer.accelerator.device)
+        added = int(trainer.accelerator.gather_for_metrics(count).sum().item()) // self.cp_size  # each CP rank: one
+        trainer._total_train_tokens = counted + added
+        trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
 
     def _fallback_loss(self, model, inputs, return_outputs, num_items_in_batch):
         """Every CP rank holds the whole batch. The trainer divided ``num_items_in_batch`` by the CP size (for ranks
@@ -169,6 +192,38 @@ class TrainerCP:
         if return_outputs:
             return result[0] / cp, result[1]
         return result / cp
+
+
+def _tokens_sft_counts(inputs) -> int:
+    """The tokens SFTTrainer adds to ``num_tokens`` for the whole batch without CP: the attention mask's ones, or
+    without a mask the length of its (packed) row."""
+    mask = inputs.get("attention_mask")
+    return int(mask.sum()) if mask is not None else int(inputs["input_ids"].shape[1])
+
+
+def recognise_made_up_positions(model, ctx_of):
+    """On a vision-language model ``hfpatch.model.multimodal`` recognises: a hook (its handle; None for another
+    model) that hands its base model, in place of a copy, the very position ids ``shard_inputs`` made up for a batch
+    that had none (``StepState.positions_given`` False). The image hooks recognise those by identity and let the
+    model number its own positions over the whole row (Qwen-VL's 3-D rotary ones); the trainer moves every batch to
+    its device after ``prepare_batch``, and on CPU that copies (a "cpu" tensor moved to "cpu:0"), so a copy equal
+    to them in every position is taken for them. ``ctx_of()``: the patch's live ``RingContext`` or None."""
+    found = multimodal.recognise(inner_model(model))
+    if found is None:
+        return None
+
+    def before_base(module, args, kwargs):
+        ctx = ctx_of()
+        step = getattr(ctx, "step", None)
+        positions = kwargs.get("position_ids")
+        made_up = getattr(step, "position_ids", None)
+        if (step is None or step.positions_given or made_up is None or positions is None or positions is made_up
+                or positions.shape != made_up.shape or not torch.equal(positions.cpu(), made_up.cpu())):
+            return None
+        return args, dict(kwargs, position_ids=made_up)
+
+    # prepended: it runs before the image hooks, which apply() registered first
+    return found.base.register_forward_pre_hook(before_base, with_kwargs=True, prepend=True)
 
 
 def _has_known_prediction_step(trainer) -> bool:
