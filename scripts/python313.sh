@@ -134,7 +134,9 @@ install_torch() {
     [ "$(cat "$root/venv/.pins" 2>/dev/null)" = "$torch" ] && return 0
     rm -rf "$root/venv"
     in_root python3.13 -m venv /venv
-    in_root python -m pip install -q "$torch"   # the CUDA build: PyPI has no CPU build for cp313; it runs on CPU
+    # the CUDA build: PyPI has no CPU build for cp313; it runs on CPU. No bytecode at install (most of its files are
+    # never imported): Python writes it at first import (env -i: no PYTHONDONTWRITEBYTECODE in the root).
+    in_root python -m pip install -q --no-compile "$torch"
     echo "$torch" >"$root/venv/.pins"
 }
 
@@ -144,7 +146,7 @@ setup() {
     timed root build_root
     enter_root
     timed venv-torch install_torch "$torch"
-    timed project in_root python -m pip install -q -e '.[test]' "$transformers"
+    timed project in_root python -m pip install -q --no-compile -e '.[test]' "$transformers"
     in_root python -c 'import sys, torch, transformers, hfpatch; print("py313 python", sys.version.split()[0],
         "torch", torch.__version__, "transformers", transformers.__version__)'
 }

@@ -19,6 +19,9 @@
 #
 # Each part prints `<label> <part> <seconds>s`.
 set -euo pipefail
+# The venvs are installed without bytecode (--no-compile: most of torch's files are never imported); Python writes
+# it at each module's first import, which PYTHONDONTWRITEBYTECODE would turn into a compile in every process.
+unset PYTHONDONTWRITEBYTECODE
 cd "$(dirname "$0")/.."
 
 # The oldest supported series' tested release (TORCH_OLDEST in ring_kernels/torch_releases.py;
@@ -41,9 +44,9 @@ setup() {
         python3 -m venv "$venv"
         "$venv/bin/python" -m pip install -q --upgrade pip
         # No cache: each CUDA build is 3-7 GB of wheels that no later install reads again (disk: docs/ci.md).
-        "$venv/bin/python" -m pip install -q --no-cache-dir "$torch_pin"
+        "$venv/bin/python" -m pip install -q --no-cache-dir --no-compile "$torch_pin"
         # torch pinned again: the project's requirement must not move it.
-        "$venv/bin/python" -m pip install -q -e '.[test]' "$(ci_pin transformers)" "$torch_pin"
+        "$venv/bin/python" -m pip install -q --no-compile -e '.[test]' "$(ci_pin transformers)" "$torch_pin"
         # The Triton interpreter of triton < 3.7 (the triton that torch 2.10 and 2.11 pin) fails under numpy >= 2.4
         # ("only 0-dimensional arrays can be converted to Python scalars"): the interpreter tests need an older
         # numpy beside it. A GPU run of the kernels does not use numpy.
