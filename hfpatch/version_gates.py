@@ -50,6 +50,13 @@ TRANSFORMERS_SLIDING_WINDOW_INCLUSIVE = Version("4.56.0")
 # worlds (tests/model/test_vlm_images.py) run on 5.0.0, 5.19.0 and the CI pin; before it images stay refused.
 TRANSFORMERS_IMAGES_UNDER_CP = Version("5.0.0")
 
+# 5.3.0: Qwen3-VL's text model takes text positions from its multimodal rotary positions only in their packed
+# (4, B, S) form, as Qwen2-VL's does; 5.0.0 - 5.2.0 (read from the wheels of 5.2.0 and 5.3.0) take the temporal row
+# of the (3, B, S) ones, which transformers' mask reads as a document start at every image placeholder (on 5.0.0
+# the model's loss without an attention mask differs from the one with an all-ones mask: 3.5e-4, 0 on 5.19.0) and
+# which are not the step's positions under CP. hfpatch.model.multimodal scatters Qwen3-VL images from this release.
+TRANSFORMERS_QWEN3_VL_IMAGES_UNDER_CP = Version("5.3.0")
+
 
 def parse_version(text: str, *, argument: str = "transformers version") -> Version:
     """Parse a release string into a ``Version``; bad input raises ``InvalidReleaseSpec`` naming it."""

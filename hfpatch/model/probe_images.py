@@ -14,10 +14,10 @@ them.
 
 Families and their inputs (the model's config gives every size):
 
-- ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_5``: ``pixel_values`` (patches, C x T x P x P) and ``image_grid_thw`` (images, 3); an
-  image of grid (1, m, m x n) patches (m: ``spatial_merge_size``) gives n placeholders, wrapped in the vision start
-  and end tokens; ``mm_token_type_ids`` (1 on placeholders) where the base model takes it. Images of 2 and 3
-  placeholders.
+- ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_5``: ``pixel_values`` (patches, C x T x P x P) and
+  ``image_grid_thw`` (images, 3); an image of grid (1, m, m x n) patches (m: ``spatial_merge_size``) gives n
+  placeholders, wrapped in the vision start and end tokens; ``mm_token_type_ids`` (1 on placeholders) where the
+  base model takes it. Images of 2 and 3 placeholders.
 - ``llava``: ``pixel_values`` (images, C, H, W) at the tower's ``image_size``; every image gives (H / P)^2
   placeholders (+1 with ``vision_feature_select_strategy="full"``): two images of that one size.
 - ``llava_next``: ``pixel_values`` (images, tiles, C, I, I) and ``image_sizes`` (images, 2): the two pinpoints of

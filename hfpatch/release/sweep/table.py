@@ -141,6 +141,11 @@ def images_section() -> list[str]:
              "| family | batch rows | packed rows |", "|---|---|---|"]
     for family in multimodal.FAMILIES:
         lines.append(f"| `{family}` | exact | exact |")
+    later = [f"`{family}` from transformers {multimodal.first_release(family)}" for family in multimodal.FAMILIES
+             if multimodal.first_release(family) != version_gates.TRANSFORMERS_IMAGES_UNDER_CP]
+    if later:
+        lines += ["", "Later first releases (before them, images of the family are refused by name): "
+                  + ", ".join(later) + "."]
     return lines
 
 
