@@ -35,6 +35,7 @@ for _module in ("accelerate", "trl", "datasets"):
         pytest.skip(f"the trainer cases need {_module} (pip install 'hfpatch[trainer]')", allow_module_level=True)
 
 import transformers  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
 
 import hfpatch.integrations  # noqa: E402
 from _dist import run_world  # noqa: E402
@@ -194,9 +195,13 @@ def _trainer(kind: str, out: str, cp: int):
             _tokenizer()))
 
 
-def train(rank: int, world: int, kind: str, out: str) -> dict:
-    """One run (CP over the world when it has 2 ranks): every logged entry of training, the collator's name, the
-    ring calls, and (rank 0) the parameters after the steps."""
+def train(rank: int, world: int, kinds: tuple, out: str) -> dict:
+    """The runs of ``kinds`` in one world (CP over the world when it has 2 ranks), kind -> every logged entry of
+    training, the collator's name, the ring calls, and (rank 0) the parameters after the steps."""
+    return {kind: _train_one(rank, world, kind, out) for kind in kinds}
+
+
+def _train_one(rank: int, world: int, kind: str, out: str) -> dict:
     trainer = _trainer(kind, f"{out}/{kind}{world}", world)
     handle = hfpatch.integrations.enable(trainer)
     try:
@@ -209,13 +214,25 @@ def train(rank: int, world: int, kind: str, out: str) -> dict:
     model = trainer.accelerator.unwrap_model(trainer.model)
     # numpy arrays: a tensor would travel through shared memory that the rank's exit takes away
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()} if rank == 0 else None
+    AcceleratorState._reset_state(reset_partial_state=False)   # the next kind builds its own accelerator
     return {"logs": logs, "calls": calls, "active": handle.active, "params": params,
             "collator": type(trainer.data_collator).__name__}
 
 
-def _compare(kind: str, tmp_path) -> dict:
-    reference = run_world(1, train, kind, str(tmp_path))[0]
-    runs = run_world(2, train, kind, str(tmp_path))
+KINDS = ("trainer", "sft")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """kind -> (the non-CP run, the CP run of every rank): one world of each size runs both kinds (a world's start
+    imports transformers and TRL in every rank)."""
+    out = str(tmp_path_factory.mktemp("vlm_trainer"))
+    reference = run_world(1, train, KINDS, out)[0]
+    cp = run_world(2, train, KINDS, out)
+    return {kind: (reference[kind], [ranks[kind] for ranks in cp]) for kind in KINDS}
+
+
+def _compare(kind: str, reference: dict, runs: list) -> dict:
     worst = {"loss": 0.0, "metric": 0.0, "param": 0.0}
     assert reference["calls"] == 0 and len(reference["logs"]) == 2, reference["logs"]
     for rank, run in enumerate(runs):
@@ -226,7 +243,7 @@ def _compare(kind: str, tmp_path) -> dict:
             assert ours.keys() == theirs.keys(), f"{what} step {step}: {sorted(ours)} vs {sorted(theirs)}"
             for name, want in theirs.items():
                 got = ours[name]
-                if isinstance(want, int) or name in ("epoch", "learning_rate", "step"):
+                if isinstance(want, int) or name in ("epoch", "learning_rate", "step", "num_tokens"):
                     assert got == want, f"{what} step {step}: {name} {got} vs {want}"
                     continue
                 error = abs(got - want) / max(abs(want), 1e-12)
@@ -242,13 +259,13 @@ def _compare(kind: str, tmp_path) -> dict:
     return {"worst": worst, "collator": runs[0]["collator"]}
 
 
-def test_trainer_with_images_equals_non_cp(tmp_path):
-    result = _compare("trainer", tmp_path)
+def test_trainer_with_images_equals_non_cp(runs):
+    result = _compare("trainer", *runs["trainer"])
     print("Trainer, Qwen2-VL, 2 ranks, worst differences:", result["worst"])
 
 
-def test_sft_trainer_with_trl_vision_collator_equals_non_cp(tmp_path):
-    result = _compare("sft", tmp_path)
+def test_sft_trainer_with_trl_vision_collator_equals_non_cp(runs):
+    result = _compare("sft", *runs["sft"])
     assert result["collator"] == "DataCollatorForVisionLanguageModeling", result["collator"]
     print("SFTTrainer, Qwen2-VL, 2 ranks, worst differences:", result["worst"])
 
