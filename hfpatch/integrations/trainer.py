@@ -14,6 +14,11 @@ it):
   the token-weighted loss of the global batch, scaled so that the trainer's own reductions (the mean of the logged
   loss over every rank, gradients averaged over dp x cp) give exactly the non-CP loss and gradient, with
   ``num_items_in_batch`` and gradient accumulation as the trainer handles them without CP;
+- a vision-language model ``hfpatch.model.multimodal`` recognises (images under CP): a hook on its base model
+  (``recognise_made_up_positions``) keeps the position ids ``prepare_batch`` made up recognisable after the
+  trainer's device move, so the model numbers its own positions over the whole row (Qwen-VL's 3-D ones);
+- SFTTrainer's ``num_tokens`` metric: counted on the whole batch as without CP (the attention mask it reads is
+  dropped under CP, and each rank holds a shard of the position ids it reads otherwise);
 - ``trainer.prediction_step`` (transformers' or TRL's own; a subclass's own is left alone) ->
   ``hfpatch.integrations.evaluation.prediction_step``: ``evaluate()`` and evaluation during training log the
   non-CP eval loss, ``predict()`` returns the whole-sequence logits gathered over the CP group, and
