@@ -14,13 +14,13 @@ shard boundaries, CP on 2 gloo ranks against the same script without CP (1 rank)
   ``image_grid_thw``, ``mm_token_type_ids``), each ``<|image_pad|>`` expanded to the image's placeholders.
 
 Two optimiser steps of 2 accumulated micro-batches (2 rows each), SGD, gradient clipping, fp32 (``bf16=False``:
-SFTConfig's default autocast would round CP and non-CP differently). On every rank of the CP run: every logged
-value (loss, grad norm, learning rate, and SFTTrainer's entropy, mean token accuracy and ``num_tokens``, the last
-equal) equals the non-CP log, and the parameters after the steps equal the non-CP ones; the ring ran and the vision
+SFTConfig's default autocast would round CP and non-CP differently), then ``trainer.evaluate()`` on 4 rows (batches
+of 2). On every rank of the CP run: every logged value (loss, grad norm, learning rate, and SFTTrainer's entropy,
+mean token accuracy and ``num_tokens``, the last equal; the eval loss and eval metrics) equals the non-CP log, and the parameters after the steps equal the non-CP ones; the ring ran and the vision
 tower moved. Bounds: tests/integrations/test_integrations.py's (loss and every float metric 1e-5 relative,
 parameters 2e-6 absolute). Measured: loss 9.5e-8 relative, every metric equal, parameters 7.5e-9 absolute; with the
 model handed 2-D text positions instead of numbering its own 3-D ones (the bug this guards), the first loss is off
-by 1.3e-5 relative and the parameters by 5e-5. One world of each size runs both kinds (about 24 s on 2 cores).
+by 1.3e-5 relative and the parameters by 5e-5. One world of each size runs both kinds (about 30 s on 2 cores).
 
 Refused by name (``UnsupportedArgument``, ``test_what_the_batch_cannot_split_exactly_is_refused_by_name``):
 multimodal rotary position ids given in the batch, and a token-type tensor not shaped like ``input_ids``.
@@ -174,7 +174,7 @@ def _arguments(kind: str, out: str, cp: int):
     common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                   learning_rate=0.1, optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no",
                   report_to=[], seed=0, use_cpu=True, dataloader_drop_last=True, disable_tqdm=True,
-                  remove_unused_columns=False, bf16=False)
+                  remove_unused_columns=False, bf16=False, per_device_eval_batch_size=2)
     if cp > 1:
         from accelerate import ParallelismConfig
 
@@ -190,12 +190,14 @@ def _trainer(kind: str, out: str, cp: int):
     args = _arguments(kind, out, cp)
     with hfpatch.integrations.parallelism_config_on_cpu():
         if kind == "trainer":
-            return transformers.Trainer(model=_model(), args=args, train_dataset=_trainer_rows(),
+            rows = _trainer_rows()
+            return transformers.Trainer(model=_model(), args=args, train_dataset=rows, eval_dataset=rows[:4],
                                         data_collator=collate_images)
         from trl import SFTTrainer
 
-        return SFTTrainer(model=_model(), args=args, train_dataset=_sft_rows(), processing_class=_Processor(
-            _tokenizer()))
+        rows = _sft_rows()
+        return SFTTrainer(model=_model(), args=args, train_dataset=rows, eval_dataset=rows.select(range(4)),
+                          processing_class=_Processor(_tokenizer()))
 
 
 def train(rank: int, world: int, kinds: tuple, out: str) -> dict:
@@ -210,6 +212,7 @@ def _train_one(rank: int, world: int, kind: str, out: str) -> dict:
     try:
         trainer.train()
         calls = sum(handle.patch.calls.values())
+        trainer.evaluate()   # logs its metrics (eval_loss, ...) as the last entry
     finally:
         handle.remove()
     logs = [{k: v for k, v in entry.items() if "runtime" not in k and "per_second" not in k}
@@ -237,7 +240,7 @@ def runs(tmp_path_factory) -> dict:
 
 def _compare(kind: str, reference: dict, runs: list) -> dict:
     worst = {"loss": 0.0, "metric": 0.0, "param": 0.0}
-    assert reference["calls"] == 0 and len(reference["logs"]) == 2, reference["logs"]
+    assert reference["calls"] == 0 and len(reference["logs"]) == 3, reference["logs"]   # 2 steps, evaluate()
     for rank, run in enumerate(runs):
         what = f"{kind} rank {rank}"
         assert run["active"] and run["calls"] > 0, what
@@ -251,7 +254,7 @@ def _compare(kind: str, reference: dict, runs: list) -> dict:
                     continue
                 error = abs(got - want) / max(abs(want), 1e-12)
                 assert error <= LOSS_RTOL, f"{what} step {step}: {name} {got} vs {want}"
-                key = "loss" if name == "loss" else "metric"
+                key = "loss" if name in ("loss", "eval_loss") else "metric"
                 worst[key] = max(worst[key], error)
     for name, want in reference["params"].items():
         error = float(abs(runs[0]["params"][name] - want).max())
