@@ -95,9 +95,9 @@ def prepare_batch(patch, inputs: Mapping[str, Any], *, pad_token: int = 0) -> di
     given = positions is not None
     input_ids, labels, positions = _pad(input_ids, labels, positions, packed, 2 * patch.ctx.world_size, pad_token)
     # Position ids the collator did not give stay "not given" (shard_inputs numbers the padded row 0..S-1 itself,
-    # as _pad did): the image hooks of hfpatch.model.multimodal recognise the ones it returns (by identity: the
-    # batch must already be on the model's device) and let the model number its own positions over the whole row
-    # (Qwen-VL's 3-D rotary ones).
+    # as _pad did): the image hooks of hfpatch.model.multimodal recognise the ones it returns and let the model
+    # number its own positions over the whole row (Qwen-VL's 3-D rotary ones; through a trainer's device move:
+    # trainer.recognise_made_up_positions).
     shard = patch.shard_inputs(input_ids, labels=labels, position_ids=positions if given else None)
     _weigh_tokens(patch.ctx, mask, seq, input_ids.shape[1])
     rest.update(_shard_token_types(patch.ctx, token_types, input_ids.shape[1] - seq))
@@ -187,8 +187,8 @@ def _check_packing(rest: dict, positions, input_ids) -> bool:
 
 
 def _two_d_positions(positions, input_ids) -> Optional[torch.Tensor]:
-    """The batch's position ids broadcast to (B, S), or None. Multimodal rotary positions ((3, B, S) or (4, B, S): Qwen-VL)
-    are refused: the integration pads the row at its end, and those cannot be continued over the padding here."""
+    """The batch's position ids broadcast to (B, S), or None. Multimodal rotary positions ((3, B, S) or (4, B, S):
+    Qwen-VL) are refused: the integration pads the row at its end, and those cannot be continued over it here."""
     if positions is None:
         return None
     if positions.dim() > 2:

@@ -16,12 +16,13 @@ shard boundaries, CP on 2 gloo ranks against the same script without CP (1 rank)
 Two optimiser steps of 2 accumulated micro-batches (2 rows each), SGD, gradient clipping, fp32 (``bf16=False``:
 SFTConfig's default autocast would round CP and non-CP differently), then ``trainer.evaluate()`` on 4 rows (batches
 of 2). On every rank of the CP run: every logged value (loss, grad norm, learning rate, and SFTTrainer's entropy,
-mean token accuracy and ``num_tokens``, the last equal; the eval loss and eval metrics) equals the non-CP log, and the parameters after the steps equal the non-CP ones; the ring ran and the vision
-tower moved. Bounds: tests/integrations/test_integrations.py's (loss and every float metric 1e-5 relative,
-parameters 2e-6 absolute). Measured: loss 9.5e-8 relative, every metric equal, parameters 7.5e-9 absolute; with the
-model handed 2-D text positions instead of numbering its own 3-D ones (the bug this guards), the first loss is off
-by 1.3e-5 relative and the parameters by 5e-5. One world of each size runs both kinds (about 30 s on 2 cores); on the matrix's older releases, the
-Trainer alone.
+mean token accuracy and ``num_tokens``, the last equal; the eval loss and eval metrics) equals the non-CP log, and
+the parameters after the steps equal the non-CP ones; the ring ran and the vision tower moved. Bounds:
+tests/integrations/test_integrations.py's (loss and every float metric 1e-5 relative, parameters 2e-6 absolute).
+Measured: loss 9.5e-8 relative, every metric equal, parameters 7.5e-9 absolute; with the model handed 2-D text
+positions instead of numbering its own 3-D ones (the bug this guards), the first loss is off by 1.3e-5 relative
+and the parameters by 5e-5. One world of each size runs both kinds (about 30 s on 2 cores); on the matrix's older
+releases, the Trainer alone.
 
 Refused by name (``UnsupportedArgument``, ``test_what_the_batch_cannot_split_exactly_is_refused_by_name``):
 multimodal rotary position ids given in the batch, and a token-type tensor not shaped like ``input_ids``.
