@@ -96,8 +96,8 @@ def prepare_batch(patch, inputs: Mapping[str, Any], *, pad_token: int = 0) -> di
     input_ids, labels, positions = _pad(input_ids, labels, positions, packed, 2 * patch.ctx.world_size, pad_token)
     # Position ids the collator did not give stay "not given" (shard_inputs numbers the padded row 0..S-1 itself,
     # as _pad did): the image hooks of hfpatch.model.multimodal recognise the ones it returns and let the model
-    # number its own positions over the whole row (Qwen-VL's 3-D rotary ones; through a trainer's device move:
-    # trainer.recognise_made_up_positions).
+    # number its own positions over the whole row (Qwen-VL's 3-D rotary ones), also as copied by a trainer's
+    # device move.
     shard = patch.shard_inputs(input_ids, labels=labels, position_ids=positions if given else None)
     _weigh_tokens(patch.ctx, mask, seq, input_ids.shape[1])
     rest.update(_shard_token_types(patch.ctx, token_types, input_ids.shape[1] - seq))

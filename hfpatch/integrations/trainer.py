@@ -14,9 +14,6 @@ it):
   the token-weighted loss of the global batch, scaled so that the trainer's own reductions (the mean of the logged
   loss over every rank, gradients averaged over dp x cp) give exactly the non-CP loss and gradient, with
   ``num_items_in_batch`` and gradient accumulation as the trainer handles them without CP;
-- a vision-language model ``hfpatch.model.multimodal`` recognises (images under CP): a hook on its base model
-  (``recognise_made_up_positions``) keeps the position ids ``prepare_batch`` made up recognisable after the
-  trainer's device move, so the model numbers its own positions over the whole row (Qwen-VL's 3-D ones);
 - SFTTrainer's ``num_tokens`` metric: counted on the whole batch as without CP (the attention mask it reads is
   dropped under CP, and each rank holds a shard of the position ids it reads otherwise);
 - ``trainer.prediction_step`` (transformers' or TRL's own; a subclass's own is left alone) ->
@@ -39,8 +36,7 @@ import torch
 from hfpatch.errors import MissingEnable, UnsupportedArgument
 from hfpatch.integrations import evaluation
 from hfpatch.integrations.batch import padding_token, prepare_batch
-from hfpatch.model import multimodal, router_loss
-from hfpatch.model.wrappers import inner_model
+from hfpatch.model import router_loss
 from hfpatch.model.labels import averaged_over_group
 
 __all__ = ["TrainerCP", "guard_missing_enable", "summary_line", "cp_mesh", "is_trl_trainer"]
@@ -80,7 +76,6 @@ class TrainerCP:
         self.gathered_logits = 0
         self.pad_token = 0
         self._installed: dict = {}
-        self._images_hook = None   # recognise_made_up_positions' hook (a vision-language model), or None
         self._batch_tokens = None  # the tokens SFTTrainer counts in the whole batch (_tokens_sft_counts)
         self._removed = False
 
@@ -95,7 +90,6 @@ class TrainerCP:
         trainer = self.trainer
         if self.active:   # before anything is installed: it refuses a pooled head without a pad token
             self.pad_token = padding_token(trainer.model)
-            self._images_hook = recognise_made_up_positions(trainer.model, self.patch.live_ctx_or_none)
         known = _has_known_prediction_step(trainer)
         self._install_replacements(self._prepare_inputs, self._prediction_step if known else None)
         if known:
@@ -132,8 +126,6 @@ class TrainerCP:
         for (owner, name), replacement in self._installed.items():
             if owner.__dict__.get(name) is replacement:
                 delattr(owner, name)
-        if self._images_hook is not None:
-            self._images_hook.remove()
         self.patch.remove()
 
     # ------------------------------------------------------------------------------ the replaced steps
@@ -204,31 +196,6 @@ def _tokens_sft_counts(inputs) -> int:
     without a mask the length of its (packed) row."""
     mask = inputs.get("attention_mask")
     return int(mask.sum()) if mask is not None else int(inputs["input_ids"].shape[1])
-
-
-def recognise_made_up_positions(model, ctx_of):
-    """On a vision-language model ``hfpatch.model.multimodal`` recognises: a hook (its handle; None for another
-    model) that hands its base model, in place of a copy, the very position ids ``shard_inputs`` made up for a batch
-    that had none (``StepState.positions_given`` False). The image hooks recognise those by identity and let the
-    model number its own positions over the whole row (Qwen-VL's 3-D rotary ones); the trainer moves every batch to
-    its device after ``prepare_batch``, and on CPU that copies (a "cpu" tensor moved to "cpu:0"), so a copy equal
-    to them in every position is taken for them. ``ctx_of()``: the patch's live ``RingContext`` or None."""
-    found = multimodal.recognise(inner_model(model))
-    if found is None:
-        return None
-
-    def before_base(module, args, kwargs):
-        ctx = ctx_of()
-        step = getattr(ctx, "step", None)
-        positions = kwargs.get("position_ids")
-        made_up = getattr(step, "position_ids", None)
-        if (step is None or step.positions_given or made_up is None or positions is None or positions is made_up
-                or positions.shape != made_up.shape or not torch.equal(positions.cpu(), made_up.cpu())):
-            return None
-        return args, dict(kwargs, position_ids=made_up)
-
-    # prepended: it runs before the image hooks, which apply() registered first
-    return found.base.register_forward_pre_hook(before_base, with_kwargs=True, prepend=True)
 
 
 def _has_known_prediction_step(trainer) -> bool:

@@ -34,7 +34,8 @@ The vision tower therefore runs on every image on every rank (a modality tower i
 summed over the CP group (as data parallelism over dp x cp sums every gradient) it is the non-CP gradient, as for
 every other parameter. The whole row's embeddings (B x S x hidden) exist on every rank for the length of the scatter.
 
-Anything else refuses by name (``UnsupportedArgument``): an image call without a step (``shard_inputs`` or
+Anything else refuses by name (``UnsupportedArgument``): video inputs (``pixel_values_videos``, ...), an image
+call without a step (``shard_inputs`` or
 ``describe_split`` first), ``inputs_embeds`` instead of ``input_ids``, more positional arguments than the base
 model's forward names, a text-model argument of the whole row's length that this module does not cut, a list of
 tensors handed to the text model that it has not read, DeepStack features without their mask or with a row count
@@ -160,6 +161,17 @@ def _whole_row(local: torch.Tensor, step, group) -> torch.Tensor:
     return unshard(local, group, layout=step.layout, dim=local.dim() - 1, cu_seqlens=step.cu_seqlens)
 
 
+def _made_up(positions: Optional[torch.Tensor], step) -> bool:
+    """Whether ``positions`` are the position ids ``shard_inputs`` made up for a caller who gave none (the step's
+    ``position_ids`` when ``positions_given`` is False), or a copy of them (a trainer moves each batch to its
+    device, which on the CPU copies it)."""
+    made_up = step.position_ids
+    if positions is None or step.positions_given or made_up is None:
+        return False
+    return positions is made_up or (positions.shape == made_up.shape
+                                    and torch.equal(positions.cpu(), made_up.cpu()))
+
+
 def _refuse(name: str, value: Any, reason: str, fix: str) -> None:
     raise UnsupportedArgument(name, value, reason, fix)
 
@@ -218,6 +230,11 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> Optional[UndoS
             return None
         step = ctx.step
         owner = type(module).__name__
+        videos = [name for name in images if "video" in name]
+        if videos:
+            _refuse(videos[0], kwargs[videos[0]], f"{owner} takes video under CP, which hfpatch has not tested (its "
+                    "images are scattered over the whole row; its video frames are not checked).",
+                    "train video batches without CP (hfpatch.switch('local')).")
         if step is None:
             _refuse(images[0], kwargs[images[0]],
                     f"{owner} scatters the encoded images over the whole row before sharding it, which needs the "
@@ -229,8 +246,7 @@ def install(model: torch.nn.Module, ctx_of: Callable[[], Any]) -> Optional[UndoS
                     "shard cannot be put back together into it here.",
                     "pass the input_ids shard_inputs returned (the model embeds them).")
         changed = dict(kwargs)
-        positions = kwargs.get("position_ids")
-        if positions is not None and positions is step.position_ids and not step.positions_given:
+        if _made_up(kwargs.get("position_ids"), step):
             changed["position_ids"] = None  # made up by shard_inputs: the caller gave none
         for name in PER_TOKEN_INPUTS:
             value = changed.get(name)
