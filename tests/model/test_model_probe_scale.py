@@ -7,9 +7,11 @@ probe_margin.py builds the cases; these tests hold its verdicts and margin).
   shard at the rotary embedding, a module numbering positions by its input's length, attention called non-causal
   under CP. Each is refused by the probe (naming where) and by ``apply(model=)`` itself; the smallest seeded error
   is at least 10x the largest error of the exact models of the same world and dtype.
-- real scale, bf16 and fp16, 2 ranks: ``apply(model=)`` with the default ``verify=True`` accepts a Llama of hidden
-  2048 x 48 layers (GQA 4:1: an 8B's width and depth) and one of hidden 1024 x 80 layers (a 70B's depth), which the
-  probe comparing free-running forwards refused in bf16 (relative error 0.054 > 0.05 at 2048 x 48); a value head
+- real scale, 2 ranks: ``apply(model=)`` with the default ``verify=True`` accepts a Llama of hidden 2048 x 48
+  layers in bf16 (GQA 4:1: an 8B's width and depth), which the probe comparing free-running forwards refused
+  (relative error 0.054 > 0.05), and one of hidden 1024 x 80 layers (a 70B's depth) in fp16 (in bf16 it is accepted
+  as well, worst 7.7e-3 on 2026-12-06; left out of CI for time, as the bf16 rounding per module does not depend on
+  depth: the probe feeds every module the non-CP inputs); a value head
   (``LlamaForSequenceClassification``, one label) on the 2048 x 48 decoder is accepted with its pooled score and
   loss compared on every rank, and refused by name when each rank pools its own last token; and the image scatter
   (``hfpatch.model.multimodal``): a Llava whose text model is the same 2048 x 48 decoder, with a CLIP tower of
@@ -183,7 +185,7 @@ def _real_scale_images(rank, causal, dtype):
 
 def test_real_scale_bf16_is_accepted():
     skip_unless_ci_pin("the real-scale cases")
-    run_world(2, _real_scale, torch.bfloat16, [(2048, 48, 16, 4, 5632), (1024, 80, 8, 2, 2816)], value_head=True,
+    run_world(2, _real_scale, torch.bfloat16, [(2048, 48, 16, 4, 5632)], value_head=True,
               timeout=900.0)
 
 
