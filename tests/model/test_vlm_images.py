@@ -26,15 +26,16 @@ The loss is the model's own (``labels=`` the ones ``shard_inputs`` returned); th
 model off the patch, given the whole row under ``hfpatch.switch("local")`` (Qwen3.5's delta-rule kernel is rebound
 for the whole modeling module while the patch is live); both run without a cache (``use_cache=False``: the
 recurrent layers refuse one under CP). Gradients are summed over the group (as data parallelism over dp x cp
-sums them). Refused by name: image inputs before any step, ``inputs_embeds`` with images, Qwen3-VL's DeepStack
-features without their mask and a list of tensors hfpatch has not read handed to its text model, a family hfpatch
-has not read, and one the release has before the family's first release (the inputs guard: Qwen3-VL before 5.3).
+sums them). Refused by name: image inputs before any step, ``inputs_embeds`` with images, video, Qwen3-VL's
+DeepStack features without their mask and a list of tensors hfpatch has not read handed to its text model, a
+family hfpatch has not read, and one the release has before the family's first release (the inputs guard: Qwen3-VL
+before 5.3).
 
 Tolerances: ``ring_kernels.tolerances`` "cp" float32 "loss"; the gradients "sweep" float32 "grad" (sequence
 mixers add rounding: Qwen3.5's delta-rule decay parameters, dt_bias and A_log, measure 3.1e-5 on 2 ranks), whose
 floor covers the vision tower's key biases (an exact gradient of 0); the worst "cp"-measured errors are printed per
-model. ``visual_rows`` (the DeepStack rows a rank keeps) is checked
-against the text model's own reading of its tokens.
+model. ``visual_rows`` (the DeepStack rows a rank keeps) is checked against the text model's own reading of its
+tokens.
 """
 from __future__ import annotations
 
@@ -323,6 +324,10 @@ def _refusals(rank, world):
             model(input_ids=batch["input_ids"], attention_mask=torch.ones(2, 5, dtype=torch.long), **images,
                   **_extra("qwen2_vl", ids))
         assert info.value.parameter == "attention_mask"
+        with pytest.raises(UnsupportedArgument) as info:   # video: not tested, so refused
+            model(input_ids=batch["input_ids"], pixel_values_videos=images["pixel_values"],
+                  video_grid_thw=images["image_grid_thw"], **_extra("qwen2_vl", ids))
+        assert info.value.parameter == "pixel_values_videos"
     return True
 
 
