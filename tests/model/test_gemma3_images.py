@@ -3,8 +3,9 @@
 Gemma-3's text model attends **bidirectionally inside each image span** (``token_type_ids`` 1 on the image's
 placeholders: every placeholder sees the whole image) within causal attention. The ring kernels compute causal (or
 full, or windowed) attention, never a causal mask with bidirectional blocks, and transformers itself gives the
-model no flash path for it (``_supports_flash_attn = False``: flash attention would drop that mask), so
-``apply(model=)`` refuses the model by name before any image reaches it. The measurement: on a tiny Gemma-3 the
+model no flash path for it from 5.24 (``_supports_flash_attn = False``: flash attention would drop that mask), so
+``apply(model=)`` refuses the model by name there; on the releases before, where the text path is patched, the
+inputs guard refuses its first image by name (Gemma-3 is not among ``hfpatch.model.multimodal``'s families). The measurement: on a tiny Gemma-3 the
 logits with the model's own mask differ from the same forward with a purely causal mask (what a causal CP kernel
 computes) by several percent of the largest logit, from the image's first placeholder on; the tokens before it are
 equal. Causal attention is therefore not an approximation hfpatch could accept.
@@ -17,12 +18,14 @@ import torch.distributed as dist
 
 import hfpatch
 from _dist import run_world
-from hfpatch.errors import HfpatchError
+from hfpatch import version_gates
+from hfpatch.errors import HfpatchError, UnsupportedArgument
 from ring_kernels.tolerances import relative_error, tolerance
 
 transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "Gemma3ForConditionalGeneration"):
-    pytest.skip("this release has no Gemma-3", allow_module_level=True)
+if version_gates.installed_transformers_version() < version_gates.TRANSFORMERS_IMAGES_UNDER_CP:
+    pytest.skip(f"images under CP from transformers {version_gates.TRANSFORMERS_IMAGES_UNDER_CP} (before it every "
+                "image is refused by the inputs guard: tests/model/test_multimodal.py)", allow_module_level=True)
 
 IMAGE, BEGIN, END = 190, 191, 192
 
@@ -57,14 +60,26 @@ def test_the_image_spans_bidirectional_mask_is_not_causal_attention():
 
 
 def _refused(rank, world):
+    """Refused by name: by ``apply(model=)`` where the release gives the model no flash path (5.24), else, the text
+    path patched, by the inputs guard at the first image (an image family hfpatch does not scatter)."""
     model = _gemma3()
-    with pytest.raises(HfpatchError) as info:
-        hfpatch.apply(dist.group.WORLD, model=model)
-    assert hfpatch.active_patch() is None
-    return type(info.value).__name__, str(info.value)
+    ids, pixels = _row()
+    try:
+        patch = hfpatch.apply(dist.group.WORLD, model=model)
+    except HfpatchError as exc:
+        assert hfpatch.active_patch() is None
+        return "apply", str(exc)
+    with patch:
+        batch = patch.shard_inputs(ids)
+        with pytest.raises(UnsupportedArgument) as info:
+            model(input_ids=batch["input_ids"], pixel_values=pixels,
+                  token_type_ids=(batch["input_ids"] == IMAGE).long())
+    assert info.value.parameter == "pixel_values", info.value
+    return "image call", str(info.value)
 
 
-def test_apply_refuses_gemma3_by_name():
-    name, message = run_world(2, _refused)[0]
-    assert "Gemma3ForConditionalGeneration" in message and "flash" in message.lower(), message
-    print(name, message[:300])
+def test_gemma3_images_are_refused_by_name():
+    where, message = run_world(2, _refused)[0]
+    assert "Gemma3ForConditionalGeneration" in message, message
+    assert "flash" in message.lower() if where == "apply" else "pixel_values" in message, message
+    print(f"refused at the {where}: {message[:300]}")
