@@ -38,9 +38,9 @@ Anything else refuses by name (``UnsupportedArgument``): video inputs (``pixel_v
 call without a step (``shard_inputs`` or ``describe_split`` first), ``inputs_embeds`` instead of ``input_ids``,
 more positional arguments than the base model's forward names, a text-model argument of the whole row's length
 that this module does not cut, a list of tensors handed to the text model that it has not read, DeepStack features
-without their mask or with a row count other than the mask's. A model whose base model hfpatch does not recognise (another family, a release before the
-family's ``first_release``, a base model without a separate text model) keeps the inputs guard
-(``hfpatch.model.inputs_guard``).
+without their mask or with a row count other than the mask's. A model whose base model hfpatch does not
+recognise (another family, a release before the family's ``first_release``, a base model without a separate text
+model) keeps the inputs guard (``hfpatch.model.inputs_guard``).
 """
 from __future__ import annotations
 

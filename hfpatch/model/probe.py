@@ -451,7 +451,8 @@ def _row_inputs(model, images: Optional[ProbeImages], ids: torch.Tensor, positio
     if images is None:
         return position_kwargs(model, positions)
     _, dtype = _device_and_dtype(model)
-    moved = {k: v.to(ids.device, dtype) if v.is_floating_point() else v.to(ids.device) for k, v in images.inputs.items()}
+    moved = {k: v.to(ids.device, dtype) if v.is_floating_point() else v.to(ids.device)
+             for k, v in images.inputs.items()}
     return {**moved, **images.per_token(ids)}
 
 

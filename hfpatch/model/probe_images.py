@@ -168,7 +168,8 @@ def probe_images(model: torch.nn.Module, seq: int, world: int, vocab: int,
     for span, boundary in zip(images.spans, (chunk, 2 * chunk)):
         start = boundary - len(span) // 2
         ids[start:start + len(span)] = span
-    return ProbeImages(ids=ids[None], text=text[None], inputs=images.inputs, count=len(images.spans), token_types=images.token_types)
+    return ProbeImages(ids=ids[None], text=text[None], inputs=images.inputs, count=len(images.spans),
+                       token_types=images.token_types)
 
 
 def _embedded_tokens(base: torch.nn.Module, vocab: int) -> int:

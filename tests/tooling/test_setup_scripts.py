@@ -68,7 +68,8 @@ def test_setup_and_test_announces_each_phase_then_runs_the_test_command(tree):
     out = _run(tree, "setup_and_test.sh", "-k", "docs")
     _check_setup_phases(out)
     assert re.search(r"^setup done \(\d+s\); the test suite: bash scripts/run_tests.sh -k docs$", out, re.M), out
-    assert out.rstrip().splitlines()[-1] == "ran: python -m pytest -q -rfEs -n 2 --dist loadscope -k docs", out
+    ran = "ran: python -m pytest -q -rfEs -n 2 --dist loadscope --durations=25 -k docs"
+    assert out.rstrip().splitlines()[-1] == ran, out
 
 
 def test_setup_and_demo_announces_each_phase_then_runs_the_demo(tree):
