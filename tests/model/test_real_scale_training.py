@@ -18,9 +18,9 @@ The non-CP reference is a copy of the model made before ``apply`` (its own atten
 reference's largest entry and its largest share on a rank (``_compare_grads`` says why).
 
 These models take about 60 GB and minutes of 8 cores a rank: the test runs on a machine of at least 16 cores and
-96 GiB (the device machine's CPU; its results are in benchmarks/results/real_scale_training_cpu.log) and skips,
-saying so, on the 2-core CI machine, where tests/model/test_model_probe_scale.py checks the image scatter at this
-depth and width with the probe and tests/model/test_router_loss.py the load-balancing loss on every family, tiny.
+96 GiB (such as the device machine's CPU) and skips, saying so, on the 2-core CI machine, where
+tests/model/test_model_probe_scale.py checks the image scatter at this depth and width with the probe, and the
+tiny tests (tests/model/test_vlm_images.py, the load-balancing loss's) every family in fp32.
 """
 from __future__ import annotations
 
@@ -58,8 +58,7 @@ def _machine_is_big_enough() -> None:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     if (os.cpu_count() or 1) < CORES or memory < MEMORY_GIB:
         pytest.skip(f"real-scale training needs {CORES} cores and {MEMORY_GIB} GiB ({os.cpu_count()} cores, "
-                    f"{memory:.0f} GiB here): it runs on the device machine's CPU "
-                    "(benchmarks/results/real_scale_training_cpu.log)")
+                    f"{memory:.0f} GiB here): run it on a machine that has them")
 
 
 def _mixtral():
