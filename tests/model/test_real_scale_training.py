@@ -20,7 +20,7 @@ reference's largest entry and its largest share on a rank (``_compare_grads`` sa
 These models take about 60 GB and minutes of 8 cores a rank: the test runs on a machine of at least 16 cores and
 96 GiB (such as the device machine's CPU) and skips, saying so, on the 2-core CI machine, where
 tests/model/test_model_probe_scale.py checks the image scatter at this depth and width with the probe, and the
-tiny tests (tests/model/test_vlm_images.py, the load-balancing loss's) every family in fp32.
+tiny tests (tests/model/test_vlm_images.py, tests/model/test_router_loss.py) every family in fp32.
 """
 from __future__ import annotations
 
