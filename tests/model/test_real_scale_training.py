@@ -1,21 +1,22 @@
 """Two mechanisms trained at real depth and width in bf16, CP against the non-CP model, 2 gloo ranks: the loss and
-every parameter's gradient (summed over the group), on every rank.
+the gradients (summed over the group), on every rank.
 
 - **The MoE load-balancing loss** (``hfpatch.model.router_loss``): a Mixtral of hidden 2048 x 48 layers (16 query /
   4 key-value heads; 8 experts of 1408, top 2: a fine-grained MoE's expert width), ``output_router_logits`` on,
-  coefficient 0.02; its ``aux_loss`` too, and the router weights' gradients.
+  coefficient 0.02: the loss and its ``aux_loss`` within "cp" bfloat16 "loss" of the non-CP bf16 run; the whole
+  gradient no further from an fp32 run of the same weights than ``RATIO`` x the non-CP bf16 run's (a router's top-2
+  choice flips between two bf16 runs wherever two experts are within a rounding, so single experts' gradients
+  differ by far more than the rounding: ``_router`` says what was measured).
 - **Images** (``hfpatch.model.multimodal``): a Qwen2-VL whose text model is hidden 2048 x 48 layers and whose vision
   tower is Qwen2-VL's own (32 layers of 1280), two images of 64 and 96 placeholders, each straddling a zigzag
-  boundary, the model numbering its 3-D rotary positions over the whole row; the vision tower's gradients included.
-  In bf16 a tower parameter's gradient is a sum over every patch whose terms cancel (a LayerNorm bias: 1e-3 of
-  terms far larger), so two bf16 runs of it differ by up to half its size whatever the split (measured on a tiny
-  Qwen2-VL: non-CP bf16 against CP bf16 0.48, while in fp32 CP matches to 8e-7). The tower's gradients are
-  therefore compared with an fp32 run of the same weights: CP in bf16 must be no further from it than
-  ``TOWER_RATIO`` x the non-CP bf16 run (or within GRAD of it).
+  boundary, the model numbering its 3-D rotary positions over the whole row: the loss and each text parameter's
+  gradient within "cp" bfloat16 "loss" and "grad" of the non-CP bf16 run. In bf16 a tower parameter's gradient is a
+  sum over every patch whose terms cancel (a LayerNorm bias: 1e-3 of terms far larger), so two bf16 runs of it
+  differ by up to half its size whatever the split (measured on a tiny Qwen2-VL: non-CP bf16 against CP bf16 0.48,
+  while in fp32 CP matches to 8e-7). Each tower parameter's gradient is therefore compared with an fp32 run of the
+  same weights: CP in bf16 no further from it than ``RATIO`` x the non-CP bf16 run (or within GRAD of it).
 
-The non-CP reference is a copy of the model made before ``apply`` (its own attention implementation). Tolerances:
-``ring_kernels.tolerances`` "cp" bfloat16 "loss", and "grad" for each parameter against the larger of its
-reference's largest entry and its largest share on a rank (``_compare_grads`` says why).
+The non-CP references are copies of the model made before ``apply`` (their own attention implementation).
 
 These models take about 60 GB and minutes of 8 cores a rank: the test runs on a machine of at least 16 cores and
 96 GiB (such as the device machine's CPU) and skips, saying so, on the 2-core CI machine, where
@@ -49,9 +50,9 @@ transformers = pytest.importorskip("transformers")
 LOSS = tolerance("cp", torch.bfloat16, "loss")
 GRAD = tolerance("cp", torch.bfloat16, "grad")
 CORES, MEMORY_GIB = 16, 96
-# The vision tower's gradient under CP in bf16 is at most this many times as far from the fp32 run as the non-CP
-# bf16 run's (or within GRAD of it)
-TOWER_RATIO = 3.0
+# A gradient under CP in bf16 is at most this many times as far from the fp32 run as the non-CP bf16 run's: the
+# vision tower's, each parameter (or within GRAD of it); the MoE model's, the whole gradient
+RATIO = 3.0
 
 
 def _machine_is_big_enough() -> None:
@@ -87,50 +88,43 @@ def _grads(model):
     return {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _compare_grads(model, reference, what):
-    """Every gradient summed over the group against the reference's, each parameter within ``GRAD`` of the larger
-    of its reference's and its ranks' addends' largest entries: a rank's share of a gradient (the tower's, through
-    its placeholders) can be larger than the sum when the shares cancel, and the sum of bf16 shares rounds at
-    their scale. Returns the worst difference so measured, over all parameters and over those whose names
-    contain each of ``what``'s keys."""
-    ref, got = _grads(reference), _grads(model)
-    assert ref.keys() == got.keys()
-    worst = {"all": 0.0, **{key: 0.0 for key in what}}
-    for name, grad in got.items():
-        share = grad.abs().max().reshape(1)
-        dist.all_reduce(share, op=dist.ReduceOp.MAX)
-        dist.all_reduce(grad)
-        scale = max(float(ref[name].abs().max()), float(share))
-        error = float((grad - ref[name]).abs().max()) / scale if scale else 0.0
-        assert error <= GRAD.bound, (f"gradient of {name}: max|err| {error * scale:.3g} > {GRAD.bound} x {scale:.3g} "
-                                     f"(the larger of the reference's and a rank's share's largest entry)")
-        worst["all"] = max(worst["all"], error)
-        for key in what:
-            if key in name:
-                worst[key] = max(worst[key], error)
-    return worst
-
-
 def _router(rank, world):
     torch.manual_seed(0)
     model = _mixtral()
-    reference = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 32000, (2, 256), generator=g)
+    ids = torch.randint(0, 32000, (2, 256), generator=torch.Generator().manual_seed(1))
     start = time.perf_counter()
-    want = reference(input_ids=ids, labels=ids)
-    want.loss.backward()
+    exact, exact_out = _reference_run(model, torch.float32, {"input_ids": ids, "labels": ids})
+    bf16, bf16_out = _reference_run(model, torch.bfloat16, {"input_ids": ids, "labels": ids})
     with hfpatch.apply(dist.group.WORLD, model=model, verify="fast") as patch:
-        batch = patch.shard_inputs(ids, labels=ids)
-        got = model(**batch)
+        got = model(**patch.shard_inputs(ids, labels=ids))
         got.loss.backward()
-        assert_close(got.loss.detach().float(), want.loss.detach().float(), LOSS, f"loss on rank {rank}")
-        assert_close(got.aux_loss.detach().float(), want.aux_loss.detach().float(), LOSS, f"aux loss on rank {rank}")
-        worst = _compare_grads(model, reference, ("gate.weight",))
-    return {"loss": relative_error(got.loss.detach().float(), want.loss.detach().float()),
-            "aux_loss": relative_error(got.aux_loss.detach().float(), want.aux_loss.detach().float()),
-            **{f"grad {k}": v for k, v in worst.items()},
-            "seconds": time.perf_counter() - start}
+    result = {}
+    for field in ("loss", "aux_loss"):
+        value = getattr(got, field).detach().float()
+        assert_close(value, bf16_out[field], LOSS, f"{field} on rank {rank}")
+        result[field] = relative_error(value, bf16_out[field])
+    grads = {}
+    for name, param in model.named_parameters():
+        grads[name] = param.grad.float()
+        dist.all_reduce(grads[name])
+    # against the fp32 run, the whole gradient: a router's top-2 choice flips between two bf16 runs on the tokens
+    # whose two best experts are within a rounding, so one expert's gradient differs by far more than the rounding
+    # of either run (measured, 8 layers: 0.1 of its largest entry), while the whole gradient moves by the rounding
+    cp_error, bf16_error = _whole_error(grads, exact), _whole_error({n: g.float() for n, g in bf16.items()}, exact)
+    assert cp_error <= max(RATIO * bf16_error, LOSS.bound), (
+        f"rank {rank}: the whole gradient under CP is {cp_error:.3g} from the fp32 run, non-CP bf16 {bf16_error:.3g}")
+    routers = [n for n in grads if n.endswith("gate.weight")]
+    result.update({"grad (whole, vs fp32)": cp_error, "non-CP bf16 grad (whole, vs fp32)": bf16_error,
+                   "router grads (whole, vs fp32)": _whole_error({n: grads[n] for n in routers},
+                                                                  {n: exact[n] for n in routers}),
+                   "seconds": time.perf_counter() - start})
+    return result
+
+
+def _whole_error(grads: dict, exact: dict) -> float:
+    """||grads - exact|| / ||exact|| over every parameter together (L2)."""
+    difference = sum(float((grads[n].float() - exact[n].float()).pow(2).sum()) for n in exact)
+    return (difference / sum(float(g.float().pow(2).sum()) for g in exact.values())) ** 0.5
 
 
 def _image_row(g):
@@ -151,8 +145,10 @@ def _images(rank, world):
     takes_types = "mm_token_type_ids" in inspect.signature(type(model.model).forward).parameters
     types = {"mm_token_type_ids": (ids == IMAGE).int()} if takes_types else {}
     start = time.perf_counter()
-    exact, exact_loss = _reference_run(model, torch.float32, ids, images, types)
-    bf16, bf16_loss = _reference_run(model, torch.bfloat16, ids, images, types)
+    inputs = {"input_ids": ids, "labels": ids, **images, **types}
+    exact, _ = _reference_run(model, torch.float32, inputs)
+    bf16, bf16_out = _reference_run(model, torch.bfloat16, inputs)
+    bf16_loss = bf16_out["loss"]
     with hfpatch.apply(dist.group.WORLD, model=model, verify="fast") as patch:
         batch = patch.shard_inputs(ids, labels=ids)
         got = model(**batch, **images, **types)
@@ -170,7 +166,7 @@ def _images(rank, world):
             continue
         # the tower's: against the fp32 run, as far from it as the non-CP bf16 run is (module docstring)
         cp_error, bf16_error = relative_error(grad, exact[name]), relative_error(bf16[name].float(), exact[name])
-        assert cp_error <= max(TOWER_RATIO * bf16_error, GRAD.bound), (
+        assert cp_error <= max(RATIO * bf16_error, GRAD.bound), (
             f"gradient of {name}: CP bf16 is {cp_error:.3g} from the fp32 run, non-CP bf16 {bf16_error:.3g}")
         worst[key] = max(worst[key], cp_error)
         worst["tower: CP / non-CP bf16 error"] = max(worst["tower: CP / non-CP bf16 error"],
@@ -178,16 +174,17 @@ def _images(rank, world):
     return {**worst, "seconds": time.perf_counter() - start}
 
 
-def _reference_run(model, dtype, ids, images, types):
-    """The non-CP step of a copy of ``model`` in ``dtype``: its gradients ({name: tensor}) and its loss (fp32)."""
+def _reference_run(model, dtype, inputs: dict):
+    """The non-CP step of a copy of ``model`` in ``dtype`` on ``inputs`` (floating ones cast to ``dtype``): its
+    gradients ({name: tensor}) and its output's loss and aux loss, where it has them (fp32 scalars)."""
     reference = copy.deepcopy(model).to(dtype)
-    moved = {k: v.to(dtype) if v.is_floating_point() else v for k, v in images.items()}
-    output = reference(input_ids=ids, labels=ids, **moved, **types)
+    output = reference(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()})
     output.loss.backward()
     grads = {n: p.grad for n, p in reference.named_parameters()}
-    loss = output.loss.detach().float()
+    fields = {f: getattr(output, f).detach().float() for f in ("loss", "aux_loss")
+              if isinstance(getattr(output, f, None), torch.Tensor)}
     del reference, output
-    return grads, loss
+    return grads, fields
 
 
 def _report(name, results):
