@@ -14,7 +14,7 @@ head). Everything the ring derives itself is dropped after it has been checked:
 - ``cu_seq_lens_q/k``: must equal the documents the position ids give (HF's rule: a document starts where the
   position is 0), else refused; ``max_length_q/k`` and ``seq_idx`` follow from them.
 
-Images (a vision-language model ``hfpatch.model.multimodal`` recognises: Qwen2-VL, Qwen2.5-VL, Llava): the image
+Images (a vision-language model of ``hfpatch.model.multimodal``'s families, ``multimodal.FAMILIES``): the image
 inputs (``pixel_values``, ``image_grid_thw``, ...: ``inputs_guard.is_modality_input``) pass whole to every rank;
 Qwen-VL's token types (``mm_token_type_ids``, and ``token_type_ids`` in a batch with images) are padded with 0
 (text) and split as the token ids are, and the image hooks gather them back to the whole row before the base model.
