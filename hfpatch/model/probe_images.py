@@ -63,8 +63,8 @@ class ProbeImages:
 
 @dataclass(frozen=True)
 class _Images:
-    """What a family's builder gives: the placeholder span of each image (start and end tokens included), where
-    its placeholders sit in the span, and the model inputs."""
+    """What a family's builder gives: the token span of each image (its placeholders, with the family's start and end
+    tokens), the model's image inputs, and the image token of ``ProbeImages.token_types``."""
 
     spans: list            # per image: a LongTensor of token ids
     inputs: dict
@@ -87,20 +87,19 @@ def _qwen(model: torch.nn.Module, base: torch.nn.Module, generator: torch.Genera
                    config.image_token_id if takes_types else None)
 
 
+def _image_token(config) -> int:
+    """The image placeholder's id (``image_token_id``, or ``image_token_index`` where the release names it so)."""
+    token = getattr(config, "image_token_id", None)
+    return getattr(config, "image_token_index", None) if token is None else token
+
+
 def _llava(model: torch.nn.Module, base: torch.nn.Module, generator: torch.Generator) -> _Images:
     config = model.config
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
     placeholders = side * side + (1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0)
-    token = getattr(config, "image_token_id", None)
-    token = getattr(config, "image_token_index", None) if token is None else token
     pixels = torch.randn(2, vision.num_channels, vision.image_size, vision.image_size, generator=generator)
-    return _Images([torch.full((placeholders,), token)] * 2, {"pixel_values": pixels}, None)
-
-
-def _image_token(config) -> int:
-    token = getattr(config, "image_token_id", None)
-    return getattr(config, "image_token_index", None) if token is None else token
+    return _Images([torch.full((placeholders,), _image_token(config))] * 2, {"pixel_values": pixels}, None)
 
 
 def _llava_next(model: torch.nn.Module, base: torch.nn.Module, generator: torch.Generator) -> _Images:

@@ -95,10 +95,15 @@ def _qwen2_5_vl():
     return transformers.Qwen2_5_VLForConditionalGeneration(config)
 
 
+def _clip(image_size: int, patch_size: int):
+    """A tiny CLIP tower of ``image_size`` pixels cut into ``patch_size`` patches (Llava's and Llava-NeXT's)."""
+    return transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=2, image_size=image_size, patch_size=patch_size)
+
+
 def _llava():
     config = transformers.LlavaConfig(
-        vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                                    num_attention_heads=2, image_size=8, patch_size=4),
+        vision_config=_clip(8, 4),
         text_config=transformers.LlamaConfig(**TEXT), image_token_index=IMAGE, image_seq_length=4,
         vision_feature_select_strategy="default", vision_feature_layer=-1)
     return transformers.LlavaForConditionalGeneration(config)
@@ -124,8 +129,7 @@ def _qwen3_5():
 
 def _llava_next():
     config = transformers.LlavaNextConfig(
-        vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                                    num_attention_heads=2, image_size=2, patch_size=2),
+        vision_config=_clip(2, 2),
         text_config=transformers.LlamaConfig(**TEXT), image_token_index=IMAGE, image_seq_length=1,
         vision_feature_select_strategy="default", vision_feature_layer=-1,
         image_grid_pinpoints=[[2, 2], [2, 4], [4, 2], [4, 4]])
