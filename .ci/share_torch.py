@@ -36,25 +36,39 @@ _CLOSURE_PROBE = r"""
 import json, re
 from importlib import metadata
 from pathlib import Path
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
 
 def norm(name):
     return re.sub(r"[-_.]+", "-", name).lower()
 
+def wanted(req, extras):
+    # A requirement is part of the closure when its marker holds on this machine, for no extra or for an extra the
+    # parent asked for (torch asks for cuda-toolkit[cublas,cudart,...]: its NVIDIA libraries are such extras).
+    if req.marker is None:
+        return True
+    return any(req.marker.evaluate({"extra": extra}) for extra in ("", *extras))
+
 def closure(root):
-    todo, seen = [root], {}
+    todo, seen, asked = [(root, ())], {}, {}
     while todo:
-        name = todo.pop()
-        if norm(name) in seen:
+        name, extras = todo.pop()
+        key = norm(name)
+        new_extras = set(extras) - asked.get(key, set())
+        if key in seen and not new_extras:
             continue
+        asked.setdefault(key, set()).update(extras)
         try:
-            dist = metadata.distribution(name)
+            dist = seen.get(key) or metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
-        seen[norm(name)] = dist
-        for req in dist.requires or []:
-            if "extra ==" in req:   # optional extras are not needed to import torch
-                continue
-            todo.append(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0])
+        seen[key] = dist
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if wanted(req, asked[key]):
+                todo.append((req.name, tuple(sorted(req.extras))))
     return seen
 
 out = {}

@@ -147,6 +147,9 @@ setup() {
     enter_root
     timed venv-torch install_torch "$torch"
     timed project in_root python -m pip install -q --no-compile -e '.[test]' "$transformers"
+    # The files the root's venv holds in the same bytes as the CI venv or a torch venv (its NVIDIA libraries are the
+    # CI venv's: those wheels are Python-independent): hard-linked to that copy, to spare the disk (docs/ci.md).
+    python3 scripts/link_duplicates.py "$root/venv" .venv .venv-torch-*
     in_root python -c 'import sys, torch, transformers, hfpatch; print("py313 python", sys.version.split()[0],
         "torch", torch.__version__, "transformers", transformers.__version__)'
 }

@@ -54,6 +54,9 @@ setup() {
                 2>/dev/null; then
             "$venv/bin/python" -m pip install -q 'numpy<2.4'
         fi
+        # The files this venv holds in the same bytes as the CI venv or another torch venv (most of the NVIDIA
+        # libraries): hard-linked to that copy, to spare the disk (docs/ci.md).
+        python3 scripts/link_duplicates.py "$venv" .venv .venv-torch-* .py313/root/venv
         echo "$pins" >"$venv/.pins"
     fi
     "$venv/bin/python" -c "import torch, transformers; print('$label torch', torch.__version__,

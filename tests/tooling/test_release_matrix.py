@@ -8,8 +8,11 @@ import os
 import subprocess
 import sys
 import types
+from importlib import metadata
 
+import pytest
 import torch
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 from _paths import ROOT
@@ -127,6 +130,31 @@ def test_share_torch_links_torch_behind_the_envs_own_packages(tmp_path):
     subprocess.run([str(env_python), "-c", script], check=True)
     assert sorted(p.name for p in (env / "shared-torch").iterdir()) == before
     assert share_torch._PTH_NAME in os.listdir(site)
+
+
+def test_share_torch_shares_the_extras_torch_asks_for(tmp_path):
+    """torch 2.11 and newer ask for ``cuda-toolkit[cublas,cudart,...]``: the NVIDIA libraries are that package's
+    extras. They are shared too; an env that did not see them would install them itself (1.2 GB per env)."""
+    asked = [Requirement(line) for line in metadata.requires("torch") or []]
+    toolkit = next((req for req in asked if req.name == "cuda-toolkit"), None)
+    if toolkit is None:
+        pytest.skip("this torch asks for no cuda-toolkit extras (a CPU build)")
+    expected = {Requirement(line).name.lower() for line in metadata.requires("cuda-toolkit") or []
+                if any(Requirement(line).marker and Requirement(line).marker.evaluate({"extra": extra})
+                       for extra in toolkit.extras)}
+    assert expected   # the extras name libraries
+    env = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    script = (
+        "import sys; sys.path.insert(0, %r); import share_torch; from pathlib import Path; "
+        "share_torch.link_shared_torch(Path(%r), %r)" % (str(ROOT / ".ci"), str(env), sys.executable)
+    )
+    subprocess.run([str(env / "bin" / "python"), "-c", script], check=True)
+    probe = "import json; from importlib import metadata; print(json.dumps([d.metadata['Name'] for d in " \
+            "metadata.distributions()]))"
+    seen = json.loads(subprocess.run([str(env / "bin" / "python"), "-c", probe], check=True, capture_output=True,
+                                     text=True, env={**os.environ, "PYTHONPATH": ""}).stdout)
+    assert expected <= {name.lower() for name in seen}
 
 
 def test_share_torch_without_torch_says_how_to_fix(tmp_path):
