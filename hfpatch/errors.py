@@ -132,7 +132,8 @@ class UnsupportedModel(HfpatchError, ValueError):
     """``apply(model=)`` found parts of the model that context parallelism cannot make exact: a module that mixes
     tokens along the sequence outside the patched attention (a state-space scan, linear attention, a recurrence,
     a causal convolution), positions derived from the input's length, a loss computed per rank, experts sharded by
-    transformers' expert parallelism (``.kind == "expert-parallel"``), ... Raised before anything is installed (or,
+    transformers' expert parallelism (``.kind == "expert-parallel"``), weights split by its tensor parallelism
+    (``.kind == "tensor-parallel"``), ... Raised before anything is installed (or,
     with ``on_unsupported="fallback"``, turned into an inactive ``Patch``).
 
     Fields: ``findings`` (every ``model_audit.Finding``: ``.path``, ``.module_class``, ``.kind``, ``.reason``,

@@ -25,7 +25,11 @@ sequence on a rank that holds a shard of it. ``audit(model)`` returns one ``Find
 ``pooled-head``      the head pools the sequence into one output per row by a rule ``hfpatch.model.heads`` does not
                      reproduce across shards (the last non-pad token's rule is made exact there).
 ``expert-parallel``  transformers loaded the model with expert parallelism (``hfpatch.model.expert_parallel``: its
-                     experts sharded over a device mesh); CP over it is not verified exact. Listed first.
+                     experts sharded over a device mesh); CP over it is not verified exact. Listed first; where the
+                     same load split the model by tensor parallelism too, this finding names both.
+``tensor-parallel``  transformers loaded the model with tensor parallelism and no expert parallelism
+                     (``hfpatch.model.tensor_parallel``: its weights split over a device mesh, each rank's attention
+                     gets its heads only); CP over it is not verified exact. Listed first.
 
 Each finding names the module path and class, the reason and the fix; a finding never depends on anything but
 the model, so every rank of a CP group reaches the same verdict. What no rule here knows (a future release's
@@ -41,6 +45,7 @@ import torch
 from hfpatch import mixers as _mixers
 from hfpatch.model import heads as model_heads, positions as model_positions, router_loss
 from hfpatch.model.expert_parallel import expert_parallelism
+from hfpatch.model.tensor_parallel import tensor_parallelism
 from hfpatch.model.routing import modality_towers
 from hfpatch.model.wrappers import accepts_position_ids, wrapper_refusal
 
@@ -65,8 +70,8 @@ _FALLBACK_FIX = ("train this model without context parallelism; hfpatch.apply(..
 class Finding:
     """One part of a model that CP cannot make exact. ``path``: the module's qualified name ("" for the model
     itself, or its config); ``module_class``: its class name; ``kind``: "sequence-mixer" | "positions" |
-    "wrapper" | "adapter" | "router-aux-loss" | "pooled-head" | "expert-parallel"; ``reason`` and ``fix``: sentences
-    for the error message."""
+    "wrapper" | "adapter" | "router-aux-loss" | "pooled-head" | "expert-parallel" | "tensor-parallel"; ``reason``
+    and ``fix``: sentences for the error message."""
 
     path: str
     module_class: str
@@ -84,7 +89,7 @@ def audit(model: torch.nn.Module) -> list[Finding]:
     come from ``position_ids``). Reads the model only; changes nothing."""
     wrapper = _wrapper_findings(model)
     positions = [] if wrapper else _position_findings(model)
-    return (_expert_parallel_findings(model) + _mixer_findings(model) + wrapper + positions + _router_findings(model)
+    return (_parallel_load_findings(model) + _mixer_findings(model) + wrapper + positions + _router_findings(model)
             + _head_findings(model))
 
 
@@ -97,18 +102,34 @@ def describe(findings: list[Finding], model: torch.nn.Module) -> str:
             "hfpatch refuses it before training rather than train it silently wrong.")
 
 
-def _expert_parallel_findings(model: torch.nn.Module) -> list[Finding]:
-    mark = expert_parallelism(model)
-    if mark is None:
+def _parallel_load_findings(model: torch.nn.Module) -> list[Finding]:
+    """Expert or tensor parallelism of transformers' load: one finding, expert parallelism's where it is there (an
+    expert-parallel load may split the attention by tensor parallelism too: the finding then names both)."""
+    expert, tensor = expert_parallelism(model), tensor_parallelism(model)
+    if expert is not None:
+        also = "" if tensor is None else (f" The same load split its weights by tensor parallelism too ({tensor}), "
+                                          "which hfpatch refuses as well.")
+        return [Finding(
+            "", type(model).__name__, "expert-parallel",
+            f"transformers loaded it with expert parallelism ({expert}): its experts are sharded over a device mesh "
+            "and each token is sent to the rank that holds its expert, while context parallelism splits those same "
+            "tokens over the CP group; hfpatch has not verified that composition exact (which tokens meet which "
+            "experts, the routing statistics, the sharded experts' gradients)." + also,
+            "load the model without expert parallelism for CP training (no distributed_config, or ep_size=1 / "
+            "enable_expert_parallel=False" + ("" if tensor is None else "; and no tp_plan, tp_size=1") + "), or "
+            + _FALLBACK_FIX,
+        )]
+    if tensor is None:
         return []
     return [Finding(
-        "", type(model).__name__, "expert-parallel",
-        f"transformers loaded it with expert parallelism ({mark}): its experts are sharded over a device mesh and "
-        "each token is sent to the rank that holds its expert, while context parallelism splits those same tokens "
-        "over the CP group; hfpatch has not verified that composition exact (which tokens meet which experts, the "
-        "routing statistics, the sharded experts' gradients).",
-        "load the model without expert parallelism for CP training (no distributed_config, or ep_size=1 / "
-        "enable_expert_parallel=False), or " + _FALLBACK_FIX,
+        "", type(model).__name__, "tensor-parallel",
+        f"transformers loaded it with tensor parallelism ({tensor}): its projections are split over a device mesh, so "
+        "each rank's attention receives this rank's heads only, while context parallelism exchanges keys and values "
+        "between the ranks of the CP group; a CP group that is not orthogonal to the TP group would exchange keys "
+        "and values of different heads, and hfpatch has not verified that composition exact.",
+        "load the model without tensor parallelism for CP training (no tp_plan, tp_size or device_mesh argument, "
+        "no distributed_config with tp_size > 1) and shard it with FSDP2 (fully_shard over the data-parallel "
+        "mesh, which hfpatch supports: docs/training-stack.md), or " + _FALLBACK_FIX,
     )]
 
 

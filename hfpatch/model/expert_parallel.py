@@ -21,7 +21,9 @@ How each release marks it (read in the wheels of 4.53.3, 4.54.1, 4.55.4, 4.56.2,
 
 A config's ``distributed_config`` exists only in the process that loaded the model with one: no release writes it
 to ``config.json`` (5.17 on leave it out; 5.0 fails to save a config that holds one), so a flag found there is the
-load of this process. Tensor parallelism alone (``tp_plan``, ``tp_size``) is none of these marks.
+load of this process. Tensor parallelism alone (``tp_plan``, ``tp_size``) is none of these marks: it is
+``hfpatch.model.tensor_parallel``'s. Where a load has both (5.19 on split the attention by tensor parallelism when
+``ep_size == tp_size``), the audit's one finding is this one, naming both.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
+
+from hfpatch.model.parallel_load import applied_plan, plan_styles
 
 __all__ = ["EXPERT_PARALLEL_STYLES", "expert_parallelism"]
 
@@ -66,14 +70,13 @@ def _config_mark(distributed: Any) -> Optional[str]:
 
 
 def _plan_mark(model: torch.nn.Module) -> Optional[str]:
-    """A plan with an expert-parallel style applied over a device mesh: ``_tp_plan`` (4.54 - 4.55 put the
-    expert-parallel plan there; gpt-oss's own tensor-parallel plan has those styles in 4.55 - 4.57)."""
-    if getattr(model, "_device_mesh", None) is None:
-        return None  # a plan the model class declares is not applied without a mesh
-    plan = getattr(model, "_tp_plan", None)
-    if not isinstance(plan, Mapping):
+    """A plan with an expert-parallel style applied over a device mesh (``hfpatch.model.parallel_load``: 4.54 - 4.55
+    put the expert-parallel plan in ``_tp_plan``; gpt-oss's own tensor-parallel plan has those styles in 4.55 -
+    4.57)."""
+    plan = applied_plan(model)   # a plan the model class declares is not applied without a mesh
+    if plan is None:
         return None
-    styles = sorted(EXPERT_PARALLEL_STYLES.intersection(style for style in plan.values() if isinstance(style, str)))
+    styles = sorted(EXPERT_PARALLEL_STYLES.intersection(plan_styles(plan)))
     if not styles:
         return None
     return f"its parallel plan, applied over a device mesh, shards experts by expert ({', '.join(styles)})"

@@ -33,9 +33,9 @@ from packaging.version import Version
 
 import hfpatch
 from _dist import run_world
+from _parallel_worlds import enable_runs_here, stand_in_trainer
 from _release import skip_unless_ci_pin
 from hfpatch.errors import UnsupportedModel
-from hfpatch.integrations import requirements
 from hfpatch.model.audit import audit
 from hfpatch.model.expert_parallel import expert_parallelism
 
@@ -145,16 +145,6 @@ def _expert_parallel(marking, directory, world):
     return model
 
 
-def _stand_in_trainer(model, world):
-    """What ``enable`` reads of a trainer before it calls ``apply``: a CP-only ``ParallelismConfig``, its "cp" mesh
-    (here the world's group), no prepared model, no loss it refuses."""
-    accelerator = types.SimpleNamespace(
-        _models=[], unwrap_model=lambda m: m, torch_device_mesh={"cp": dist.group.WORLD},
-        parallelism_config=types.SimpleNamespace(cp_enabled=True, cp_size=world, tp_size=1, sp_size=1))
-    return types.SimpleNamespace(accelerator=accelerator, model=model, label_smoother=None, compute_loss_func=None,
-                                 aux_loss_enabled=False)
-
-
 def _assert_named(error, mark):
     assert isinstance(error, UnsupportedModel) and error.kind == "expert-parallel", error
     text = str(error)
@@ -185,16 +175,10 @@ def _world(rank, world, marking, directory, with_enable):
     fallback.remove()
     if with_enable:
         with pytest.raises(UnsupportedModel) as info:
-            hfpatch.integrations.enable(_stand_in_trainer(model, world))
+            hfpatch.integrations.enable(stand_in_trainer(model, world))
         _assert_named(info.value, mark)
         assert hfpatch.active_patch() is None
     return str(info.value)
-
-
-def _enable_runs_here() -> bool:
-    return all((found := requirements.installed(name)) is not None and found >= minimum
-               for name, minimum in (("transformers", requirements.TRANSFORMERS_MIN),
-                                     ("accelerate", requirements.ACCELERATE_MIN)))
 
 
 def test_expert_parallelism_is_refused_by_name_on_2_ranks(tmp_path):
@@ -203,5 +187,5 @@ def test_expert_parallelism_is_refused_by_name_on_2_ranks(tmp_path):
     marking = _marking()
     if marking == "load":
         _tiny().save_pretrained(tmp_path)
-    messages = run_world(2, _world, marking, str(tmp_path), _enable_runs_here())
+    messages = run_world(2, _world, marking, str(tmp_path), enable_runs_here())
     print(f"transformers {transformers.__version__} ({marking or 'no expert parallelism'}): {messages[0]}")
