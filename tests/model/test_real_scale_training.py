@@ -28,9 +28,10 @@ It takes about ten minutes of 2 cores, more than CI's budget leaves (docs/ci.md)
 ``HFPATCH_REAL_SCALE_TRAINING=1`` is set, and skips, saying so, elsewhere. Its run on the 2-core, 24 GiB machine
 (benchmarks/results/real_scale_training_2ranks_cpu_95fa11c.log, 603 s, every rank the same): the MoE loss 6.7e-5 and
 aux loss 3.6e-6 from the non-CP bf16 run, the whole gradient 0.036 from the fp32 run under CP against 0.040 without;
-the Qwen2-VL loss 2.3e-5, the worst text gradient 0.023, the tower's whole gradient 0.0091 against 0.0098. In CI, tests/model/test_model_probe_scale.py checks the image
-scatter at this depth and width with the probe, and the tiny tests (tests/model/test_vlm_images.py,
-tests/model/test_router_loss.py) every family in fp32.
+the Qwen2-VL loss 2.3e-5, the worst text gradient 0.023, the tower's whole gradient 0.0091 against 0.0098.
+
+In CI, tests/model/test_model_probe_scale.py checks the image scatter at this depth and width with the probe, and
+the tiny tests (tests/model/test_vlm_images.py, tests/model/test_router_loss.py) every family in fp32.
 """
 from __future__ import annotations
 
