@@ -45,9 +45,29 @@ def _config():
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
-def _tiny():
+def _tiny(records_its_load: bool = False):
+    """The tiny Llama. ``records_its_load``: of a class that records its parallel load (``_tp_size``: 4.52 on), as
+    the marks of those releases need, also in an env whose release is older."""
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(_config())
+    model_class = transformers.LlamaForCausalLM
+    older = records_its_load and not hasattr(model_class, "_tp_size")
+    if older:
+        model_class = type(model_class.__name__, (model_class,), {"_tp_size": None})
+    model = model_class(_config())
+    if older and not isinstance(getattr(model, "_tp_plan", None), dict):
+        model._tp_plan = dict(_LLAMA_PLAN)   # what such a release's Llama holds (4.43 - 4.46 hold none)
+    return model
+
+
+# Llama's tensor-parallel plan as 4.52 on hold it on the model
+_LLAMA_PLAN = {**{f"model.layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+               "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.gate_proj": "colwise",
+               "model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+
+
+def _declares_a_plan(config) -> bool:
+    """Llama declares a tensor-parallel plan from 4.47 (the releases before have no tensor parallelism)."""
+    return bool(getattr(config, "base_model_tp_plan", None)) or RELEASE < Version("4.47.0")
 
 
 # ------------------------------------------------------------------------------------- the rule, one process
@@ -103,8 +123,8 @@ def _set(model, hooked=False, distributed=False, dtensor=None, placement=Shard(0
     ("a declared plan, no load", {}, None),
 ])
 def test_each_releases_mark_is_found(releases, marks, found):
-    model = _tiny()
-    assert model.config.base_model_tp_plan, "Llama declares a tensor-parallel plan"
+    model = _tiny(records_its_load="_tp_size" in marks or "_device_mesh" in marks)
+    assert _declares_a_plan(model.config), "Llama declares a tensor-parallel plan"
     _set(model, **marks)
     mark = tensor_parallelism(model)
     kinds = [f.kind for f in audit(model)]
@@ -119,7 +139,7 @@ def test_each_releases_mark_is_found(releases, marks, found):
 
 def test_a_nested_model_is_found():
     """The degree is recorded on the model ``from_pretrained`` returned, wherever the given module holds it."""
-    outer = torch.nn.ModuleDict({"inner": _tiny()})
+    outer = torch.nn.ModuleDict({"inner": _tiny(records_its_load=True)})
     _set(outer["inner"], _tp_size=2, _device_mesh=_Mesh(2))
     assert "model.inner._tp_size=2" in tensor_parallelism(outer)
 
@@ -127,7 +147,7 @@ def test_a_nested_model_is_found():
 def test_expert_parallelism_wins_and_the_message_names_both():
     """An expert-parallel load that split the attention too (5.19 on: ``ep_size == tp_size``; an expert-parallel plan
     with column-split attention, Llama 4's form, which 4.56 - 5.9 answer as ``model.tp_plan`` under EP)."""
-    model = _tiny()
+    model = _tiny(records_its_load=True)
     model.config.distributed_config = types.SimpleNamespace(ep_size=2, tp_size=2, enable_expert_parallel=True)
     findings = audit(model)
     assert [f.kind for f in findings][:1] == ["expert-parallel"] and "tensor parallelism too" not in findings[0].reason
@@ -143,7 +163,7 @@ def test_expert_parallelism_wins_and_the_message_names_both():
 def test_a_model_loaded_without_tensor_parallelism_is_not_refused(tmp_path):
     _tiny().save_pretrained(tmp_path)
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
-    assert model.config.base_model_tp_plan and tensor_parallelism(model) is None
+    assert _declares_a_plan(model.config) and tensor_parallelism(model) is None
     assert not [f for f in audit(model) if f.kind in ("tensor-parallel", "expert-parallel")]
 
 
