@@ -33,7 +33,7 @@ from packaging.version import Version
 
 import hfpatch
 from _dist import run_world
-from _parallel_worlds import enable_runs_here, stand_in_trainer
+from _parallel_worlds import assert_refused_everywhere, enable_runs_here
 from _release import skip_unless_ci_pin
 from hfpatch.errors import UnsupportedModel
 from hfpatch.model.audit import audit
@@ -155,30 +155,15 @@ def _assert_named(error, mark):
 
 def _world(rank, world, marking, directory, with_enable):
     plain = transformers.MixtralForCausalLM.from_pretrained(directory) if marking == "load" else _tiny()
-    with hfpatch.apply(dist.group.WORLD, model=plain, verify=False) as patch:   # not refused
-        assert patch.active and [m.model for m in patch.models] == [plain]
-        if marking is None:
-            return None
-        model = _expert_parallel(marking, directory, world)
-        mark = expert_parallelism(model)
-        assert mark is not None, f"{marking}: no mark found"
-        with pytest.raises(UnsupportedModel) as info:
-            patch.add_model(model)
-        _assert_named(info.value, mark)
-        assert [m.model for m in patch.models] == [plain], "a refused add_model left the model on the ring"
-    with pytest.raises(UnsupportedModel) as info:
-        hfpatch.apply(dist.group.WORLD, model=model)
-    _assert_named(info.value, mark)
-    assert hfpatch.active_patch() is None, "a refused apply left a patch installed"
-    fallback = hfpatch.apply(dist.group.WORLD, model=model, on_unsupported="fallback")
-    assert not fallback.active and "expert parallelism" in fallback.reason, fallback.reason
-    fallback.remove()
-    if with_enable:
-        with pytest.raises(UnsupportedModel) as info:
-            hfpatch.integrations.enable(stand_in_trainer(model, world))
-        _assert_named(info.value, mark)
-        assert hfpatch.active_patch() is None
-    return str(info.value)
+    if marking is None:
+        with hfpatch.apply(dist.group.WORLD, model=plain, verify=False) as patch:   # not refused
+            assert patch.active and [m.model for m in patch.models] == [plain]
+        return None
+    model = _expert_parallel(marking, directory, world)
+    mark = expert_parallelism(model)
+    assert mark is not None, f"{marking}: no mark found"
+    return assert_refused_everywhere(plain, model, lambda error: _assert_named(error, mark), "expert parallelism",
+                                     world, with_enable)
 
 
 def test_expert_parallelism_is_refused_by_name_on_2_ranks(tmp_path):

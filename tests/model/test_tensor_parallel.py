@@ -23,14 +23,12 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 from packaging.version import Version
 from torch.distributed.tensor import Replicate, Shard
 
-import hfpatch
 from _dist import run_world
-from _parallel_worlds import enable_runs_here, stand_in_trainer
+from _parallel_worlds import assert_refused_everywhere, enable_runs_here
 from hfpatch.errors import UnsupportedModel
 from hfpatch.integrations import requirements
 from hfpatch.model.audit import audit
@@ -200,33 +198,17 @@ def _assert_named(error, mark):
 
 
 def _world(rank, world, directory, with_enable):
-    plain = transformers.LlamaForCausalLM.from_pretrained(directory)
-    with hfpatch.apply(dist.group.WORLD, model=plain, verify=False) as patch:   # a declared plan: not refused
-        assert patch.active and [m.model for m in patch.models] == [plain]
-        model = _tensor_parallel(directory, world)
-        mark = tensor_parallelism(model)
-        assert mark is not None, "a tensor-parallel load left no mark"
-        with pytest.raises(UnsupportedModel) as info:
-            patch.add_model(model)
-        _assert_named(info.value, mark)
-        assert [m.model for m in patch.models] == [plain], "a refused add_model left the model on the ring"
-    with pytest.raises(UnsupportedModel) as info:
-        hfpatch.apply(dist.group.WORLD, model=model)
-    _assert_named(info.value, mark)
-    assert hfpatch.active_patch() is None, "a refused apply left a patch installed"
-    fallback = hfpatch.apply(dist.group.WORLD, model=model, on_unsupported="fallback")
-    assert not fallback.active and "tensor parallelism" in fallback.reason, fallback.reason
-    fallback.remove()
-    if with_enable:
-        with pytest.raises(UnsupportedModel) as info:
-            hfpatch.integrations.enable(stand_in_trainer(model, world))
-        _assert_named(info.value, mark)
-        assert hfpatch.active_patch() is None
+    plain = transformers.LlamaForCausalLM.from_pretrained(directory)   # a declared plan: not refused
+    model = _tensor_parallel(directory, world)
+    mark = tensor_parallelism(model)
+    assert mark is not None, "a tensor-parallel load left no mark"
+    message = assert_refused_everywhere(plain, model, lambda error: _assert_named(error, mark), "tensor parallelism",
+                                        world, with_enable)
     sharded = _fsdp_alone(directory, world)
     if sharded is not None:
         assert sharded._device_mesh is not None and sharded._tp_size == 1 and tensor_parallelism(sharded) is None
         assert not [f for f in audit(sharded) if f.kind in ("tensor-parallel", "expert-parallel")]
-    return str(info.value)
+    return message
 
 
 def test_tensor_parallelism_is_refused_by_name_on_2_ranks(tmp_path):
